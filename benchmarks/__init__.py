@@ -1,0 +1,1 @@
+"""servekit's harness: TorchServe server adapter, auto-benchmark, demo and CLI."""

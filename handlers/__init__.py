@@ -1,0 +1,1 @@
+"""TorchServe handler entry points (the only servekit code that imports `ts`) and their helpers."""

@@ -1,0 +1,116 @@
+"""Request decoding and error shaping shared by servekit's handlers (no `ts` import here)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Bodies nested deeper than this are refused before any recursion can hurt the worker.
+MAX_JSON_DEPTH = 32
+
+
+@dataclass
+class RequestError(Exception):
+    """A problem with one request: becomes that request's own 4xx JSON answer."""
+
+    status: int
+    type: str
+    message: str
+    code: str | None = None
+
+    def body(self) -> str:
+        return error_json(self.status, self.type, self.message, self.code)
+
+
+def error_json(status: int, err_type: str, message: str, code: str | None = None) -> str:
+    """OpenAI-style error body: {"error": {"message", "type", "code"}}."""
+    return json.dumps({"error": {"message": message, "type": err_type, "code": code or str(status)}})
+
+
+PHRASES = {400: "Bad Request", 404: "Not Found", 413: "Payload Too Large", 415: "Unsupported Media Type",
+           422: "Unprocessable Entity", 500: "Internal Server Error", 503: "Service Unavailable",
+           507: "Insufficient Storage"}
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, stopping early once past `limit`."""
+    stack = [(value, 1)]
+    deepest = 0
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return deepest
+
+
+def _reject_constant(name: str) -> Any:
+    raise RequestError(400, "invalid_request_error", f"invalid JSON number {name}: NaN and Infinity are not allowed",
+                       "invalid_json")
+
+
+def decode_body(request: dict[str, Any]) -> Any:
+    """The request's body as a Python value: parsed JSON, or text.
+
+    TorchServe hands over JSON bodies already parsed (when sent as application/json), text bodies as
+    str and anything else as bytes; a JSON body it failed to parse arrives as bytes too.
+    """
+    body = request.get("body")
+    if body is None:
+        body = request.get("data")
+    if body is None:
+        raise RequestError(400, "invalid_request_error", "empty request body", "empty_body")
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            text = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(400, "invalid_request_error", f"body is not valid UTF-8 (byte {e.start})",
+                               "invalid_utf8") from None
+        stripped = text.lstrip()
+        if stripped[:1] in ("{", "["):
+            try:
+                body = json.loads(text, parse_constant=_reject_constant)
+            except RecursionError:
+                raise RequestError(400, "invalid_request_error", "JSON body is nested too deeply",
+                                   "json_too_deep") from None
+            except json.JSONDecodeError as e:
+                raise RequestError(400, "invalid_request_error", f"malformed JSON: {e.msg} at line {e.lineno} "
+                                   f"column {e.colno}", "invalid_json") from None
+        else:
+            body = text
+    if isinstance(body, (dict, list)):
+        if _depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise RequestError(400, "invalid_request_error", f"JSON body is nested deeper than {MAX_JSON_DEPTH} levels",
+                               "json_too_deep")
+        _reject_non_finite(body)
+    return body
+
+
+def _reject_non_finite(value: Any) -> None:
+    # TorchServe's own json.loads accepts NaN/Infinity; no field of ours may carry them.
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise RequestError(400, "invalid_request_error", "NaN and Infinity are not allowed in the body",
+                               "invalid_number")
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def url_path(context: Any, idx: int) -> str:
+    """The path after /predictions/<model>/<version>/ (TorchServe's `url_path` header), '' if none."""
+    try:
+        value = context.get_request_header(idx, "url_path")
+    except (KeyError, IndexError, AttributeError):
+        value = None
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value).decode("utf-8", "replace")
+    return (value or "").strip("/")

