@@ -49,10 +49,12 @@ class Ports:
     inference: int
     management: int
     metrics: int
+    grpc_inference: int = 7070
+    grpc_management: int = 7071
 
     @classmethod
     def free(cls) -> "Ports":
-        return cls(free_port(), free_port(), free_port())
+        return cls(free_port(), free_port(), free_port(), free_port(), free_port())
 
 
 def read_properties(path: Path) -> dict[str, str]:
@@ -131,6 +133,11 @@ class TorchServe:
             "inference_address": self.inference_url,
             "management_address": self.management_url,
             "metrics_address": self.metrics_url,
+            # TorchServe always starts its gRPC servers too: give them ports of their own.
+            "grpc_inference_address": "127.0.0.1",
+            "grpc_management_address": "127.0.0.1",
+            "grpc_inference_port": str(self.ports.grpc_inference),
+            "grpc_management_port": str(self.ports.grpc_management),
             "model_store": str(self.model_store),
         })
         if "metrics_config" in props and not Path(props["metrics_config"]).is_absolute():

@@ -185,10 +185,10 @@ class Attention(nn.Module):
             raise RuntimeError("call Transformer.setup_caches() before forward()")
         k, v = self.kv_cache.update(input_pos, k, v)
         # GQA without copying the cache: fold each kv head's query group into the query-length
-        # axis, (B, n_kv, group*T, D), and repeat the (B, 1, T, S) mask to match.
+        # axis, (B, n_kv, group*T, D), and repeat the (B, T, S) mask to match.
         group = self.n_heads // self.n_kv_heads
         q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)
-        m = mask.unsqueeze(1).expand(b, 1, group, t, mask.shape[-1]).reshape(b, 1, group * t, -1)
+        m = mask[:, None, None].expand(b, 1, group, t, mask.shape[-1]).reshape(b, 1, group * t, -1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
         y = y.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.wo(y)
@@ -301,6 +301,17 @@ def hf_to_ours(name: str) -> str:
     raise KeyError(f"unexpected Llama checkpoint tensor {name!r}")
 
 
+def ours_to_hf(name: str) -> str:
+    top = {v: k for k, v in _HF_TOP_NAMES.items()}
+    if name in top:
+        return top[name]
+    layers, i, rest = name.split(".", 2)
+    hf = {v: k for k, v in _HF_LAYER_NAMES.items()}
+    if layers != "layers" or rest not in hf:
+        raise KeyError(f"unexpected parameter {name!r}")
+    return f"model.layers.{i}.{hf[rest]}"
+
+
 def model_from_hf_state_dict(config: LlamaConfig, state_dict: dict[str, Tensor],
                              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
     """Build a ``Transformer`` from Hugging Face-named tensors, without a random init pass."""
@@ -343,4 +354,4 @@ def init_random(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.f
 
 
 __all__ = ["LlamaConfig", "KVCache", "Transformer", "load_llama", "model_from_hf_state_dict",
-           "hf_to_ours", "init_random", "rope_tables", "apply_rope"]
+           "hf_to_ours", "ours_to_hf", "init_random", "rope_tables", "apply_rope"]

@@ -1,0 +1,30 @@
+"""Start TorchServe with config/ and the archives in model_store/, in the foreground (Ctrl-C stops)."""
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+from benchmarks.server import DEFAULT_CONFIG, ROOT, Ports, TorchServe, read_properties
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="servekit serve", description=__doc__)
+    p.add_argument("--models", default="minilm=minilm.mar", help="models to load at start (TorchServe --models syntax)")
+    p.add_argument("--model-store", type=Path, default=ROOT / "model_store")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config.properties (ports are taken from it)")
+    p.add_argument("--run-dir", type=Path, default=ROOT / ".run" / "serve")
+    args = p.parse_args(argv)
+    props = read_properties(args.config)
+    port = lambda key: int(props[key].rsplit(":", 1)[1])  # noqa: E731
+    ports = Ports(port("inference_address"), port("management_address"), port("metrics_address"),
+                  int(props.get("grpc_inference_port", 7070)), int(props.get("grpc_management_port", 7071)))
+    ts = TorchServe(args.run_dir, args.model_store, ports, args.config, models=args.models)
+    with ts:
+        print(f"TorchServe: inference {ts.inference_url}, management {ts.management_url}, metrics {ts.metrics_url}")
+        print(f"logs in {ts.log_dir}; Ctrl-C to stop")
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    return 0

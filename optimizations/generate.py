@@ -1,0 +1,341 @@
+"""Batched generation for ``optimizations.llama``: prefill, CUDA-graph decode, streaming.
+
+Batching choice: **per-row positions, right padding** (no left padding). Prompts of a batch are
+right-padded to a length bucket; every row's tokens sit at positions ``0..len-1`` of its own KV
+cache row, so a row computes exactly what it would compute alone (RoPE positions, attention
+span), and its decode steps write at ``len, len+1, ...``, overwriting whatever the padding left
+in the cache before anything reads it. Rows advance independently, which also leaves the door
+open to inserting new requests into free rows later (continuous batching).
+
+Shapes are bucketed: the batch is padded to a batch bucket (dummy rows decode garbage that is
+never read), the prompt to a length bucket. On CUDA, ``LlamaRunner.warmup()`` compiles prefill
+(``torch.compile(dynamic=True)``: one compile covers every bucket) and captures one
+``torch.cuda.CUDAGraph`` per batch bucket for the decode step (optionally compiled first). We
+capture graphs ourselves rather than through ``mode="reduce-overhead"``: the graph's input and
+output tensors are ours, each step copies its output to the host before the next replay, and
+nothing outside holds a graph output that a replay could overwrite (the failure seen with
+transformers' static cache + compile). On CPU the same static-buffer code runs eagerly.
+
+Host syncs: one per decode step, to stream tokens. The next step is launched before the host
+waits for the current one, so the GPU never idles on the host's bookkeeping; the price is at most
+one wasted step when the last row finishes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from optimizations.llama import Transformer
+from optimizations.sampling import SamplingTensors, sample
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's decoding settings (OpenAI semantics: temperature 0 = greedy)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def error(self) -> str | None:
+        """Why these settings are invalid, or None."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            return f"max_tokens must be a positive integer, got {self.max_tokens!r}"
+        if not 0.0 <= self.temperature <= 100.0:
+            return f"temperature must be in [0, 100], got {self.temperature!r}"
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            return f"top_k must be a non-negative integer, got {self.top_k!r}"
+        if not 0.0 < self.top_p <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            return f"seed must be a non-negative integer, got {self.seed!r}"
+        return None
+
+
+@dataclass
+class StepOutput:
+    """New tokens of one generation step, one entry per row of the batch.
+
+    ``tokens[i]`` is None once row i has finished. A row's last token carries its finish reason:
+    ``"stop"`` when that token is one of its stop tokens (the stop token itself is reported, do
+    not print it), ``"length"`` when it reached ``max_tokens``.
+    """
+
+    tokens: list[int | None]
+    finish_reasons: list[str | None]
+
+
+@dataclass
+class Completion:
+    tokens: list[int]  # every sampled token, a final stop token included
+    finish_reason: str
+
+
+# --- the model calls: plain functions, compiled or captured by the runner -------------------------
+
+def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last_idx: Tensor,
+            params: SamplingTensors) -> Tensor:
+    """Run right-padded prompts ``(B, T)`` through the model; sample each row's first new token."""
+    logits = model(tokens, input_pos, last_idx)
+    position = input_pos.gather(1, last_idx[:, None]).squeeze(1)
+    return sample(logits, params, position)
+
+
+def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor,
+                     params: SamplingTensors) -> Tensor:
+    """One token per row: tokens, input_pos ``(B, 1)`` -> next tokens ``(B,)``."""
+    logits = model(tokens, input_pos)[:, -1]
+    return sample(logits, params, input_pos[:, -1])
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n (buckets sorted ascending)."""
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def pad_prompts(prompts: list[list[int]], batch: int, length: int, pad_id: int = 0
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-pad prompts into ``(batch, length)`` tokens and positions; ``last_idx`` per row.
+
+    Dummy rows (beyond ``len(prompts)``) hold one pad token at position 0.
+    """
+    tokens = torch.full((batch, length), pad_id, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = torch.tensor(p, dtype=torch.int64)
+    input_pos = torch.arange(length, dtype=torch.int64).expand(batch, length).contiguous()
+    last_idx = torch.zeros(batch, dtype=torch.int64)
+    last_idx[:len(prompts)] = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int64)
+    return tokens, input_pos, last_idx
+
+
+def generate(runner: "LlamaRunner", prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+    """Generate to completion for a batch of token-id prompts (collects ``runner.stream``)."""
+    tokens: list[list[int]] = [[] for _ in prompts]
+    reasons: list[str] = [""] * len(prompts)
+    for step in runner.stream(prompts, params):
+        for i, (tok, reason) in enumerate(zip(step.tokens, step.finish_reasons)):
+            if tok is not None:
+                tokens[i].append(tok)
+            if reason is not None:
+                reasons[i] = reason
+    return [Completion(t, r) for t, r in zip(tokens, reasons)]
+
+
+# --- the runner: buckets, warm-up / capture, the streaming loop ----------------------------------
+
+class DecodeStep:
+    """Static inputs/outputs of the decode step for one batch bucket.
+
+    ``run()`` decodes one token per row and advances ``tokens``/``input_pos`` in place, so that
+    consecutive calls need no host work. After ``capture()`` (CUDA only) it replays a CUDA graph.
+    """
+
+    def __init__(self, model: Transformer, batch: int, decode_fn: Callable[..., Tensor]) -> None:
+        device = model.tok_embeddings.weight.device
+        self.model, self.batch, self.decode_fn = model, batch, decode_fn
+        self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        self.input_pos = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Tensor | None = None
+
+    def load(self, first_tokens: Tensor, positions: Tensor, params: SamplingTensors) -> None:
+        self.tokens.copy_(first_tokens[:, None])
+        self.input_pos.copy_(positions[:, None])
+        self.params.copy_(params)
+
+    @torch.no_grad()
+    def _body(self) -> Tensor:
+        nxt = self.decode_fn(self.model, self.tokens, self.input_pos, self.params)
+        self.tokens.copy_(nxt[:, None])
+        # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
+        self.input_pos.add_(1).clamp_(max=self.model.max_seq_len - 1)
+        return nxt
+
+    def capture(self, pool: object | None = None, warmup_iters: int = 3) -> None:
+        # Run a few times on a side stream first: compilation, autotuning and cuBLAS workspace
+        # allocation must not happen during capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup_iters):
+                self._body()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = self._body()
+
+    def run(self) -> Tensor:
+        if self.graph is None:
+            return self._body()
+        self.graph.replay()
+        assert self.out is not None
+        return self.out  # overwritten by the next replay: callers copy it out first
+
+
+class _HostCopies:
+    """Two host buffers for step outputs: copy step t+1 while the host reads step t."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.bufs = [torch.zeros(batch, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+
+    def start(self, slot: int, t: Tensor) -> None:
+        self.bufs[slot].copy_(t, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[slot].record()
+
+    def wait(self, slot: int) -> list[int]:
+        if self.cuda:
+            self.events[slot].synchronize()
+        return self.bufs[slot].tolist()
+
+
+def default_prefill_buckets(max_seq_len: int, smallest: int = 16) -> tuple[int, ...]:
+    buckets, n = [], smallest
+    while n < max_seq_len:
+        buckets.append(n)
+        n *= 2
+    return tuple(buckets) + (max_seq_len,)
+
+
+class LlamaRunner:
+    """Owns the model's KV cache, shape buckets and compiled/captured steps; streams generations."""
+
+    def __init__(self, model: Transformer, max_seq_len: int, batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16),
+                 prefill_buckets: tuple[int, ...] | None = None, compile_prefill: bool = False,
+                 compile_decode: bool = False, cuda_graphs: bool = False, pad_id: int = 0) -> None:
+        self.model = model.eval()
+        self.device = model.tok_embeddings.weight.device
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA model, this one is on {self.device}")
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        self.prefill_buckets = tuple(sorted(set(prefill_buckets or default_prefill_buckets(max_seq_len))))
+        if self.prefill_buckets[-1] > max_seq_len:
+            raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_seq_len={max_seq_len}")
+        self.max_seq_len, self.cuda_graphs, self.pad_id = max_seq_len, cuda_graphs, pad_id
+        model.setup_caches(self.batch_buckets[-1], max_seq_len)
+        self._prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
+        decode_fn = torch.compile(decode_one_token, dynamic=True) if compile_decode else decode_one_token
+        self.steps = {b: DecodeStep(model, b, decode_fn) for b in self.batch_buckets}
+        self._rng = random.Random()
+        self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
+                     "cuda_graphs": cuda_graphs, "batch_buckets": list(self.batch_buckets),
+                     "prefill_buckets": list(self.prefill_buckets), "max_seq_len": max_seq_len}
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_buckets[-1]
+
+    def check(self, prompt: list[int], params: SamplingParams) -> str | None:
+        """Why this request cannot run (a client error), or None."""
+        if len(prompt) == 0:
+            return "the prompt is empty"
+        if (err := params.error()) is not None:
+            return err
+        if len(prompt) > self.prefill_buckets[-1]:
+            return f"the prompt has {len(prompt)} tokens, more than the {self.prefill_buckets[-1]} this server accepts"
+        if len(prompt) + params.max_tokens > self.max_seq_len:
+            return (f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                    f"context of {self.max_seq_len} tokens")
+        return None
+
+    @torch.no_grad()
+    def warmup(self) -> dict[str, float]:
+        """Compile prefill for every bucket and capture (CUDA) the decode step of every batch bucket.
+
+        Returns seconds spent per phase. Leaves the KV cache holding garbage, which is harmless.
+        """
+        t0 = time.perf_counter()
+        for b in self.batch_buckets:
+            for t in self.prefill_buckets:
+                tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.pad_id] * t], b, t))
+                params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
+                self._prefill(self.model, tokens, input_pos, last_idx, params)
+        self._sync()
+        t1 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        for b in sorted(self.batch_buckets, reverse=True):  # largest first: smaller ones reuse its pool
+            step = self.steps[b]
+            if self.cuda_graphs:
+                step.capture(pool)
+            else:
+                step.run()
+        self._sync()
+        return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[StepOutput]:
+        """Validate, run prefill now, and return an iterator of one ``StepOutput`` per step.
+
+        Not a generator itself, so a bad request raises ``ValueError`` at the call, not at the
+        first ``next()``. Iterate to the end (or drop the iterator) before the next call: the
+        runner has one KV cache.
+        """
+        n = len(prompts)
+        if n == 0 or n != len(params):
+            raise ValueError(f"need one SamplingParams per prompt, got {n} prompts and {len(params)}")
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if (err := self.check(p, sp)) is not None:
+                raise ValueError(f"request {i}: {err}")
+        batch = pick_bucket(n, self.batch_buckets)
+        length = pick_bucket(max(len(p) for p in prompts), self.prefill_buckets)
+        tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts(prompts, batch, length, self.pad_id))
+        pad_rows = batch - n
+        sampling = SamplingTensors.build(
+            [sp.temperature for sp in params] + [0.0] * pad_rows, [sp.top_k for sp in params] + [0] * pad_rows,
+            [sp.top_p for sp in params] + [1.0] * pad_rows,
+            [sp.seed if sp.seed is not None else self._rng.getrandbits(32) for sp in params] + [0] * pad_rows,
+            self.device)
+        positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
+        step, host = self.steps[batch], _HostCopies(batch, self.device)
+        with torch.no_grad():
+            first = self._prefill(self.model, tokens, input_pos, last_idx, sampling)
+            step.load(first, positions, sampling)
+        host.start(0, first)
+        return self._decode_loop(step, host, params)
+
+    def _decode_loop(self, step: DecodeStep, host: _HostCopies, params: list[SamplingParams]) -> Iterator[StepOutput]:
+        n = len(params)
+        generated, done = [0] * n, [False] * n
+        stops = [set(sp.stop_token_ids) for sp in params]
+        launched, slot = 1, 0  # tokens per row requested from the device so far (prefill's first)
+        while True:
+            horizon = max(sp.max_tokens for sp, d in zip(params, done) if not d)
+            if launched < horizon:  # launch step t+1 before reading step t
+                host.start(1 - slot, step.run())
+                launched += 1
+            toks = host.wait(slot)
+            out = StepOutput([None] * n, [None] * n)
+            for i in range(n):
+                if done[i]:
+                    continue
+                out.tokens[i] = toks[i]
+                generated[i] += 1
+                if toks[i] in stops[i]:
+                    out.finish_reasons[i], done[i] = FINISH_STOP, True
+                elif generated[i] >= params[i].max_tokens:
+                    out.finish_reasons[i], done[i] = FINISH_LENGTH, True
+            yield out
+            if all(done):
+                return
+            slot = 1 - slot

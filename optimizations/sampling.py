@@ -1,0 +1,93 @@
+"""Token sampling on device: greedy, temperature, top-k, top-p, reproducible per-request seeds.
+
+Every parameter is a per-row tensor, so one batch mixes greedy and sampled requests and the whole
+step stays on the device (no host sync, capturable in a CUDA graph).
+
+Randomness is a counter-based hash, not a ``torch.Generator``: the noise for row ``b`` at vocab id
+``v`` is ``hash(seed[b], position[b], v)``. That makes a request's output depend only on its own
+seed, prompt and position -- not on which other requests share its batch or which bucket it was
+padded to -- and it needs no generator state, which a captured CUDA graph could not advance.
+Sampling then is the Gumbel-max trick: ``argmax(logits / T + Gumbel)`` is a draw from
+``softmax(logits / T)``.
+
+Order of the filters follows transformers' defaults: temperature, then top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+
+
+class SamplingTensors(NamedTuple):
+    """Per-row sampling parameters, all shape ``(B,)`` on the model's device."""
+
+    temperature: Tensor  # float32; 0 means greedy
+    top_k: Tensor  # int64; 0 means off
+    top_p: Tensor  # float32; 1.0 means off
+    seed: Tensor  # int64 in [0, 2**32)
+
+    @classmethod
+    def build(cls, temperature: list[float], top_k: list[int], top_p: list[float], seed: list[int],
+              device: torch.device | str = "cpu") -> "SamplingTensors":
+        return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
+                   torch.tensor(top_k, dtype=torch.int64, device=device),
+                   torch.tensor(top_p, dtype=torch.float32, device=device),
+                   torch.tensor([s & _M32 for s in seed], dtype=torch.int64, device=device))
+
+    def copy_(self, other: "SamplingTensors") -> None:
+        for dst, src in zip(self, other):
+            dst.copy_(src)
+
+
+def _mulmod32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), without int64 overflow (split x in 16-bit halves)."""
+    return (((x & 0xFFFF) * c) + (((x >> 16) * (c & 0xFFFF)) << 16)) & _M32
+
+
+def _fmix32(x: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with p ~ 1/2."""
+    x = x ^ (x >> 16)
+    x = _mulmod32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mulmod32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: Tensor, position: Tensor, vocab_size: int) -> Tensor:
+    """Uniform floats in (0, 1), shape ``(B, V)``, a pure function of (seed, position, vocab id)."""
+    row = _fmix32((_fmix32(seed & _M32) + _mulmod32(position & _M32, 0x9E3779B9)) & _M32)
+    v = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
+    x = _fmix32((row[:, None] + v[None, :] * 0x27D4EB2F) & _M32)  # v < 2**32, c < 2**30: fits int64
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Set logits outside each row's top-k and then top-p (nucleus) set to -inf.
+
+    top-p keeps the smallest prefix of tokens (by probability after top-k) whose mass reaches p,
+    always at least the most likely token; it is skipped for rows with ``top_p >= 1``.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    remove = ranks[None, :] >= k[:, None]
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove = remove | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks[None, :] > 0))
+    return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+def sample(logits: Tensor, params: SamplingTensors, position: Tensor) -> Tensor:
+    """Next token ids ``(B,)`` from fp32 logits ``(B, V)``; ``position`` ``(B,)`` keys the noise."""
+    greedy = logits.argmax(dim=-1)
+    scaled = logits / params.temperature.clamp(min=1e-5)[:, None]
+    scaled = top_k_top_p_filter(scaled, params.top_k, params.top_p)
+    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))
+    sampled = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(params.temperature > 0, sampled, greedy)
