@@ -291,6 +291,8 @@ class LlamaRunner:
         first ``next()``. Iterate to the end (or drop the iterator) before the next call: the
         runner has one KV cache.
         """
+        if self.model.max_seq_len != self.max_seq_len or self.model.max_batch_size < self.max_batch:
+            raise RuntimeError("the model's KV cache was reallocated by another runner; use one runner per model")
         n = len(prompts)
         if n == 0 or n != len(params):
             raise ValueError(f"need one SamplingParams per prompt, got {n} prompts and {len(params)}")

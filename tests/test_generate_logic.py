@@ -1,0 +1,142 @@
+"""optimizations.generate on a tiny random-init Llama (CPU, eager: the same static-buffer decode
+path that CUDA graphs replay on GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimizations.generate import (LlamaRunner, SamplingParams, default_prefill_buckets, generate,
+                                    pad_prompts, pick_bucket)
+from optimizations.llama import LlamaConfig, Transformer, init_random
+
+MAX_SEQ = 96
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return init_random(LlamaConfig.tiny(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def runner(model: Transformer) -> LlamaRunner:
+    return LlamaRunner(model, max_seq_len=MAX_SEQ, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64))
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _greedy_reference(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by recomputing the full sequence each step (no incremental cache use)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1]
+            seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def test_buckets_and_padding() -> None:
+    assert pick_bucket(1, (1, 2, 4)) == 1 and pick_bucket(3, (1, 2, 4)) == 4
+    with pytest.raises(ValueError, match="largest bucket 4"):
+        pick_bucket(5, (1, 2, 4))
+    assert default_prefill_buckets(100) == (16, 32, 64, 100)
+    assert default_prefill_buckets(64) == (16, 32, 64)
+    tokens, pos, last = pad_prompts([[5, 6, 7], [8]], batch=4, length=8, pad_id=0)
+    assert tokens.shape == pos.shape == (4, 8)
+    assert tokens[0].tolist() == [5, 6, 7, 0, 0, 0, 0, 0] and tokens[1].tolist() == [8] + [0] * 7
+    assert pos[3].tolist() == list(range(8)) and last.tolist() == [2, 0, 0, 0]
+
+
+def test_batched_greedy_equals_recomputed_greedy_per_prompt(runner: LlamaRunner, model: Transformer) -> None:
+    prompts = _prompts([5, 20, 11])  # 3 prompts -> batch bucket 4 with a dummy row, length bucket 32
+    out = generate(runner, prompts, [SamplingParams(max_tokens=12)] * 3)
+    for p, c in zip(prompts, out):
+        assert c.tokens == _greedy_reference(model, p, 12)
+        assert c.finish_reason == "length"
+
+
+def test_result_does_not_depend_on_batch_composition(runner: LlamaRunner) -> None:
+    prompts = _prompts([9, 30, 3, 17], seed=1)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=40, seed=7),
+              SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=1.3, top_p=0.8, seed=8),
+              SamplingParams(max_tokens=10, temperature=1.0, seed=9)]
+    together = generate(runner, prompts, params)
+    alone = [generate(runner, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert [c.tokens for c in together] == [c.tokens for c in alone]
+    again = generate(runner, prompts, params)
+    assert [c.tokens for c in again] == [c.tokens for c in together]  # seeded: reproducible
+    other_seed = generate(runner, prompts[:1], [SamplingParams(max_tokens=10, temperature=0.9, top_k=40, seed=70)])
+    assert other_seed[0].tokens != together[0].tokens
+
+
+def test_unseeded_sampling_differs_between_calls(runner: LlamaRunner) -> None:
+    prompt = _prompts([6], seed=2)
+    sp = SamplingParams(max_tokens=16, temperature=1.5)
+    assert generate(runner, prompt, [sp])[0].tokens != generate(runner, prompt, [sp])[0].tokens
+
+
+def test_stop_tokens_and_max_tokens_per_row(runner: LlamaRunner) -> None:
+    prompts = _prompts([7, 12], seed=3)
+    free = generate(runner, prompts, [SamplingParams(max_tokens=20)] * 2)
+    stop_tok = free[0].tokens[5]
+    first = free[0].tokens.index(stop_tok)
+    out = generate(runner, prompts, [SamplingParams(max_tokens=20, stop_token_ids=(stop_tok,)),
+                                     SamplingParams(max_tokens=3)])
+    assert out[0].tokens == free[0].tokens[:first + 1] and out[0].finish_reason == "stop"
+    assert out[1].tokens == free[1].tokens[:3] and out[1].finish_reason == "length"
+
+
+def test_stream_reports_each_row_until_it_finishes(runner: LlamaRunner) -> None:
+    prompts = _prompts([4, 4], seed=4)
+    steps = list(runner.stream(prompts, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=5)]))
+    assert len(steps) == 5
+    assert [s.tokens[0] is not None for s in steps] == [True, True, False, False, False]
+    assert [s.finish_reasons[0] for s in steps] == [None, "length", None, None, None]
+    assert [s.finish_reasons[1] for s in steps] == [None, None, None, None, "length"]
+    assert all(s.tokens[1] is not None for s in steps)
+
+
+def test_generation_up_to_the_end_of_the_cache(runner: LlamaRunner, model: Transformer) -> None:
+    prompt = _prompts([60], seed=5)
+    out = generate(runner, prompt, [SamplingParams(max_tokens=MAX_SEQ - 60)])
+    assert out[0].tokens == _greedy_reference(model, prompt[0], MAX_SEQ - 60)
+
+
+def test_bad_requests_are_rejected_before_any_work(runner: LlamaRunner) -> None:
+    assert runner.check([], SamplingParams()) == "the prompt is empty"
+    assert "exceeds the context of 96" in runner.check([1] * 50, SamplingParams(max_tokens=47))
+    assert runner.check([1] * 50, SamplingParams(max_tokens=46)) is None
+    assert "more than the 64" in runner.check([1] * 65, SamplingParams(max_tokens=1))
+    assert "max_tokens" in runner.check([1], SamplingParams(max_tokens=0))
+    assert "top_p" in runner.check([1], SamplingParams(top_p=0.0))
+    assert "temperature" in runner.check([1], SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="request 1: the prompt is empty"):
+        runner.stream([[1], []], [SamplingParams(max_tokens=4)] * 2)  # raises at the call, not at next()
+    with pytest.raises(ValueError, match="largest bucket"):
+        runner.stream([[1]] * 5, [SamplingParams(max_tokens=4)] * 5)
+
+
+def test_warmup_runs_every_bucket_on_cpu() -> None:
+    model = init_random(LlamaConfig.tiny(), seed=0)
+    r = LlamaRunner(model, max_seq_len=32, batch_buckets=(1, 2), prefill_buckets=(8, 32))
+    timings = r.warmup()
+    assert set(timings) == {"prefill_s", "decode_s"}
+    prompts = _prompts([3, 8], seed=6)
+    out = generate(r, prompts, [SamplingParams(max_tokens=4)] * 2)
+    assert [c.tokens for c in out] == [_greedy_reference(model, p, 4) for p in prompts]
+
+
+def test_cuda_graphs_need_a_cuda_model() -> None:
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA model"):
+        LlamaRunner(init_random(LlamaConfig.tiny()), max_seq_len=32, cuda_graphs=True)
+
+
+def test_a_second_runner_on_the_same_model_is_detected() -> None:
+    model = init_random(LlamaConfig.tiny())
+    first = LlamaRunner(model, max_seq_len=32, batch_buckets=(1,), prefill_buckets=(32,))
+    LlamaRunner(model, max_seq_len=64, batch_buckets=(1,), prefill_buckets=(64,))
+    with pytest.raises(RuntimeError, match="one runner per model"):
+        first.stream([[1, 2]], [SamplingParams(max_tokens=2)])
