@@ -63,7 +63,14 @@ def decode_body(request: dict[str, Any]) -> Any:
     body = request.get("body")
     if body is None:
         body = request.get("data")
-    if body is None:
+    if body is None and request and "body" not in request and "data" not in request:
+        # TorchServe turns form-encoded and multipart bodies (curl -d/-F without a JSON content type)
+        # into named fields: say so instead of calling the body empty.
+        name = str(next(iter(request)))
+        raise RequestError(415, "invalid_request_error", f"form fields are not supported (got '{name[:40]}'): send "
+                           "a JSON body with Content-Type: application/json, or a text/plain body",
+                           "unsupported_media_type")
+    if body is None or (isinstance(body, (str, bytes, bytearray)) and len(body) == 0):
         raise RequestError(400, "invalid_request_error", "empty request body", "empty_body")
     if isinstance(body, (bytes, bytearray)):
         try:
