@@ -82,17 +82,17 @@ class EmbeddingHandler:
         t1 = time.perf_counter()
         try:
             vectors = self.runner.embed_ids(seqs, chunks).numpy() if seqs else np.zeros((0, self.dim), np.float32)
-        except Exception as e:  # the batch failed on the device: answer each request, keep the worker
-            log.exception("inference failed for a batch of %d texts", len(seqs))
-            oom = isinstance(e, torch.OutOfMemoryError)
-            if oom and torch.cuda.is_available():
+        except Exception as e:  # the batch failed on the device: retry request by request, keep the worker
+            log.exception("inference failed for a batch of %d texts; retrying its %d requests one by one",
+                          len(seqs), len(spans))
+            if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            err = RequestError(507 if oom else 500, "server_error",
-                               "out of memory for this batch; retry with fewer texts" if oom
-                               else f"inference failed: {type(e).__name__}", "out_of_memory" if oom else "inference_error")
-            for i in spans:
+            vectors, failed = self._embed_alone(ids, spans)
+            for i, err in failed.items():
                 answers[i] = self._fail(context, i, err)
-            return [a or "" for a in answers]
+                del spans[i]
+            kept = [j for a, b in spans.values() for j in range(a, b)]
+            seqs = [ids[j] for j in kept]
         t2 = time.perf_counter()
         row = {j: r for r, j in enumerate(kept)}
         n_tokens = 0
@@ -106,6 +106,29 @@ class EmbeddingHandler:
         t3 = time.perf_counter()
         self._emit_batch(len(data), len(seqs), n_tokens, chunks, (t0, t1, t2, t3))
         return [a if a is not None else "" for a in answers]
+
+    def _device_error(self, e: Exception) -> RequestError:
+        oom = isinstance(e, torch.OutOfMemoryError)
+        if oom and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return RequestError(507 if oom else 500, "server_error",
+                            "out of memory for this request; retry with fewer or shorter texts" if oom
+                            else f"inference failed: {type(e).__name__}", "out_of_memory" if oom else "inference_error")
+
+    def _embed_alone(self, ids: list[list[int]], spans: dict[int, tuple[int, int]]
+                     ) -> tuple[np.ndarray, dict[int, RequestError]]:
+        """After a failed batch: each request's texts on their own, so only a request that fails alone gets an error.
+
+        Returns the vectors of the requests that succeeded (in `spans` order) and the errors of the others.
+        """
+        parts, failed = [], {}
+        for i, (a, b) in spans.items():
+            try:
+                parts.append(self.runner.embed_ids(ids[a:b]).numpy())
+            except Exception as e:
+                log.exception("inference failed for request %d of the batch (%d texts)", i, b - a)
+                failed[i] = self._device_error(e)
+        return (np.concatenate(parts) if parts else np.zeros((0, self.dim), np.float32)), failed
 
     def _answer(self, req: EmbeddingRequest, vecs: np.ndarray, tokens: int) -> str:
         if not req.openai:
