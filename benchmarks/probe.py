@@ -1,7 +1,9 @@
 """Pod lifecycle commands for servekit's Kubernetes Deployment, talking to TorchServe's management API.
 
-    python -m benchmarks.probe ready --model minilm      # exit 0 iff a worker of minilm is READY
+    python -m benchmarks.probe ready --model minilm --config /etc/servekit/config.properties
     python -m benchmarks.probe register --config /etc/servekit/config.properties
+
+Both find the management API at the config's `management_address` (--management overrides it).
 
 `ready` is the startup and readiness probe: TorchServe's /ping answers Healthy before any worker
 has loaded (and while every worker restarts), so readiness asks `GET /models/<name>` instead.
@@ -80,6 +82,16 @@ def read_properties(path: str) -> dict[str, str]:
     return props
 
 
+def management_url(explicit: str | None, config: str | None) -> str:
+    if explicit:
+        return explicit.rstrip("/")
+    if config:
+        address = read_properties(config).get("management_address")
+        if address:
+            return address.rstrip("/")
+    return DEFAULT_MANAGEMENT
+
+
 def registrations(props: dict[str, str]) -> list[dict[str, str]]:
     """Management API parameters for each model of the `models` property (TorchServe's format:
     {"name": {"version": {"marName", "minWorkers", "maxWorkers", "batchSize", "maxBatchDelay",
@@ -146,23 +158,30 @@ def register(management: str, config: str, deadline_s: float = 120.0) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--management", default=DEFAULT_MANAGEMENT,
-                        help=f"TorchServe management API (default {DEFAULT_MANAGEMENT})")
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("ready", help="exit 0 iff some worker of the model is READY")
     r.add_argument("--model", required=True)
+    r.add_argument("--config", help="TorchServe config.properties to read management_address from")
     r.add_argument("--timeout", type=float, default=3.0, help="seconds for the HTTP call")
     g = sub.add_parser("register", help="register the models of a config.properties `models` line")
     g.add_argument("--config", required=True)
     g.add_argument("--deadline", type=float, default=120.0,
                    help="seconds to wait for the management API to answer")
+    for p in (r, g):
+        p.add_argument("--management", help=f"TorchServe management API URL (default: the config's "
+                                            f"management_address, else {DEFAULT_MANAGEMENT})")
     args = parser.parse_args(argv)
+    try:
+        management = management_url(args.management, args.config)
+    except OSError as e:
+        print(f"error: cannot read {args.config}: {e}", file=sys.stderr)
+        return 1
     if args.command == "ready":
-        ok, message = ready(args.management.rstrip("/"), args.model, args.timeout)
+        ok, message = ready(management, args.model, args.timeout)
         print(message, file=sys.stdout if ok else sys.stderr)
         return 0 if ok else 1
     try:
-        print(register(args.management.rstrip("/"), args.config, args.deadline))
+        print(register(management, args.config, args.deadline))
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
