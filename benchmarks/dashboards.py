@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
@@ -263,6 +264,8 @@ def push(url: str, token: str, folder: str = "servekit", files: list[Path] | Non
             raise PushError(f"Grafana at {url} rejected the token (401 Unauthorized) while trying to "
                             f"{what}: check --token") from None
         except GrafanaClientError as e:
+            if e.status_code == 404:
+                raise PushError(f"{url} has no Grafana API to {what} (404 Not Found): check --url") from None
             if e.status_code == 403:
                 raise PushError(f"the token may not {what} (403 Forbidden): it needs the Editor role "
                                 f"on folder {folder!r}") from None
@@ -270,14 +273,16 @@ def push(url: str, token: str, folder: str = "servekit", files: list[Path] | Non
         except GrafanaException as e:
             raise PushError(f"Grafana at {url} failed to {what}: {e.message}") from None
         except niquests.exceptions.RequestException as e:
-            raise PushError(f"cannot reach Grafana at {url} ({type(e).__name__}: {e}): check --url") from None
-        except ValueError as e:  # a 2xx answer that is not JSON: not a Grafana
+            cause = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(e))
+            reason = cause.group(1).strip() if cause else type(e).__name__
+            raise PushError(f"cannot reach Grafana at {url} ({reason}): check --url") from None
+        except (ValueError, AttributeError, TypeError) as e:  # a 2xx answer that is not Grafana JSON
             raise PushError(f"{url} answered something that is not Grafana's API ({e}): check --url") from None
 
-    health = call("check its health", api.health.check)
-    if not isinstance(health, dict) or "database" not in health:
-        raise PushError(f"{url} does not look like Grafana (/api/health answered {str(health)[:80]!r}): "
-                        f"check --url")
+    # /api/frontend/settings: answers only a Grafana, and only with a valid token.
+    build = call("read its version", api.health.check)
+    if not isinstance(build, dict) or "version" not in build:
+        raise PushError(f"{url} does not look like Grafana (no buildInfo in /api/frontend/settings): check --url")
     existing = call("list folders", api.folder.get_all_folders)
     match = [f for f in existing if f.get("title") == folder]
     folder_uid = match[0]["uid"] if match else call("create a folder", api.folder.create_folder, folder)["uid"]
