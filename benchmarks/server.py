@@ -97,6 +97,20 @@ def model_ready(management_url: str, model: str) -> bool:
     return any(w.get("status") == "READY" for w in model_workers(management_url, model))
 
 
+def group_alive(pgid: int) -> list[int]:
+    """Pids of live (non-zombie) processes in process group `pgid`."""
+    import psutil
+
+    alive = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return alive
+
+
 class TorchServe:
     """A local TorchServe process with its own run folder and ports. Use as a context manager."""
 
@@ -195,10 +209,14 @@ class TorchServe:
             except subprocess.TimeoutExpired:
                 pass
         # Workers can outlive the frontend by a moment: make sure nothing of this group is left.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        group = self.proc.pid
+        deadline = time.monotonic() + timeout
+        while group_alive(group) and time.monotonic() < deadline:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
         self.proc.wait()
         self.proc = None
         (self.run_dir / "torchserve.pid").unlink(missing_ok=True)

@@ -8,9 +8,11 @@ are in the README.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -68,15 +70,20 @@ def build_archive(name: str, out_dir: Path = ROOT / "model_store", config: Path 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     archive_name = archive_name or name
-    staging = stage(name, ROOT / "build" / archive_name, weights if weights is not None else spec.weights())
+    # torch-model-archiver assembles in $TMPDIR/<model-name>: a private TMPDIR keeps concurrent builds apart.
+    with tempfile.TemporaryDirectory(prefix="servekit-archive-") as tmp:
+        staging = stage(name, Path(tmp) / "stage", weights if weights is not None else spec.weights())
+        _run_archiver(spec, archive_name, staging, config, out_dir, tmp)
+    return out_dir / f"{archive_name}.mar"
+
+
+def _run_archiver(spec: ArchiveSpec, archive_name: str, staging: Path, config: Path, out_dir: Path, tmp: str) -> None:
     cmd = [str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", archive_name,
            "--version", spec.version, "--handler", str(ROOT / spec.handler), "--extra-files", str(staging),
            "--config-file", str(config), "--export-path", str(out_dir), "--force"]
     if not Path(cmd[0]).exists():
         cmd[0] = "torch-model-archiver"
-    subprocess.run(cmd, check=True)
-    shutil.rmtree(staging)
-    return out_dir / f"{archive_name}.mar"
+    subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
 
 
 def main(argv: list[str] | None = None) -> int:

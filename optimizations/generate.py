@@ -10,7 +10,8 @@ open to inserting new requests into free rows later (continuous batching).
 Shapes are bucketed: the batch is padded to a batch bucket (dummy rows decode garbage that is
 never read), the prompt to a length bucket. On CUDA, ``LlamaRunner.warmup()`` compiles prefill
 (``torch.compile(dynamic=True)``: one compile covers every bucket) and captures one
-``torch.cuda.CUDAGraph`` per batch bucket for the decode step (optionally compiled first). We
+``torch.cuda.CUDAGraph`` per batch bucket and sampling mode (greedy / sample / top-k-top-p, chosen
+on the host from the requests) for the decode step, optionally compiled first. We
 capture graphs ourselves rather than through ``mode="reduce-overhead"``: the graph's input and
 output tensors are ours, each step copies its output to the host before the next replay, and
 nothing outside holds a graph output that a replay could overwrite (the failure seen with
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from optimizations.llama import Transformer
-from optimizations.sampling import SamplingTensors, sample
+from optimizations.sampling import FILTER, MODES, SamplingTensors, sample, sampling_mode
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -86,18 +87,18 @@ class Completion:
 # --- the model calls: plain functions, compiled or captured by the runner -------------------------
 
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last_idx: Tensor,
-            params: SamplingTensors) -> Tensor:
+            params: SamplingTensors, mode: str = FILTER) -> Tensor:
     """Run right-padded prompts ``(B, T)`` through the model; sample each row's first new token."""
     logits = model(tokens, input_pos, last_idx)
     position = input_pos.gather(1, last_idx[:, None]).squeeze(1)
-    return sample(logits, params, position)
+    return sample(logits, params, position, mode)
 
 
 def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor,
-                     params: SamplingTensors) -> Tensor:
+                     params: SamplingTensors, mode: str = FILTER) -> Tensor:
     """One token per row: tokens, input_pos ``(B, 1)`` -> next tokens ``(B,)``."""
     logits = model(tokens, input_pos)[:, -1]
-    return sample(logits, params, input_pos[:, -1])
+    return sample(logits, params, input_pos[:, -1], mode)
 
 
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -139,15 +140,15 @@ def generate(runner: "LlamaRunner", prompts: list[list[int]], params: list[Sampl
 # --- the runner: buckets, warm-up / capture, the streaming loop ----------------------------------
 
 class DecodeStep:
-    """Static inputs/outputs of the decode step for one batch bucket.
+    """Static inputs/outputs of the decode step for one batch bucket and sampling mode.
 
     ``run()`` decodes one token per row and advances ``tokens``/``input_pos`` in place, so that
     consecutive calls need no host work. After ``capture()`` (CUDA only) it replays a CUDA graph.
     """
 
-    def __init__(self, model: Transformer, batch: int, decode_fn: Callable[..., Tensor]) -> None:
+    def __init__(self, model: Transformer, batch: int, mode: str, decode_fn: Callable[..., Tensor]) -> None:
         device = model.tok_embeddings.weight.device
-        self.model, self.batch, self.decode_fn = model, batch, decode_fn
+        self.model, self.batch, self.mode, self.decode_fn = model, batch, mode, decode_fn
         self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.input_pos = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
@@ -161,7 +162,7 @@ class DecodeStep:
 
     @torch.no_grad()
     def _body(self) -> Tensor:
-        nxt = self.decode_fn(self.model, self.tokens, self.input_pos, self.params)
+        nxt = self.decode_fn(self.model, self.tokens, self.input_pos, self.params, self.mode)
         self.tokens.copy_(nxt[:, None])
         # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
         self.input_pos.add_(1).clamp_(max=self.model.max_seq_len - 1)
@@ -207,6 +208,16 @@ class _HostCopies:
         return self.bufs[slot].tolist()
 
 
+def _allow_recompiles(n: int) -> None:
+    """Let dynamo keep n graphs per compiled function (one per sampling mode, batch 1 and > 1).
+
+    Past the limit dynamo silently falls back to eager; raising it is the explicit alternative.
+    """
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), n))
+
+
 def default_prefill_buckets(max_seq_len: int, smallest: int = 16) -> tuple[int, ...]:
     buckets, n = [], smallest
     while n < max_seq_len:
@@ -231,9 +242,11 @@ class LlamaRunner:
             raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_seq_len={max_seq_len}")
         self.max_seq_len, self.cuda_graphs, self.pad_id = max_seq_len, cuda_graphs, pad_id
         model.setup_caches(self.batch_buckets[-1], max_seq_len)
+        if compile_prefill or compile_decode:
+            _allow_recompiles(len(MODES) * 2)
         self._prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
         decode_fn = torch.compile(decode_one_token, dynamic=True) if compile_decode else decode_one_token
-        self.steps = {b: DecodeStep(model, b, decode_fn) for b in self.batch_buckets}
+        self.steps = {(b, m): DecodeStep(model, b, m, decode_fn) for b in self.batch_buckets for m in MODES}
         self._rng = random.Random()
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
                      "cuda_graphs": cuda_graphs, "batch_buckets": list(self.batch_buckets),
@@ -264,15 +277,17 @@ class LlamaRunner:
         """
         t0 = time.perf_counter()
         for b in self.batch_buckets:
+            params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
             for t in self.prefill_buckets:
                 tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.pad_id] * t], b, t))
-                params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
-                self._prefill(self.model, tokens, input_pos, last_idx, params)
+                for mode in MODES:
+                    self._prefill(self.model, tokens, input_pos, last_idx, params, mode)
         self._sync()
         t1 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        for b in sorted(self.batch_buckets, reverse=True):  # largest first: smaller ones reuse its pool
-            step = self.steps[b]
+        # Largest batch first: the smaller graphs fit into the memory pool it leaves.
+        for (b, mode), step in sorted(self.steps.items(), key=lambda kv: -kv[0][0]):
+            step.params.copy_(SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
             if self.cuda_graphs:
                 step.capture(pool)
             else:
@@ -302,16 +317,17 @@ class LlamaRunner:
         batch = pick_bucket(n, self.batch_buckets)
         length = pick_bucket(max(len(p) for p in prompts), self.prefill_buckets)
         tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts(prompts, batch, length, self.pad_id))
-        pad_rows = batch - n
-        sampling = SamplingTensors.build(
-            [sp.temperature for sp in params] + [0.0] * pad_rows, [sp.top_k for sp in params] + [0] * pad_rows,
-            [sp.top_p for sp in params] + [1.0] * pad_rows,
-            [sp.seed if sp.seed is not None else self._rng.getrandbits(32) for sp in params] + [0] * pad_rows,
-            self.device)
+        pad_rows = batch - n  # dummy rows decode greedily
+        temperature = [float(sp.temperature) for sp in params] + [0.0] * pad_rows
+        top_k = [sp.top_k for sp in params] + [0] * pad_rows
+        top_p = [float(sp.top_p) for sp in params] + [1.0] * pad_rows
+        seeds = [sp.seed if sp.seed is not None else self._rng.getrandbits(32) for sp in params] + [0] * pad_rows
+        sampling = SamplingTensors.build(temperature, top_k, top_p, seeds, self.device)
+        mode = sampling_mode(temperature, top_k, top_p)
         positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
-        step, host = self.steps[batch], _HostCopies(batch, self.device)
+        step, host = self.steps[(batch, mode)], _HostCopies(batch, self.device)
         with torch.no_grad():
-            first = self._prefill(self.model, tokens, input_pos, last_idx, sampling)
+            first = self._prefill(self.model, tokens, input_pos, last_idx, sampling, mode)
             step.load(first, positions, sampling)
         host.start(0, first)
         return self._decode_loop(step, host, params)

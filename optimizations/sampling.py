@@ -83,11 +83,32 @@ def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
 
 
-def sample(logits: Tensor, params: SamplingTensors, position: Tensor) -> Tensor:
-    """Next token ids ``(B,)`` from fp32 logits ``(B, V)``; ``position`` ``(B,)`` keys the noise."""
+# What a batch needs, decided on the host from the requests (no device sync): greedy-only batches
+# skip the noise, and batches without top-k/top-p skip the vocabulary sort. Each mode is its own
+# captured graph.
+GREEDY, SAMPLE, FILTER = "greedy", "sample", "filter"
+MODES = (GREEDY, SAMPLE, FILTER)
+
+
+def sampling_mode(temperature: list[float], top_k: list[int], top_p: list[float]) -> str:
+    if all(t == 0 for t in temperature):
+        return GREEDY
+    if any(t > 0 and (k > 0 or p < 1.0) for t, k, p in zip(temperature, top_k, top_p)):
+        return FILTER
+    return SAMPLE
+
+
+def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str = FILTER) -> Tensor:
+    """Next token ids ``(B,)`` from fp32 logits ``(B, V)``; ``position`` ``(B,)`` keys the noise.
+
+    ``mode`` must cover every row (``sampling_mode``); rows with temperature 0 are greedy in any mode.
+    """
     greedy = logits.argmax(dim=-1)
+    if mode == GREEDY:
+        return greedy
     scaled = logits / params.temperature.clamp(min=1e-5)[:, None]
-    scaled = top_k_top_p_filter(scaled, params.top_k, params.top_p)
+    if mode == FILTER:
+        scaled = top_k_top_p_filter(scaled, params.top_k, params.top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(params.temperature > 0, sampled, greedy)

