@@ -467,6 +467,7 @@ def test_dockerfile_pins_and_runs_as_non_root():
     assert str(pod_spec(rendered("overlays/gpu"))["securityContext"]["runAsUser"]) == "10001"
     env = " ".join(arg for op, arg in steps if op == "ENV")
     assert "JAVA_HOME=/opt/java" in env
+    assert any("nvgpu==" in r for r in runs), "TorchServe's GPU metrics need nvgpu in the image"
 
 
 def test_dockerfile_copies_only_what_exists_and_context_excludes_the_rest():

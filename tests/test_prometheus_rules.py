@@ -121,3 +121,17 @@ def test_dashboard_and_adapter_queries_are_valid_promql(promtool, tmp_path):
     path.write_text(yaml.safe_dump({"groups": [{"name": "queries", "rules": records}]}))
     proc = run([promtool, "check", "rules", str(path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_metrics_doc_covers_every_declared_metric():
+    declared = yaml.safe_load((ROOT / "config" / "metrics.yaml").read_text())
+    names = {m["name"] for section in ("ts_metrics", "model_metrics")
+             for kind in declared[section].values() for m in kind}
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    missing = sorted(n for n in names if f"`{n}`" not in doc)
+    assert not missing, f"docs/metrics.md does not describe {missing}"
+    config = yaml.safe_load((MONITORING / "prometheus-adapter" / "config.yaml").read_text())
+    for rule in config["rules"]:
+        assert f"`{rule['name']['as']}`" in doc
+    for alert in ALERTS:
+        assert f"`{alert}`" in doc
