@@ -63,13 +63,15 @@ def decode_body(request: dict[str, Any]) -> Any:
     body = request.get("body")
     if body is None:
         body = request.get("data")
+    # Every other body reaches the handler as 'body'; TorchServe turns form-encoded and multipart bodies
+    # into named fields, and curl -d '{"text": ...}' (form-encoded: no JSON content type) into none.
     if body is None and request and "body" not in request and "data" not in request:
-        # TorchServe turns form-encoded and multipart bodies (curl -d/-F without a JSON content type)
-        # into named fields: say so instead of calling the body empty.
-        name = str(next(iter(request)))
-        raise RequestError(415, "invalid_request_error", f"form fields are not supported (got '{name[:40]}'): send "
-                           "a JSON body with Content-Type: application/json, or a text/plain body",
-                           "unsupported_media_type")
+        raise RequestError(415, "invalid_request_error", f"form fields are not supported (got field "
+                           f"'{str(next(iter(request)))[:40]}'): send a JSON body with Content-Type: "
+                           "application/json, or a text/plain body", "unsupported_media_type")
+    if not request:
+        raise RequestError(400, "invalid_request_error", "empty request body (a form-encoded body, as curl -d sends "
+                           "without -H 'Content-Type: application/json', arrives empty)", "empty_body")
     if body is None or (isinstance(body, (str, bytes, bytearray)) and len(body) == 0):
         raise RequestError(400, "invalid_request_error", "empty request body", "empty_body")
     if isinstance(body, (bytes, bytearray)):
