@@ -8,10 +8,12 @@ in the cache before anything reads it. Rows advance independently, which also le
 open to inserting new requests into free rows later (continuous batching).
 
 Shapes are bucketed: the batch is padded to a batch bucket (dummy rows decode garbage that is
-never read), the prompt to a length bucket. On CUDA, ``LlamaRunner.warmup()`` compiles prefill
+never read), the prompt to a length bucket, and each decode step attends over a kv bucket (the
+cache prefix the live rows have reached, rounded up) rather than the whole cache. On CUDA, ``LlamaRunner.warmup()`` compiles prefill
 (``torch.compile(dynamic=True)``: one compile covers every bucket) and captures one
-``torch.cuda.CUDAGraph`` per batch bucket and sampling mode (greedy / sample / top-k-top-p, chosen
-on the host from the requests) for the decode step, optionally compiled first. We
+``torch.cuda.CUDAGraph`` per batch bucket, kv bucket and sampling mode (greedy / sample /
+top-k-top-p, chosen on the host from the requests) for the decode step, optionally compiled first.
+The default GPU plan (batch 1..16, kv 256..2048, 3 modes) makes 60 small graphs sharing one pool. We
 capture graphs ourselves rather than through ``mode="reduce-overhead"``: the graph's input and
 output tensors are ours, each step copies its output to the host before the next replay, and
 nothing outside holds a graph output that a replay could overwrite (the failure seen with
@@ -88,16 +90,20 @@ class Completion:
 
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last_idx: Tensor,
             params: SamplingTensors, mode: str = FILTER) -> Tensor:
-    """Run right-padded prompts ``(B, T)`` through the model; sample each row's first new token."""
-    logits = model(tokens, input_pos, last_idx)
+    """Run right-padded prompts ``(B, T)`` at positions ``0..T-1``; sample each row's first new token."""
+    # Positions start at 0, so attention needs cache slots :T only.
+    logits = model(tokens, input_pos, last_idx, kv_len=tokens.shape[1])
     position = input_pos.gather(1, last_idx[:, None]).squeeze(1)
     return sample(logits, params, position, mode)
 
 
-def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor,
-                     params: SamplingTensors, mode: str = FILTER) -> Tensor:
-    """One token per row: tokens, input_pos ``(B, 1)`` -> next tokens ``(B,)``."""
-    logits = model(tokens, input_pos)[:, -1]
+def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor, params: SamplingTensors,
+                     mode: str = FILTER, kv_len: int | None = None) -> Tensor:
+    """One token per row: tokens, input_pos ``(B, 1)`` -> next tokens ``(B,)``.
+
+    Every live row's position must be below ``kv_len`` (default: the whole cache).
+    """
+    logits = model(tokens, input_pos, kv_len=kv_len)[:, -1]
     return sample(logits, params, input_pos[:, -1], mode)
 
 
@@ -139,36 +145,43 @@ def generate(runner: "LlamaRunner", prompts: list[list[int]], params: list[Sampl
 
 # --- the runner: buckets, warm-up / capture, the streaming loop ----------------------------------
 
-class DecodeStep:
-    """Static inputs/outputs of the decode step for one batch bucket and sampling mode.
+class DecodeState:
+    """Static decode inputs of one batch bucket, shared by its graphs (every mode and kv length)."""
 
-    ``run()`` decodes one token per row and advances ``tokens``/``input_pos`` in place, so that
-    consecutive calls need no host work. After ``capture()`` (CUDA only) it replays a CUDA graph.
-    """
-
-    def __init__(self, model: Transformer, batch: int, mode: str, decode_fn: Callable[..., Tensor]) -> None:
-        device = model.tok_embeddings.weight.device
-        self.model, self.batch, self.mode, self.decode_fn = model, batch, mode, decode_fn
+    def __init__(self, batch: int, device: torch.device) -> None:
         self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.input_pos = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: Tensor | None = None
 
     def load(self, first_tokens: Tensor, positions: Tensor, params: SamplingTensors) -> None:
         self.tokens.copy_(first_tokens[:, None])
         self.input_pos.copy_(positions[:, None])
         self.params.copy_(params)
 
+
+class DecodeStep:
+    """The decode step for one (batch bucket, sampling mode, kv length), on a shared ``DecodeState``.
+
+    ``run()`` decodes one token per row and advances the state's ``tokens``/``input_pos`` in place,
+    so consecutive calls need no host work. After ``capture()`` (CUDA only) it replays a CUDA graph.
+    """
+
+    def __init__(self, model: Transformer, state: DecodeState, mode: str, kv_len: int,
+                 decode_fn: Callable[..., Tensor]) -> None:
+        self.model, self.state, self.mode, self.kv_len, self.decode_fn = model, state, mode, kv_len, decode_fn
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Tensor | None = None
+
     @torch.no_grad()
     def _body(self) -> Tensor:
-        nxt = self.decode_fn(self.model, self.tokens, self.input_pos, self.params, self.mode)
-        self.tokens.copy_(nxt[:, None])
+        st = self.state
+        nxt = self.decode_fn(self.model, st.tokens, st.input_pos, st.params, self.mode, self.kv_len)
+        st.tokens.copy_(nxt[:, None])
         # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
-        self.input_pos.add_(1).clamp_(max=self.model.max_seq_len - 1)
+        st.input_pos.add_(1).clamp_(max=self.model.max_seq_len - 1)
         return nxt
 
-    def capture(self, pool: object | None = None, warmup_iters: int = 3) -> None:
+    def capture(self, pool: object | None = None, warmup_iters: int = 2) -> None:
         # Run a few times on a side stream first: compilation, autotuning and cuBLAS workspace
         # allocation must not happen during capture.
         side = torch.cuda.Stream()
@@ -209,7 +222,7 @@ class _HostCopies:
 
 
 def _allow_recompiles(n: int) -> None:
-    """Let dynamo keep n graphs per compiled function (one per sampling mode, batch 1 and > 1).
+    """Let dynamo keep n graphs per compiled function (sampling modes x batch 1 / batch > 1).
 
     Past the limit dynamo silently falls back to eager; raising it is the explicit alternative.
     """
@@ -219,6 +232,7 @@ def _allow_recompiles(n: int) -> None:
 
 
 def default_prefill_buckets(max_seq_len: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from ``smallest``, then ``max_seq_len`` itself."""
     buckets, n = [], smallest
     while n < max_seq_len:
         buckets.append(n)
@@ -226,31 +240,49 @@ def default_prefill_buckets(max_seq_len: int, smallest: int = 16) -> tuple[int, 
     return tuple(buckets) + (max_seq_len,)
 
 
+def default_kv_buckets(max_seq_len: int) -> tuple[int, ...]:
+    """Cache lengths decode attends over: 256, 512, ... up to the whole cache."""
+    return default_prefill_buckets(max_seq_len, smallest=min(256, max_seq_len))
+
+
 class LlamaRunner:
-    """Owns the model's KV cache, shape buckets and compiled/captured steps; streams generations."""
+    """Owns the model's KV cache, shape buckets and compiled/captured steps; streams generations.
+
+    Decode graphs exist per (batch bucket, sampling mode, kv bucket): a step attends only over the
+    cache prefix its rows have reached (rounded up to a kv bucket), instead of the whole cache.
+    """
 
     def __init__(self, model: Transformer, max_seq_len: int, batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16),
-                 prefill_buckets: tuple[int, ...] | None = None, compile_prefill: bool = False,
-                 compile_decode: bool = False, cuda_graphs: bool = False, pad_id: int = 0) -> None:
+                 prefill_buckets: tuple[int, ...] | None = None, kv_buckets: tuple[int, ...] | None = None,
+                 compile_prefill: bool = False, compile_decode: bool = False, cuda_graphs: bool = False,
+                 pad_id: int = 0) -> None:
         self.model = model.eval()
         self.device = model.tok_embeddings.weight.device
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA model, this one is on {self.device}")
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         self.prefill_buckets = tuple(sorted(set(prefill_buckets or default_prefill_buckets(max_seq_len))))
-        if self.prefill_buckets[-1] > max_seq_len:
-            raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_seq_len={max_seq_len}")
+        self.kv_buckets = tuple(sorted(set(kv_buckets or default_kv_buckets(max_seq_len))))
+        for name, buckets in (("prefill", self.prefill_buckets), ("kv", self.kv_buckets)):
+            if buckets[-1] > max_seq_len:
+                raise ValueError(f"{name} bucket {buckets[-1]} exceeds max_seq_len={max_seq_len}")
+        if self.kv_buckets[-1] != max_seq_len:
+            self.kv_buckets += (max_seq_len,)  # the last decode steps may need the whole cache
         self.max_seq_len, self.cuda_graphs, self.pad_id = max_seq_len, cuda_graphs, pad_id
+        self.compile_prefill = compile_prefill
         model.setup_caches(self.batch_buckets[-1], max_seq_len)
         if compile_prefill or compile_decode:
             _allow_recompiles(len(MODES) * 2)
         self._prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
         decode_fn = torch.compile(decode_one_token, dynamic=True) if compile_decode else decode_one_token
-        self.steps = {(b, m): DecodeStep(model, b, m, decode_fn) for b in self.batch_buckets for m in MODES}
+        self.states = {b: DecodeState(b, self.device) for b in self.batch_buckets}
+        self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, decode_fn)
+                      for b in self.batch_buckets for m in MODES for kv in self.kv_buckets}
         self._rng = random.Random()
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
                      "cuda_graphs": cuda_graphs, "batch_buckets": list(self.batch_buckets),
-                     "prefill_buckets": list(self.prefill_buckets), "max_seq_len": max_seq_len}
+                     "prefill_buckets": list(self.prefill_buckets), "kv_buckets": list(self.kv_buckets),
+                     "max_seq_len": max_seq_len}
 
     @property
     def max_batch(self) -> int:
@@ -271,27 +303,32 @@ class LlamaRunner:
 
     @torch.no_grad()
     def warmup(self) -> dict[str, float]:
-        """Compile prefill for every bucket and capture (CUDA) the decode step of every batch bucket.
+        """Compile prefill for every bucket (when compiled) and capture (CUDA) every decode step.
 
         Returns seconds spent per phase. Leaves the KV cache holding garbage, which is harmless.
         """
         t0 = time.perf_counter()
-        for b in self.batch_buckets:
+        shapes = [(b, t) for b in self.batch_buckets for t in self.prefill_buckets]
+        # Eager prefill has nothing to compile: one small call initialises the kernels.
+        for b, t in shapes if self.compile_prefill else shapes[:1]:
             params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
-            for t in self.prefill_buckets:
-                tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.pad_id] * t], b, t))
-                for mode in MODES:
-                    self._prefill(self.model, tokens, input_pos, last_idx, params, mode)
+            tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.pad_id] * t], b, t))
+            for mode in MODES:
+                self._prefill(self.model, tokens, input_pos, last_idx, params, mode)
         self._sync()
         t1 = time.perf_counter()
+        for b, state in self.states.items():
+            state.load(torch.zeros(b, dtype=torch.int64, device=self.device),
+                       torch.zeros(b, dtype=torch.int64, device=self.device),
+                       SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         # Largest batch first: the smaller graphs fit into the memory pool it leaves.
-        for (b, mode), step in sorted(self.steps.items(), key=lambda kv: -kv[0][0]):
-            step.params.copy_(SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
+        for key in sorted(self.steps, key=lambda k: (-k[0], -k[2])):
+            step = self.steps[key]
             if self.cuda_graphs:
                 step.capture(pool)
-            else:
-                step.run()
+            elif key[1:] == (FILTER, self.kv_buckets[-1]):
+                step.run()  # eager: nothing to capture; one run per batch checks the shapes
         self._sync()
         return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
 
@@ -325,28 +362,30 @@ class LlamaRunner:
         sampling = SamplingTensors.build(temperature, top_k, top_p, seeds, self.device)
         mode = sampling_mode(temperature, top_k, top_p)
         positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
-        step, host = self.steps[(batch, mode)], _HostCopies(batch, self.device)
         with torch.no_grad():
             first = self._prefill(self.model, tokens, input_pos, last_idx, sampling, mode)
-            step.load(first, positions, sampling)
+            self.states[batch].load(first, positions, sampling)
+        host = _HostCopies(batch, self.device)
         host.start(0, first)
-        return self._decode_loop(step, host, params)
+        return self._decode_loop(batch, mode, host, [len(p) for p in prompts], params)
 
-    def _decode_loop(self, step: DecodeStep, host: _HostCopies, params: list[SamplingParams]) -> Iterator[StepOutput]:
+    def _decode_loop(self, batch: int, mode: str, host: _HostCopies, lengths: list[int],
+                     params: list[SamplingParams]) -> Iterator[StepOutput]:
         n = len(params)
         generated, done = [0] * n, [False] * n
         stops = [set(sp.stop_token_ids) for sp in params]
         launched, slot = 1, 0  # tokens per row requested from the device so far (prefill's first)
         while True:
-            horizon = max(sp.max_tokens for sp, d in zip(params, done) if not d)
-            if launched < horizon:  # launch step t+1 before reading step t
+            live = [i for i in range(n) if not done[i]]
+            if launched < max(params[i].max_tokens for i in live):  # launch step t+1 before reading step t
+                # This step writes position lengths[i] + launched - 1 for row i: attend to one past it.
+                needed = min(max(lengths[i] for i in live) + launched, self.max_seq_len)
+                step = self.steps[(batch, mode, pick_bucket(needed, self.kv_buckets))]
                 host.start(1 - slot, step.run())
                 launched += 1
             toks = host.wait(slot)
             out = StepOutput([None] * n, [None] * n)
-            for i in range(n):
-                if done[i]:
-                    continue
+            for i in live:
                 out.tokens[i] = toks[i]
                 generated[i] += 1
                 if toks[i] in stops[i]:

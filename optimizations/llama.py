@@ -124,8 +124,11 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k/v ``(B, H, T, D)`` at per-row positions ``input_pos`` ``(B, T)``; return rows ``:B``."""
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        """Write k/v ``(B, H, T, D)`` at per-row positions ``input_pos`` ``(B, T)``.
+
+        Returns cache rows ``:B``, slots ``:kv_len`` (what attention reads).
+        """
         b, h, t, d = k.shape
         idx = input_pos[:, None, :, None].expand(b, h, t, d)
         k_out = self.k_cache[:b]
@@ -133,7 +136,7 @@ class KVCache(nn.Module):
         # In-place on a view of the buffer: the write lands in the preallocated cache.
         k_out.scatter_(2, idx, k)
         v_out.scatter_(2, idx, v)
-        return k_out, v_out
+        return k_out[:, :, :kv_len], v_out[:, :, :kv_len]
 
 
 class RMSNorm(nn.Module):
@@ -183,7 +186,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is None:
             raise RuntimeError("call Transformer.setup_caches() before forward()")
-        k, v = self.kv_cache.update(input_pos, k, v)
+        k, v = self.kv_cache.update(input_pos, k, v, mask.shape[-1])
         # GQA without copying the cache: fold each kv head's query group into the query-length
         # axis, (B, n_kv, group*T, D), and repeat the (B, T, S) mask to match.
         group = self.n_heads // self.n_kv_heads
@@ -251,12 +254,15 @@ class Transformer(nn.Module):
         self.register_buffer("cache_positions", torch.arange(max_seq_len, device=w.device), persistent=False)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
+                kv_len: int | None = None) -> Tensor:
         """tokens, input_pos: ``(B, T)`` int64 with per-row positions.
 
         Returns fp32 logits ``(B, T, V)``, or ``(B, V)`` at column ``last_idx[b]`` of each row when
         ``last_idx`` is given (prefill only needs each prompt's last token: skips the vocab
-        projection of every other position).
+        projection of every other position). Attention reads cache slots ``:kv_len`` only (default:
+        the whole cache); the caller guarantees every position that matters is below ``kv_len``,
+        which saves reading the cache's unused tail.
         """
         if tokens.shape[0] > self.max_batch_size:
             raise ValueError(f"batch {tokens.shape[0]} exceeds the cache's max_batch_size={self.max_batch_size}")
@@ -264,7 +270,8 @@ class Transformer(nn.Module):
         cos = self.rope_cos[input_pos].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[input_pos].unsqueeze(1).to(x.dtype)
         # (B, T, S): a token at position p sees cache slots 0..p of its own row.
-        mask = self.cache_positions[None, None, :] <= input_pos[:, :, None]
+        kv_len = self.max_seq_len if kv_len is None else kv_len
+        mask = self.cache_positions[None, None, :kv_len] <= input_pos[:, :, None]
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
         if last_idx is not None:

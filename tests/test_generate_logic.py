@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimizations.generate import (LlamaRunner, SamplingParams, default_prefill_buckets, generate,
-                                    pad_prompts, pick_bucket)
+from optimizations.generate import (LlamaRunner, SamplingParams, default_kv_buckets, default_prefill_buckets,
+                                    generate, pad_prompts, pick_bucket)
 from optimizations.llama import LlamaConfig, Transformer, init_random
 
 MAX_SEQ = 96
@@ -140,3 +140,16 @@ def test_a_second_runner_on_the_same_model_is_detected() -> None:
     LlamaRunner(model, max_seq_len=64, batch_buckets=(1,), prefill_buckets=(64,))
     with pytest.raises(RuntimeError, match="one runner per model"):
         first.stream([[1, 2]], [SamplingParams(max_tokens=2)])
+
+
+def test_decode_crossing_kv_buckets_matches_reference() -> None:
+    model = init_random(LlamaConfig.tiny(), seed=0)
+    r = LlamaRunner(model, max_seq_len=96, batch_buckets=(2,), prefill_buckets=(64,), kv_buckets=(16, 32, 64))
+    assert r.kv_buckets == (16, 32, 64, 96)
+    # Row 0 is long but stops early; row 1 is short and runs on: once row 0 is done, steps attend
+    # over small kv buckets that row 0's (now unused) positions no longer fit in.
+    prompts = _prompts([60, 5], seed=7)
+    out = generate(r, prompts, [SamplingParams(max_tokens=3), SamplingParams(max_tokens=40)])
+    assert out[0].tokens == _greedy_reference(model, prompts[0], 3)
+    assert out[1].tokens == _greedy_reference(model, prompts[1], 40)
+    assert default_kv_buckets(2048) == (256, 512, 1024, 2048) and default_kv_buckets(100) == (100,)

@@ -104,3 +104,15 @@ def test_config_roundtrip_through_hf_dict() -> None:
     assert LlamaConfig.from_hf(config.to_hf()) == config
     with pytest.raises(ValueError, match="only default RoPE"):
         LlamaConfig.from_hf({**config.to_hf(), "rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}})
+
+
+def test_attending_over_a_cache_prefix_equals_the_whole_cache(tiny: Transformer) -> None:
+    tokens = torch.randint(0, tiny.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        whole = tiny(tokens, pos)
+        prefix = tiny(tokens, pos, kv_len=12)
+        step = tiny(tokens[:, :1], torch.tensor([[12], [5]]), kv_len=13)
+        step_whole = tiny(tokens[:, :1], torch.tensor([[12], [5]]))
+    torch.testing.assert_close(prefix, whole)
+    torch.testing.assert_close(step, step_whole)

