@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -137,6 +138,10 @@ class EmbeddingRunner:
         return Path(self.plan.compile_cache) / f"minilm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin"
 
     def _load_compile_cache(self) -> None:
+        if self.plan.compile_cache and self.plan.compile != "off":
+            # Inductor's own on-disk caches (FX graphs, Triton kernels) go to the same volume, so a
+            # new worker also skips kernel compilation; an explicit TORCHINDUCTOR_CACHE_DIR wins.
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(self.plan.compile_cache) / "inductor"))
         path = self._cache_file()
         self.compile_cache_hit = bool(path and path.exists())
         if self.compile_cache_hit:
