@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from optimizations.generate import LlamaRunner, SamplingParams
+from optimizations.generate import LlamaRunner, SamplingParams, generate
 from optimizations.llama import load_llama
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -39,6 +39,10 @@ PROMPT_TEXT = ("You are reviewing a travel plan. The traveller wants to visit th
                "small family-run hotels. They like museums, long walks and local food, dislike crowds, and "
                "have a moderate budget. Suggest how to split the days, what to book in advance, and two "
                "day trips worth taking.")
+
+
+CHECK_TEXTS = ["Why is the sky blue?", "Give me a recipe for pancakes with blueberries and maple syrup.",
+               "Write a short story about a robot who learns to paint, in the style of a fairy tale."]
 
 
 def environment(argv: list[str]) -> dict:
@@ -65,8 +69,8 @@ def prepare_model_dir(args: argparse.Namespace, out: Path) -> Path:
     return convert_gguf_to_safetensors(gguf, out / f"model-{args.dtype}", DTYPES[args.dtype])
 
 
-def chat_prompt(tokenizer) -> list[int]:
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT_TEXT}], add_generation_prompt=True)
+def chat_prompt(tokenizer, text: str = PROMPT_TEXT) -> list[int]:
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
@@ -114,20 +118,29 @@ def bench_hf(model, prompt: list[int], batch: int, new_tokens: int, repeats: int
             "decode_tok_per_s": round(batch * (new_tokens - 1) / max(total - ttft, 1e-9), 1)}
 
 
-def run_variant(name: str, model, args: argparse.Namespace, prompt: list[int], sampling: dict) -> dict:
+def run_variant(name: str, model, args: argparse.Namespace, prompt: list[int], sampling: dict,
+                check_prompts: list[list[int]]) -> dict:
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    runner = LlamaRunner(model, max_seq_len=args.max_seq_len, batch_buckets=tuple(args.batches),
+    # Bucket 4 is always there: the 3 check prompts run in it with one dummy row.
+    runner = LlamaRunner(model, max_seq_len=args.max_seq_len, batch_buckets=tuple(sorted({*args.batches, 4})),
                          **VARIANTS[name])
     warm = runner.warmup()
     warm_s = time.perf_counter() - t0
+    # Correctness on this device: greedy tokens of prompts of different lengths in one batch (a
+    # dummy row, several kv buckets), compared across variants afterwards.
+    check = [c.tokens for c in generate(runner, check_prompts, [SamplingParams(max_tokens=48)] * len(check_prompts))]
     rows = [bench_runner(runner, prompt, b, args.new_tokens, args.repeats, sampling) for b in args.batches]
     mem = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return {"variant": name, "plan": runner.plan, "warmup_s": round(warm_s, 2),
             "warmup_phases_s": {k: round(v, 2) for k, v in warm.items()},
-            "peak_gpu_mem_mib": round(mem) if mem else None, "rows": rows}
+            "peak_gpu_mem_mib": round(mem) if mem else None, "rows": rows, "check_tokens": check}
+
+
+def identical_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def greedy_agreement(model, hf, prompt: list[int], n: int, max_seq_len: int) -> dict:
@@ -138,8 +151,7 @@ def greedy_agreement(model, hf, prompt: list[int], n: int, max_seq_len: int) -> 
     with torch.no_grad():
         ref = hf.generate(input_ids=torch.tensor([prompt], device=device), max_new_tokens=n, do_sample=False,
                           pad_token_id=2)[0, len(prompt):].tolist()
-    same = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
-    return {"tokens": n, "identical_prefix": same}
+    return {"tokens": n, "identical_prefix": identical_prefix(ours, ref)}
 
 
 def markdown(res: dict) -> str:
@@ -159,8 +171,10 @@ def markdown(res: dict) -> str:
         for r in v["rows"]:
             lines.append(f"| {v['variant']} | {r['batch']} | {r['ttft_ms']} | {r['tok_per_s']} | "
                          f"{r['decode_tok_per_s']} | {r.get('itl_ms_p50', '')} | {r.get('itl_ms_p99', '')} |")
-    lines += ["", "| variant | warm-up s | peak GPU MiB |", "| --- | --- | --- |"]
-    lines += [f"| {v['variant']} | {v.get('warmup_s')} | {v.get('peak_gpu_mem_mib')} |" for v in res["variants"]]
+    lines += ["", "| variant | warm-up s | peak GPU MiB | greedy tokens identical to eager (per check prompt) |",
+              "| --- | --- | --- | --- |"]
+    lines += [f"| {v['variant']} | {v.get('warmup_s')} | {v.get('peak_gpu_mem_mib')} | "
+              f"{v.get('identical_to_eager', '')} |" for v in res["variants"]]
     if res.get("greedy_agreement"):
         g = res["greedy_agreement"]
         lines += ["", f"Greedy batch-1 agreement with transformers: first {g['identical_prefix']} of {g['tokens']} "
@@ -200,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = prepare_model_dir(args, out)
-    prompt = chat_prompt(AutoTokenizer.from_pretrained(str(model_dir)))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = chat_prompt(tokenizer)
+    check_prompts = [chat_prompt(tokenizer, t) for t in CHECK_TEXTS]
     t = time.perf_counter()
     model = load_llama(model_dir, device, dtype)
     load_s = time.perf_counter() - t
@@ -218,12 +234,17 @@ def main(argv: list[str] | None = None) -> int:
                 v = {"variant": name, "rows": [bench_hf(hf, prompt, b, args.new_tokens, args.repeats, device)
                                                for b in args.batches]}
             else:
-                v = run_variant(name, model, args, prompt, sampling)
+                v = run_variant(name, model, args, prompt, sampling, check_prompts)
         except Exception as e:  # one variant failing must not lose the others
             v = {"variant": name, "error": f"{type(e).__name__}: {e}"}
         res["variants"].append(v)
         print(json.dumps(v), flush=True)
         (out / "llm_inprocess.json").write_text(json.dumps(res, indent=1))
+    eager = next((v for v in res["variants"] if v["variant"] == "eager" and "check_tokens" in v), None)
+    for v in res["variants"]:
+        if eager is not None and "check_tokens" in v:
+            v["identical_to_eager"] = [f"{identical_prefix(a, b)}/{len(b)}"
+                                       for a, b in zip(v["check_tokens"], eager["check_tokens"])]
     if hf is not None:
         res["greedy_agreement"] = greedy_agreement(model, hf, prompt, min(args.new_tokens, 64), args.max_seq_len)
     (out / "llm_inprocess.json").write_text(json.dumps(res, indent=1))

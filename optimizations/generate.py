@@ -222,9 +222,11 @@ class _HostCopies:
 
 
 def _allow_recompiles(n: int) -> None:
-    """Let dynamo keep n graphs per compiled function (sampling modes x batch 1 / batch > 1).
+    """Let dynamo keep n graphs per compiled function.
 
-    Past the limit dynamo silently falls back to eager; raising it is the explicit alternative.
+    With ``dynamic=True`` each function still gets one graph per sampling mode x (batch 1, batch
+    > 1) x (kv slice shorter than / equal to the cache). Past the limit dynamo silently falls back
+    to eager; raising the limit explicitly is the alternative.
     """
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
@@ -272,7 +274,7 @@ class LlamaRunner:
         self.compile_prefill = compile_prefill
         model.setup_caches(self.batch_buckets[-1], max_seq_len)
         if compile_prefill or compile_decode:
-            _allow_recompiles(len(MODES) * 2)
+            _allow_recompiles(len(MODES) * 2 * 2 * 2)
         self._prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
         decode_fn = torch.compile(decode_one_token, dynamic=True) if compile_decode else decode_one_token
         self.states = {b: DecodeState(b, self.device) for b in self.batch_buckets}
