@@ -1,0 +1,202 @@
+"""One load-generator process: locust (gevent) users driving HTTP requests, every request recorded raw.
+
+Started by `benchmarks.bench.loadgen.LoadGenerator`, never by hand. It lives for a whole run and
+takes commands through files in its folder, so locust's import (and gevent's monkey patching)
+happens once per process and never touches the controlling process:
+
+    cmd-<n>.json   {"action": "run", ...spec...} or {"action": "exit"}
+    stop-<n>       stop sending; finish in-flight requests; then write done-<n>
+    rec-<n>.bin    records appended as float64 rows (intended, start, end, status, payload)
+    done-<n>       written last; holds a JSON line with the process's own counters
+
+Closed loop: `users` locust users, each sending its next request when the previous one returns.
+Open loop: one locust user dispatches requests on a precomputed arrival schedule (Poisson or
+constant), each in its own greenlet, and never waits for answers; `intended` is the scheduled
+time, so a request delayed by the server or by this process still counts from when it was due.
+"""
+from __future__ import annotations
+
+from gevent import monkey
+
+monkey.patch_all()
+
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import gevent  # noqa: E402
+import numpy as np  # noqa: E402
+from gevent.pool import Pool  # noqa: E402
+from locust import User, constant, task  # noqa: E402
+from locust.contrib.fasthttp import FastHttpSession  # noqa: E402
+from locust.env import Environment  # noqa: E402
+from locust.exception import StopUser  # noqa: E402
+
+POLL_S = 0.02
+FLUSH_S = 0.2
+
+
+class Run:
+    """State of one `run` command."""
+
+    def __init__(self, spec: dict, folder: Path, seq: int) -> None:
+        self.spec = spec
+        self.seq = seq
+        self.folder = folder
+        self.bodies = [line.encode() for line in Path(spec["bodies"]).read_text().splitlines() if line.strip()]
+        self.rng = np.random.default_rng(spec["seed"])
+        self.order = self.rng.permutation(len(self.bodies))
+        self.next_body = 0
+        self.records: list[tuple[float, float, float, float, float]] = []
+        self.stopping = False
+        self.inflight = 0
+        self.sent = 0
+        self.headers = {"Content-Type": spec["content_type"], **spec.get("headers", {})}
+        # Times are seconds since the run's start epoch (time.time()), measured with perf_counter.
+        self.perf0 = time.perf_counter() + (spec["start_epoch"] - time.time())
+        self.out = open(folder / f"rec-{seq}.bin", "ab")
+
+    def now(self) -> float:
+        return time.perf_counter() - self.perf0
+
+    def pick(self) -> tuple[int, bytes]:
+        i = int(self.order[self.next_body % len(self.order)])
+        self.next_body += 1
+        return i, self.bodies[i]
+
+    def send(self, client: FastHttpSession, intended: float | None) -> None:
+        i, body = self.pick()
+        self.inflight += 1
+        self.sent += 1
+        start = self.now()
+        status = 0
+        try:
+            with client.request("POST", self.spec["path"], data=body, headers=self.headers,
+                                catch_response=True, name="bench") as resp:
+                status = int(resp.status_code or 0)
+                resp.success()  # locust's own statistics are not used
+        except Exception:  # connection refused/reset, timeout: status 0
+            status = 0
+        end = self.now()
+        self.inflight -= 1
+        self.records.append((start if intended is None else intended, start, end, float(status), float(i)))
+
+    def flush(self) -> None:
+        if self.records:
+            rows, self.records = self.records, []
+            self.out.write(np.asarray(rows, dtype=np.float64).tobytes())
+            self.out.flush()
+
+
+def make_session(env: Environment, run: Run, user: User | None, concurrency: int) -> FastHttpSession:
+    t = run.spec["timeout_s"]
+    return FastHttpSession(run.spec["host"], env.events.request, user, concurrency=concurrency,
+                           network_timeout=t, connection_timeout=t, max_retries=0)
+
+
+def closed_loop(run: Run) -> None:
+    class ClosedUser(User):
+        wait_time = constant(0)
+
+        def __init__(self, environment: Environment) -> None:
+            super().__init__(environment)
+            self.client = make_session(environment, run, self, 1)
+
+        @task
+        def one(self) -> None:
+            if run.stopping:
+                raise StopUser()
+            run.send(self.client, None)
+
+    env = Environment(user_classes=[ClosedUser], host=run.spec["host"], catch_exceptions=True)
+    runner = env.create_local_runner()
+    delay = run.spec["start_epoch"] - time.time()
+    if delay > 0:
+        gevent.sleep(delay)
+    users = run.spec["users"]
+    runner.start(users, spawn_rate=max(users * 20, 1000))
+    wait_stop(run)
+    deadline = time.monotonic() + run.spec["timeout_s"] + 1
+    while run.inflight and time.monotonic() < deadline:
+        gevent.sleep(POLL_S)
+    runner.quit()
+
+
+def open_loop(run: Run) -> None:
+    env = Environment(user_classes=[], host=run.spec["host"], catch_exceptions=True)
+    client = make_session(env, run, None, run.spec["max_inflight"])
+    pool = Pool(run.spec["max_inflight"] + 16)
+    rate = run.spec["rate"]
+    horizon = run.spec["max_duration_s"]
+    if run.spec["arrival"] == "poisson":
+        from benchmarks.bench.stats import poisson_schedule
+        schedule = poisson_schedule(rate, horizon, run.rng)
+    else:
+        from benchmarks.bench.stats import constant_schedule
+        schedule = constant_schedule(rate, horizon, phase=float(run.rng.random()))
+    for t in schedule:
+        if run.stopping:
+            break
+        delay = t - run.now()
+        if delay > 0:
+            gevent.sleep(delay)
+            if run.stopping:
+                break
+        pool.spawn(run.send, client, float(t))
+    wait_stop(run)
+    pool.join(timeout=run.spec["timeout_s"] + 1)
+    pool.kill()
+
+
+def wait_stop(run: Run) -> None:
+    while not run.stopping:
+        gevent.sleep(POLL_S)
+
+
+def watcher(run: Run) -> None:
+    stop = run.folder / f"stop-{run.seq}"
+    deadline = run.spec["start_epoch"] + run.spec["max_duration_s"]
+    last_flush = time.monotonic()
+    while True:
+        if not run.stopping and (stop.exists() or time.time() > deadline):
+            run.stopping = True
+        if time.monotonic() - last_flush >= FLUSH_S:
+            run.flush()
+            last_flush = time.monotonic()
+        gevent.sleep(POLL_S)
+
+
+def main(folder: str) -> int:
+    folder_p = Path(folder)
+    (folder_p / "ready").write_text(str(os.getpid()))
+    seq = 0
+    while True:
+        cmd = folder_p / f"cmd-{seq}.json"
+        if not cmd.exists():
+            if os.getppid() == 1:  # the controller died: do not linger
+                return 0
+            gevent.sleep(POLL_S)
+            continue
+        try:
+            spec = json.loads(cmd.read_text())
+        except ValueError:  # written but not complete yet
+            gevent.sleep(POLL_S)
+            continue
+        if spec["action"] == "exit":
+            return 0
+        run = Run(spec, folder_p, seq)
+        w = gevent.spawn(watcher, run)
+        try:
+            (closed_loop if spec["mode"] == "closed" else open_loop)(run)
+        finally:
+            w.kill()
+            run.flush()
+            run.out.close()
+            (folder_p / f"done-{seq}").write_text(json.dumps({"sent": run.sent, "unfinished": run.inflight}))
+        seq += 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,381 @@
+"""Run folder outputs: points.jsonl lines, results.json, report.md with plots, the recommendation.
+
+    points.jsonl                    one line per measured point (written as the run goes)
+    raw/*.npz                       every request of every point: intended, start, end, status, payload
+    results.json                    per-config capacities, ranking, Pareto front, winner, baseline margin
+    report.md + *.png               tables and plots
+    recommended-model-config.yaml   the winner as a model-config (frontend keys + servekit plan)
+    recommendation.json             values the Kubernetes overlay needs
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from benchmarks.bench.measure import PointResult
+
+if TYPE_CHECKING:
+    from benchmarks.bench.runner import ConfigResult, Run
+    from benchmarks.bench.schema import BenchConfig
+
+
+def _num(x: Any, nd: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    if isinstance(x, (int, float)):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def point_json(p: PointResult, versions: dict[str, Any], cfg: "BenchConfig") -> dict[str, Any]:
+    return {
+        "run": cfg.name,
+        "config": p.config.to_dict(),
+        "load": {"mode": p.load.mode, "level": p.load.level, "arrival": p.load.arrival if p.load.mode == "open" else None},
+        "role": p.role,
+        "status": p.status,
+        "reasons": p.reasons,
+        "stable": p.stable,
+        "spreads": {k: (None if math.isinf(v) else round(v, 4)) for k, v in p.spreads.items()},
+        "segment_s": list(p.segment),
+        "summary": p.summary.to_dict() if p.summary else None,
+        "percentiles_ms": p.summary.to_dict()["p"] if p.summary else None,
+        "errors": {"count": p.summary.errors, "rate": p.summary.error_rate, "by_status": p.summary.status_counts}
+        if p.summary else None,
+        "warmup": p.warmup.to_dict() if p.warmup else None,
+        "windows": [w.to_dict() for w in p.windows],
+        "server": p.server,
+        "gpu": p.gpu,
+        "generator": p.generator,
+        "raw_file": p.raw_file,
+        "elapsed_s": round(p.elapsed_s, 2),
+        "sla": {"p99_ms": cfg.sla.p99_ms, "p50_ms": cfg.sla.p50_ms, "max_error_rate": cfg.sla.max_error_rate},
+        "versions": versions,
+        "gpu_name": (versions.get("gpu") or [None])[0],
+    }
+
+
+@dataclass
+class Answer:
+    answered: bool
+    lines: list[str] = field(default_factory=list)
+
+
+def pareto(results: list["ConfigResult"]) -> set[int]:
+    """Indices of configs not dominated in (capacity higher, p99 at capacity lower)."""
+    pts = [(i, r.capacity, r.best.p99) for i, r in enumerate(results) if r.best is not None and r.capacity > 0]
+    front = set()
+    for i, cap, p99 in pts:
+        if not any((c2 >= cap and q2 <= p99) and (c2 > cap or q2 < p99) for _, c2, q2 in pts):
+            front.add(i)
+    return front
+
+
+def analyze(run: "Run") -> dict[str, Any]:
+    cfg = run.cfg
+    results = run.results
+    base_name = cfg.baseline.name if cfg.baseline else None
+    measured = [r for r in results if r.status == "measured"]
+    ranked = sorted([r for r in measured if r.capacity > 0],
+                    key=lambda r: (-r.capacity, r.config.workers, r.best.p99))
+    front = pareto(results)
+    baseline = [r for r in results if r.config.variant == base_name]
+    base_best = max(baseline, key=lambda r: r.capacity) if baseline else None
+    contenders = [r for r in ranked if r.config.variant != base_name] or ranked
+    winner = contenders[0] if contenders else None
+    return {"ranked": ranked, "front": front, "baseline": base_best, "winner": winner, "base_name": base_name}
+
+
+def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
+    cfg = run.cfg
+    sla = f"p99 <= {cfg.sla.p99_ms:g} ms" + (f", p50 <= {cfg.sla.p50_ms:g} ms" if cfg.sla.p50_ms else "") \
+          + f", errors <= {cfg.sla.max_error_rate:.1%}"
+    w, b = a["winner"], a["baseline"]
+    lines: list[str] = []
+    answered = True
+    if run.interrupted:
+        lines.append("PARTIAL: the run was interrupted; figures cover the configurations measured so far.")
+    if run.fatal:
+        lines.append(f"FAILED: {run.fatal}")
+    if w is None:
+        lines.append(f"No configuration met the SLA ({sla}) at any load tried.")
+        answered = False
+    else:
+        bp = w.best
+        lines.append(f"Winner: {w.config.label()}: {w.capacity:.1f} requests/s within the SLA ({sla}); "
+                     f"at that load p50 {bp.summary.p['p50']:.1f} ms, p99 {bp.summary.p['p99']:.1f} ms.")
+    if a["base_name"] is None:
+        lines.append("No stock baseline in this sweep (mark a variant `baseline: true`).")
+    elif b is None or b.status != "measured":
+        why = b.error if b is not None and b.error else "not measured"
+        lines.append(f"Stock baseline {a['base_name']}: {why}; the margin over stock is unknown.")
+        answered = False
+    elif w is not None:
+        if b.capacity > 0:
+            lines.append(f"{w.capacity / b.capacity:.1f} x the stock throughput at the same SLA "
+                         f"(stock {b.config.label()}: {b.capacity:.1f} requests/s).")
+        else:
+            lines.append(f"The stock baseline ({b.config.label()}) met the SLA at no load tried; "
+                         f"the winner serves {w.capacity:.1f} requests/s within it.")
+    errs = [r for r in run.results if r.status == "error"]
+    if errs:
+        lines.append(f"{len(errs)} configuration(s) failed: " + "; ".join(f"{r.config.label()}: "
+                     f"{(r.error or '').splitlines()[0]}" for r in errs))
+    skipped = [r for r in run.results if r.status == "skipped"]
+    if skipped:
+        lines.append(f"{len(skipped)} configuration(s) skipped (time budget): "
+                     + ", ".join(r.config.label() for r in skipped))
+    unstable = [p for p in run.points if p.status == "unstable"]
+    if unstable:
+        lines.append(f"{len(unstable)} point(s) were unstable (windows never agreed) and count as not passing.")
+    return Answer(answered and not run.interrupted, lines)
+
+
+def recommendation(run: "Run", a: dict[str, Any], ready_s: float | None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    w = a["winner"]
+    if w is None:
+        return None
+    cfg = run.cfg
+    c = w.config
+    per_pod = w.capacity
+    usable = per_pod * cfg.deploy.headroom
+    target = cfg.deploy.target_rps or per_pod
+    replicas = max(1, math.ceil(target / usable)) if usable > 0 else None
+    warm = cfg.deploy.warmup_seconds or (math.ceil(ready_s * 1.5 + 5) if ready_s else None)
+    base = dict(run.variant_configs.get(c.variant, {}))
+    model_cfg = {"minWorkers": c.workers, "maxWorkers": c.workers, "batchSize": c.batch_size,
+                 "maxBatchDelay": c.max_batch_delay_ms}
+    model_cfg.update({k: v for k, v in base.items() if k not in model_cfg})
+    variant = next(v for v in cfg.variants if v.name == c.variant)
+    overlay = {
+        "model": variant.model or Path(variant.mar or c.variant).stem,
+        "variant": c.variant,
+        "mar": run.mars.get(c.variant),
+        "workers": c.workers,
+        "batch_size": c.batch_size,
+        "max_batch_delay_ms": c.max_batch_delay_ms,
+        "per_pod_capacity_rps": round(per_pod, 2),
+        "headroom": cfg.deploy.headroom,
+        "target_rps": round(target, 2),
+        "replicas": replicas,
+        "warmup_seconds": warm,
+        "sla": {"p99_ms": cfg.sla.p99_ms, "p50_ms": cfg.sla.p50_ms, "max_error_rate": cfg.sla.max_error_rate},
+        "gpu": (run.versions.get("gpu") or [None])[0],
+        "plan": base.get("servekit"),
+    }
+    return model_cfg, overlay
+
+
+def _plots(run: "Run", a: dict[str, Any], out: Path) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sla = run.cfg.sla.p99_ms
+    made: list[tuple[str, str]] = []
+    by_conf: dict[Any, list[PointResult]] = {}
+    for p in run.points:
+        if p.summary is not None and p.load.mode == run.cfg.load.mode and p.role != "probe":
+            by_conf.setdefault(p.config, []).append(p)
+    if not by_conf:
+        return made
+    keep = [r.config for r in a["ranked"][:8]]
+    if a["baseline"] is not None and a["baseline"].config not in keep:
+        keep.append(a["baseline"].config)
+    keep += [c for c in by_conf if c not in keep][: max(0, 10 - len(keep))]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    top = sla * 4
+    for conf in keep:
+        pts = sorted(by_conf.get(conf, []), key=lambda p: p.load.level)
+        if not pts:
+            continue
+        xs = [p.throughput for p in pts]
+        ys = [min(p.p99, top) for p in pts]
+        style = "--" if a["baseline"] is not None and conf == a["baseline"].config else "-"
+        ax.plot(xs, ys, style, marker="o", label=conf.label())
+        for p, x, y in zip(pts, xs, ys):
+            if not p.passed:
+                ax.plot([x], [y], "x", color="black", markersize=7)
+    ax.axhline(sla, color="red", linestyle=":", label=f"SLA p99 {sla:g} ms")
+    ax.set_xlabel("throughput (successful requests/s)")
+    ax.set_ylabel(f"p99 latency (ms, clipped at {top:g})")
+    ax.set_title("Latency vs throughput per configuration (x: point outside the SLA)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "latency_throughput.png", dpi=110)
+    plt.close(fig)
+    made.append(("Latency vs throughput", "latency_throughput.png"))
+
+    measured = [r for r in run.results if r.status == "measured"]
+    series: dict[tuple[str, int], list[Any]] = {}
+    for r in measured:
+        series.setdefault((r.config.variant, r.config.workers), []).append(r)
+    if any(len({x.config.batch_size for x in v}) > 1 for v in series.values()):
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+        for (variant, workers), rs in sorted(series.items()):
+            rs = sorted(rs, key=lambda r: r.config.batch_size)
+            ax1.plot([r.config.batch_size for r in rs], [min(r.best.p99, top) if r.best else math.nan for r in rs],
+                     marker="o", label=f"{variant} w{workers}")
+            ax2.plot([r.config.batch_size for r in rs], [r.capacity for r in rs], marker="o", label=f"{variant} w{workers}")
+        ax1.axhline(sla, color="red", linestyle=":")
+        batches = sorted({r.config.batch_size for r in measured})
+        for ax, yl in ((ax1, "p99 at the capacity point (ms)"), (ax2, "capacity within SLA (requests/s)")):
+            ax.set_xticks(batches)
+            ax.set_xlabel("batch size")
+            ax.set_ylabel(yl)
+            ax.grid(alpha=0.3)
+        ax2.legend(fontsize=7)
+        fig.suptitle("Batch size: p99 at capacity and capacity")
+        fig.tight_layout()
+        fig.savefig(out / "p99_vs_batch.png", dpi=110)
+        plt.close(fig)
+        made.append(("p99 and capacity vs batch size", "p99_vs_batch.png"))
+    wseries: dict[tuple[str, int, int], list[Any]] = {}
+    for r in measured:
+        wseries.setdefault((r.config.variant, r.config.batch_size, r.config.max_batch_delay_ms), []).append(r)
+    if any(len({x.config.workers for x in v}) > 1 for v in wseries.values()):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for (variant, b, d), rs in sorted(wseries.items()):
+            rs = sorted(rs, key=lambda r: r.config.workers)
+            ax.plot([r.config.workers for r in rs], [r.capacity for r in rs], marker="o", label=f"{variant} b{b} d{d}")
+        ax.set_xlabel("workers")
+        ax.set_ylabel("capacity within SLA (requests/s)")
+        ax.set_title("Throughput within the SLA vs workers")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "throughput_vs_workers.png", dpi=110)
+        plt.close(fig)
+        made.append(("Throughput vs workers", "throughput_vs_workers.png"))
+    return made
+
+
+def write_report(run: "Run") -> Answer:
+    cfg, out = run.cfg, run.dir
+    a = analyze(run)
+    ans = answer_lines(run, a)
+    w = a["winner"]
+    ready = None
+    if w is not None:
+        readies = [r.ready_s for r in run.results if r.config.variant == w.config.variant and r.ready_s]
+        ready = max(readies) if readies else None
+    rec = recommendation(run, a, ready)
+    if rec is not None:
+        model_cfg, overlay = rec
+        (out / "recommended-model-config.yaml").write_text(
+            f"# Recommended by `servekit bench` ({cfg.name}): {w.capacity:.1f} requests/s per server within "
+            f"p99 <= {cfg.sla.p99_ms:g} ms.\n" + yaml.safe_dump(model_cfg, sort_keys=False))
+        (out / "recommendation.json").write_text(json.dumps(overlay, indent=2) + "\n")
+    else:
+        for name in ("recommended-model-config.yaml", "recommendation.json"):
+            (out / name).unlink(missing_ok=True)
+    try:
+        plots = _plots(run, a, out)
+    except Exception as e:  # a plot must never lose the report
+        plots = []
+        ans.lines.append(f"(plots failed: {type(e).__name__}: {e})")
+    front = a["front"]
+    results_json = {
+        "name": cfg.name, "started": run.started, "elapsed_s": round(run.elapsed(), 1),
+        "partial": run.interrupted, "fatal": run.fatal, "answered": ans.answered, "answer": ans.lines,
+        "sla": {"p99_ms": cfg.sla.p99_ms, "p50_ms": cfg.sla.p50_ms, "max_error_rate": cfg.sla.max_error_rate},
+        "load_mode": cfg.load.mode,
+        "configs": [{**r.config.to_dict(), "status": r.status, "error": r.error,
+                     "capacity_rps": round(r.capacity, 3),
+                     "p50_ms": r.best.summary.p["p50"] if r.best else None,
+                     "p99_ms": r.best.summary.p["p99"] if r.best else None,
+                     "load_at_capacity": r.best.load.level if r.best else None,
+                     "first_failing_load": r.search.first_fail if r.search else None,
+                     "search": r.search.bound if r.search else None, "ready_s": r.ready_s,
+                     "repeats_rps": r.repeats, "pareto": i in front,
+                     "baseline": r.config.variant == a["base_name"]}
+                    for i, r in enumerate(run.results)],
+        "winner": w.config.to_dict() if w else None,
+        "baseline": a["baseline"].config.to_dict() if a["baseline"] else None,
+        "margin_over_baseline": (w.capacity / a["baseline"].capacity
+                                 if w and a["baseline"] and a["baseline"].capacity > 0 else None),
+        "recommendation": rec[1] if rec else None,
+        "payloads": run.payload_info, "versions": run.versions,
+    }
+    (out / "results.json").write_text(json.dumps(results_json, indent=2, default=str) + "\n")
+
+    L: list[str] = [f"# servekit bench: {cfg.name}", ""]
+    if run.interrupted:
+        L += ["> **Partial report**: the run was interrupted.", ""]
+    L += ["**Question:** which configuration gives the most throughput while p99 stays within the SLA, and by how "
+          "much does it beat the stock setup?", ""]
+    L += [f"**Answer:** {ans.lines[0] if ans.lines else ''}", ""] + [f"- {x}" for x in ans.lines[1:]] + [""]
+    v = run.versions
+    L += ["## Setup", "",
+          f"- SLA: p99 <= {cfg.sla.p99_ms:g} ms" + (f", p50 <= {cfg.sla.p50_ms:g} ms" if cfg.sla.p50_ms else "")
+          + f", error rate <= {cfg.sla.max_error_rate:.1%}; a failed request counts as infinitely slow in the SLA "
+          "percentiles.",
+          f"- Load: {cfg.load.mode} loop" + (f" ({cfg.load.arrival} arrivals; latency timed from each request's "
+                                               "scheduled send time)" if cfg.load.mode == "open" else " (N users)")
+          + f"; locust/gevent load processes; request timeout {cfg.load.timeout_s:g}s.",
+          f"- Measurement: warm-up {cfg.measurement.warmup_s:g}s (excluded), windows of {cfg.measurement.window_s:g}s "
+          f"until the last {cfg.measurement.stable_windows} agree (throughput and p50 within "
+          f"{cfg.measurement.tolerance:.0%}, p99 within {cfg.measurement.tail_tolerance:.0%}) or "
+          f"{cfg.measurement.max_trials} windows; percentiles are exact (nearest rank) over every request of the "
+          "agreeing windows.",
+          f"- Payloads: {run.payload_info.get('count', '?')} bodies, characters p50 "
+          f"{_num(run.payload_info.get('chars_p50'), 0)}, p90 {_num(run.payload_info.get('chars_p90'), 0)}, max "
+          f"{run.payload_info.get('chars_max', '-')}.",
+          f"- Target: {'local TorchServe from ' + str(cfg.target.local.config) if cfg.target.local else cfg.target.remote.inference_url}.",
+          f"- Machine: {v.get('machine')}, {v.get('cpu_count')} CPUs, GPU: {', '.join(v.get('gpu') or ['none'])}"
+          + (f" (driver {v['nvidia_driver']})" if v.get("nvidia_driver") else "") + ".",
+          f"- Versions: python {v.get('python')}, torch {v.get('torch')}, torchserve {v.get('torchserve')}, "
+          f"transformers {v.get('transformers')}, locust {v.get('locust')}.",
+          f"- Started {run.started}, {run.elapsed():.0f}s so far.", ""]
+    L += ["## Ranking", "", "Capacity = throughput of the highest load that met the SLA (stable windows). "
+          "P = on the Pareto front of (capacity, p99 at capacity).", "",
+          "| # | config | capacity rps | p50 ms | p99 ms | load | texts/batch | queue ms | inference ms | GPU util | P | search |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    idx = {id(r): i for i, r in enumerate(run.results)}
+    for n, r in enumerate(a["ranked"], 1):
+        bp = r.best
+        s = bp.server
+        L.append(f"| {n} | {r.config.label()}{' (stock)' if r.config.variant == a['base_name'] else ''} | "
+                 f"{r.capacity:.1f} | {_num(bp.summary.p['p50'])} | {_num(bp.summary.p['p99'])} | {bp.load.label()} | "
+                 f"{_num(s.get('texts_per_batch'), 2)} | {_num(s.get('ts_queue_mean_ms'))} | "
+                 f"{_num(s.get('ts_inference_mean_ms'))} | {_num(bp.gpu.get('util_mean_pct'), 0)} | "
+                 f"{'P' if idx[id(r)] in front else ''} | {r.search.bound} |")
+    other = [r for r in run.results if r not in a["ranked"]]
+    if other:
+        L += ["", "Configurations without a passing load:", ""]
+        for r in other:
+            why = r.error or (r.search.bound if r.search else r.status)
+            L.append(f"- {r.config.label()}: {r.status}: {(why or '').splitlines()[0] if why else ''}")
+    if rec is not None:
+        L += ["", "## Recommendation", "", "`recommended-model-config.yaml`:", "", "```yaml",
+              (out / "recommended-model-config.yaml").read_text().rstrip(), "```", "",
+              "`recommendation.json` (for the Kubernetes overlay):", "", "```json",
+              json.dumps(rec[1], indent=2), "```"]
+    if plots:
+        L += ["", "## Plots", ""]
+        for title, f in plots:
+            L += [f"### {title}", "", f"![{title}]({f})", ""]
+    L += ["## Every point", "",
+          "| config | load | role | status | rps | p50 | p90 | p99 | p99.9 | errors | windows | stable | notes |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in run.points:
+        s = p.summary
+        L.append(f"| {p.config.label()} | {p.load.mode} {p.load.label()} | {p.role} | {p.status} | "
+                 f"{_num(s.throughput)} | {_num(s.p['p50'])} | {_num(s.p['p90'])} | {_num(s.p['p99'])} | "
+                 f"{_num(s.p['p99.9'])} | {s.error_rate:.2%} | {len(p.windows)} | {'yes' if p.stable else 'no'} | "
+                 f"{'; '.join(p.reasons).replace('|', '/')} |")
+    L += ["", "## Files", "", "- `points.jsonl`: every point (config, load, summary, percentiles, errors, windows, "
+          "server metrics, GPU, versions)", "- `raw/`: every request of every point (numpy .npz: intended, start, end, "
+          "status, payload index; seconds)", "- `results.json`, `recommendation.json`, `recommended-model-config.yaml`",
+          "- `bench.yaml`: the sweep file as run", ""]
+    (out / "report.md").write_text("\n".join(L))
+    return ans

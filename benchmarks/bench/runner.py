@@ -1,0 +1,305 @@
+"""`servekit bench <yaml>` / `python -m benchmarks bench <yaml>`: the SLA-driven auto-benchmark.
+
+Answers: which serving configuration gives the most throughput while p99 stays within the SLA,
+and by how much does it beat the stock setup? One TorchServe runs for the whole sweep; every
+point is appended to points.jsonl as soon as it is measured and the report is rewritten after
+every configuration, so an interrupted run (Ctrl-C) still leaves a valid partial report.
+
+Exit status: 0 the question is answered; 1 no configuration meets the SLA, or the baseline could
+not be measured; 2 the YAML is invalid; 3 the server or load generator failed before any answer;
+130 interrupted (the partial report is written).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from benchmarks.bench import archives
+from benchmarks.bench.loadgen import LoadGenerator, LoadGenError, LoadSpec, processes_for
+from benchmarks.bench.measure import ERROR, PointResult, ServingConfig, measure_point
+from benchmarks.bench.payloads import describe, load_bodies, write_bodies
+from benchmarks.bench.schema import BenchConfig, SchemaError, Variant, load_config
+from benchmarks.bench.search import SearchResult, search_capacity
+from benchmarks.bench.server_metrics import GPUSampler, scrape
+from benchmarks.bench.target import Server
+from benchmarks.server import ServerError
+
+EXIT_OK, EXIT_NO_ANSWER, EXIT_SCHEMA, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+@dataclass
+class ConfigResult:
+    config: ServingConfig
+    status: str = "pending"   # measured, error, skipped
+    error: str | None = None
+    search: SearchResult | None = None
+    ready_s: float | None = None
+    repeats: list[float] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> float:
+        if self.search is None or self.search.best is None:
+            return 0.0
+        return min([self.search.capacity, *self.repeats])
+
+    @property
+    def best(self) -> PointResult | None:
+        return self.search.best if self.search else None
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
+                           "machine": platform.node(), "cpu_count": __import__("os").cpu_count()}
+    from importlib import metadata
+    for pkg in ("torch", "torchserve", "torch-model-archiver", "transformers", "locust", "numpy", "servekit"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+class Run:
+    def __init__(self, cfg: BenchConfig, out_dir: Path, console: Console) -> None:
+        self.cfg = cfg
+        self.dir = out_dir
+        self.console = console
+        self.results: list[ConfigResult] = []
+        self.points: list[PointResult] = []
+        self.t0 = time.monotonic()
+        self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.gpu = GPUSampler()
+        self.versions = versions()
+        self.versions["gpu"] = self.gpu.names or None
+        self.versions["nvidia_driver"] = self.gpu.driver
+        self.interrupted = False
+        self.fatal: str | None = None
+        self.payload_info: dict[str, Any] = {}
+        self.mars: dict[str, str] = {}
+        self.variant_configs: dict[str, dict[str, Any]] = {}
+        self.point_seq = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def out_of_time(self) -> bool:
+        b = self.cfg.measurement.budget_s
+        return b is not None and self.elapsed() > b
+
+    def record_point(self, p: PointResult) -> None:
+        self.points.append(p)
+        from benchmarks.bench.report import point_json
+        with open(self.dir / "points.jsonl", "a") as f:
+            f.write(json.dumps(point_json(p, self.versions, self.cfg)) + "\n")
+        s = p.summary
+        style = {"pass": "green", "fail": "red", "unstable": "yellow"}.get(p.status, "red")
+        figs = (f"{s.throughput:7.1f} rps  p50 {s.p['p50']:7.1f}  p99 {s.p['p99']:7.1f} ms  err {s.error_rate:.1%}"
+                if s else "")
+        extra = f"  batch {p.server['texts_per_batch']:.1f}" if p.server.get("texts_per_batch") else ""
+        self.console.print(f"  [{style}]{p.status:8}[/] {p.role:6} {p.load.label():>12}  {figs}{extra}"
+                           + (f"  [dim]{'; '.join(p.reasons)}[/]" if p.reasons else ""))
+
+    # -- steps ---------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        cfg = self.cfg
+        bodies = load_bodies(cfg.payloads)
+        self.payload_info = describe(bodies)
+        self.bodies_path = write_bodies(bodies, self.dir / "bodies.jsonl")
+        if cfg.target.local is not None:
+            self.model_store = cfg.output_dir / "model_store"
+        else:
+            self.model_store = cfg.target.remote.model_store
+        for v in cfg.variants:
+            if v.mar:
+                self.mars[v.name] = v.mar
+                continue
+            vc = archives.variant_config(v.model, v.config, v.overrides, v.plan)
+            if "servekit" in vc:
+                from optimizations.plan import PlanError, parse_plan
+                try:
+                    parse_plan(vc["servekit"], f"variants[{v.name}].plan")
+                except PlanError as e:
+                    raise SchemaError(str(e)) from None
+            self.variant_configs[v.name] = vc
+            with self.console.status(f"building archive {v.name}.mar ({v.model})"):
+                t = time.monotonic()
+                mar = archives.build_variant(v.model, v.name, dict(vc), self.model_store, self.dir / "configs")
+            self.console.print(f"archive {mar.name} ready ({time.monotonic() - t:.0f}s)")
+            self.mars[v.name] = mar.name
+
+    def plan_configs(self, v: Variant) -> list[list[ServingConfig]]:
+        """Groups of configs sharing one registration (same batch size and delay)."""
+        a = v.axes
+        return [[ServingConfig(v.name, w, b, d) for w in a.workers]
+                for b, d in itertools.product(a.batch_size, a.max_batch_delay_ms)]
+
+    def run_config(self, server: Server, gen: LoadGenerator, c: ConfigResult, register: bool) -> None:
+        cfg, console = self.cfg, self.console
+        conf = c.config
+        gen.path = cfg.request.path.replace("{model}", conf.variant)  # each variant is served under its name
+        console.rule(f"[bold]{conf.label()}[/]  ({self.elapsed():.0f}s elapsed)")
+        try:
+            if register:
+                with console.status(f"registering {conf.variant}: batch {conf.batch_size}, delay "
+                                    f"{conf.max_batch_delay_ms} ms, {conf.workers} worker(s)"):
+                    c.ready_s = server.register(self.mars[conf.variant], conf.variant, conf.batch_size,
+                                                conf.max_batch_delay_ms, conf.workers)
+                console.print(f"  ready in {c.ready_s:.1f}s")
+            elif server.current is not None and server.current.workers != conf.workers:
+                with console.status(f"scaling to {conf.workers} worker(s)"):
+                    c.ready_s = server.scale(conf.workers)
+                console.print(f"  scaled in {c.ready_s:.1f}s")
+        except ServerError as e:
+            c.status, c.error = ERROR, f"server not ready: {e}"
+            console.print(f"  [red]ERROR[/] {c.error}")
+            server.current = None if register else server.current
+            return
+
+        def measure(load: LoadSpec, role: str) -> PointResult:
+            procs = processes_for(load, cfg.load.processes, cfg.load.rps_per_process, cfg.load.users_per_process)
+            self.point_seq += 1
+            raw = self.dir / "raw" / f"{self.point_seq:04d}-{conf.variant}-w{conf.workers}-b{conf.batch_size}" \
+                                     f"-d{conf.max_batch_delay_ms}-{load.mode}-{load.level:g}.npz"
+            with console.status(f"  {role} {load.label()} ..."):
+                p = measure_point(gen, conf, load, procs, cfg.measurement, cfg.sla, cfg.load.timeout_s,
+                                  lambda: scrape(server.metrics_url), conf.variant, self.gpu, raw)
+            p.role = role
+            self.record_point(p)
+            return p
+
+        def probe() -> PointResult:
+            users = max(2, 2 * conf.workers * conf.batch_size)
+            return measure(LoadSpec("closed", float(users)), "probe")
+
+        c.search = search_capacity(cfg.load, measure, probe if cfg.load.mode == "open" else None, self.out_of_time)
+        c.status = "measured"
+        best = c.search.best
+        for _ in range(cfg.measurement.repeats - 1):
+            if best is None or self.out_of_time():
+                break
+            p = measure(best.load, "repeat")
+            c.repeats.append(p.throughput if p.passed else 0.0)
+        cap = c.capacity
+        console.print(f"  [bold]capacity within SLA: {cap:.1f} rps[/] ({c.search.bound})")
+
+    def sweep(self, server: Server, gen: LoadGenerator) -> None:
+        cfg = self.cfg
+        order = sorted(cfg.variants, key=lambda v: not v.baseline)  # baseline first
+        for v in order:
+            groups = self.plan_configs(v)
+            if cfg.strategy == "staged" and not v.baseline and len(groups) > 1:
+                self._staged(server, gen, v, groups)
+                continue
+            for group in groups:
+                for k, conf in enumerate(group):
+                    self._one(server, gen, conf, register=k == 0)
+            server.unregister()
+
+    def _one(self, server: Server, gen: LoadGenerator, conf: ServingConfig, register: bool) -> ConfigResult:
+        c = ConfigResult(conf)
+        self.results.append(c)
+        if self.out_of_time():
+            c.status, c.error = "skipped", "time budget exhausted before this configuration"
+            self.console.print(f"[yellow]skipped[/] {conf.label()}: {c.error}")
+            return c
+        self.run_config(server, gen, c, register or server.current is None)
+        self.write_report()
+        return c
+
+    def _staged(self, server: Server, gen: LoadGenerator, v: Variant, groups: list[list[ServingConfig]]) -> None:
+        """Batch size and delay at the first worker count, then every worker count at the best of those."""
+        first = [self._one(server, gen, g[0], register=True) for g in groups]
+        best = max(first, key=lambda c: c.capacity)
+        rest = next(g for g in groups if g[0] == best.config)[1:]
+        for k, conf in enumerate(rest):
+            self._one(server, gen, conf, register=k == 0)
+        server.unregister()
+
+    def write_report(self):
+        from benchmarks.bench.report import write_report
+        return write_report(self)
+
+
+def run(cfg: BenchConfig, out_dir: Path, console: Console) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    r = Run(cfg, out_dir, console)
+    console.print(f"[bold]servekit bench[/] {cfg.name}: SLA p99 <= {cfg.sla.p99_ms:g} ms"
+                  + (f", p50 <= {cfg.sla.p50_ms:g} ms" if cfg.sla.p50_ms else "")
+                  + f", errors <= {cfg.sla.max_error_rate:.1%}; output {out_dir}")
+    if cfg.source:
+        (out_dir / "bench.yaml").write_text(cfg.source.read_text())
+    try:
+        r.prepare()
+        server = Server(cfg.target, out_dir, r.model_store)
+        with server:
+            gen = LoadGenerator(out_dir / "loadgen", server.inference_url,
+                                cfg.request.path, r.bodies_path, cfg.request.content_type,
+                                cfg.request.headers, cfg.load.timeout_s, cfg.load.max_inflight)
+            try:
+                r.sweep(server, gen)
+            finally:
+                gen.close()
+    except KeyboardInterrupt:
+        r.interrupted = True
+        console.print("[yellow]interrupted: writing the partial report[/]")
+    except (ServerError, LoadGenError, OSError) as e:
+        r.fatal = f"{type(e).__name__}: {e}"
+        console.print(f"[red]FAILED[/] {r.fatal}")
+    finally:
+        answer = None
+        try:
+            answer = r.write_report()
+        except KeyboardInterrupt:
+            pass
+    if r.interrupted:
+        return EXIT_INTERRUPTED
+    if answer is None:
+        return EXIT_FAILED
+    console.print()
+    for line in answer.lines:
+        console.print(line)
+    console.print(f"\nreport: {out_dir / 'report.md'}")
+    if r.fatal and not answer.answered:
+        return EXIT_FAILED
+    return EXIT_OK if answer.answered else EXIT_NO_ANSWER
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="servekit bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Exit status: 0 answered, 1 no config meets the SLA (or no baseline), "
+                                       "2 invalid YAML, 3 server/load generator failure, 130 interrupted.")
+    p.add_argument("sweep", type=Path, help="benchmark YAML (see benchmarks/sweeps/example.yaml)")
+    p.add_argument("--out", type=Path, help="run folder (default: <output.dir>/<name>-<UTC time>)")
+    p.add_argument("--check", action="store_true", help="validate the YAML and exit")
+    args = p.parse_args(argv)
+    console = Console(stderr=False, highlight=False)
+    try:
+        cfg = load_config(args.sweep)
+    except (SchemaError, OSError) as e:
+        console.print(f"[red]invalid benchmark file[/] {args.sweep}: {e}")
+        return EXIT_SCHEMA
+    if args.check:
+        console.print(f"{args.sweep}: valid ({len(cfg.variants)} variants)")
+        return EXIT_OK
+    out = args.out or cfg.output_dir / f"{cfg.name}-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+    try:
+        return run(cfg, out.resolve(), console)
+    except SchemaError as e:
+        console.print(f"[red]invalid benchmark file[/] {args.sweep}: {e}")
+        return EXIT_SCHEMA
+
+
+if __name__ == "__main__":
+    sys.exit(main())

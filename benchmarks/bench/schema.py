@@ -1,0 +1,469 @@
+"""The benchmark YAML, validated once into small frozen dataclasses.
+
+Every key is checked before anything starts: an unknown key or a bad value fails with the key's
+path (`sweep.batch_size[2]: expected a positive integer, got 0`), never deep inside a run.
+The commented reference is benchmarks/sweeps/example.yaml; docs/benchmark.md explains each key.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+class SchemaError(ValueError):
+    """A malformed benchmark YAML; the message starts with the key's path."""
+
+
+# -- small checkers ----------------------------------------------------------------------------
+def _keys(path: str, raw: Any, allowed: set[str], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SchemaError(f"{path or '<top>'}: expected a mapping, got {type(raw).__name__}")
+    for k in raw:
+        if not isinstance(k, str):
+            raise SchemaError(f"{path or '<top>'}: keys must be strings, got {k!r}")
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise SchemaError(f"{where}: unknown key (allowed: {', '.join(sorted(allowed))})")
+    for k in required:
+        if k not in raw:
+            raise SchemaError(f"{path}.{k}: required" if path else f"{k}: required")
+    return raw
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _pos_int(path: str, v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise SchemaError(f"{path}: expected a positive integer, got {v!r}")
+    return v
+
+
+def _nonneg_int(path: str, v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise SchemaError(f"{path}: expected a non-negative integer, got {v!r}")
+    return v
+
+
+def _pos_num(path: str, v: Any) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v != v or v == float("inf"):
+        raise SchemaError(f"{path}: expected a positive number, got {v!r}")
+    return float(v)
+
+
+def _nonneg_num(path: str, v: Any) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 or v == float("inf"):
+        raise SchemaError(f"{path}: expected a non-negative number, got {v!r}")
+    return float(v)
+
+
+def _fraction(path: str, v: Any, open_zero: bool = False) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 < v < 1 if open_zero else 0 <= v < 1):
+        raise SchemaError(f"{path}: expected a number in {'(0, 1)' if open_zero else '[0, 1)'}, got {v!r}")
+    return float(v)
+
+
+def _choice(path: str, v: Any, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        raise SchemaError(f"{path}: {v!r} is not one of {', '.join(choices)}")
+    return v
+
+
+def _str(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise SchemaError(f"{path}: expected a non-empty string, got {v!r}")
+    return v
+
+
+def _bool(path: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise SchemaError(f"{path}: expected true or false, got {v!r}")
+    return v
+
+
+def _list(path: str, v: Any, item, nonempty: bool = True) -> tuple:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = [v]
+    if not isinstance(v, list) or (nonempty and not v):
+        raise SchemaError(f"{path}: expected a non-empty list, got {v!r}")
+    return tuple(item(f"{path}[{i}]", x) for i, x in enumerate(v))
+
+
+def _url(path: str, v: Any) -> str:
+    v = _str(path, v)
+    if not re.match(r"^https?://[^/\s]+", v):
+        raise SchemaError(f"{path}: expected an http(s):// URL, got {v!r}")
+    return v.rstrip("/")
+
+
+def _path(path: str, v: Any, base: Path, must_exist: bool = True) -> Path:
+    p = Path(_str(path, v)).expanduser()
+    if not p.is_absolute():
+        p = (base / p).resolve()
+    if must_exist and not p.exists():
+        raise SchemaError(f"{path}: {p} does not exist")
+    return p
+
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+# -- dataclasses -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LocalTarget:
+    config: Path
+    extra_props: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    inference_url: str
+    management_url: str
+    metrics_url: str | None = None
+    model_store: Path | None = None  # a folder the remote server reads, when archives must be built
+
+
+@dataclass(frozen=True)
+class Target:
+    local: LocalTarget | None
+    remote: RemoteTarget | None
+    ready_timeout_s: float = 600.0
+    keep_models: bool = False  # leave the last registered model on the server (remote use)
+
+
+@dataclass(frozen=True)
+class Axes:
+    workers: tuple[int, ...] = (1,)
+    batch_size: tuple[int, ...] = (1,)
+    max_batch_delay_ms: tuple[int, ...] = (5,)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    model: str | None  # archive spec name (handlers.archive.SPECS) to build from
+    mar: str | None    # or an archive already in the server's model store
+    config: Path | None
+    overrides: dict[str, Any]
+    plan: dict[str, Any]
+    baseline: bool
+    axes: Axes  # the sweep axes for this variant (the global sweep unless the variant fixes its own)
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Request:
+    path: str = "/predictions/{model}"
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Payloads:
+    file: Path | None = None
+    body: Any = None
+    generate: dict[str, Any] | None = None  # {words: [..], weights: [..], count, seed}
+
+
+@dataclass(frozen=True)
+class Search:
+    enabled: bool = True
+    start: float | None = None  # None: from a closed-loop saturation probe
+    growth: float = 2.0
+    precision: float = 0.1
+    max_points: int = 8
+    max_level: float = 1e6
+
+
+@dataclass(frozen=True)
+class Load:
+    mode: str = "open"        # open: arrival rate (requests/s); closed: concurrent users
+    arrival: str = "poisson"  # open loop only: poisson or constant
+    levels: tuple[float, ...] = ()
+    search: Search = field(default_factory=Search)
+    processes: int | None = None  # None: auto
+    rps_per_process: float = 800.0
+    users_per_process: int = 256
+    timeout_s: float = 30.0
+    max_inflight: int = 4096
+
+
+@dataclass(frozen=True)
+class SLA:
+    p99_ms: float
+    p50_ms: float | None = None
+    max_error_rate: float = 0.01
+
+
+@dataclass(frozen=True)
+class Measurement:
+    warmup_s: float = 3.0
+    window_s: float = 5.0
+    tolerance: float = 0.10
+    tail_tolerance: float = 0.25
+    stable_windows: int = 3
+    max_trials: int = 6
+    repeats: int = 1
+    budget_s: float | None = None
+    settle_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class Deploy:
+    target_rps: float | None = None
+    headroom: float = 0.8
+    warmup_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    target: Target
+    variants: tuple[Variant, ...]
+    strategy: str
+    request: Request
+    payloads: Payloads
+    load: Load
+    sla: SLA
+    measurement: Measurement
+    deploy: Deploy
+    output_dir: Path
+    source: Path | None = None
+
+    @property
+    def baseline(self) -> Variant | None:
+        return next((v for v in self.variants if v.baseline), None)
+
+
+# -- parsing -----------------------------------------------------------------------------------
+def _axes(path: str, raw: Any, default: Axes) -> Axes:
+    raw = _keys(path, raw, {"workers", "batch_size", "max_batch_delay_ms"})
+    def axis(key: str, item) -> tuple[int, ...]:
+        if key not in raw:
+            return getattr(default, key)
+        values = _list(_join(path, key), raw[key], item)
+        if len(set(values)) != len(values):
+            raise SchemaError(f"{_join(path, key)}: duplicate values in {list(values)}")
+        return values
+    return Axes(workers=axis("workers", _pos_int), batch_size=axis("batch_size", _pos_int),
+                max_batch_delay_ms=axis("max_batch_delay_ms", _nonneg_int))
+
+
+def _target(raw: Any, base: Path) -> Target:
+    raw = _keys("target", raw, {"local", "remote", "ready_timeout_s", "keep_models"})
+    if ("local" in raw) == ("remote" in raw):
+        raise SchemaError("target: give exactly one of `local` (start TorchServe from config/) or `remote` (URLs)")
+    local = remote = None
+    if "local" in raw:
+        lr = _keys("target.local", raw["local"], {"config", "extra_props"})
+        props = _keys("target.local.extra_props", lr.get("extra_props"), set(lr.get("extra_props") or {}))
+        local = LocalTarget(_path("target.local.config", lr.get("config", "config/config.properties"), ROOT),
+                            {str(k): str(v) for k, v in props.items()})
+    else:
+        rr = _keys("target.remote", raw["remote"], {"inference_url", "management_url", "metrics_url", "model_store"},
+                   ("inference_url", "management_url"))
+        remote = RemoteTarget(_url("target.remote.inference_url", rr["inference_url"]),
+                              _url("target.remote.management_url", rr["management_url"]),
+                              _url("target.remote.metrics_url", rr["metrics_url"]) if rr.get("metrics_url") else None,
+                              _path("target.remote.model_store", rr["model_store"], base) if rr.get("model_store") else None)
+    return Target(local, remote,
+                  _pos_num("target.ready_timeout_s", raw.get("ready_timeout_s", 600)),
+                  _bool("target.keep_models", raw.get("keep_models", False)))
+
+
+def _variants(raw: Any, axes: Axes, base: Path, remote_without_store: bool) -> tuple[Variant, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise SchemaError("variants: expected a non-empty list of variants")
+    out: list[Variant] = []
+    for i, rv in enumerate(raw):
+        p = f"variants[{i}]"
+        rv = _keys(p, rv, {"name", "model", "mar", "config", "overrides", "plan", "baseline", "sweep", "description"},
+                   ("name",))
+        name = _str(f"{p}.name", rv["name"])
+        if not NAME_RE.match(name):
+            raise SchemaError(f"{p}.name: {name!r} must be letters, digits, '.', '_' or '-' (it becomes a model name)")
+        if name in {v.name for v in out}:
+            raise SchemaError(f"{p}.name: duplicate variant name {name!r}")
+        if ("model" in rv) == ("mar" in rv):
+            raise SchemaError(f"{p}: give exactly one of `model` (an archive spec to build) or `mar` (an archive "
+                              "already in the model store)")
+        model = mar = None
+        if "model" in rv:
+            from benchmarks.bench.archives import SPECS  # registers the benchmark's own specs
+            model = _str(f"{p}.model", rv["model"])
+            if model not in SPECS:
+                raise SchemaError(f"{p}.model: unknown archive model {model!r} (known: {', '.join(sorted(SPECS))})")
+            if remote_without_store:
+                raise SchemaError(f"{p}.model: a remote target needs `target.remote.model_store` to build archives "
+                                  "into; or name an existing archive with `mar`")
+        else:
+            mar = _str(f"{p}.mar", rv["mar"])
+            for key in ("config", "overrides", "plan"):
+                if key in rv:
+                    raise SchemaError(f"{p}.{key}: only for variants built from `model`")
+        overrides = _keys(f"{p}.overrides", rv.get("overrides"), set(rv.get("overrides") or {}))
+        from benchmarks.bench.archives import FRONTEND_SWEPT
+        for k in overrides:
+            if k in FRONTEND_SWEPT:
+                raise SchemaError(f"{p}.overrides.{k}: set by the sweep (workers, batch_size, max_batch_delay_ms), "
+                                  "not in the archive")
+            if k == "servekit":
+                raise SchemaError(f"{p}.overrides.servekit: put plan keys under `{p}.plan`")
+        plan = _keys(f"{p}.plan", rv.get("plan"), set(rv.get("plan") or {}))
+        if plan:
+            from optimizations.plan import PlanError, parse_plan
+            try:
+                parse_plan(plan, f"{p}.plan")  # the keys alone; merged with the base plan at build time
+            except PlanError as e:
+                raise SchemaError(str(e)) from None
+        out.append(Variant(
+            name=name, model=model, mar=mar,
+            config=_path(f"{p}.config", rv["config"], base) if rv.get("config") else None,
+            overrides=dict(overrides), plan=dict(plan),
+            baseline=_bool(f"{p}.baseline", rv.get("baseline", False)),
+            axes=_axes(f"{p}.sweep", rv.get("sweep"), axes),
+            description=str(rv.get("description", "")),
+        ))
+    if sum(v.baseline for v in out) > 1:
+        raise SchemaError("variants: at most one variant may be `baseline: true`")
+    return tuple(out)
+
+
+def _load(raw: Any) -> Load:
+    raw = _keys("load", raw, {"mode", "arrival", "levels", "search", "processes", "rps_per_process",
+                              "users_per_process", "timeout_s", "max_inflight"})
+    mode = _choice("load.mode", raw.get("mode", "open"), ("open", "closed"))
+    item = _pos_num if mode == "open" else _pos_int
+    levels = _list("load.levels", raw["levels"], item) if raw.get("levels") is not None else ()
+    if list(levels) != sorted(set(levels)):
+        raise SchemaError(f"load.levels: values must be strictly increasing, got {list(levels)}")
+    s = raw.get("search", True)
+    if isinstance(s, bool):
+        search = Search(enabled=s)
+    else:
+        s = _keys("load.search", s, {"start", "growth", "precision", "max_points", "max_level"})
+        start = s.get("start", "auto")
+        search = Search(
+            enabled=True,
+            start=None if start == "auto" else (_pos_num("load.search.start", start) if mode == "open"
+                                                 else float(_pos_int("load.search.start", start))),
+            growth=_pos_num("load.search.growth", s.get("growth", 2.0)),
+            precision=_fraction("load.search.precision", s.get("precision", 0.1), open_zero=True),
+            max_points=_pos_int("load.search.max_points", s.get("max_points", 8)),
+            max_level=_pos_num("load.search.max_level", s.get("max_level", 1e6)),
+        )
+        if search.growth <= 1:
+            raise SchemaError(f"load.search.growth: expected a number > 1, got {search.growth}")
+    if not search.enabled and not levels:
+        raise SchemaError("load: with `search: false` give `levels` to measure")
+    processes = raw.get("processes", "auto")
+    return Load(
+        mode=mode,
+        arrival=_choice("load.arrival", raw.get("arrival", "poisson"), ("poisson", "constant")),
+        levels=levels, search=search,
+        processes=None if processes == "auto" else _pos_int("load.processes", processes),
+        rps_per_process=_pos_num("load.rps_per_process", raw.get("rps_per_process", 800)),
+        users_per_process=_pos_int("load.users_per_process", raw.get("users_per_process", 256)),
+        timeout_s=_pos_num("load.timeout_s", raw.get("timeout_s", 30)),
+        max_inflight=_pos_int("load.max_inflight", raw.get("max_inflight", 4096)),
+    )
+
+
+def _payloads(raw: Any, base: Path) -> Payloads:
+    raw = _keys("payloads", raw, {"file", "body", "generate"})
+    given = [k for k in ("file", "body", "generate") if k in raw]
+    if len(given) != 1:
+        raise SchemaError("payloads: give exactly one of `file` (JSONL, one request body per line), `body` "
+                          "(one fixed body) or `generate` (synthetic texts)")
+    if "file" in raw:
+        return Payloads(file=_path("payloads.file", raw["file"], base))
+    if "body" in raw:
+        return Payloads(body=raw["body"])
+    g = _keys("payloads.generate", raw["generate"], {"words", "weights", "count", "seed", "field"}, ("words",))
+    words = _list("payloads.generate.words", g["words"], _pos_int)
+    weights = _list("payloads.generate.weights", g["weights"], _pos_num) if "weights" in g else (1.0,) * len(words)
+    if len(weights) != len(words):
+        raise SchemaError(f"payloads.generate.weights: {len(weights)} weights for {len(words)} lengths")
+    return Payloads(generate={"words": list(words), "weights": list(weights),
+                              "count": _pos_int("payloads.generate.count", g.get("count", 200)),
+                              "seed": _nonneg_int("payloads.generate.seed", g.get("seed", 0)),
+                              "field": _str("payloads.generate.field", g.get("field", "text"))})
+
+
+def _measurement(raw: Any) -> Measurement:
+    raw = _keys("measurement", raw, {"warmup_s", "window_s", "tolerance", "tail_tolerance", "stable_windows",
+                                     "max_trials", "repeats", "budget_s", "settle_s"})
+    m = Measurement(
+        warmup_s=_nonneg_num("measurement.warmup_s", raw.get("warmup_s", 3.0)),
+        window_s=_pos_num("measurement.window_s", raw.get("window_s", 5.0)),
+        tolerance=_fraction("measurement.tolerance", raw.get("tolerance", 0.10), open_zero=True),
+        tail_tolerance=_fraction("measurement.tail_tolerance", raw.get("tail_tolerance", 0.25), open_zero=True),
+        stable_windows=_pos_int("measurement.stable_windows", raw.get("stable_windows", 3)),
+        max_trials=_pos_int("measurement.max_trials", raw.get("max_trials", 6)),
+        repeats=_pos_int("measurement.repeats", raw.get("repeats", 1)),
+        budget_s=_pos_num("measurement.budget_s", raw["budget_s"]) if raw.get("budget_s") is not None else None,
+        settle_s=_nonneg_num("measurement.settle_s", raw.get("settle_s", 0.5)),
+    )
+    if m.max_trials < m.stable_windows:
+        raise SchemaError(f"measurement.max_trials: {m.max_trials} is fewer than stable_windows ({m.stable_windows})")
+    return m
+
+
+def parse_config(raw: Any, base: Path = ROOT, source: Path | None = None) -> BenchConfig:
+    """Validate a parsed benchmark YAML. Relative paths are resolved against `base` (the repo root)."""
+    raw = _keys("", raw, {"name", "target", "variants", "sweep", "strategy", "request", "payloads", "load", "sla",
+                          "measurement", "deploy", "output"}, ("name", "target", "variants", "payloads", "sla"))
+    name = _str("name", raw["name"])
+    if not NAME_RE.match(name):
+        raise SchemaError(f"name: {name!r} must be letters, digits, '.', '_' or '-'")
+    target = _target(raw["target"], base)
+    axes = _axes("sweep", raw.get("sweep"), Axes())
+    variants = _variants(raw["variants"], axes, base,
+                         remote_without_store=target.remote is not None and target.remote.model_store is None)
+    req = _keys("request", raw.get("request"), {"path", "content_type", "headers"})
+    path = _str("request.path", req.get("path", "/predictions/{model}"))
+    if not path.startswith("/"):
+        raise SchemaError(f"request.path: must start with '/', got {path!r}")
+    headers = _keys("request.headers", req.get("headers"), set(req.get("headers") or {}))
+    request = Request(path, _str("request.content_type", req.get("content_type", "application/json")),
+                      {str(k): str(v) for k, v in headers.items()})
+    sla_raw = _keys("sla", raw["sla"], {"p99_ms", "p50_ms", "max_error_rate"}, ("p99_ms",))
+    sla = SLA(_pos_num("sla.p99_ms", sla_raw["p99_ms"]),
+              _pos_num("sla.p50_ms", sla_raw["p50_ms"]) if sla_raw.get("p50_ms") is not None else None,
+              _fraction("sla.max_error_rate", sla_raw.get("max_error_rate", 0.01)))
+    if sla.p50_ms is not None and sla.p50_ms > sla.p99_ms:
+        raise SchemaError(f"sla.p50_ms: {sla.p50_ms} is above sla.p99_ms ({sla.p99_ms})")
+    dep = _keys("deploy", raw.get("deploy"), {"target_rps", "headroom", "warmup_seconds"})
+    deploy = Deploy(_pos_num("deploy.target_rps", dep["target_rps"]) if dep.get("target_rps") is not None else None,
+                    _fraction("deploy.headroom", dep.get("headroom", 0.8), open_zero=True) if dep.get("headroom", 0.8) != 1
+                    else 1.0,
+                    _pos_num("deploy.warmup_seconds", dep["warmup_seconds"]) if dep.get("warmup_seconds") is not None
+                    else None)
+    out = _keys("output", raw.get("output"), {"dir"})
+    return BenchConfig(
+        name=name, target=target, variants=variants,
+        strategy=_choice("strategy", raw.get("strategy", "grid"), ("grid", "staged")),
+        request=request, payloads=_payloads(raw["payloads"], base), load=_load(raw.get("load")), sla=sla,
+        measurement=_measurement(raw.get("measurement")), deploy=deploy,
+        output_dir=_path("output.dir", out.get("dir", "bench-runs"), base, must_exist=False),
+        source=source,
+    )
+
+
+def load_config(path: Path) -> BenchConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SchemaError(f"{path}: not valid YAML: {e}") from None
+    return parse_config(raw, ROOT, path.resolve())
