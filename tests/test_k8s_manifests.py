@@ -491,3 +491,14 @@ def test_dockerfile_java_home_command_finds_java(tmp_path):
     java_home = Path(proc.stdout.strip())
     assert (java_home / "bin" / "java").exists()
     assert subprocess.run([str(java_home / "bin/java"), "-version"], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("source", ["overlays/gpu", "overlays/cpu", "benchmark overlay"])
+def test_inflight_target_is_one_full_batch_per_worker(source, all_rendered):
+    docs = all_rendered[source]
+    models = json.loads(properties(config_map(docs)["data"]["config.properties"])["models"])
+    (spec,) = [s for versions in models.values() for s in versions.values()]
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    target = next(m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]
+                  if m["pods"]["metric"]["name"] == "servekit_pod_inflight_requests")
+    assert target == str(spec["maxWorkers"] * spec["batchSize"])
