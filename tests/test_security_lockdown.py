@@ -1,0 +1,337 @@
+"""Lock-down: loopback addresses, no remote archives, token authorization, no unpickling, no management
+port on the Kubernetes Service, pinned TorchServe. docs/security.md explains each point."""
+from __future__ import annotations
+
+import http.server
+import ipaddress
+import json
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+import zipfile
+from importlib.metadata import version
+from pathlib import Path
+from unittest import mock
+
+import psutil
+import pytest
+import requests
+import yaml
+
+import benchmarks.server as server
+from benchmarks.server import TorchServe, free_port, read_properties
+from handlers.archive import minilm_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "config" / "config.properties"
+ADDRESS_KEYS = ("inference_address", "management_address", "metrics_address",
+                "grpc_inference_address", "grpc_management_address")
+
+
+def _host(address: str) -> str:
+    return urllib.parse.urlsplit(address).hostname if "://" in address else address.split(":")[0]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # Java reports IPv4 sockets as ::ffff:127.0.0.1
+    return (mapped or ip).is_loopback
+
+
+# -- config/config.properties -------------------------------------------------------------------------
+def test_config_binds_every_address_to_loopback():
+    props = read_properties(CONFIG)
+    missing = [k for k in ADDRESS_KEYS if k not in props]
+    assert not missing, f"{CONFIG.name} leaves {missing} to TorchServe's defaults"
+    for key, value in props.items():
+        if key.endswith("_address"):
+            assert _is_loopback(_host(value)), f"{key}={value} is not loopback"
+
+
+def test_config_refuses_remote_archives_and_environment_overrides():
+    props = read_properties(CONFIG)
+    pattern = re.compile(props["allowed_urls"])
+    for url in ("http://example.com/m.mar", "https://127.0.0.1/m.mar", "file:///etc/passwd", "s3://b/m.mar"):
+        assert not pattern.search(url), f"allowed_urls={props['allowed_urls']} admits {url}"
+    assert props["enable_envvars_config"] == "false"
+    assert props["install_py_dep_per_model"] == "false"
+
+
+@pytest.mark.server
+def test_live_server_listens_on_loopback_only(minilm_server):
+    procs = [psutil.Process(minilm_server.proc.pid)] + psutil.Process(minilm_server.proc.pid).children(recursive=True)
+    listening = []
+    for p in procs:
+        for c in p.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN:
+                listening.append((p.pid, c.laddr.ip, c.laddr.port))
+    ports = {port for _, _, port in listening}
+    assert {minilm_server.ports.inference, minilm_server.ports.management, minilm_server.ports.metrics} <= ports
+    assert all(_is_loopback(ip) for _, ip, _ in listening), listening
+
+
+# -- remote archives --------------------------------------------------------------------------------
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    hits: list[str] = []
+
+    def do_GET(self):  # noqa: N802
+        _Recorder.hits.append(self.path)
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.server
+def test_registering_an_archive_from_a_url_is_refused(minilm_server):
+    """allowed_urls admits no URL: TorchServe refuses before fetching anything (nothing reaches our server)."""
+    httpd = http.server.HTTPServer(("127.0.0.1", free_port()), _Recorder)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        for url in (f"{base}/evil.mar", f"{base}/evil.mar?x=minilm.mar", "https://example.com/evil.mar"):
+            r = requests.post(f"{minilm_server.management_url}/models", params={"url": url}, timeout=60)
+            assert r.status_code == 404, (url, r.status_code, r.text)
+            assert "does not match any allowed URL" in r.json()["message"], r.text
+        r = requests.post(f"{minilm_server.management_url}/models", params={"url": "../../etc/passwd"}, timeout=60)
+        assert r.status_code == 404 and "Relative path is not allowed" in r.json()["message"], r.text
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert _Recorder.hits == [], f"TorchServe fetched {_Recorder.hits}"
+
+
+# -- token authorization ----------------------------------------------------------------------------
+@pytest.mark.server
+def test_token_authorization_when_enabled(model_store, tmp_path):
+    """With disable_token_authorization=false (TorchServe's default): no or a wrong key -> 400
+    InvalidKeyException (TorchServe 0.12 answers 400, not 401), the right key -> 200. Inference and
+    management have separate keys; /ping needs the inference key; /metrics needs none."""
+    run = tmp_path / "run"
+    key_file = run / "key_file.json"
+
+    def keys() -> dict:
+        try:
+            return json.loads(key_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def http_json_with_key(method: str, url: str, timeout: float = 30.0):
+        # The adapter polls /ping and the management API without a key; add TorchServe's key here.
+        k = keys()
+        if not k:
+            raise OSError("key file not written yet")
+        which = "management" if url.startswith(ts.management_url) else "inference"
+        req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {k[which]['key']}"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                status, body = resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            status, body = e.code, e.read()
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, body.decode("utf-8", "replace")
+
+    ts = TorchServe(run, model_store, extra_props={"disable_token_authorization": "false"})
+    with mock.patch.object(server, "http_json", http_json_with_key):
+        ts.start()
+    try:
+        k = keys()
+        assert set(k) >= {"management", "inference", "API"}
+        mk, ik = k["management"]["key"], k["inference"]["key"]
+        bearer = lambda key: {"Authorization": f"Bearer {key}"}  # noqa: E731
+        cases = [
+            ("GET", f"{ts.management_url}/models", {}, 400),
+            ("GET", f"{ts.management_url}/models", bearer("wrong"), 400),
+            ("GET", f"{ts.management_url}/models", bearer(ik), 400),
+            ("GET", f"{ts.management_url}/models", bearer(mk), 200),
+            ("POST", f"{ts.management_url}/models?url=http://example.com/x.mar", {}, 400),
+            ("GET", f"{ts.inference_url}/ping", {}, 400),
+            ("GET", f"{ts.inference_url}/ping", bearer(ik), 200),
+            ("POST", f"{ts.inference_url}/predictions/minilm", {}, 400),
+            ("POST", f"{ts.inference_url}/predictions/minilm", bearer(mk), 400),
+            ("POST", f"{ts.inference_url}/predictions/minilm", bearer(ik), 404),  # past auth: no such model
+            ("GET", f"{ts.metrics_url}/metrics", {}, 200),
+        ]
+        got = []
+        for method, url, headers, want in cases:
+            r = requests.request(method, url, headers=headers, data=b"x", timeout=30)
+            got.append((method, url.split("/", 3)[-1], headers != {}, r.status_code, want))
+            if want == 400:
+                assert r.json()["type"] == "InvalidKeyException", r.text
+        assert [g[3] for g in got] == [g[4] for g in got], got
+    finally:
+        ts.stop()
+
+
+# -- no unpickling ------------------------------------------------------------------------------------
+class _Payload:
+    """Unpickling this creates `path`: the shape of a malicious pickle, made harmless."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _weights_dir(tmp_path: Path, safetensors: str = "real") -> tuple[Path, Path]:
+    d = tmp_path / "model"
+    d.mkdir()
+    src = minilm_weights()[0].parent
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy2(src / name, d / name)
+    marker = tmp_path / "UNPICKLED"
+    evil = pickle.dumps({"weights": _Payload(marker)})
+    if safetensors == "real":
+        shutil.copy2(src / "model.safetensors", d / "model.safetensors")
+    elif safetensors == "pickle":
+        (d / "model.safetensors").write_bytes(evil)
+    (d / "pytorch_model.bin").write_bytes(evil)
+    (d / "model.pt").write_bytes(evil)
+    return d, marker
+
+
+_UNPICKLED: list[str] = []
+_WATCH = threading.Event()
+
+
+def _audit(event: str, args: tuple) -> None:
+    # Every unpickler (C or Python, whoever imported it) raises this event to resolve a global.
+    if event == "pickle.find_class" and _WATCH.is_set():
+        _UNPICKLED.append(f"{args[0]}.{args[1]}")
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    """Fails the test if anything was unpickled, or if pickle.load(s)/torch.load were called at all."""
+    import torch
+
+    def boom(*a, **k):
+        raise AssertionError("the loader tried to unpickle")
+
+    for mod, name in ((pickle, "load"), (pickle, "loads"), (torch, "load")):
+        monkeypatch.setattr(mod, name, boom)
+    _UNPICKLED.clear()
+    _WATCH.set()
+    try:
+        yield
+    finally:
+        _WATCH.clear()
+    assert not _UNPICKLED, f"globals resolved by an unpickler: {_UNPICKLED}"
+
+
+def test_loader_ignores_pickles_beside_the_safetensors(tmp_path, no_unpickling):
+    from optimizations.bert import load_bert
+
+    d, marker = _weights_dir(tmp_path, "real")
+    model = load_bert(d)
+    assert sum(p.numel() for p in model.parameters()) > 20_000_000
+    assert not marker.exists()
+
+
+def test_loader_refuses_a_pickle_named_model_safetensors(tmp_path, no_unpickling):
+    from optimizations.bert import load_bert
+
+    d, marker = _weights_dir(tmp_path, "pickle")
+    with pytest.raises(Exception) as info:
+        load_bert(d)
+    assert "header" in str(info.value).lower() or "safetensor" in type(info.value).__name__.lower(), info.value
+    assert not isinstance(info.value, AssertionError)  # failed in safetensors, not by trying to unpickle
+    assert not marker.exists()
+
+
+def test_loader_without_safetensors_fails_instead_of_reading_the_pickle(tmp_path, no_unpickling):
+    from optimizations.bert import load_bert
+
+    d, marker = _weights_dir(tmp_path, "absent")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_bert(d)
+    assert not marker.exists()
+
+
+def test_the_handler_loader_refuses_a_smuggled_pickle(tmp_path, no_unpickling):
+    """The whole load path of the handler (EmbeddingRunner) with the pickle as model.safetensors."""
+    from optimizations.embedding import EmbeddingRunner
+    from optimizations.plan import Plan
+
+    d, marker = _weights_dir(tmp_path, "pickle")
+    with pytest.raises(Exception) as info:
+        EmbeddingRunner(d, Plan(device="cpu", warmup=False), golden_texts=["x"])
+    assert not isinstance(info.value, AssertionError), info.value
+    assert not marker.exists()
+
+
+@pytest.mark.server
+def test_built_archive_holds_no_pickle(model_store):
+    with zipfile.ZipFile(model_store / "minilm.mar") as z:
+        names = z.namelist()
+        assert "model.safetensors" in names
+        pickled = [n for n in names if n.rsplit(".", 1)[-1] in ("bin", "pt", "pth", "pkl", "pickle", "ckpt")
+                   or n.endswith("data.pkl")]
+        assert not pickled, pickled
+        assert not [n for n in names if n.endswith(".py") and not n.startswith(("handlers/", "optimizations/"))
+                    and n != "embedding_handler.py"], names
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------------
+def _render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    path = ROOT / "k8s" / overlay
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: cannot render the kustomizations")
+    if not (path / "kustomization.yaml").exists():
+        pytest.skip(f"k8s/{overlay} has no kustomization.yaml yet")
+    out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        pytest.skip(f"kubectl kustomize k8s/{overlay} failed: {out.stderr.strip()[:300]}")
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/cpu", "overlays/gpu"])
+def test_management_api_is_never_on_the_kubernetes_service(overlay):
+    docs = _render(overlay)
+    services = [d for d in docs if d["kind"] == "Service"]
+    assert services, "no Service rendered"
+    for svc in services:
+        for port in svc["spec"]["ports"]:
+            assert port["port"] not in (8081, 7070, 7071) and port.get("targetPort") not in (8081, "management"), port
+            assert "manage" not in port.get("name", ""), port
+    for dep in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            for port in c.get("ports", []):
+                assert port["containerPort"] not in (8081, 7070, 7071), (c["name"], port)
+            assert not c.get("hostNetwork")
+        assert not dep["spec"]["template"]["spec"].get("hostNetwork")
+    for cm in (d for d in docs if d["kind"] == "ConfigMap" and "config.properties" in d.get("data", {})):
+        props = dict(line.split("=", 1) for line in cm["data"]["config.properties"].splitlines()
+                     if "=" in line and not line.lstrip().startswith("#"))
+        for key in ("management_address", "grpc_inference_address", "grpc_management_address"):
+            assert _is_loopback(_host(props[key])), f"{cm['metadata']['name']}: {key}={props[key]}"
+        assert props["allowed_urls"] == "^$"
+        assert props["enable_envvars_config"] == "false"
+
+
+# -- dependency pins ----------------------------------------------------------------------------------
+def test_torchserve_is_pinned_past_the_known_advisories():
+    """TorchServe 0.12.0: past CVE-2023-43654 (SSRF, fixed 0.8.2) and CVE-2024-35198/35199 (fixed 0.11.0)."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"torchserve==0.12.0"' in pyproject and '"torch-model-archiver==0.12.0"' in pyproject
+    assert version("torchserve") == "0.12.0"
+    assert tuple(int(x) for x in version("safetensors").split(".")[:2]) >= (0, 4)
