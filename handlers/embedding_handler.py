@@ -37,7 +37,8 @@ class EmbeddingHandler:
             torch.cuda.set_device(int(gpu_id))
         self.runner = EmbeddingRunner(model_dir, plan)
         self.plan = self.runner.plan
-        self.batch_size = int(context.model_yaml_config.get("batchSize", 1)) if context.model_yaml_config else 1
+        # The batch size the model was registered with (the management API may override the archive's).
+        self.batch_size = int(props.get("batch_size") or (context.model_yaml_config or {}).get("batchSize", 1))
         self.dim = self.runner.dim
         self.metrics = HandlerMetrics(context, self.model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
