@@ -181,18 +181,26 @@ class TorchServe:
                                      start_new_session=True)
         out.close()
         (self.run_dir / "torchserve.pid").write_text(str(self.proc.pid))
+        try:
+            self._wait_frontend(timeout)
+        except BaseException:
+            self.stop()  # never leave a half-started server behind (Ctrl-C included)
+            raise
+        return self
+
+    def _wait_frontend(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServerError(f"TorchServe exited with code {self.proc.returncode}; see {self.log_dir}/server.out:\n"
                                   + self.tail_log())
             try:
-                if http_json("GET", f"{self.inference_url}/ping", 2)[0] == 200:
-                    return self
+                # Any HTTP answer means the frontend is up: with token authorization on, /ping
+                # without the key is answered 400.
+                http_json("GET", f"{self.inference_url}/ping", 2)
+                return
             except OSError:
-                pass
-            time.sleep(0.3)
-        self.stop()
+                time.sleep(0.3)
         raise ServerError(f"TorchServe did not answer /ping within {timeout:.0f}s; see {self.log_dir}")
 
     def tail_log(self, name: str = "server.out", lines: int = 30) -> str:
