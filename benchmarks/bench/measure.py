@@ -64,6 +64,14 @@ class PointResult:
         return self.summary.throughput if self.summary else 0.0
 
     @property
+    def sustained_rps(self) -> float:
+        """The load this point sustained: the offered arrival rate (open loop; what the achieved
+        throughput estimates, without its Poisson counting noise) or the achieved throughput (closed)."""
+        if self.summary is None:
+            return 0.0
+        return self.load.level if self.load.mode == "open" else self.summary.throughput
+
+    @property
     def p99(self) -> float:
         return self.summary.p["p99"] if self.summary else float("inf")
 
@@ -86,21 +94,27 @@ def judge(summary: Summary, stable: bool, sla: SLA) -> tuple[str, list[str]]:
     return PASS, []
 
 
-def _decisive_failure(w: Summary, sla: SLA) -> str | None:
-    """A window so far outside the SLA that more windows cannot change the verdict."""
-    if w.count >= 20 and w.error_rate > max(3 * sla.max_error_rate, 0.05):
-        return f"error rate {w.error_rate:.1%} in a window"
-    if w.count >= 5 and w.p["p50"] > sla.p99_ms:
-        return f"window p50 {w.p['p50']:.1f} ms is already above the p99 limit"
+def _decisive_failure(ws: list[Summary], sla: SLA) -> str | None:
+    """Two windows in a row so far outside the SLA that more windows cannot change the verdict."""
+    if len(ws) < 2:
+        return None
+    a, b = ws[-2], ws[-1]
+    limit = max(3 * sla.max_error_rate, 0.05)
+    if a.count >= 20 and b.count >= 20 and a.error_rate > limit and b.error_rate > limit:
+        return f"error rate {b.error_rate:.1%} in two windows in a row"
+    if a.count >= 5 and b.count >= 5 and min(a.p["p50"], b.p["p50"]) > sla.p99_ms:
+        return f"p50 above the p99 limit in two windows in a row ({a.p['p50']:.0f}, {b.p['p50']:.0f} ms)"
     return None
 
 
 def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, processes: int, meas: Measurement,
                   sla: SLA, timeout_s: float, scrape: Callable[[], Sample | None], model: str,
                   gpu: GPUSampler | None, raw_path: Path | None,
-                  on_window: Callable[[int, Summary], None] | None = None) -> PointResult:
+                  on_window: Callable[[int, Summary], None] | None = None, early_stop: bool = True) -> PointResult:
     t_begin = time.monotonic()
     warm, win, n = meas.warmup_s, meas.window_s, meas.stable_windows
+    if load.mode == "open":  # a window must hold enough requests to say anything about percentiles
+        win = max(win, meas.min_window_requests / load.level)
     handle: Handle = gen.start(load, processes, warm + meas.max_trials * win + meas.settle_s + 2)
     if gpu is not None:
         gpu.start()
@@ -122,7 +136,7 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
             wstats.append(window_stats(recs, t_end - win, t_end))
             if on_window:
                 on_window(i, w)
-            early = _decisive_failure(w, sla)
+            early = _decisive_failure(windows, sla) if early_stop else None
             if early:
                 break
             if stability(wstats, n, meas.tolerance, meas.tail_tolerance)[0]:

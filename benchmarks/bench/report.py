@@ -336,7 +336,8 @@ def write_report(run: "Run") -> Answer:
           f"- Versions: python {v.get('python')}, torch {v.get('torch')}, torchserve {v.get('torchserve')}, "
           f"transformers {v.get('transformers')}, locust {v.get('locust')}.",
           f"- Started {run.started}, {run.elapsed():.0f}s so far.", ""]
-    L += ["## Ranking", "", "Capacity = throughput of the highest load that met the SLA (stable windows). "
+    L += ["## Ranking", "", "Capacity = the highest load that met the SLA with stable windows (open loop: its "
+          "arrival rate; closed loop: its achieved throughput). "
           "P = on the Pareto front of (capacity, p99 at capacity).", "",
           "| # | config | capacity rps | p50 ms | p99 ms | load | texts/batch | queue ms | inference ms | GPU util | P | search |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -173,7 +173,8 @@ class Run:
                                      f"-d{conf.max_batch_delay_ms}-{load.mode}-{load.level:g}.npz"
             with console.status(f"  {role} {load.label()} ..."):
                 p = measure_point(gen, conf, load, procs, cfg.measurement, cfg.sla, cfg.load.timeout_s,
-                                  lambda: scrape(server.metrics_url), conf.variant, self.gpu, raw)
+                                  lambda: scrape(server.metrics_url), conf.variant, self.gpu, raw,
+                                  early_stop=role != "probe")
             p.role = role
             self.record_point(p)
             return p
@@ -189,7 +190,7 @@ class Run:
             if best is None or self.out_of_time():
                 break
             p = measure(best.load, "repeat")
-            c.repeats.append(p.throughput if p.passed else 0.0)
+            c.repeats.append(p.sustained_rps if p.passed else 0.0)
         cap = c.capacity
         console.print(f"  [bold]capacity within SLA: {cap:.1f} rps[/] ({c.search.bound})")
 
@@ -269,6 +270,12 @@ def run(cfg: BenchConfig, out_dir: Path, console: Console) -> int:
     console.print()
     for line in answer.lines:
         console.print(line)
+    rec = out_dir / "recommended-model-config.yaml"
+    if rec.exists():
+        console.print(f"\n[bold]recommended model-config[/] ({rec}):")
+        console.print(rec.read_text().rstrip(), markup=False)
+        console.print(f"[bold]Kubernetes overlay values[/] ({out_dir / 'recommendation.json'}):")
+        console.print((out_dir / "recommendation.json").read_text().rstrip(), markup=False)
     console.print(f"\nreport: {out_dir / 'report.md'}")
     if r.fatal and not answer.answered:
         return EXIT_FAILED

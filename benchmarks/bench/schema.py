@@ -216,6 +216,7 @@ class Measurement:
     repeats: int = 1
     budget_s: float | None = None
     settle_s: float = 0.5
+    min_window_requests: int = 20  # open loop: windows are lengthened to hold at least this many
 
 
 @dataclass(frozen=True)
@@ -344,7 +345,7 @@ def _load(raw: Any) -> Load:
                               "users_per_process", "timeout_s", "max_inflight"})
     mode = _choice("load.mode", raw.get("mode", "open"), ("open", "closed"))
     item = _pos_num if mode == "open" else _pos_int
-    levels = _list("load.levels", raw["levels"], item) if raw.get("levels") is not None else ()
+    levels = _list("load.levels", raw["levels"], item, nonempty=False) if raw.get("levels") is not None else ()
     if list(levels) != sorted(set(levels)):
         raise SchemaError(f"load.levels: values must be strictly increasing, got {list(levels)}")
     s = raw.get("search", True)
@@ -402,7 +403,8 @@ def _payloads(raw: Any, base: Path) -> Payloads:
 
 def _measurement(raw: Any) -> Measurement:
     raw = _keys("measurement", raw, {"warmup_s", "window_s", "tolerance", "tail_tolerance", "stable_windows",
-                                     "max_trials", "repeats", "budget_s", "settle_s"})
+                                     "max_trials", "repeats", "budget_s", "settle_s",
+                                     "min_window_requests"})
     m = Measurement(
         warmup_s=_nonneg_num("measurement.warmup_s", raw.get("warmup_s", 3.0)),
         window_s=_pos_num("measurement.window_s", raw.get("window_s", 5.0)),
@@ -413,6 +415,7 @@ def _measurement(raw: Any) -> Measurement:
         repeats=_pos_int("measurement.repeats", raw.get("repeats", 1)),
         budget_s=_pos_num("measurement.budget_s", raw["budget_s"]) if raw.get("budget_s") is not None else None,
         settle_s=_nonneg_num("measurement.settle_s", raw.get("settle_s", 0.5)),
+        min_window_requests=_pos_int("measurement.min_window_requests", raw.get("min_window_requests", 20)),
     )
     if m.max_trials < m.stable_windows:
         raise SchemaError(f"measurement.max_trials: {m.max_trials} is fewer than stable_windows ({m.stable_windows})")
@@ -444,9 +447,11 @@ def parse_config(raw: Any, base: Path = ROOT, source: Path | None = None) -> Ben
     if sla.p50_ms is not None and sla.p50_ms > sla.p99_ms:
         raise SchemaError(f"sla.p50_ms: {sla.p50_ms} is above sla.p99_ms ({sla.p99_ms})")
     dep = _keys("deploy", raw.get("deploy"), {"target_rps", "headroom", "warmup_seconds"})
+    headroom = dep.get("headroom", 0.8)
+    if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not 0 < headroom <= 1:
+        raise SchemaError(f"deploy.headroom: expected a number in (0, 1], got {headroom!r}")
     deploy = Deploy(_pos_num("deploy.target_rps", dep["target_rps"]) if dep.get("target_rps") is not None else None,
-                    _fraction("deploy.headroom", dep.get("headroom", 0.8), open_zero=True) if dep.get("headroom", 0.8) != 1
-                    else 1.0,
+                    float(headroom),
                     _pos_num("deploy.warmup_seconds", dep["warmup_seconds"]) if dep.get("warmup_seconds") is not None
                     else None)
     out = _keys("output", raw.get("output"), {"dir"})

@@ -28,7 +28,7 @@ class SearchResult:
 
     @property
     def capacity(self) -> float:
-        return self.best.throughput if self.best else 0.0
+        return self.best.sustained_rps if self.best else 0.0
 
 
 class BudgetExceeded(Exception):

@@ -38,7 +38,8 @@ def scrape(metrics_url: str | None, timeout: float = 5.0) -> Sample | None:
 
 def _model_total(sample: Sample, name: str, model: str) -> float | None:
     """Sum of `name` over the series of `model` (label model_name or ModelName); None if absent."""
-    vals = [v for (n, labels), v in sample.items() if n == name
+    names = (name, f"{name}_total")  # the parser names counter samples <family>_total
+    vals = [v for (n, labels), v in sample.items() if n in names
             and dict(labels).get("model_name", dict(labels).get("ModelName")) == model]
     return sum(vals) if vals else None
 

@@ -1,0 +1,77 @@
+"""End to end: `servekit bench` against the real MiniLM archive and the stock baseline, on CPU.
+
+A tiny sweep against the session's live TorchServe (given as a remote target, so the run also
+covers register/scale/unregister through URLs): stock (batch 1) vs servekit's handler (batch 4).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from benchmarks.bench.runner import main
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(400)]
+
+OVERLAY_KEYS = {"model", "workers", "batch_size", "max_batch_delay_ms", "per_pod_capacity_rps", "target_rps",
+                "replicas", "warmup_seconds"}
+
+
+def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Path) -> None:
+    ts = minilm_server
+    sweep = {
+        "name": "e2e",
+        "target": {"remote": {"inference_url": ts.inference_url, "management_url": ts.management_url,
+                              "metrics_url": ts.metrics_url, "model_store": str(model_store)},
+                   "ready_timeout_s": 180},
+        "variants": [
+            {"name": "e2e-stock", "model": "minilm-stock", "baseline": True,
+             "sweep": {"workers": [1], "batch_size": [1], "max_batch_delay_ms": [100]}},
+            {"name": "e2e-servekit", "model": "minilm"},
+        ],
+        "sweep": {"workers": [1], "batch_size": [4], "max_batch_delay_ms": [5]},
+        "payloads": {"generate": {"words": [4, 16, 48], "weights": [0.5, 0.35, 0.15], "count": 50}},
+        "sla": {"p99_ms": 1500, "max_error_rate": 0.02},
+        "load": {"mode": "open", "search": {"precision": 0.3, "max_points": 3}, "timeout_s": 20},
+        "measurement": {"warmup_s": 1, "window_s": 1.5, "max_trials": 4},
+        "deploy": {"target_rps": 100},
+    }
+    path = tmp_path / "e2e.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    out = tmp_path / "run"
+    rc = main([str(path), "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert rc == 0, results["answer"]
+    assert results["answered"] and results["winner"]["variant"] == "e2e-servekit"
+    assert results["baseline"]["variant"] == "e2e-stock"
+    assert results["margin_over_baseline"] is None or results["margin_over_baseline"] > 0
+    caps = {c["variant"]: c for c in results["configs"]}
+    assert caps["e2e-servekit"]["capacity_rps"] > 0 and caps["e2e-servekit"]["batch_size"] == 4
+
+    points = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
+    assert {p["config"]["variant"] for p in points} == {"e2e-stock", "e2e-servekit"}
+    for p in points:
+        assert {"config", "load", "summary", "percentiles_ms", "errors", "server", "versions", "windows"} <= set(p)
+        assert p["versions"]["torchserve"] == "0.12.0"
+        raw = np.load(p["raw_file"])["records"]
+        assert raw.shape[1] == 5 and len(raw) >= p["summary"]["count"]
+    fast = [p for p in points if p["config"]["variant"] == "e2e-servekit" and p["status"] == "pass"]
+    assert fast and fast[-1]["server"]["available"]
+    assert fast[-1]["server"]["texts_per_batch"] >= 1.0          # from the handler's own counters
+    assert fast[-1]["server"]["ts_inference_mean_ms"] > 0       # from TorchServe's counters
+
+    overlay = json.loads((out / "recommendation.json").read_text())
+    assert OVERLAY_KEYS <= set(overlay)
+    assert overlay["batch_size"] == 4 and overlay["replicas"] >= 1
+    mc = yaml.safe_load((out / "recommended-model-config.yaml").read_text())
+    assert mc["batchSize"] == 4 and mc["minWorkers"] == mc["maxWorkers"] == 1 and "servekit" in mc
+    report = (out / "report.md").read_text()
+    assert "x the stock throughput" in report or "met the SLA at no load" in report
+    assert (out / "latency_throughput.png").stat().st_size > 10_000
+    # models the run registered are gone again; the session's own model is untouched
+    from benchmarks.server import model_ready, model_workers
+    assert not model_workers(ts.management_url, "e2e-servekit")
+    assert model_ready(ts.management_url, "minilm")

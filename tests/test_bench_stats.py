@@ -1,0 +1,184 @@
+"""Percentile, open-loop and search arithmetic of the auto-benchmark (no server)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks.bench.loadgen import LoadSpec
+from benchmarks.bench.measure import FAIL, PASS, PointResult, ServingConfig, judge
+from benchmarks.bench.schema import SLA, Load, Search
+from benchmarks.bench.search import search_capacity
+from benchmarks.bench.stats import (constant_schedule, percentile, percentile_interval, poisson_schedule, stability,
+                                    summarize, window_stats)
+
+
+def records(intended, latency_s, status=None, start=None) -> np.ndarray:
+    intended = np.asarray(intended, dtype=float)
+    latency_s = np.broadcast_to(np.asarray(latency_s, dtype=float), intended.shape)
+    status = np.full(intended.shape, 200.0) if status is None else np.asarray(status, dtype=float)
+    start = intended if start is None else np.asarray(start, dtype=float)
+    return np.column_stack([intended, start, intended + latency_s, status, np.zeros_like(intended)])
+
+
+def test_percentile_is_nearest_rank() -> None:
+    v = np.arange(1, 101, dtype=float)  # 1..100
+    assert percentile(v, 50) == 50.0
+    assert percentile(v, 99) == 99.0
+    assert percentile(v, 99.9) == 100.0
+    assert percentile(np.array([7.0]), 99) == 7.0
+    assert math.isnan(percentile(np.array([]), 50))
+    # an observed value, never an interpolation between two
+    assert percentile(np.array([1.0, 10.0]), 60) == 10.0
+
+
+def test_failures_count_as_infinitely_slow() -> None:
+    n = 1000
+    st = np.full(n, 200.0)
+    st[:5] = 503  # 0.5% errors: p99 still finite
+    s = summarize(records(np.arange(n) / 100.0, 0.010, st), 0, 10)
+    assert s.error_rate == pytest.approx(0.005)
+    assert s.p["p99"] == pytest.approx(10.0)
+    assert s.status_counts == {"200": 995, "503": 5}
+    st[:20] = 0  # 2% connection errors: p99 can no longer be met
+    s = summarize(records(np.arange(n) / 100.0, 0.010, st), 0, 10)
+    assert math.isinf(s.p["p99"]) and s.p_ok["p99"] == pytest.approx(10.0)
+    assert s.status_counts["connection_error"] == 20
+
+
+def test_window_selection_and_throughput() -> None:
+    r = records(np.arange(0, 10, 0.01), np.linspace(0.001, 0.100, 1000))
+    s = summarize(r, 2.0, 4.0)
+    assert s.count == 200 and s.throughput == pytest.approx(100.0)
+    # requests of the window are those *scheduled* in it, whenever they finished
+    assert s.min_ms == pytest.approx(np.linspace(1, 100, 1000)[200], rel=1e-6)
+
+
+def test_open_loop_latency_counts_from_the_schedule() -> None:
+    """A 1 s server stall at t=5 under 100 requests/s: the 100 requests due during the stall waited
+    for it, and p99 must show it (timing from the actual send would hide it: coordinated omission)."""
+    intended = constant_schedule(100, 10)[:-1]
+    service = 0.001
+    end = np.empty_like(intended)
+    free = 0.0
+    for i, t in enumerate(intended):
+        begin = max(t, free, 6.0 if 5.0 <= t < 6.0 else 0.0)
+        free = end[i] = begin + service
+    r = np.column_stack([intended, intended, end, np.full_like(intended, 200), np.zeros_like(intended)])
+    s = summarize(r, 0, 10)
+    lat_ms = np.sort((end - intended) * 1000)
+    assert s.p["p99"] == pytest.approx(lat_ms[int(math.ceil(0.99 * len(lat_ms))) - 1])
+    assert s.p["p99"] > 800          # the stall is visible at p99 ...
+    assert s.p["p50"] < 2            # ... while the median stays at the service time
+    # the same requests timed from a send that waited for the stall would all look fast
+    r_naive = r.copy()
+    r_naive[:, 0] = np.maximum(intended, end - service)
+    assert summarize(r_naive, 0, 11).p["p99"] < 2
+
+
+def test_poisson_and_constant_schedules() -> None:
+    rng = np.random.default_rng(1)
+    t = poisson_schedule(200.0, 50.0, rng)
+    assert len(t) / 50.0 == pytest.approx(200.0, rel=0.03)
+    gaps = np.diff(t)
+    assert gaps.mean() == pytest.approx(1 / 200.0, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.05)  # exponential gaps: CV 1
+    assert t.min() >= 0 and t.max() < 50.0 and np.all(gaps > 0)
+    c = constant_schedule(40.0, 2.0)
+    assert np.allclose(np.diff(c), 0.025)
+
+
+def test_percentile_interval_brackets_the_truth() -> None:
+    rng = np.random.default_rng(2)
+    v = rng.normal(20, 2, 2000)
+    lo, hi = percentile_interval(v, 99)
+    true_p99 = 20 + 2 * 2.3263
+    assert lo <= true_p99 <= hi
+    assert lo <= percentile(v, 99) <= hi
+
+
+def test_stability_rule() -> None:
+    rng = np.random.default_rng(3)
+    def window(k: int, rate: float, lat: np.ndarray) -> tuple:
+        t = poisson_schedule(rate, 2.0, rng, start=2.0 * k)
+        return records(t, lat[: len(t)] if lat.ndim else lat)
+    # steady: same latency distribution every window
+    steady = np.concatenate([window(k, 200, rng.normal(0.02, 0.002, 1000)) for k in range(3)])
+    ws = [window_stats(steady, 2.0 * k, 2.0 * (k + 1)) for k in range(3)]
+    assert stability(ws, 3, 0.10, 0.25)[0]
+    # a queue growing window after window
+    growing = np.concatenate([window(k, 200, np.full(1000, 0.02 * 3 ** k)) for k in range(3)])
+    ws = [window_stats(growing, 2.0 * k, 2.0 * (k + 1)) for k in range(3)]
+    ok, spreads = stability(ws, 3, 0.10, 0.25)
+    assert not ok and spreads["p50"] > 1
+    # a low rate: Poisson counts differ by more than 10% but within their own noise
+    low = np.concatenate([records(np.linspace(2.0 * k, 2.0 * k + 1.99, n), 0.02) for k, n in enumerate((16, 20, 24))])
+    ws = [window_stats(low, 2.0 * k, 2.0 * (k + 1)) for k in range(3)]
+    ok, spreads = stability(ws, 3, 0.10, 0.25)
+    assert spreads["throughput"] > 0.10 and ok
+    assert not stability(ws[:2], 3, 0.10, 0.25)[0]  # fewer windows than required
+
+
+def test_judge() -> None:
+    sla = SLA(p99_ms=50, p50_ms=20, max_error_rate=0.01)
+    good = summarize(records(np.arange(0, 5, 0.01), 0.010), 0, 5)
+    assert judge(good, True, sla) == (PASS, [])
+    assert judge(good, False, sla)[0] == "unstable"
+    slow = summarize(records(np.arange(0, 5, 0.01), 0.030), 0, 5)
+    status, reasons = judge(slow, True, sla)
+    assert status == FAIL and reasons == ["p50 30.0 ms > 20 ms"]
+
+
+def fake_point(load: LoadSpec, capacity: float) -> PointResult:
+    passed = load.level <= capacity
+    lat = 0.01 if passed else 1.0
+    rate = load.level if load.mode == "open" else min(load.level, capacity) * 10
+    s = summarize(records(np.arange(0, 3, 1 / rate), lat), 0, 3)
+    return PointResult(ServingConfig("v", 1, 1, 0), load, PASS if passed else FAIL, [], summary=s, stable=True)
+
+
+@pytest.mark.parametrize("capacity", [3.0, 37.0, 450.0])
+def test_search_brackets_the_boundary(capacity: float) -> None:
+    load = Load(mode="open", search=Search(start=10.0, precision=0.1, max_points=12))
+    seen: list[float] = []
+    def measure(spec: LoadSpec, role: str) -> PointResult:
+        seen.append(spec.level)
+        return fake_point(spec, capacity)
+    res = search_capacity(load, measure, None, lambda: False)
+    assert res.best is not None and res.best.load.level <= capacity
+    assert res.best.load.level >= capacity / 1.1 - 1e-9, (seen, res.bound)
+    assert res.first_fail is not None and res.first_fail > capacity
+    assert len(seen) <= 12
+
+
+def test_search_uses_the_probe_as_upper_bound() -> None:
+    load = Load(mode="open", search=Search(start=None, precision=0.1, max_points=6))
+    def probe() -> PointResult:
+        p = fake_point(LoadSpec("open", 100.0), 1e9)  # saturation throughput 100 rps
+        return p
+    seen: list[float] = []
+    def measure(spec: LoadSpec, role: str) -> PointResult:
+        seen.append(spec.level)
+        return fake_point(spec, 70.0)
+    res = search_capacity(load, measure, probe, lambda: False)
+    assert seen[0] == pytest.approx(50.0, rel=0.02)   # half the probe's throughput
+    assert max(seen) < 115.0 + 1e-6                  # never above the saturation bound
+    assert 70 / 1.1 <= res.best.load.level <= 70
+
+
+def test_search_closed_loop_and_levels() -> None:
+    load = Load(mode="closed", levels=(1, 2, 4), search=Search(start=None, precision=0.1, max_points=10))
+    def measure(spec: LoadSpec, role: str) -> PointResult:
+        assert spec.level == int(spec.level)
+        return fake_point(spec, 13.0)
+    res = search_capacity(load, measure, None, lambda: False)
+    assert res.best.load.level == 13 and res.first_fail == 14
+
+
+def test_search_reports_no_passing_level_and_budget() -> None:
+    load = Load(mode="open", search=Search(start=10.0, max_points=20))
+    res = search_capacity(load, lambda s, r: fake_point(s, 0.0), None, lambda: False)
+    assert res.best is None and res.bound == "no level within the SLA"
+    res = search_capacity(load, lambda s, r: fake_point(s, 50.0), None, lambda: True)
+    assert res.best is None and res.bound == "time budget exhausted"
