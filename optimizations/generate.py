@@ -247,6 +247,26 @@ def default_kv_buckets(max_seq_len: int) -> tuple[int, ...]:
     return default_prefill_buckets(max_seq_len, smallest=min(256, max_seq_len))
 
 
+class GenerationStream:
+    """Iterator of ``StepOutput`` for one batch, from ``LlamaRunner.stream``.
+
+    ``cancel(i)`` ends row i early (a stop string matched on the text side, a client went away):
+    it reports no more tokens and stops counting towards the number of steps still needed.
+    """
+
+    def __init__(self, steps: Iterator[StepOutput], done: list[bool]) -> None:
+        self._steps, self._done = steps, done
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> StepOutput:
+        return next(self._steps)
+
+    def cancel(self, row: int) -> None:
+        self._done[row] = True
+
+
 class LlamaRunner:
     """Owns the model's KV cache, shape buckets and compiled/captured steps; streams generations.
 
@@ -257,7 +277,7 @@ class LlamaRunner:
     def __init__(self, model: Transformer, max_seq_len: int, batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16),
                  prefill_buckets: tuple[int, ...] | None = None, kv_buckets: tuple[int, ...] | None = None,
                  compile_prefill: bool = False, compile_decode: bool = False, cuda_graphs: bool = False,
-                 pad_id: int = 0) -> None:
+                 compile_mode: str = "default", pad_id: int = 0) -> None:
         self.model = model.eval()
         self.device = model.tok_embeddings.weight.device
         if cuda_graphs and self.device.type != "cuda":
@@ -275,14 +295,18 @@ class LlamaRunner:
         model.setup_caches(self.batch_buckets[-1], max_seq_len)
         if compile_prefill or compile_decode:
             _allow_recompiles(len(MODES) * 2 * 2 * 2)
-        self._prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
-        decode_fn = torch.compile(decode_one_token, dynamic=True) if compile_decode else decode_one_token
+        if compile_mode not in ("default", "max-autotune-no-cudagraphs"):
+            # Other modes capture CUDA graphs of their own, which would nest inside ours.
+            raise ValueError(f"compile mode {compile_mode!r}: use 'default' or 'max-autotune-no-cudagraphs'")
+        self._prefill = torch.compile(prefill, dynamic=True, mode=compile_mode) if compile_prefill else prefill
+        decode_fn = (torch.compile(decode_one_token, dynamic=True, mode=compile_mode) if compile_decode
+                     else decode_one_token)
         self.states = {b: DecodeState(b, self.device) for b in self.batch_buckets}
         self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, decode_fn)
                       for b in self.batch_buckets for m in MODES for kv in self.kv_buckets}
         self._rng = random.Random()
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
-                     "cuda_graphs": cuda_graphs, "batch_buckets": list(self.batch_buckets),
+                     "compile_mode": compile_mode, "cuda_graphs": cuda_graphs, "batch_buckets": list(self.batch_buckets),
                      "prefill_buckets": list(self.prefill_buckets), "kv_buckets": list(self.kv_buckets),
                      "max_seq_len": max_seq_len}
 
@@ -338,7 +362,7 @@ class LlamaRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[StepOutput]:
+    def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> GenerationStream:
         """Validate, run prefill now, and return an iterator of one ``StepOutput`` per step.
 
         Not a generator itself, so a bad request raises ``ValueError`` at the call, not at the
@@ -369,16 +393,19 @@ class LlamaRunner:
             self.states[batch].load(first, positions, sampling)
         host = _HostCopies(batch, self.device)
         host.start(0, first)
-        return self._decode_loop(batch, mode, host, [len(p) for p in prompts], params)
+        done = [False] * n
+        return GenerationStream(self._decode_loop(batch, mode, host, [len(p) for p in prompts], params, done), done)
 
     def _decode_loop(self, batch: int, mode: str, host: _HostCopies, lengths: list[int],
-                     params: list[SamplingParams]) -> Iterator[StepOutput]:
+                     params: list[SamplingParams], done: list[bool]) -> Iterator[StepOutput]:
         n = len(params)
-        generated, done = [0] * n, [False] * n
+        generated = [0] * n
         stops = [set(sp.stop_token_ids) for sp in params]
         launched, slot = 1, 0  # tokens per row requested from the device so far (prefill's first)
         while True:
-            live = [i for i in range(n) if not done[i]]
+            live = [i for i in range(n) if not done[i]]  # done[] may also be set by GenerationStream.cancel
+            if not live:
+                return
             if launched < max(params[i].max_tokens for i in live):  # launch step t+1 before reading step t
                 # This step writes position lengths[i] + launched - 1 for row i: attend to one past it.
                 needed = min(max(lengths[i] for i in live) + launched, self.max_seq_len)
@@ -398,3 +425,134 @@ class LlamaRunner:
             if all(done):
                 return
             slot = 1 - slot
+
+
+# --- the plan: a model-config's `servekit:` section for an LLM -> a warmed-up runner -------------
+
+@dataclass(frozen=True)
+class LlmLimits:
+    max_tokens: int = 1024  # the largest max_tokens a request may ask for
+    default_max_tokens: int = 256  # when a request gives none (capped by the context left)
+
+
+@dataclass(frozen=True)
+class LlmPlan:
+    device: str = "auto"
+    precision: str = "fp32"
+    compile: str = "off"  # off | default | max-autotune-no-cudagraphs: prefill and decode, dynamic shapes
+    cuda_graphs: bool = False  # decode steps captured per (batch, kv length, sampling mode)
+    warmup: bool = True
+    fallback: str = "error"  # error | eager: what to do when compile/graphs cannot be applied
+    max_seq_len: int = 2048  # KV cache length: prompt + completion
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    prompt_lens: tuple[int, ...] | None = None  # prefill padding buckets (default: 16, 32, ... max_seq_len)
+    kv_lens: tuple[int, ...] | None = None  # decode attention lengths (default: 256, 512, ... max_seq_len)
+    limits: LlmLimits = field(default_factory=LlmLimits)
+    cpu_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
+
+    def label(self) -> str:
+        parts = [self.precision]
+        if self.compile != "off":
+            parts.append(f"compile-{self.compile}")
+        if self.cuda_graphs:
+            parts.append("cudagraphs")
+        return "+".join(parts)
+
+
+LLM_COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
+
+
+def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
+    """Validate the ``servekit:`` mapping of an LLM model-config; errors name the key."""
+    from optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_choice, _check_keys,
+                                    _int_list, _positive_int)
+
+    raw = _check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
+                                  "max_seq_len", "buckets", "limits", "cpu_threads"})
+    kw: dict[str, object] = {}
+    for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
+                         ("fallback", FALLBACKS)):
+        if key in raw:
+            kw[key] = _check_choice(f"{path}.{key}", raw[key], choices)
+    for key in ("cuda_graphs", "warmup"):
+        if key in raw:
+            if not isinstance(raw[key], bool):
+                raise PlanError(f"{path}.{key}: expected true or false, got {raw[key]!r}")
+            kw[key] = raw[key]
+    for key in ("max_seq_len", "cpu_threads"):
+        if raw.get(key) is not None:
+            kw[key] = _positive_int(f"{path}.{key}", raw[key])
+    max_seq = int(kw.get("max_seq_len", LlmPlan.max_seq_len))  # type: ignore[call-overload]
+    buckets = _check_keys(f"{path}.buckets", raw.get("buckets"), {"batch_sizes", "prompt_lens", "kv_lens"})
+    for key in ("batch_sizes", "prompt_lens", "kv_lens"):
+        if key in buckets:
+            values = _int_list(f"{path}.buckets.{key}", buckets[key])
+            if key != "batch_sizes" and values[-1] > max_seq:
+                raise PlanError(f"{path}.buckets.{key}: {values[-1]} exceeds max_seq_len {max_seq}")
+            kw[key] = values
+    lim = _check_keys(f"{path}.limits", raw.get("limits"), {"max_tokens", "default_max_tokens"})
+    limits = LlmLimits(**{k: _positive_int(f"{path}.limits.{k}", v) for k, v in lim.items()})
+    if "default_max_tokens" not in lim:
+        limits = LlmLimits(limits.max_tokens, min(limits.max_tokens, LlmLimits.default_max_tokens))
+    if limits.max_tokens >= max_seq:
+        raise PlanError(f"{path}.limits.max_tokens: {limits.max_tokens} leaves no room for a prompt in "
+                        f"max_seq_len {max_seq}")
+    if limits.default_max_tokens > limits.max_tokens:
+        raise PlanError(f"{path}.limits.default_max_tokens: {limits.default_max_tokens} exceeds "
+                        f"limits.max_tokens {limits.max_tokens}")
+    return LlmPlan(**kw, limits=limits)  # type: ignore[arg-type]
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def load_llm_runner(model_dir: str, plan: LlmPlan) -> tuple[LlamaRunner, LlmPlan, list[str]]:
+    """Load the converted checkpoint in ``model_dir`` and build (and warm up) the plan's runner.
+
+    Returns the runner, the effective plan and the downgrades made (only with ``fallback: eager``;
+    otherwise anything the plan asks for that cannot be applied raises ``PlanError``).
+    """
+    import dataclasses
+
+    from optimizations.llama import load_llama
+    from optimizations.plan import PlanError
+
+    cuda = torch.cuda.is_available()
+    if plan.device == "cuda" and not cuda:
+        raise PlanError("servekit.device: cuda requested but no CUDA device is available")
+    device = torch.device("cuda" if plan.device == "cuda" or (plan.device == "auto" and cuda) else "cpu")
+    problems: list[tuple[str, dict[str, object]]] = []
+    if plan.cuda_graphs and device.type != "cuda":
+        problems.append(("cuda_graphs needs a CUDA device", {"cuda_graphs": False}))
+    if plan.precision == "fp16" and device.type == "cpu":
+        problems.append(("fp16 on CPU is slow and unsupported by several kernels", {"precision": "fp32"}))
+    if problems and plan.fallback != "eager":
+        raise PlanError("; ".join(m for m, _ in problems) + " (set fallback: eager to serve anyway)")
+    downgrades = [m for m, _ in problems]
+    for _, change in problems:
+        plan = dataclasses.replace(plan, **change)  # type: ignore[arg-type]
+    if plan.cpu_threads and device.type == "cpu":
+        torch.set_num_threads(plan.cpu_threads)
+    model = load_llama(model_dir, device, _DTYPES[plan.precision])
+    if plan.max_seq_len > model.config.max_position_embeddings:
+        raise PlanError(f"servekit.max_seq_len: {plan.max_seq_len} exceeds the model's "
+                        f"{model.config.max_position_embeddings} positions")
+
+    def build(p: LlmPlan) -> LlamaRunner:
+        compiled = p.compile != "off"
+        return LlamaRunner(model, p.max_seq_len, p.batch_sizes, p.prompt_lens, p.kv_lens,
+                           compile_prefill=compiled, compile_decode=compiled, cuda_graphs=p.cuda_graphs,
+                           compile_mode=p.compile if compiled else "default")
+
+    runner = build(plan)
+    if plan.warmup:
+        try:
+            runner.warmup()
+        except Exception as e:
+            if plan.fallback != "eager" or (plan.compile == "off" and not plan.cuda_graphs):
+                raise PlanError(f"warm-up of plan {plan.label()} failed: {type(e).__name__}: {e}") from e
+            downgrades.append(f"warm-up of {plan.label()} failed ({type(e).__name__}: {e}); serving eager")
+            plan = dataclasses.replace(plan, compile="off", cuda_graphs=False)
+            runner = build(plan)
+            runner.warmup()
+    return runner, plan, downgrades

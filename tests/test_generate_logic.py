@@ -153,3 +153,74 @@ def test_decode_crossing_kv_buckets_matches_reference() -> None:
     assert out[0].tokens == _greedy_reference(model, prompts[0], 3)
     assert out[1].tokens == _greedy_reference(model, prompts[1], 40)
     assert default_kv_buckets(2048) == (256, 512, 1024, 2048) and default_kv_buckets(100) == (100,)
+
+
+def test_cancelled_rows_stop_reporting_and_stop_the_loop(runner: LlamaRunner) -> None:
+    prompts = _prompts([6, 9], seed=8)
+    free = generate(runner, prompts, [SamplingParams(max_tokens=10)] * 2)
+    gen = runner.stream(prompts, [SamplingParams(max_tokens=10)] * 2)
+    steps = [next(gen), next(gen)]
+    gen.cancel(1)
+    steps += list(gen)
+    assert [s.tokens[0] for s in steps] == free[0].tokens
+    assert [s.tokens[1] for s in steps[:2]] == free[1].tokens[:2]
+    assert all(s.tokens[1] is None and s.finish_reasons[1] is None for s in steps[2:])
+    gen = runner.stream(prompts, [SamplingParams(max_tokens=10)] * 2)
+    next(gen)
+    gen.cancel(0)
+    gen.cancel(1)
+    assert list(gen) == []  # the step already in flight is dropped too
+
+
+def _tiny_checkpoint(tmp_path) -> str:
+    """A tiny random Llama saved the way convert_gguf_to_safetensors saves SmolLM2."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from optimizations.llama import ours_to_hf
+
+    model = init_random(LlamaConfig.tiny(), seed=0)
+    save_file({ours_to_hf(k): v.contiguous() for k, v in model.state_dict().items() if k != "output.weight"},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_hf()))
+    return str(tmp_path)
+
+
+def test_llm_plan_errors_name_the_key() -> None:
+    from optimizations.generate import parse_llm_plan
+    from optimizations.plan import PlanError
+
+    plan = parse_llm_plan({"precision": "bf16", "buckets": {"batch_sizes": [1, 4]}, "limits": {"max_tokens": 100}})
+    assert plan.batch_sizes == (1, 4) and plan.limits.default_max_tokens == 100 and plan.label() == "bf16"
+    for raw, msg in [({"bucket": {}}, "servekit.bucket: unknown key"),
+                     ({"buckets": {"kv_lens": [4096]}}, "servekit.buckets.kv_lens: 4096 exceeds max_seq_len"),
+                     ({"buckets": {"batch_sizes": [4, 2]}}, "strictly increasing"),
+                     ({"compile": "max-autotune"}, "servekit.compile"),
+                     ({"cuda_graphs": "yes"}, "servekit.cuda_graphs"),
+                     ({"limits": {"max_tokens": 4096}}, "servekit.limits.max_tokens"),
+                     ({"limits": {"default_max_tokens": 2000}}, "servekit.limits.default_max_tokens")]:
+        with pytest.raises(PlanError, match=msg):
+            parse_llm_plan(raw)
+
+
+def test_load_llm_runner_fails_loudly_or_falls_back_as_the_plan_says(tmp_path) -> None:
+    from optimizations.generate import load_llm_runner, parse_llm_plan
+    from optimizations.plan import PlanError
+
+    ckpt = _tiny_checkpoint(tmp_path)
+    base = {"device": "cpu", "cuda_graphs": True, "max_seq_len": 64, "limits": {"max_tokens": 32},
+            "buckets": {"batch_sizes": [1, 2], "prompt_lens": [16, 64], "kv_lens": [32]}}
+    with pytest.raises(PlanError, match="cuda_graphs needs a CUDA device.*fallback: eager"):
+        load_llm_runner(ckpt, parse_llm_plan(base))
+    threads = torch.get_num_threads()
+    try:
+        runner, plan, downgrades = load_llm_runner(ckpt, parse_llm_plan({**base, "fallback": "eager",
+                                                                         "cpu_threads": 1}))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert downgrades == ["cuda_graphs needs a CUDA device"] and plan.cuda_graphs is False
+    assert runner.kv_buckets == (32, 64) and runner.max_batch == 2
+    out = generate(runner, _prompts([5]), [SamplingParams(max_tokens=4)])
+    assert out[0].tokens == _greedy_reference(runner.model, _prompts([5])[0], 4)

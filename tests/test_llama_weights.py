@@ -135,3 +135,49 @@ def test_greedy_tokens_match_transformers(ours: Transformer, reference, tokenize
         want = reference.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:].tolist()
     assert all(len(t) == 32 for t in want)
     assert got == want
+
+
+CHATS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Hello!"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+     {"role": "user", "content": "Ünïcödé ✓ 你好 🚀"}],
+]
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_tokenizer_matches_transformers_chat_template(converted: Path, tokenizer, messages) -> None:
+    from optimizations.chat_template import ChatTokenizer
+
+    ours = ChatTokenizer(converted)
+    assert ours.encode_chat(messages) == _chat_ids_of(tokenizer, messages)
+    assert ours.render(messages) == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.eos_token_id == 2
+
+
+def _chat_ids_of(tokenizer, messages) -> list[int]:
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def test_incremental_detokenizer_streams_whole_characters_and_honours_stop_strings(converted: Path) -> None:
+    from optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer
+
+    tok = ChatTokenizer(converted)
+    text = "Ünïcödé ✓ 你好 🚀 and the end. STOP here, never this."
+    ids = tok.encode(text)
+    det = IncrementalDetokenizer(tok)
+    pieces = [det.push(i) for i in ids] + [det.finish()]
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    assert sum(1 for p in pieces if p) > 5  # streamed piece by piece, not all at the end
+    det = IncrementalDetokenizer(tok, stop=["STOP", "zzz"])
+    out = ""
+    for i in ids:
+        out += det.push(i)
+        if det.stopped:
+            break
+    out += det.finish()
+    assert out == "Ünïcödé ✓ 你好 🚀 and the end. " and det.stopped
+    # Special tokens (the chat markers) never reach the text.
+    det = IncrementalDetokenizer(tok)
+    assert "".join(det.push(i) for i in tok.encode("<|im_start|>assistant\nHi<|im_end|>")) + det.finish() == "assistant\nHi"

@@ -1,0 +1,421 @@
+"""TorchServe handler: OpenAI-compatible chat and text completions for a Llama-architecture LLM.
+
+Routes (TorchServe passes the suffix after /predictions/<model>/<version>/ in `url_path`):
+  POST /predictions/<model>/<version>/v1/chat/completions   OpenAI chat completions
+  POST /predictions/<model>/<version>/v1/completions        OpenAI text completions
+Both answer as one JSON, or with "stream": true as server-sent events (`data: {...}` chunks sent
+with TorchServe's intermediate responses, ending with `data: [DONE]`).
+
+The requests TorchServe batches together are generated as one batch (optimizations.generate):
+each row stops on its own (stop token, stop string, max_tokens), a streaming row gets its chunks
+as soon as each decode step ends, and one bad request gets its own 4xx JSON error while the others
+are answered. A row whose stream has ended keeps its HTTP response open until the batch is done
+(TorchServe's last chunk is the handler's return value); clients stop reading at `[DONE]`.
+
+TorchServe calls the module-level `handle` (a function entry point: this module defines more than
+one class, which TorchServe's class entry point does not allow).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from handlers.common import PHRASES, RequestError, decode_body, url_path
+from handlers.metrics import HandlerMetrics
+from optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
+from optimizations.generate import (FINISH_STOP, LlamaRunner, LlmPlan, SamplingParams, load_llm_runner,
+                                    parse_llm_plan)
+from optimizations.plan import PlanError
+
+log = logging.getLogger(__name__)
+
+CHAT_ROUTE, COMPLETIONS_ROUTE = "v1/chat/completions", "v1/completions"
+COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stream_options", "stop",
+               "n", "user", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
+CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format"}
+COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
+ROLES = {"system", "developer", "user", "assistant"}
+MAX_STOP_STRINGS = 4
+
+
+@dataclass
+class LlmRequest:
+    chat: bool
+    prompt: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    model: str | None
+
+
+def _bad(message: str, code: str = "invalid_request") -> RequestError:
+    return RequestError(400, "invalid_request_error", message, code)
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise _bad(f"'{key}' must be a number, got {type(v).__name__}", "invalid_type")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise _bad(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", "invalid_value")
+    return float(v)
+
+
+def _integer(body: dict, key: str) -> int | None:
+    v = body.get(key)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+        raise _bad(f"'{key}' must be an integer, got {type(v).__name__}", "invalid_type")
+    return v
+
+
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text ones
+        texts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise _bad(f"'{where}[{k}]' must be a text part {{\"type\": \"text\", \"text\": ...}}, got {kind!r}",
+                           "invalid_type")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(f"'{where}' must be a string or a list of text parts, got {type(content).__name__}", "invalid_type")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list):
+        raise _bad(f"'messages' must be a list, got {type(value).__name__}", "invalid_type")
+    if not value:
+        raise _bad("'messages' is empty: give at least one message", "empty_messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise _bad(f"'messages[{i}]' must be an object, got {type(m).__name__}", "invalid_type")
+        unknown = sorted(set(m) - {"role", "content", "name"})
+        if unknown:
+            raise _bad(f"'messages[{i}].{unknown[0]}' is not supported", "unknown_field")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"'messages[{i}].role' must be one of {', '.join(sorted(ROLES))}, got {role!r}", "invalid_value")
+        if "content" not in m:
+            raise _bad(f"'messages[{i}].content' is missing", "missing_field")
+        # The chat template knows system/user/assistant; "developer" is OpenAI's newer name for system.
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _text_content(m["content"], f"messages[{i}].content")})
+    return out
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _bad("'stop' must be a non-empty string or a list of non-empty strings", "invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _bad(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "invalid_value")
+    return stops
+
+
+def _unsupported(body: dict) -> None:
+    """Fields we accept only at their no-op value, rather than silently ignoring them."""
+    if body.get("n") not in (None, 1):
+        raise _bad("'n' must be 1 (one choice per request)", "unsupported_value")
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = body.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v != 0):
+            raise _bad(f"'{key}' is not supported (only 0)", "unsupported_value")
+    if body.get("logprobs") not in (None, False, 0):
+        raise _bad("'logprobs' is not supported", "unsupported_value")
+    if body.get("logit_bias") not in (None, {}):
+        raise _bad("'logit_bias' is not supported", "unsupported_value")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _bad("'response_format' must be {\"type\": \"text\"}", "unsupported_value")
+    for key in ("model", "user"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise _bad(f"'{key}' must be a string", "invalid_type")
+
+
+class LlmService:
+    """State of one worker: the runner, tokenizer, plan and metrics."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+
+    def initialize(self, context: Any) -> None:
+        props = context.system_properties
+        model_dir = props["model_dir"]
+        self.model_name = context.manifest["model"]["modelName"]
+        config = context.model_yaml_config or {}
+        plan = parse_llm_plan(config.get("servekit"))
+        gpu_id = props.get("gpu_id")
+        if gpu_id is not None and torch.cuda.is_available() and plan.device != "cpu":
+            torch.cuda.set_device(int(gpu_id))
+        t0 = time.perf_counter()
+        self.runner: LlamaRunner
+        self.plan: LlmPlan
+        self.runner, self.plan, downgrades = load_llm_runner(model_dir, plan)
+        for msg in downgrades:
+            log.warning("plan downgraded (fallback: eager): %s", msg)
+        self.batch_size = int(config.get("batchSize", 1))
+        if self.batch_size > self.runner.max_batch:
+            raise PlanError(f"batchSize {self.batch_size} exceeds servekit.buckets.batch_sizes' largest "
+                            f"bucket {self.runner.max_batch}")
+        self.tokenizer = ChatTokenizer(model_dir)
+        eos = self.tokenizer.eos_token_id
+        end_of_text = self.tokenizer.token_id("<|endoftext|>")
+        self.stop_ids = tuple(sorted({t for t in (eos, end_of_text) if t is not None}))
+        self.metrics = HandlerMetrics(context, self.model_name)
+        self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
+        log.info("servekit LLM plan %s ready in %.1f s: %s", self.plan.label(), time.perf_counter() - t0,
+                 json.dumps(self.runner.plan))
+        self.initialized = True
+
+    # -- requests ------------------------------------------------------------------------------
+    def parse(self, raw: dict[str, Any], route: str) -> LlmRequest:
+        if route not in (CHAT_ROUTE, COMPLETIONS_ROUTE):
+            raise RequestError(404, "not_found_error", f"unknown route '{route}'; use /v1/chat/completions or "
+                               "/v1/completions under /predictions/<model>/<version>/", "unknown_route")
+        chat = route == CHAT_ROUTE
+        body = decode_body(raw)
+        if not isinstance(body, dict):
+            raise _bad(f"body must be a JSON object, got {type(body).__name__}", "invalid_type")
+        unknown = sorted(set(body) - (CHAT_KEYS if chat else COMPLETION_KEYS))
+        if unknown:
+            raise _bad(f"unknown field '{unknown[0]}'", "unknown_field")
+        _unsupported(body)
+        if chat:
+            if "messages" not in body:
+                raise _bad("missing required field 'messages'", "missing_field")
+            try:
+                prompt = self.tokenizer.encode_chat(_messages(body["messages"]))
+            except TemplateError as e:
+                raise _bad(str(e), "invalid_messages") from None
+        else:
+            text = body.get("prompt")
+            if isinstance(text, list) and len(text) == 1:
+                text = text[0]
+            if not isinstance(text, str):
+                raise _bad("'prompt' must be a string (or a list of one string)", "invalid_type")
+            prompt = self.tokenizer.encode(text)
+            if not prompt:
+                raise _bad("'prompt' is empty", "empty_prompt")
+        params = self._params(body, chat, len(prompt))
+        err = self.runner.check(prompt, params)
+        if err is not None:  # the runner's own limits, in case the plan's checks above missed one
+            raise _bad(err, "invalid_value")
+        return LlmRequest(chat, prompt, params, *self._stream_flags(body), _stop(body.get("stop")), body.get("model"))
+
+    def _stream_flags(self, body: dict) -> tuple[bool, bool]:
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise _bad("'stream' must be true or false", "invalid_type")
+        opts = body.get("stream_options")
+        if opts is None:
+            return bool(stream), False
+        if not stream:
+            raise _bad("'stream_options' is only allowed with \"stream\": true", "invalid_value")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"} or not isinstance(opts.get("include_usage", False), bool):
+            raise _bad("'stream_options' must be {\"include_usage\": true|false}", "invalid_type")
+        return True, bool(opts.get("include_usage", False))
+
+    def _params(self, body: dict, chat: bool, prompt_len: int) -> SamplingParams:
+        limits, max_seq = self.plan.limits, self.runner.max_seq_len
+        longest = min(self.runner.prefill_buckets[-1], max_seq - 1)
+        if prompt_len > longest:
+            raise _bad(f"the prompt has {prompt_len} tokens; this model accepts at most {longest}",
+                       "context_length_exceeded")
+        key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _integer(body, key)
+        if max_tokens is None:
+            max_tokens = min(limits.default_max_tokens, max_seq - prompt_len)
+        elif not 1 <= max_tokens <= limits.max_tokens:
+            raise _bad(f"'{key}' must be between 1 and {limits.max_tokens}, got {max_tokens}", "invalid_value")
+        elif prompt_len + max_tokens > max_seq:
+            raise _bad(f"the prompt ({prompt_len} tokens) plus '{key}' ({max_tokens}) exceeds the context of "
+                       f"{max_seq} tokens", "context_length_exceeded")
+        top_k = _integer(body, "top_k")
+        if top_k is not None and top_k < -1:
+            raise _bad(f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", "invalid_value")
+        seed = _integer(body, "seed")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            top_k=max(top_k or 0, 0),
+            seed=None if seed is None else seed % 2**32,
+            stop_token_ids=self.stop_ids)
+
+    def fail(self, context: Any, idx: int, err: RequestError) -> str:
+        context.set_response_status(err.status, PHRASES.get(err.status, "Error"), idx=idx)
+        context.set_response_content_type(idx, "application/json")
+        self.metrics.emit("servekit_request_errors_total", "counter", 1, ErrorType=err.code or err.type)
+        return err.body()
+
+    # -- the batch -----------------------------------------------------------------------------
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
+        t0 = time.perf_counter()
+        answers: list[str | None] = [None] * len(data)
+        requests: dict[int, LlmRequest] = {}
+        for i, raw in enumerate(data):
+            try:
+                requests[i] = self.parse(raw, url_path(context, i))
+            except RequestError as e:
+                answers[i] = self.fail(context, i, e)
+        idx = list(requests)
+        for start in range(0, len(idx), self.runner.max_batch):  # batchSize <= max bucket: one chunk
+            chunk = {i: requests[i] for i in idx[start:start + self.runner.max_batch]}
+            try:
+                for i, answer in Generation(self, chunk, context, t0).run().items():
+                    answers[i] = answer
+            except Exception as e:  # the device failed this batch: every request of it gets a 5xx, the worker lives
+                log.exception("generation failed for a batch of %d requests", len(chunk))
+                err = _device_error(e)
+                for i in chunk:
+                    answers[i] = self.fail(context, i, err)
+        self.metrics.emit("servekit_batches_total", "counter", 1)
+        self.metrics.emit("servekit_requests_total", "counter", len(data))
+        self.metrics.emit("servekit_batch_fill_ratio", "histogram", min(1.0, len(data) / max(1, self.batch_size)),
+                          "Ratio")
+        return [a if a is not None else "" for a in answers]
+
+
+def _device_error(e: Exception) -> RequestError:
+    oom = isinstance(e, torch.OutOfMemoryError)
+    if oom and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return RequestError(507 if oom else 500, "server_error",
+                        "out of memory; retry with a shorter prompt or fewer tokens" if oom
+                        else f"generation failed: {type(e).__name__}", "out_of_memory" if oom else "inference_error")
+
+
+@dataclass
+class _Row:
+    idx: int
+    req: LlmRequest
+    text: IncrementalDetokenizer
+    id: str
+    pieces: list[str] = field(default_factory=list)
+    tokens: int = 0
+    finish: str | None = None
+    started: bool = False
+
+
+class Generation:
+    """One batch of valid requests through the runner: streams chunks, returns the final answers."""
+
+    def __init__(self, service: LlmService, requests: dict[int, LlmRequest], context: Any, t0: float) -> None:
+        self.s, self.context, self.t0 = service, context, t0
+        self.created = int(time.time())
+        self.rows = []
+        for i, req in requests.items():
+            rid = (context.get_request_id(i) or str(i)) if hasattr(context, "get_request_id") else str(i)
+            self.rows.append(_Row(i, req, IncrementalDetokenizer(service.tokenizer, req.stop),
+                                  f"{'chatcmpl' if req.chat else 'cmpl'}-{rid}"))
+
+    def run(self) -> dict[int, str]:
+        m = self.s.metrics
+        stream = self.s.runner.stream([r.req.prompt for r in self.rows], [r.req.params for r in self.rows])
+        last = None
+        for step in stream:
+            now = time.perf_counter()
+            if last is not None:  # one observation per decode step: every live row waited this long
+                m.emit("servekit_llm_itl_seconds", "histogram", now - last, "Seconds")
+            last = now
+            chunks: dict[int, str] = {}
+            for j, row in enumerate(self.rows):
+                tok, reason = step.tokens[j], step.finish_reasons[j]
+                if tok is None:
+                    continue
+                if row.tokens == 0:
+                    m.emit("servekit_llm_ttft_seconds", "histogram", now - self.t0, "Seconds")
+                row.tokens += 1
+                delta = row.text.push(tok) if reason != FINISH_STOP else ""  # never print the stop token
+                if row.text.stopped:  # a stop string matched: end the row here
+                    reason = FINISH_STOP
+                    stream.cancel(j)
+                if reason is not None:
+                    delta += row.text.finish()
+                    row.finish = reason
+                    m.emit("servekit_request_latency_seconds", "histogram", now - self.t0, "Seconds")
+                if row.req.stream:
+                    if delta or reason is not None:
+                        chunks[row.idx] = self._sse(row, delta, reason)
+                else:
+                    row.pieces.append(delta)
+            if chunks:
+                self._send(chunks)
+        m.emit("servekit_llm_prompt_tokens_total", "counter", sum(len(r.req.prompt) for r in self.rows))
+        m.emit("servekit_llm_completion_tokens_total", "counter", sum(r.tokens for r in self.rows))
+        return {r.idx: ("" if r.req.stream else self._answer(r)) for r in self.rows}
+
+    def _send(self, chunks: dict[int, str]) -> None:
+        from ts.handler_utils.utils import send_intermediate_predict_response
+
+        for i in chunks:
+            self.context.set_response_content_type(i, "text/event-stream")
+        ids = {i: self.context.request_ids[i] for i in chunks}
+        send_intermediate_predict_response(chunks, ids, "Intermediate Prediction success", 200, self.context)
+
+    def _usage(self, row: _Row) -> dict[str, int]:
+        p = len(row.req.prompt)
+        return {"prompt_tokens": p, "completion_tokens": row.tokens, "total_tokens": p + row.tokens}
+
+    def _sse(self, row: _Row, delta: str, reason: str | None) -> str:
+        events = []
+        model = row.req.model or self.s.model_name
+        head = {"id": row.id, "object": "chat.completion.chunk" if row.req.chat else "text_completion",
+                "created": self.created, "model": model}
+        if row.req.chat:
+            if not row.started:
+                events.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+            if delta:
+                events.append({**head, "choices": [{"index": 0, "delta": {"content": delta}, "logprobs": None,
+                                                    "finish_reason": None}]})
+            if reason is not None:
+                events.append({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                    "finish_reason": reason}]})
+        else:
+            events.append({**head, "choices": [{"index": 0, "text": delta, "logprobs": None,
+                                                "finish_reason": reason}]})
+        row.started = True
+        if reason is not None and row.req.include_usage:
+            events.append({**head, "choices": [], "usage": self._usage(row)})
+        out = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events)
+        return out + ("data: [DONE]\n\n" if reason is not None else "")
+
+    def _answer(self, row: _Row) -> str:
+        self.context.set_response_content_type(row.idx, "application/json")
+        text = "".join(row.pieces)
+        model = row.req.model or self.s.model_name
+        if row.req.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": row.finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": row.finish}
+            obj = "text_completion"
+        return json.dumps({"id": row.id, "object": obj, "created": self.created, "model": model,
+                           "choices": [choice], "usage": self._usage(row)}, ensure_ascii=False)
+
+
+_service = LlmService()
+
+
+def handle(data: list[dict[str, Any]] | None, context: Any) -> list[str] | None:
+    """TorchServe's entry point: called once with data=None to initialize, then once per batch."""
+    if not _service.initialized:
+        _service.initialize(context)
+    if data is None:
+        return None
+    return _service.handle(data, context)

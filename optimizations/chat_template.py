@@ -1,0 +1,118 @@
+"""Tokenizer + chat template from a converted checkpoint folder, without transformers.
+
+Reads ``tokenizer.json`` with the ``tokenizers`` library and renders the checkpoint's Jinja chat
+template (``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``) the way
+transformers' ``apply_chat_template`` does: a sandboxed Jinja environment with ``trim_blocks`` and
+``lstrip_blocks``, special tokens in the template's context, and the rendered text tokenized
+without adding special tokens. Serving then neither imports transformers (seconds of worker start
+up) nor depends on the transformers version installed next to TorchServe.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+
+class TemplateError(ValueError):
+    """The template refused the messages (its ``raise_exception``) or could not render them."""
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+class ChatTokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        model_dir = Path(model_dir)
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template_path = model_dir / "chat_template.jinja"
+        template = template_path.read_text() if template_path.exists() else config.get("chat_template")
+        if not isinstance(template, str):
+            raise FileNotFoundError(f"no chat template in {model_dir} (chat_template.jinja or tokenizer_config.json)")
+        self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        self.template = env.from_string(template)
+        self.eos_token_id = self.token_id(self.special["eos_token"])
+
+    def token_id(self, text: str | None) -> int | None:
+        return None if text is None else self.tokenizer.token_to_id(text)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **{k: v for k, v in self.special.items() if v is not None})
+        except TemplateError:
+            raise
+        except Exception as e:  # a template bug or unexpected message shape: the request's fault here
+            raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or as {"content": ...} objects.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class IncrementalDetokenizer:
+    """Token ids in, newly complete text out; holds back what a stop string might still match.
+
+    Decodes a sliding window of recent ids (as vLLM and TGI do) so multi-byte characters split
+    across tokens come out whole, and never emits text that a stop string could still claim.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, stop: list[str] | None = None) -> None:
+        self.tok, self.stop = tokenizer, [s for s in (stop or []) if s]
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # window: ids[prefix:read] decoded to text already taken
+        self.text = ""
+        self.sent = 0
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; returns the text that became final."""
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        after = self.tok.decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):  # \ufffd: an incomplete UTF-8 sequence
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text, once generation has ended."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stop and not self.stopped:
+            # Text already sent never holds a complete stop string: search from there on.
+            hits = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped, final = self.text[:min(hits)], True, True
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out

@@ -1,0 +1,180 @@
+"""Live TorchServe with the SmolLM2 archive (CPU plan): the official openai client, streaming and
+not, text completions, per-request errors inside a shared batch, and the LLM metrics.
+
+Expected texts come from the same weights run in-process (fp32, greedy), so the server must
+produce exactly what optimizations.generate produces.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from benchmarks.server import TorchServe
+from handlers.archive import ArchiveSpec, build_archive, register_spec
+from optimizations.chat_template import ChatTokenizer
+from optimizations.generate import LlamaRunner, SamplingParams, generate
+from optimizations.gguf_weights import smollm2_archive_files
+from optimizations.llama import load_llama
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.server
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def weights_dir() -> Path:
+    return smollm2_archive_files(torch.bfloat16)[0].parent
+
+
+@pytest.fixture(scope="module")
+def server(weights_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    register_spec("smollm2", ArchiveSpec("handlers/llm_handler.py", "config/models/smollm2-cpu.yaml",
+                                         lambda: smollm2_archive_files(torch.bfloat16)))
+    store = tmp_path_factory.mktemp("llm_store")
+    build_archive("smollm2", store)
+    with TorchServe(tmp_path_factory.mktemp("ts-llm"), store) as ts:
+        # A long batch delay so that requests sent together share a batch.
+        ts.register("smollm2.mar", "smollm2", batch_size=4, max_batch_delay_ms=400, workers=1, timeout=240)
+        yield ts
+
+
+@pytest.fixture(scope="module")
+def reference(weights_dir: Path):
+    """Greedy completion of prompt ids, in-process, with the archive's weights and the server's plan."""
+    tok = ChatTokenizer(weights_dir)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    runner = LlamaRunner(load_llama(weights_dir, "cpu", torch.float32), max_seq_len=1024, batch_buckets=(1,),
+                         prefill_buckets=(32, 64, 128, 256, 512, 1024), kv_buckets=(256, 512, 1024))
+    stops = (tok.eos_token_id, tok.token_id("<|endoftext|>"))
+
+    def complete(ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
+        out = generate(runner, [ids], [SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)])[0]
+        tokens = out.tokens[:-1] if out.finish_reason == "stop" else out.tokens
+        return tok.decode(tokens), out.tokens
+
+    yield tok, complete
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def client(server: TorchServe):
+    return openai.OpenAI(base_url=f"{server.inference_url}/predictions/smollm2/1.0/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+
+
+def post(server: TorchServe, route: str, body: object) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{server.inference_url}/predictions/smollm2/1.0/{route}",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric_sum(server: TorchServe, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=10).read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+def test_openai_client_streams_a_chat_completion(client, reference) -> None:
+    tok, complete = reference
+    want, tokens = complete(tok.encode_chat(MESSAGES), 24)
+    stream = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == want and want
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert reasons == ["stop" if len(tokens) < 24 else "length"]
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == len(tokens) and usage.prompt_tokens == len(tok.encode_chat(MESSAGES))
+
+
+def test_non_streaming_chat_and_text_completions(client, reference) -> None:
+    tok, complete = reference
+    want, tokens = complete(tok.encode_chat(MESSAGES), 24)
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want and r.object == "chat.completion"
+    assert r.usage.completion_tokens == len(tokens)
+    prompt = "The three primary colors are"
+    want, _ = complete(tok.encode(prompt), 12)
+    c = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
+    assert c.choices[0].text == want and c.choices[0].finish_reason in ("length", "stop")
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stream=True) if ch.choices)
+    assert streamed == want
+
+
+def test_stop_strings_and_seeded_sampling(client, reference) -> None:
+    tok, complete = reference
+    msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
+    full, _ = complete(tok.encode_chat(msgs), 40)
+    words = full.split()
+    stop = words[len(words) // 2]
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    sampled = [client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=20, temperature=1.0,
+                                              seed=seed).choices[0].message.content for seed in (5, 5, 6)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchServe, reference) -> None:
+    tok, complete = reference
+    want, _ = complete(tok.encode_chat(MESSAGES), 8)
+    good = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    bodies = [good, {"messages": [], "max_tokens": 8}, {**good, "max_tokens": 100_000}, {**good, "best_of": 2}]
+    before = metric_sum(server, "servekit_batches_total")
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda b: post(server, "v1/chat/completions", b), bodies))
+    assert [s for s, _ in results] == [200, 400, 400, 400]
+    assert results[0][1]["choices"][0]["message"]["content"] == want
+    assert [b["error"]["code"] for _, b in results[1:]] == ["empty_messages", "invalid_value", "unknown_field"]
+    assert "max_tokens" in results[2][1]["error"]["message"]
+    deadline = time.monotonic() + 15
+    while metric_sum(server, "servekit_batches_total") == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metric_sum(server, "servekit_batches_total") - before == 1  # the four shared one batch
+
+
+@pytest.mark.parametrize("route, body, status, code", [
+    ("v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1100}]}, 400,
+     "context_length_exceeded"),
+    ("v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_value"),
+    ("v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "invalid_type"),
+    ("v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, 400, "invalid_type"),
+    ("v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "unsupported_value"),
+    ("v1/completions", {"prompt": ""}, 400, "empty_prompt"),
+    ("v1/embeddings", {"input": "x"}, 404, "unknown_route"),
+])
+def test_invalid_requests(server: TorchServe, route: str, body: dict, status: int, code: str) -> None:
+    got, answer = post(server, route, body)
+    assert (got, answer["error"]["code"]) == (status, code)
+
+
+def test_llm_metrics_are_exported(server: TorchServe, client) -> None:
+    before = metric_sum(server, "servekit_llm_completion_tokens_total")
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=6, temperature=0)
+    deadline = time.monotonic() + 15
+    while metric_sum(server, "servekit_llm_completion_tokens_total") == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metric_sum(server, "servekit_llm_completion_tokens_total") - before == r.usage.completion_tokens
+    assert metric_sum(server, "servekit_llm_prompt_tokens_total") > 0
+    assert metric_sum(server, "servekit_llm_ttft_seconds_count") > 0
+    assert metric_sum(server, "servekit_llm_itl_seconds_count") > 0
+    assert metric_sum(server, "servekit_llm_ttft_seconds_bucket") > 0
