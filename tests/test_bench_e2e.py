@@ -1,6 +1,6 @@
 """End to end: `servekit bench` against the real MiniLM archive and the stock baseline, on CPU.
 
-A tiny sweep against the session's live TorchServe (given as a remote target, so the run also
+A tiny sweep (two closed-loop levels per configuration) against the session's live TorchServe (given as a remote target, so the run also
 covers register/scale/unregister through URLs): stock (batch 1) vs servekit's handler (batch 4).
 """
 from __future__ import annotations
@@ -34,8 +34,10 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
         ],
         "sweep": {"workers": [1], "batch_size": [4], "max_batch_delay_ms": [5]},
         "payloads": {"generate": {"words": [4, 16, 48], "weights": [0.5, 0.35, 0.15], "count": 50}},
-        "sla": {"p99_ms": 1500, "max_error_rate": 0.02},
-        "load": {"mode": "open", "search": {"precision": 0.3, "max_points": 3}, "timeout_s": 20},
+        "sla": {"p99_ms": 10000, "max_error_rate": 0.02},
+        # closed loop at fixed levels: a bounded run however slow the machine (the open-loop search
+        # is covered by the known-answer test)
+        "load": {"mode": "closed", "levels": [1, 3], "search": False, "timeout_s": 30},
         "measurement": {"warmup_s": 1, "window_s": 1.5, "max_trials": 4},
         "deploy": {"target_rps": 100},
     }

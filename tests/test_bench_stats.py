@@ -118,6 +118,16 @@ def test_stability_rule() -> None:
     ok, spreads = stability(ws, 3, 0.10, 0.25)
     assert spreads["throughput"] > 0.10 and ok
     assert not stability(ws[:2], 3, 0.10, 0.25)[0]  # fewer windows than required
+    # one stall in a short window moves its p99 by a factor: not compared below 1000 requests ...
+    base = [records(np.linspace(2.0 * k, 2.0 * k + 1.99, 400), 0.01) for k in range(3)]
+    base[1][-5:, 2] += 0.5  # five requests caught in a 0.5 s stall
+    ws = [window_stats(np.concatenate(base), 2.0 * k, 2.0 * (k + 1)) for k in range(3)]
+    ok, spreads = stability(ws, 3, 0.10, 0.25)
+    assert ok and spreads["p99"] > 1
+    big = [records(np.linspace(2.0 * k, 2.0 * k + 1.999, 1200), 0.01 + 0.05 * (k == 1) * (np.arange(1200) % 50 == 0))
+           for k in range(3)]
+    ws = [window_stats(np.concatenate(big), 2.0 * k, 2.0 * (k + 1)) for k in range(3)]
+    assert not stability(ws, 3, 0.10, 0.25)[0]  # ... but compared when every window holds 1000+
 
 
 def test_judge() -> None:

@@ -114,7 +114,7 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
     t_begin = time.monotonic()
     warm, win, n = meas.warmup_s, meas.window_s, meas.stable_windows
     if load.mode == "open":  # a window must hold enough requests to say anything about percentiles
-        win = max(win, meas.min_window_requests / load.level)
+        win = min(max(win, meas.min_window_requests / load.level), 4 * win)
     handle: Handle = gen.start(load, processes, warm + meas.max_trials * win + meas.settle_s + 2)
     if gpu is not None:
         gpu.start()

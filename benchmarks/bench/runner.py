@@ -22,7 +22,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+try:
+    from rich.console import Console
+except ImportError:  # a bare GPU machine: plain lines instead of rich's live progress
+    Console = None  # type: ignore[assignment,misc]
 
 from benchmarks.bench import archives
 from benchmarks.bench.loadgen import LoadGenerator, LoadGenError, LoadSpec, processes_for
@@ -33,6 +36,24 @@ from benchmarks.bench.search import SearchResult, search_capacity
 from benchmarks.bench.server_metrics import GPUSampler, scrape
 from benchmarks.bench.target import Server
 from benchmarks.server import ServerError
+
+class PlainConsole:
+    """The few rich.Console methods used here, as plain prints."""
+
+    _TAG = __import__("re").compile(r"\[/?[a-z ]*\]")
+
+    def print(self, text: object = "", markup: bool = True) -> None:
+        print(self._TAG.sub("", str(text)) if markup else text, flush=True)
+
+    def rule(self, title: str = "") -> None:
+        self.print(f"--- {title} ---")
+
+    def status(self, text: str):
+        import contextlib
+
+        self.print(text)
+        return contextlib.nullcontext()
+
 
 EXIT_OK, EXIT_NO_ANSWER, EXIT_SCHEMA, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -291,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="run folder (default: <output.dir>/<name>-<UTC time>)")
     p.add_argument("--check", action="store_true", help="validate the YAML and exit")
     args = p.parse_args(argv)
-    console = Console(stderr=False, highlight=False)
+    console = Console(highlight=False) if Console is not None else PlainConsole()
     try:
         cfg = load_config(args.sweep)
     except (SchemaError, OSError) as e:
