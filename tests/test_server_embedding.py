@@ -126,7 +126,8 @@ def test_metrics_endpoint_exposes_servekit_metrics(minilm_server):
         assert name in names, name
     plans = [json.loads(k.split("servekit_plan_info", 1)[1]) for k in metrics(minilm_server)
              if k.startswith("servekit_plan_info{")]
-    assert [(p["ModelName"], p["Plan"]) for p in plans] == [("minilm", "fp32")]
+    # Other tests may register more models on the shared server: look at minilm's label only.
+    assert [p["Plan"] for p in plans if p["ModelName"] == "minilm"] == ["fp32"]
     assert metric_sum(minilm_server, "servekit_recompiles") == 0
 
 
