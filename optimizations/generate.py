@@ -9,12 +9,15 @@ open to inserting new requests into free rows later (continuous batching).
 
 Shapes are bucketed: the batch is padded to a batch bucket (dummy rows decode garbage that is
 never read), the prompt to a length bucket, and each decode step attends over a kv bucket (the
-cache prefix the live rows have reached, rounded up) rather than the whole cache. On CUDA, ``LlamaRunner.warmup()`` compiles prefill
-(``torch.compile(dynamic=True)``: one compile covers every bucket) and captures one
-``torch.cuda.CUDAGraph`` per batch bucket, kv bucket and sampling mode (greedy / sample /
-top-k-top-p, chosen on the host from the requests) for the decode step, optionally compiled first.
-The default GPU plan (batch 1..16, kv 256..2048, 3 modes) makes 60 small graphs sharing one pool. We
-capture graphs ourselves rather than through ``mode="reduce-overhead"``: the graph's input and
+cache prefix the live rows have reached, rounded up) rather than the whole cache.
+
+On CUDA, ``LlamaRunner.warmup()`` runs every prefill shape through the compiled model (when the
+plan compiles: ``torch.compile(model, dynamic=True)``, the model alone, shared by prefill and
+decode; dynamo keeps 4 graphs whatever the buckets: prefill and decode, each for batch 1 and
+batch > 1) and captures one ``torch.cuda.CUDAGraph`` per (batch bucket, kv bucket, sampling mode:
+greedy / sample / top-k-top-p, chosen on the host from the requests) for the decode step,
+sampling included. The default GPU plan (batch 1..8, kv 256..2048) makes 48 graphs in one pool.
+We capture graphs ourselves rather than through ``mode="reduce-overhead"``: the graph's input and
 output tensors are ours, each step copies its output to the host before the next replay, and
 nothing outside holds a graph output that a replay could overwrite (the failure seen with
 transformers' static cache + compile). On CPU the same static-buffer code runs eagerly.
@@ -167,15 +170,16 @@ class DecodeStep:
     """
 
     def __init__(self, model: Transformer, state: DecodeState, mode: str, kv_len: int,
-                 decode_fn: Callable[..., Tensor]) -> None:
-        self.model, self.state, self.mode, self.kv_len, self.decode_fn = model, state, mode, kv_len, decode_fn
+                 forward: Callable[..., Tensor] | None = None) -> None:
+        self.model, self.state, self.mode, self.kv_len = model, state, mode, kv_len
+        self.forward = forward if forward is not None else model  # compiled, when the plan compiles decode
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Tensor | None = None
 
     @torch.no_grad()
     def _body(self) -> Tensor:
         st = self.state
-        nxt = self.decode_fn(self.model, st.tokens, st.input_pos, st.params, self.mode, self.kv_len)
+        nxt = decode_one_token(self.forward, st.tokens, st.input_pos, st.params, self.mode, self.kv_len)
         st.tokens.copy_(nxt[:, None])
         # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
         st.input_pos.add_(1).clamp_(max=self.model.max_seq_len - 1)
@@ -219,18 +223,6 @@ class _HostCopies:
         if self.cuda:
             self.events[slot].synchronize()
         return self.bufs[slot].tolist()
-
-
-def _allow_recompiles(n: int) -> None:
-    """Let dynamo keep n graphs per compiled function.
-
-    With ``dynamic=True`` each function still gets one graph per sampling mode x (batch 1, batch
-    > 1) x (kv slice shorter than / equal to the cache). Past the limit dynamo silently falls back
-    to eager; raising the limit explicitly is the alternative.
-    """
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, max(getattr(cfg, name), n))
 
 
 def default_prefill_buckets(max_seq_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -293,16 +285,17 @@ class LlamaRunner:
         self.max_seq_len, self.cuda_graphs, self.pad_id = max_seq_len, cuda_graphs, pad_id
         self.compile_prefill = compile_prefill
         model.setup_caches(self.batch_buckets[-1], max_seq_len)
-        if compile_prefill or compile_decode:
-            _allow_recompiles(len(MODES) * 2 * 2 * 2)
         if compile_mode not in ("default", "max-autotune-no-cudagraphs"):
             # Other modes capture CUDA graphs of their own, which would nest inside ours.
             raise ValueError(f"compile mode {compile_mode!r}: use 'default' or 'max-autotune-no-cudagraphs'")
-        self._prefill = torch.compile(prefill, dynamic=True, mode=compile_mode) if compile_prefill else prefill
-        decode_fn = (torch.compile(decode_one_token, dynamic=True, mode=compile_mode) if compile_decode
-                     else decode_one_token)
+        # Only the model is compiled, once, with dynamic shapes; sampling stays eager (inside the
+        # decode graphs it costs no launches). Dynamo then keeps 4 graphs: prefill and decode, each
+        # for batch 1 (always specialized) and batch > 1, whatever the buckets and sampling modes.
+        compiled = (torch.compile(model, dynamic=True, mode=compile_mode)
+                    if compile_prefill or compile_decode else None)
+        self._prefill_model = compiled if compile_prefill else model
         self.states = {b: DecodeState(b, self.device) for b in self.batch_buckets}
-        self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, decode_fn)
+        self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, compiled if compile_decode else None)
                       for b in self.batch_buckets for m in MODES for kv in self.kv_buckets}
         self._rng = random.Random()
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
@@ -335,12 +328,12 @@ class LlamaRunner:
         """
         t0 = time.perf_counter()
         shapes = [(b, t) for b in self.batch_buckets for t in self.prefill_buckets]
-        # Eager prefill has nothing to compile: one small call initialises the kernels.
+        # Eager prefill has nothing to compile: one small call initialises the kernels. Compiled,
+        # every shape runs once, so that any guard that would recompile fails here, not in serving.
         for b, t in shapes if self.compile_prefill else shapes[:1]:
             params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
             tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.pad_id] * t], b, t))
-            for mode in MODES:
-                self._prefill(self.model, tokens, input_pos, last_idx, params, mode)
+            prefill(self._prefill_model, tokens, input_pos, last_idx, params, FILTER)
         self._sync()
         t1 = time.perf_counter()
         for b, state in self.states.items():
@@ -389,7 +382,7 @@ class LlamaRunner:
         mode = sampling_mode(temperature, top_k, top_p)
         positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
         with torch.no_grad():
-            first = self._prefill(self.model, tokens, input_pos, last_idx, sampling, mode)
+            first = prefill(self._prefill_model, tokens, input_pos, last_idx, sampling, mode)
             self.states[batch].load(first, positions, sampling)
         host = _HostCopies(batch, self.device)
         host.start(0, first)

@@ -246,7 +246,9 @@ class Transformer(nn.Module):
                              f"max_position_embeddings={self.config.max_position_embeddings}")
         w = self.tok_embeddings.weight
         for layer in self.layers:
-            layer.attention.kv_cache = KVCache(max_batch_size, self.config.n_kv_heads, max_seq_len,
+            # One spare slot that attention never reads: a kv_len equal to the buffer length would
+            # make the sliced cache contiguous, and torch.compile would specialize (compile twice) on it.
+            layer.attention.kv_cache = KVCache(max_batch_size, self.config.n_kv_heads, max_seq_len + 1,
                                                self.config.head_dim, w.dtype, w.device)
         cos, sin = rope_tables(self.config.head_dim, max_seq_len, self.config.rope_base, w.device)
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import torch
 
 from optimizations.llama import (LlamaConfig, Transformer, hf_to_ours, init_random, model_from_hf_state_dict,
                                  ours_to_hf)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # On 2 shared cores, two OpenMP threads run small matmuls many times slower than one as soon
+    # as another process holds a core.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import torch
 
 from optimizations.sampling import (FILTER, GREEDY, SAMPLE, SamplingTensors, sample, sampling_mode,
                                     top_k_top_p_filter, uniform_noise)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # On 2 shared cores, two OpenMP threads run small matmuls many times slower than one as soon
+    # as another process holds a core.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def _params(b: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> SamplingTensors:
