@@ -1,0 +1,595 @@
+"""Speculative decoding with MLP-speculator heads, verified exactly by the base model.
+
+The heads (IBM's "MLP speculator" form, arXiv 2404.19124): stage ``j`` takes a state and the
+embedding of the token before the one it guesses, and returns a new state and a guess::
+
+    s_0 = h_t                                   (the base model's final, normed hidden state)
+    s_j = s_{j-1} + W_out gelu(W_in [s_{j-1} ; norm(E x_{t+j})])
+    guess_{t+j+1} = argmax(lm_head(norm_j(s_j)))
+
+``E`` and ``lm_head`` are the base model's own (frozen, not stored with the heads), so a head is
+two small matrices and two norm vectors: for SmolLM2-135M (dim 576, hidden 1152) 2 M parameters
+per head, 8 MiB of fp32 safetensors for 4 heads. At serving time stage 1 gets the token the base
+model has just chosen, later stages the previous stage's guess.
+
+One decoding step (``verify_step``), for every row of a batch at once:
+
+1. feed ``[x, d_1 .. d_k]`` (the last chosen token and k drafts) at positions ``p .. p+k``: one
+   forward pass of the base model over k+1 tokens, which writes k+1 KV-cache slots;
+2. ``g_j = argmax`` of the base logits at each of those positions; draft ``d_j`` is accepted while
+   ``d_1..d_j == g_0..g_{j-1}`` (the longest matching prefix), say ``a`` of them;
+3. the row emits ``g_0 .. g_a`` (a+1 tokens): exactly the tokens plain greedy decoding would have
+   produced one by one, since each ``g_j`` was computed from a prefix of accepted tokens only;
+4. the heads draft the next k tokens from the hidden state at position ``p+a`` and ``g_a``.
+
+KV cache: nothing is copied or rolled back. Slots ``p+a+1 .. p+k`` hold the rejected drafts'
+keys/values, and the next step writes its k+1 tokens starting at ``p+a+1``, so it overwrites all
+of them before anything reads them (a token at position q attends to slots ``0..q`` only).
+
+Sampled requests (temperature > 0) do not speculate: in a batch they are forced to accept 0
+drafts and their token at each step is sampled from the logits of the first position with the
+same per-(seed, position) noise as the plain runner, so they get exactly the tokens they would get
+without speculation. A batch with no greedy row, a batch larger than ``max_spec_batch``, or
+requests with ``speculate=False`` use the plain ``LlamaRunner`` (or ride along without drafts).
+
+Static shapes: ``verify_step`` always processes k+1 tokens per row, so on CUDA it is captured as one
+``torch.cuda.CUDAGraph`` per (batch bucket, sampling mode, kv bucket), like the plain decode step;
+the graph advances its own state in place, the host reads ``(B, k+2)`` integers per step (the k+1
+base tokens and the accepted count): one device-to-host sync per step, launched one step ahead.
+
+Exactness holds as far as the base model computes the same logits for a token whether it is fed
+alone or among k+1: always in exact arithmetic, and in practice in fp32. In bf16 the k+1-token
+matmuls may round differently from the 1-token ones, which can flip an argmax between two logits
+that are equal to bf16 precision; ``benchmarks/spec_bench.py`` reports how often that happens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, LlamaRunner, SamplingParams,
+                                    pad_prompts, pick_bucket)
+from optimizations.llama import RMSNorm, Transformer
+from optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample, sampling_mode
+
+SPEC_FORMAT = "servekit-mlp-speculator"
+SPEC_WEIGHTS = "speculator.safetensors"
+SPEC_CONFIG = "speculator.json"
+# Above this many requests in a batch the runner decodes without speculation. Placeholder until
+# the GPU measurement (benchmarks/spec_bench.py reports the batch size where speculation stops
+# paying); the plan can set it per model.
+DEFAULT_MAX_SPEC_BATCH = 8
+
+
+# --- the heads ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SpeculatorConfig:
+    n_heads: int = 4
+    dim: int = 576  # the base model's hidden size
+    hidden_dim: int = 1152
+    vocab_size: int = 49152  # the base model's, checked at load
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("n_heads", "dim", "hidden_dim", "vocab_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"speculator {name} must be a positive integer, got {getattr(self, name)!r}")
+
+    @classmethod
+    def for_model(cls, model: Transformer, n_heads: int = 4, hidden_mult: float = 2.0) -> "SpeculatorConfig":
+        c = model.config
+        return cls(n_heads=n_heads, dim=c.dim, hidden_dim=int(round(hidden_mult * c.dim)),
+                   vocab_size=c.vocab_size, norm_eps=c.norm_eps)
+
+
+class SpeculatorStage(nn.Module):
+    def __init__(self, config: SpeculatorConfig) -> None:
+        super().__init__()
+        self.emb_norm = RMSNorm(config.dim, config.norm_eps)
+        self.w_in = nn.Linear(2 * config.dim, config.hidden_dim, bias=False)
+        self.w_out = nn.Linear(config.hidden_dim, config.dim, bias=False)
+        self.out_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, state: Tensor, emb: Tensor) -> tuple[Tensor, Tensor]:
+        """state, emb ``(..., dim)`` -> (next state, normed features for the base's lm_head)."""
+        z = self.w_in(torch.cat([state, self.emb_norm(emb)], dim=-1))
+        state = state + self.w_out(F.gelu(z))
+        return state, self.out_norm(state)
+
+
+class Speculator(nn.Module):
+    """k MLP-speculator stages on top of a base ``Transformer`` (whose embedding/lm_head they use)."""
+
+    def __init__(self, config: SpeculatorConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.stages = nn.ModuleList(SpeculatorStage(config) for _ in range(config.n_heads))
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.stages)
+
+    def reset_parameters(self, seed: int = 0, random_out: bool = False) -> "Speculator":
+        """Fresh weights. ``w_out`` starts at zero for training (stage j then guesses the token
+        the base just chose); ``random_out=True`` gives random guesses, for exactness tests."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for stage in self.stages:
+                stage.emb_norm.weight.fill_(1.0)
+                stage.out_norm.weight.fill_(1.0)
+                w = stage.w_in.weight
+                w.copy_(torch.randn(w.shape, generator=gen) / w.shape[1] ** 0.5)
+                w = stage.w_out.weight
+                w.copy_(torch.randn(w.shape, generator=gen) / w.shape[1] ** 0.5 if random_out else torch.zeros(w.shape))
+        return self
+
+    def check_base(self, model: Transformer) -> None:
+        c = model.config
+        if (c.dim, c.vocab_size) != (self.config.dim, self.config.vocab_size):
+            raise ValueError(f"speculator heads were made for dim={self.config.dim}, vocab={self.config.vocab_size}; "
+                             f"the base model has dim={c.dim}, vocab={c.vocab_size}")
+
+    def head_subset(self, n: int) -> "Speculator":
+        """The first n heads (sharing parameters): a shorter draft from the same training."""
+        if not 1 <= n <= self.n_heads:
+            raise ValueError(f"can use 1..{self.n_heads} heads, asked for {n}")
+        if n == self.n_heads:
+            return self
+        sub = Speculator.__new__(Speculator)
+        nn.Module.__init__(sub)
+        sub.config = SpeculatorConfig(**{**asdict(self.config), "n_heads": n})
+        sub.stages = nn.ModuleList(list(self.stages)[:n])
+        return sub
+
+    def forward(self, model: Transformer, hidden: Tensor, tokens: Tensor) -> list[Tensor]:
+        """Teacher-forced logits for training: hidden ``(N, dim)`` at position t, tokens ``(N, k)``
+        = x_{t+1..t+k}; returns k tensors ``(N, V)`` guessing x_{t+2..t+k+1}."""
+        state, out = hidden, []
+        for j, stage in enumerate(self.stages):
+            state, feat = stage(state, model.tok_embeddings(tokens[:, j]))
+            out.append(model.output(feat))
+        return out
+
+    def draft(self, model: Transformer, hidden: Tensor, token: Tensor) -> Tensor:
+        """Greedy drafts ``(B, k)`` from hidden ``(B, dim)`` at position t and token x_{t+1} ``(B,)``."""
+        state, out = hidden, []
+        for stage in self.stages:
+            state, feat = stage(state, model.tok_embeddings(token))
+            token = model.output(feat).argmax(dim=-1)
+            out.append(token)
+        return torch.stack(out, dim=1)
+
+
+def save_speculator(speculator: Speculator, out_dir: str | Path, info: dict | None = None) -> Path:
+    """Write ``speculator.safetensors`` (fp32) + ``speculator.json`` into ``out_dir``; returns the folder."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in speculator.state_dict().items()}
+    save_file(tensors, str(out / SPEC_WEIGHTS), metadata={"format": SPEC_FORMAT})
+    config = {"format": SPEC_FORMAT, "version": 1, **asdict(speculator.config), "training": info or {}}
+    (out / SPEC_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def load_speculator(path: str | Path, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> Speculator:
+    """Load heads from a folder holding ``speculator.json`` + ``speculator.safetensors``."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    if folder.is_file():
+        folder = folder.parent
+    raw = json.loads((folder / SPEC_CONFIG).read_text())
+    if raw.get("format") != SPEC_FORMAT:
+        raise ValueError(f"{folder / SPEC_CONFIG}: format is {raw.get('format')!r}, expected {SPEC_FORMAT!r}")
+    config = SpeculatorConfig(**{k: raw[k] for k in ("n_heads", "dim", "hidden_dim", "vocab_size", "norm_eps")})
+    spec = Speculator(config)
+    spec.load_state_dict(load_file(str(folder / SPEC_WEIGHTS)), strict=True)
+    return spec.to(device=device, dtype=dtype).eval()
+
+
+# --- the model calls: plain functions, compiled or captured by the runner -------------------------
+
+def forward_hidden(model: Transformer, tokens: Tensor, input_pos: Tensor, kv_len: int | None = None,
+                   last_idx: Tensor | None = None, with_logits: bool = True) -> tuple[Tensor | None, Tensor]:
+    """``Transformer.forward`` that also returns the final normed hidden state.
+
+    Returns fp32 logits and hidden states, ``(B, T, V)`` / ``(B, T, dim)``, or ``(B, V)`` /
+    ``(B, dim)`` at ``last_idx`` of each row (logits None when ``with_logits`` is false). Same
+    computation as ``model(...)``, step by step.
+    """
+    if tokens.shape[0] > model.max_batch_size:
+        raise ValueError(f"batch {tokens.shape[0]} exceeds the cache's max_batch_size={model.max_batch_size}")
+    x = model.tok_embeddings(tokens)
+    cos = model.rope_cos[input_pos].unsqueeze(1).to(x.dtype)
+    sin = model.rope_sin[input_pos].unsqueeze(1).to(x.dtype)
+    kv_len = model.max_seq_len if kv_len is None else kv_len
+    mask = model.cache_positions[None, None, :kv_len] <= input_pos[:, :, None]
+    for layer in model.layers:
+        x = layer(x, cos, sin, mask, input_pos)
+    if last_idx is not None:
+        x = x[torch.arange(x.shape[0], device=x.device), last_idx]
+    hidden = model.norm(x)
+    return (model.output(hidden).float() if with_logits else None), hidden
+
+
+def spec_prefill(model: Transformer, speculator: Speculator, tokens: Tensor, input_pos: Tensor,
+                 last_idx: Tensor, params: SamplingTensors, mode: str = FILTER) -> tuple[Tensor, Tensor]:
+    """Prefill right-padded prompts; returns each row's first token ``(B,)`` and its drafts ``(B, k)``."""
+    logits, hidden = forward_hidden(model, tokens, input_pos, kv_len=tokens.shape[1], last_idx=last_idx)
+    position = input_pos.gather(1, last_idx[:, None]).squeeze(1)
+    first = sample(logits, params, position, mode)
+    return first, speculator.draft(model, hidden, first)
+
+
+def verify_step(model: Transformer, speculator: Speculator, token: Tensor, draft: Tensor, pos: Tensor,
+                spec_rows: Tensor, params: SamplingTensors, mode: str = GREEDY, kv_len: int | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One speculative step. token, pos ``(B,)``: each row's last chosen token and its position;
+    draft ``(B, k)``; spec_rows ``(B,)`` int, 0 for rows that must not accept drafts.
+
+    Returns the base model's tokens ``(B, k+1)`` (a row emits the first ``accepted + 1``), the
+    accepted draft counts ``(B,)``, each row's next token ``(B,)`` and its next drafts ``(B, k)``.
+    """
+    k = draft.shape[1]
+    tokens = torch.cat([token[:, None], draft], dim=1)
+    input_pos = (pos[:, None] + torch.arange(k + 1, device=pos.device)).clamp(max=model.max_seq_len - 1)
+    logits, hidden = forward_hidden(model, tokens, input_pos, kv_len)
+    base = logits.argmax(dim=-1)
+    if mode != GREEDY:  # sampled rows take the plain runner's token for position pos, drafts ignored
+        first = sample(logits[:, 0], params, input_pos[:, 0], mode)
+        base = torch.cat([first[:, None], base[:, 1:]], dim=1)
+    accepted = (draft == base[:, :k]).long().cumprod(dim=1).sum(dim=1) * spec_rows
+    nxt = base.gather(1, accepted[:, None]).squeeze(1)
+    h = hidden.gather(1, accepted[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
+    return base, accepted, nxt, speculator.draft(model, h, nxt)
+
+
+# --- the runner -----------------------------------------------------------------------------------
+
+@dataclass
+class SpecStepOutput:
+    """New tokens of one step: ``tokens[i]`` is the list row i emits (1..k+1 tokens), None once the
+    row has finished. ``finish_reasons`` as in ``StepOutput`` (the row's last token carries it).
+
+    ``proposed[j]`` / ``accepted[j]``: how many live rows proposed / had accepted a draft token at
+    position j (0 = first draft token) in this step; a draft at j counts as accepted only if the
+    drafts before it were too. Both are zero for steps decoded without speculation.
+    """
+
+    tokens: list[list[int] | None]
+    finish_reasons: list[str | None]
+    proposed: list[int]
+    accepted: list[int]
+
+
+@dataclass
+class SpecStats:
+    """Acceptance counters summed over steps (what the handler's metrics export)."""
+
+    proposed: list[int]
+    accepted: list[int]
+    steps: int = 0  # host steps seen (prefill's included)
+    tokens: int = 0  # tokens emitted
+
+    @classmethod
+    def empty(cls, n_heads: int) -> "SpecStats":
+        return cls([0] * n_heads, [0] * n_heads)
+
+    def add(self, out: SpecStepOutput) -> None:
+        for j, (p, a) in enumerate(zip(out.proposed, out.accepted)):
+            self.proposed[j] += p
+            self.accepted[j] += a
+        self.steps += 1
+        self.tokens += sum(len(t) for t in out.tokens if t is not None)
+
+    @property
+    def acceptance_rate(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per speculative row-step: 1 (the base's own) + accepted drafts."""
+        return 1.0 + sum(self.accepted) / self.proposed[0] if self.proposed and self.proposed[0] else 1.0
+
+    def to_dict(self) -> dict:
+        return {"proposed": self.proposed, "accepted": self.accepted, "steps": self.steps, "tokens": self.tokens,
+                "acceptance_rate": [round(r, 4) for r in self.acceptance_rate],
+                "mean_accepted_length": round(self.mean_accepted_length, 4)}
+
+
+class SpecStream:
+    """Iterator of ``SpecStepOutput`` for one batch, from ``SpeculativeRunner.stream``.
+
+    ``cancel(i)`` ends row i early (as ``LlamaRunner.stream``'s result does): no more tokens for
+    it, and it no longer keeps steps running.
+    """
+
+    def __init__(self, steps: Iterator[SpecStepOutput], cancel: Callable[[int], None], speculative: bool) -> None:
+        self._steps, self._cancel = steps, cancel
+        self.speculative = speculative  # False: plain decoding (batch too large, no greedy request, ...)
+
+    def __iter__(self) -> "SpecStream":
+        return self
+
+    def __next__(self) -> SpecStepOutput:
+        return next(self._steps)
+
+    def cancel(self, row: int) -> None:
+        self._cancel(row)
+
+
+class SpecState:
+    """Static inputs of the verify step for one batch bucket, shared by its graphs."""
+
+    def __init__(self, batch: int, n_heads: int, device: torch.device) -> None:
+        self.token = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.draft = torch.zeros(batch, n_heads, dtype=torch.int64, device=device)
+        self.pos = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.spec_rows = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
+
+    def load(self, token: Tensor, draft: Tensor, pos: Tensor, spec_rows: Tensor, params: SamplingTensors) -> None:
+        self.token.copy_(token)
+        self.draft.copy_(draft)
+        self.pos.copy_(pos)
+        self.spec_rows.copy_(spec_rows)
+        self.params.copy_(params)
+
+
+class VerifyStep:
+    """``verify_step`` for one (batch bucket, mode, kv length) on a shared ``SpecState``.
+
+    ``run()`` advances the state in place (token, drafts, positions) and returns ``(B, k+2)``:
+    the k+1 base tokens and the accepted count. After ``capture()`` (CUDA) it replays a graph.
+    """
+
+    def __init__(self, model: Transformer, speculator: Speculator, state: SpecState, mode: str, kv_len: int,
+                 fn: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]) -> None:
+        self.model, self.speculator, self.state, self.mode, self.kv_len, self.fn = (
+            model, speculator, state, mode, kv_len, fn)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Tensor | None = None
+
+    @torch.no_grad()
+    def _body(self) -> Tensor:
+        st = self.state
+        base, accepted, nxt, draft = self.fn(self.model, self.speculator, st.token, st.draft, st.pos, st.spec_rows,
+                                             st.params, self.mode, self.kv_len)
+        st.token.copy_(nxt)
+        st.draft.copy_(draft)
+        # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
+        st.pos.add_(accepted + 1).clamp_(max=self.model.max_seq_len - 1)
+        return torch.cat([base, accepted[:, None]], dim=1)
+
+    def capture(self, pool: object | None = None, warmup_iters: int = 2) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup_iters):
+                self._body()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = self._body()
+
+    def run(self) -> Tensor:
+        if self.graph is None:
+            return self._body()
+        self.graph.replay()
+        assert self.out is not None
+        return self.out  # overwritten by the next replay: copied to the host before that
+
+
+class _HostRing:
+    """Two pinned host buffers ``(B, k+2)``: copy step t+1 while the host reads step t."""
+
+    def __init__(self, batch: int, width: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.bufs = [torch.zeros(batch, width, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+
+    def start(self, slot: int, t: Tensor) -> None:
+        self.bufs[slot].copy_(t, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[slot].record()
+
+    def wait(self, slot: int) -> list[list[int]]:
+        if self.cuda:
+            self.events[slot].synchronize()
+        return self.bufs[slot].tolist()
+
+
+def generate_speculative(runner: "SpeculativeRunner", prompts: list[list[int]], params: list[SamplingParams],
+                         speculate: list[bool] | None = None) -> tuple[list[Completion], SpecStats]:
+    """Generate to completion (collects ``runner.stream``); also returns the acceptance counters."""
+    tokens: list[list[int]] = [[] for _ in prompts]
+    reasons: list[str] = [""] * len(prompts)
+    stats = SpecStats.empty(runner.n_heads)
+    for step in runner.stream(prompts, params, speculate):
+        stats.add(step)
+        for i, (toks, reason) in enumerate(zip(step.tokens, step.finish_reasons)):
+            if toks is not None:
+                tokens[i] += toks
+            if reason is not None:
+                reasons[i] = reason
+    return [Completion(t, r) for t, r in zip(tokens, reasons)], stats
+
+
+class SpeculativeRunner:
+    """Speculative decoding on top of a ``LlamaRunner`` (same model, KV cache, buckets, prefill plan).
+
+    ``stream()`` speculates for greedy requests when the batch has at most ``max_spec_batch``
+    requests; otherwise it streams the plain runner's steps in the same ``SpecStepOutput`` form.
+    ``n_heads`` (default: all trained heads) is how many drafts a step proposes.
+    """
+
+    def __init__(self, base: LlamaRunner, speculator: Speculator, max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH,
+                 n_heads: int | None = None, compile_verify: bool = False) -> None:
+        model = base.model
+        speculator.check_base(model)
+        if max_spec_batch < 0:
+            raise ValueError(f"max_spec_batch must be >= 0, got {max_spec_batch}")
+        w = model.tok_embeddings.weight
+        self.base, self.model, self.device = base, model, base.device
+        self.speculator = speculator.head_subset(n_heads or speculator.n_heads).to(device=w.device, dtype=w.dtype).eval()
+        self.n_heads = self.speculator.n_heads
+        self.max_spec_batch = min(max_spec_batch, base.max_batch)
+        top = pick_bucket(self.max_spec_batch, base.batch_buckets) if self.max_spec_batch else 0
+        self.spec_buckets = tuple(b for b in base.batch_buckets if b <= top)
+        compile_mode = base.plan.get("compile_mode", "default")
+        self._prefill = (torch.compile(spec_prefill, dynamic=True, mode=compile_mode) if base.compile_prefill
+                         else spec_prefill)
+        fn = torch.compile(verify_step, dynamic=True, mode=compile_mode) if compile_verify else verify_step
+        self.states = {b: SpecState(b, self.n_heads, self.device) for b in self.spec_buckets}
+        self.steps = {(b, m, kv): VerifyStep(model, self.speculator, self.states[b], m, kv, fn)
+                      for b in self.spec_buckets for m in MODES for kv in base.kv_buckets}
+        self.plan = {**base.plan, "speculative": {"n_heads": self.n_heads, "max_spec_batch": self.max_spec_batch,
+                                                   "spec_buckets": list(self.spec_buckets),
+                                                   "compile_verify": compile_verify}}
+
+    @torch.no_grad()
+    def warmup(self, include_base: bool = True) -> dict[str, float]:
+        """Warm the plain runner (optional), then compile spec prefill and capture every verify step."""
+        phases = {f"base_{k}": v for k, v in self.base.warmup().items()} if include_base else {}
+        t0 = time.perf_counter()
+        shapes = [(b, t) for b in self.spec_buckets for t in self.base.prefill_buckets]
+        for b, t in shapes if self.base.compile_prefill else shapes[:1]:
+            params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
+            tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.base.pad_id] * t], b, t))
+            for mode in MODES:
+                self._prefill(self.model, self.speculator, tokens, input_pos, last_idx, params, mode)
+        self.base._sync()
+        t1 = time.perf_counter()
+        for b, state in self.states.items():
+            zeros = torch.zeros(b, dtype=torch.int64, device=self.device)
+            state.load(zeros, torch.zeros(b, self.n_heads, dtype=torch.int64, device=self.device), zeros, zeros + 1,
+                       SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
+        pool = torch.cuda.graph_pool_handle() if self.base.cuda_graphs else None
+        for key in sorted(self.steps, key=lambda k: (-k[0], -k[2])):
+            step = self.steps[key]
+            if self.base.cuda_graphs:
+                step.capture(pool)
+            elif key[1:] == (FILTER, self.base.kv_buckets[-1]):
+                step.run()
+        self.base._sync()
+        return {**phases, "spec_prefill_s": t1 - t0, "spec_verify_s": time.perf_counter() - t1}
+
+    def will_speculate(self, params: list[SamplingParams], speculate: list[bool] | None = None) -> bool:
+        """Whether ``stream`` would take the speculative path for this batch."""
+        rows = self._spec_rows(params, speculate)
+        return 0 < len(params) <= self.max_spec_batch and any(rows)
+
+    @staticmethod
+    def _spec_rows(params: list[SamplingParams], speculate: list[bool] | None) -> list[bool]:
+        if speculate is None:
+            speculate = [True] * len(params)
+        if len(speculate) != len(params):
+            raise ValueError(f"need one speculate flag per request, got {len(speculate)} for {len(params)}")
+        return [bool(s) and sp.temperature == 0 for s, sp in zip(speculate, params)]
+
+    def stream(self, prompts: list[list[int]], params: list[SamplingParams],
+               speculate: list[bool] | None = None) -> SpecStream:
+        """Validate, prefill now, return an iterator of ``SpecStepOutput`` (see ``LlamaRunner.stream``).
+
+        ``speculate[i] = False`` keeps request i from speculating (sampled requests never do).
+        """
+        if not self.will_speculate(params, speculate):
+            return self._plain(prompts, params)
+        base, model = self.base, self.model
+        if model.max_seq_len != base.max_seq_len or model.max_batch_size < base.max_batch:
+            raise RuntimeError("the model's KV cache was reallocated by another runner; use one runner per model")
+        n = len(prompts)
+        if n != len(params):
+            raise ValueError(f"need one SamplingParams per prompt, got {n} prompts and {len(params)}")
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if (err := base.check(p, sp)) is not None:
+                raise ValueError(f"request {i}: {err}")
+        rows = self._spec_rows(params, speculate)
+        batch = pick_bucket(n, self.spec_buckets)
+        length = pick_bucket(max(len(p) for p in prompts), base.prefill_buckets)
+        tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts(prompts, batch, length, base.pad_id))
+        pad_rows = batch - n
+        temperature = [float(sp.temperature) for sp in params] + [0.0] * pad_rows
+        top_k = [sp.top_k for sp in params] + [0] * pad_rows
+        top_p = [float(sp.top_p) for sp in params] + [1.0] * pad_rows
+        seeds = [sp.seed if sp.seed is not None else base._rng.getrandbits(32) for sp in params] + [0] * pad_rows
+        sampling = SamplingTensors.build(temperature, top_k, top_p, seeds, self.device)
+        mode = sampling_mode(temperature, top_k, top_p)
+        positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
+        spec_rows = torch.tensor([int(r) for r in rows] + [0] * pad_rows, device=self.device)
+        with torch.no_grad():
+            first, draft = self._prefill(model, self.speculator, tokens, input_pos, last_idx, sampling, mode)
+            self.states[batch].load(first, draft, positions, spec_rows, sampling)
+            host = _HostRing(batch, self.n_heads + 2, self.device)
+            host.start(0, torch.cat([first[:, None], torch.zeros_like(draft), torch.zeros_like(first)[:, None]], 1))
+        done = [False] * n
+        return SpecStream(self._spec_loop(batch, mode, host, [len(p) for p in prompts], params, rows, done),
+                          lambda i: done.__setitem__(i, True), speculative=True)
+
+    def _plain(self, prompts: list[list[int]], params: list[SamplingParams]) -> SpecStream:
+        steps = self.base.stream(prompts, params)  # validates now
+        zeros = [0] * self.n_heads
+        gen = (SpecStepOutput([None if t is None else [t] for t in s.tokens], s.finish_reasons, zeros, zeros)
+               for s in steps)
+        return SpecStream(gen, getattr(steps, "cancel", lambda i: None), speculative=False)
+
+    def _spec_loop(self, batch: int, mode: str, host: _HostRing, lengths: list[int], params: list[SamplingParams],
+                   rows: list[bool], done: list[bool]) -> Iterator[SpecStepOutput]:
+        n, k, max_seq = len(params), self.n_heads, self.base.max_seq_len
+        generated = [0] * n
+        stops = [set(sp.stop_token_ids) for sp in params]
+        fed = list(lengths)  # position of the token the next verify step to be read feeds, per row
+        t, slot = 0, 0  # output t: 0 = prefill's first token, t >= 1 = verify step t
+        while True:
+            live = [i for i in range(n) if not done[i]]  # done[i] is also set by SpecStream.cancel
+            if not live:
+                return
+            # Launch step t+1 before reading output t when some row may still need tokens after it.
+            if any(generated[i] + 1 < params[i].max_tokens for i in live):
+                # Step t+1 feeds at most k+1 past what step t feeds (t = 0: exactly ``fed``), and
+                # writes k slots beyond its first: attend to one past the last.
+                needed = min(max(fed[i] for i in live) + (k + 1 if t else 0) + k + 1, max_seq)
+                step = self.steps[(batch, mode, pick_bucket(needed, self.base.kv_buckets))]
+                host.start(1 - slot, step.run())
+            out_rows = host.wait(slot)
+            out = SpecStepOutput([None] * n, [None] * n, [0] * k, [0] * k)
+            for i in live:
+                acc = out_rows[i][k + 1]
+                if t:
+                    fed[i] += acc + 1
+                    if rows[i]:
+                        for j in range(k):
+                            out.proposed[j] += 1
+                            out.accepted[j] += j < acc
+                new: list[int] = []
+                for tok in out_rows[i][:acc + 1]:
+                    new.append(tok)
+                    generated[i] += 1
+                    if tok in stops[i]:
+                        out.finish_reasons[i], done[i] = FINISH_STOP, True
+                        break
+                    if generated[i] >= params[i].max_tokens:
+                        out.finish_reasons[i], done[i] = FINISH_LENGTH, True
+                        break
+                out.tokens[i] = new
+            yield out
+            if all(done):
+                return
+            t, slot = t + 1, 1 - slot
+
+
+__all__ = ["SpeculatorConfig", "Speculator", "SpeculatorStage", "save_speculator", "load_speculator",
+           "forward_hidden", "spec_prefill", "verify_step", "SpecStepOutput", "SpecStats", "SpeculativeRunner",
+           "generate_speculative", "SpecStream", "DEFAULT_MAX_SPEC_BATCH", "SPEC_WEIGHTS", "SPEC_CONFIG"]

@@ -1,0 +1,324 @@
+"""Speculative decoding on a tiny random-init Llama (CPU, eager: the same static-buffer verify step
+that CUDA graphs replay on GPU): exactness against plain greedy decoding, acceptance accounting,
+the batch-size and per-request switches, sampled requests, heads on disk, and the training recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from optimizations.generate import LlamaRunner, SamplingParams, generate, pad_prompts
+from optimizations.llama import LlamaConfig, Transformer, init_random
+from optimizations.sampling import SamplingTensors
+from optimizations.speculative import (SPEC_CONFIG, SPEC_WEIGHTS, SpecStats, Speculator, SpeculatorConfig,
+                                       SpeculativeRunner, forward_hidden, generate_speculative, load_speculator,
+                                       save_speculator, spec_prefill, verify_step)
+from optimizations import train_speculator
+
+MAX_SEQ = 96
+K = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return init_random(LlamaConfig.tiny(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def base(model: Transformer) -> LlamaRunner:
+    return LlamaRunner(model, max_seq_len=MAX_SEQ, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
+                       kv_buckets=(16, 32, 48, 64))  # small kv buckets: every step picks one
+
+
+@pytest.fixture(scope="module")
+def random_heads(model: Transformer) -> Speculator:
+    return Speculator(SpeculatorConfig.for_model(model, K)).reset_parameters(seed=1, random_out=True)
+
+
+@pytest.fixture(scope="module")
+def spec(base: LlamaRunner, random_heads: Speculator) -> SpeculativeRunner:
+    runner = SpeculativeRunner(base, random_heads, max_spec_batch=4)
+    runner.warmup(include_base=False)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Heads trained by the CLI recipe on the tiny model (seconds)."""
+    out = tmp_path_factory.mktemp("spec-tiny")
+    assert train_speculator.main(["--tiny", "--out", str(out), "--prompts-limit", "30", "--new-tokens", "24",
+                                  "--steps", "40", "--batch-size", "128", "--device", "cpu", "--quiet"]) == 0
+    return out
+
+
+class OracleSpeculator(Speculator):
+    """Drafts from known greedy continuations (eager only): in each step, row i's first
+    ``plan(i, step)`` drafts are right and the next one is wrong, so the runner must accept
+    exactly that many. ``refs`` must run k+1 tokens past what the rows generate."""
+
+    def __init__(self, n_heads: int, vocab_size: int, refs: list[list[int]], plan) -> None:
+        super().__init__(SpeculatorConfig(n_heads=n_heads, dim=8, hidden_dim=8, vocab_size=vocab_size))
+        self.refs, self.plan, self.vocab_size = refs, plan, vocab_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.idx: list[int] | None = None  # index in refs[i] of the token the next step feeds
+        self.step, self.planned = 0, [0] * len(self.refs)
+
+    def check_base(self, model: Transformer) -> None:
+        pass
+
+    def draft(self, model: Transformer, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        k = self.n_heads
+        out = torch.zeros(token.shape[0], k, dtype=torch.int64)
+        if self.idx is None:
+            self.idx = [0] * len(self.refs)  # prefill: token is ref[0]
+        else:
+            self.idx = [i + m + 1 for i, m in zip(self.idx, self.planned)]
+            self.step += 1
+        for r, ref in enumerate(self.refs):
+            i = self.idx[r]
+            if i >= len(ref) - k - 1:
+                continue  # finished row: any drafts do
+            assert int(token[r]) == ref[i], "the runner fed a token the greedy reference does not have"
+            m = self.planned[r] = self.plan(r, self.step)
+            row = ref[i + 1:i + 1 + k]
+            if m < k:
+                row[m] = (row[m] + 1) % self.vocab_size
+            out[r] = torch.tensor(row)
+        return out.to(token.device)
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+LENGTHS = [5, 20, 11, 1, 33, 7, 60, 14, 2, 9, 25, 40]
+
+
+def _check_exact(base: LlamaRunner, spec: SpeculativeRunner, prompts: list[list[int]],
+                 params: list[SamplingParams], speculate: list[bool] | None = None) -> SpecStats:
+    want = generate(base, prompts, params)
+    got, stats = generate_speculative(spec, prompts, params, speculate)
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert g.tokens == w.tokens, f"row {i}: speculative output differs from plain decoding"
+        assert g.finish_reason == w.finish_reason
+    return stats
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4])
+def test_random_heads_are_exact(base: LlamaRunner, spec: SpeculativeRunner, batch: int) -> None:
+    prompts = _prompts(LENGTHS, seed=batch)
+    for s in range(0, len(prompts), batch):
+        group = prompts[s:s + batch]
+        params = [SamplingParams(max_tokens=m) for m in (30, 17, 36, 1)[:len(group)]]
+        stats = _check_exact(base, spec, group, params)
+        assert stats.proposed[0] > 0  # it did speculate
+
+
+def test_trained_heads_are_exact_and_accept(base: LlamaRunner, trained_dir: Path) -> None:
+    heads = load_speculator(trained_dir)
+    runner = SpeculativeRunner(base, heads, max_spec_batch=4)
+    total = SpecStats.empty(K)
+    prompts = _prompts(LENGTHS, seed=7)
+    for s in range(0, len(prompts), 4):
+        stats = _check_exact(base, runner, prompts[s:s + 4], [SamplingParams(max_tokens=30)] * 4)
+        total.proposed = [a + b for a, b in zip(total.proposed, stats.proposed)]
+        total.accepted = [a + b for a, b in zip(total.accepted, stats.accepted)]
+    # Random-init tiny models fall into repetitive greedy loops, which trained heads learn.
+    assert total.mean_accepted_length > 1.5
+    assert total.acceptance_rate == sorted(total.acceptance_rate, reverse=True)
+
+
+def test_stop_tokens_and_context_end_are_exact(base: LlamaRunner, spec: SpeculativeRunner) -> None:
+    prompts = _prompts([6, 30, 12, 3], seed=3)
+    free = generate(base, prompts, [SamplingParams(max_tokens=40)] * 4)
+    # Stop at a token each row produces mid-way; one row runs up to the very end of the cache.
+    params = [SamplingParams(max_tokens=40, stop_token_ids=(c.tokens[9],)) for c in free[:3]]
+    params.append(SamplingParams(max_tokens=MAX_SEQ - len(prompts[3])))
+    stats = _check_exact(base, spec, prompts, params)
+    assert stats.proposed[0] > 0
+
+
+def test_verify_step_accepts_longest_matching_prefix(model: Transformer, random_heads: Speculator) -> None:
+    model.setup_caches(4, MAX_SEQ)
+    prompt = _prompts([9], seed=11)[0]
+    with torch.no_grad():
+        ref = []
+        seq = list(prompt)
+        for _ in range(K + 2):
+            logits = model(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1]
+            seq.append(int(logits.argmax()))
+            ref.append(seq[-1])
+    greedy = SamplingTensors.build([0.0], [0], [1.0], [0])
+    for m in range(K + 1):  # drafts right up to position m, wrong from there on
+        draft = torch.tensor([ref[1:K + 1]])
+        if m < K:
+            draft[0, m] = (draft[0, m] + 1) % 256
+        with torch.no_grad():
+            tokens, input_pos, last_idx = pad_prompts([prompt], 1, 16)
+            first, _ = spec_prefill(model, random_heads, tokens, input_pos, last_idx, greedy, "greedy")
+            assert int(first) == ref[0]
+            base, accepted, nxt, new_draft = verify_step(
+                model, random_heads, first, draft, torch.tensor([len(prompt)]), torch.tensor([1]), greedy, "greedy")
+        assert int(accepted) == m
+        assert base[0, :m + 1].tolist() == ref[1:m + 2]
+        assert int(nxt) == ref[m + 1] and new_draft.shape == (1, K)
+        # a row that must not speculate accepts nothing, whatever its drafts
+        with torch.no_grad():
+            spec_prefill(model, random_heads, tokens, input_pos, last_idx, greedy, "greedy")
+            _, accepted, nxt, _ = verify_step(model, random_heads, first, draft, torch.tensor([len(prompt)]),
+                                              torch.tensor([0]), greedy, "greedy")
+        assert int(accepted) == 0 and int(nxt) == ref[1]
+
+
+def test_acceptance_accounting(spec: SpeculativeRunner) -> None:
+    prompts = _prompts([5, 20, 11], seed=5)
+    params = [SamplingParams(max_tokens=m) for m in (30, 12, 21)]
+    steps = list(spec.stream(prompts, params))
+    stats = SpecStats.empty(K)
+    for step in steps:
+        stats.add(step)
+        assert all(p >= a for p, a in zip(step.proposed, step.accepted))
+        assert step.accepted == sorted(step.accepted, reverse=True)
+    assert all(len(t) == 1 for t in steps[0].tokens) and steps[0].proposed == [0] * K  # prefill's token
+    # Every verify step of a live row proposes K drafts; a row emits 1 + accepted tokens per step,
+    # except that its last step may be cut short by max_tokens.
+    row_steps = sum(1 for s in steps[1:] for t in s.tokens if t is not None)
+    assert stats.proposed == [row_steps] * K
+    emitted = sum(len(t) for s in steps for t in s.tokens if t is not None)
+    assert emitted == sum(p.max_tokens for p in params) == stats.tokens
+    assert len(prompts) + row_steps <= emitted <= len(prompts) + row_steps + sum(stats.accepted)
+    assert stats.mean_accepted_length == pytest.approx(1 + sum(stats.accepted) / row_steps)
+    d = stats.to_dict()
+    assert len(d["acceptance_rate"]) == K and d["mean_accepted_length"] >= 1.0
+
+
+def test_batch_size_switch(base: LlamaRunner, random_heads: Speculator) -> None:
+    runner = SpeculativeRunner(base, random_heads, max_spec_batch=2)
+    assert runner.spec_buckets == (1, 2)
+    prompts = _prompts([5, 8, 13], seed=9)
+    params = [SamplingParams(max_tokens=10)] * 3
+    assert runner.will_speculate(params[:2]) and not runner.will_speculate(params)
+    stats = _check_exact(base, runner, prompts, params)  # 3 > 2: plain decoding
+    assert stats.proposed == [0] * K and stats.steps == 10
+    stats = _check_exact(base, runner, prompts[:2], params[:2])
+    assert stats.proposed[0] > 0
+    off = SpeculativeRunner(base, random_heads, max_spec_batch=0)
+    assert off.spec_buckets == () and not off.will_speculate(params[:1])
+    assert _check_exact(base, off, prompts[:1], params[:1]).proposed == [0] * K
+
+
+def test_per_request_switch_and_sampled_requests(base: LlamaRunner, spec: SpeculativeRunner) -> None:
+    prompts = _prompts([5, 20, 11, 8], seed=13)
+    greedy = SamplingParams(max_tokens=20)
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, top_k=40, seed=1234)
+    # Opting out row 0: it proposes nothing, and every row is still exact.
+    got, stats = generate_speculative(spec, prompts[:2], [greedy] * 2, speculate=[False, True])
+    want = generate(base, prompts[:2], [greedy] * 2)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    steps = list(spec.stream(prompts[:2], [greedy] * 2, speculate=[False, True]))
+    assert all(len(s.tokens[0]) == 1 for s in steps if s.tokens[0] is not None)
+    # Mixed batch: the sampled rows get exactly the plain runner's tokens for their seed.
+    params = [greedy, sampled, greedy, SamplingParams(max_tokens=20, temperature=1.2, seed=99)]
+    _check_exact(base, spec, prompts, params)
+    # All sampled: plain decoding.
+    assert not spec.will_speculate([sampled, sampled])
+    assert _check_exact(base, spec, prompts[:2], [sampled, sampled]).proposed == [0] * K
+
+
+def test_bad_requests_raise_at_call(spec: SpeculativeRunner) -> None:
+    with pytest.raises(ValueError, match="request 1: the prompt is empty"):
+        spec.stream([[5, 6], []], [SamplingParams(max_tokens=4)] * 2)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        spec.stream([[5] * 10], [SamplingParams(max_tokens=MAX_SEQ)])
+    with pytest.raises(ValueError, match="one speculate flag per request"):
+        spec.stream([[5]], [SamplingParams(max_tokens=4)], speculate=[True, False])
+
+
+def test_fewer_heads_than_trained(base: LlamaRunner, random_heads: Speculator) -> None:
+    runner = SpeculativeRunner(base, random_heads, max_spec_batch=4, n_heads=2)
+    assert runner.n_heads == 2 and random_heads.n_heads == K
+    stats = _check_exact(base, runner, _prompts([7, 19], seed=17), [SamplingParams(max_tokens=25)] * 2)
+    assert len(stats.proposed) == 2
+    with pytest.raises(ValueError, match="1..4 heads"):
+        SpeculativeRunner(base, random_heads, n_heads=5)
+
+
+def test_forward_hidden_matches_model_forward(model: Transformer) -> None:
+    model.setup_caches(4, MAX_SEQ)
+    tokens = torch.tensor(_prompts([12, 12], seed=19))
+    pos = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        want = model(tokens, pos)
+        logits, hidden = forward_hidden(model, tokens, pos)
+    assert torch.equal(logits, want)
+    assert hidden.shape == (2, 12, model.config.dim)
+
+
+def test_heads_round_trip_and_base_mismatch(tmp_path: Path, model: Transformer, random_heads: Speculator) -> None:
+    save_speculator(random_heads, tmp_path, {"note": "test"})
+    loaded = load_speculator(tmp_path / SPEC_WEIGHTS)
+    for (n, a), (m, b) in zip(random_heads.state_dict().items(), loaded.state_dict().items()):
+        assert n == m and torch.equal(a.float(), b)
+    assert json.loads((tmp_path / SPEC_CONFIG).read_text())["training"] == {"note": "test"}
+    other = init_random(LlamaConfig.tiny(dim=32, head_dim=8), seed=0)
+    with pytest.raises(ValueError, match="made for dim=64"):
+        loaded.check_base(other)
+
+
+def test_training_recipe_smoke(trained_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = json.loads((trained_dir / SPEC_CONFIG).read_text())
+    assert cfg["n_heads"] == K and cfg["dim"] == 64 and cfg["vocab_size"] == 256
+    report = cfg["training"]
+    assert report["prompts"]["train"] == 27 and report["prompts"]["held_out"] == 3
+    assert report["train"]["steps"] == 40 and report["examples"]["train"] > 500
+    assert len(report["held_out"]["accuracy"]) == K and report["held_out"]["mean_accepted_length"] >= 1.0
+    assert 0 < report["train"]["final_loss"] < 5.0  # ln(256) = 5.5 is chance
+    with pytest.raises(SystemExit):
+        train_speculator.main(["--help"])
+    assert "self-distillation" in capsys.readouterr().out
+
+
+def test_prompt_file_and_split() -> None:
+    prompts = train_speculator.load_prompts()
+    assert len(prompts) >= 300 and len(set(prompts)) == len(prompts)
+    train, held = train_speculator.split_prompts(prompts)
+    assert len(held) == len(prompts) // 10 and not set(train) & set(held)
+
+
+def test_oracle_drafts_are_accepted_exactly_as_planned(base: LlamaRunner, model: Transformer) -> None:
+    prompts = _prompts([5, 20, 11], seed=21)
+    max_tokens = [30, 12, 25]
+    refs = [c.tokens for c in generate(base, prompts, [SamplingParams(max_tokens=m + K + 2) for m in max_tokens])]
+    plan = lambda row, step: (row + step) % (K + 1)  # noqa: E731  every acceptance length 0..K
+    oracle = OracleSpeculator(K, 256, refs, plan)
+    runner = SpeculativeRunner(base, oracle, max_spec_batch=4)
+    params = [SamplingParams(max_tokens=m) for m in max_tokens]
+    steps = list(runner.stream(prompts, params))
+    emitted: list[list[int]] = [[] for _ in prompts]
+    for t, step in enumerate(steps):
+        for r, toks in enumerate(step.tokens):
+            if toks is None:
+                continue
+            want = 1 if t == 0 else plan(r, t - 1) + 1
+            assert len(toks) == want or (step.finish_reasons[r] == "length" and len(toks) < want)
+            emitted[r] += toks
+        if t:
+            live = [r for r, toks in enumerate(step.tokens) if toks is not None]
+            assert step.proposed == [len(live)] * K
+            assert step.accepted == [sum(plan(r, t - 1) > j for r in live) for j in range(K)]
+    assert emitted == [ref[:m] for ref, m in zip(refs, max_tokens)]
