@@ -9,6 +9,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "archive": ("handlers.archive", "build a self-contained .mar into model_store/"),
     "serve": ("benchmarks.serve", "start TorchServe with config/ and the archives, in the foreground"),
     "demo": ("benchmarks.demo", "archive, serve, send real requests, print results, stop"),
+    "bench": ("benchmarks.bench.runner", "SLA-driven auto-benchmark from a YAML sweep: report + recommendation"),
 }
 
 

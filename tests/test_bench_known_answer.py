@@ -1,11 +1,14 @@
 """Known answer: a handler that sleeps N(20 ms, 2 ms) per request, 1 worker, batch 1.
 
 1. Percentiles. Requests alternate between the distribution and `sleep_ms: 0` (the server's own
-   overhead, measured under the same conditions at the same time). The harness's p50/p99 of the
-   sleeping requests must match the distribution convolved with that overhead within a few percent.
-2. SLA boundary. The highest Poisson arrival rate with p99 <= 80 ms found by the search must match
+   overhead, measured under the same conditions at the same time). The harness's p50 of the
+   sleeping requests must match the distribution convolved with that overhead within 5%, its p99
+   within the p99's own sampling interval (+-5%).
+2. SLA boundary. The highest Poisson arrival rate with p99 <= 150 ms found by the search must match
    the one a simulation of the same single-server FCFS queue predicts (service = sleep + the
-   per-request worker overhead implied by the measured saturation throughput).
+   per-request worker overhead implied by the measured saturation throughput). The SLA sits where
+   p99 rises steeply with the rate (utilisation ~0.65), so the boundary's rate is well defined
+   even though a p99 from a few hundred requests is not.
 """
 from __future__ import annotations
 
@@ -21,12 +24,12 @@ from benchmarks.bench.measure import ServingConfig, measure_point
 from benchmarks.bench.schema import SLA, Load, Measurement, RemoteTarget, Search, Target
 from benchmarks.bench.search import search_capacity
 from benchmarks.bench.server_metrics import scrape
-from benchmarks.bench.stats import percentile, summarize
+from benchmarks.bench.stats import percentile, percentile_interval, summarize
 from benchmarks.bench.target import Server
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(400)]
 
-MEAN_MS, SD_MS, SLA_P99 = 20.0, 2.0, 80.0
+MEAN_MS, SD_MS, SLA_P99 = 20.0, 2.0, 150.0
 
 
 def simulate_p99(rate: float, service_extra_s: float, overhead_s: np.ndarray, n: int = 30000, seed: int = 0) -> float:
@@ -72,7 +75,7 @@ def test_known_answer_sleep_handler(minilm_server, model_store: Path, tmp_path: 
                             {}, 10, 256)
         try:
             p = measure_point(gen, conf, LoadSpec("closed", 1), 1,
-                              Measurement(warmup_s=1, window_s=3, max_trials=3, tolerance=0.1),
+                              Measurement(warmup_s=1, window_s=4, max_trials=3, tolerance=0.1),
                               sla, 10, lambda: scrape(ts.metrics_url), "ka-sleep", None, tmp_path / "raw1.npz")
         finally:
             gen.close()
@@ -87,6 +90,7 @@ def test_known_answer_sleep_handler(minilm_server, model_store: Path, tmp_path: 
         figures["light"] = {"n": int(len(drawn)), "overhead_p50_ms": percentile(zero * 1000, 50),
                             "overhead_p99_ms": percentile(zero * 1000, 99),
                             "p50_ms": got.p["p50"], "p99_ms": got.p["p99"],
+                            "p99_interval_ms": percentile_interval(drawn * 1000, 99),
                             "expected_p50_ms": percentile(expected * 1000, 50),
                             "expected_p99_ms": percentile(expected * 1000, 99)}
 
@@ -95,7 +99,7 @@ def test_known_answer_sleep_handler(minilm_server, model_store: Path, tmp_path: 
         body.write_text('{"text": "x"}\n')
         gen = LoadGenerator(tmp_path / "lg2", ts.inference_url, "/predictions/ka-sleep", body, "application/json",
                             {}, 10, 1024)
-        meas = Measurement(warmup_s=1, window_s=2, max_trials=4, settle_s=0.3)
+        meas = Measurement(warmup_s=1, window_s=2.5, max_trials=4, settle_s=0.3)
         try:
             def measure(load: LoadSpec, role: str):
                 return measure_point(gen, conf, load, 1, meas, sla, 10, lambda: scrape(ts.metrics_url), "ka-sleep",
@@ -116,9 +120,12 @@ def test_known_answer_sleep_handler(minilm_server, model_store: Path, tmp_path: 
 
     light = figures["light"]
     assert light["p50_ms"] == pytest.approx(light["expected_p50_ms"], rel=0.05)
-    assert light["p99_ms"] == pytest.approx(light["expected_p99_ms"], rel=0.10)
+    # a p99 from a few hundred requests rests on its few largest: compare within its own sampling
+    # interval (order statistics), widened by 5%
+    assert light["p99_interval_ms"][0] / 1.05 <= light["expected_p99_ms"] <= light["p99_interval_ms"][1] * 1.05
     assert 1000 / (MEAN_MS + 8) < sat < 1000 / MEAN_MS * 1.02       # capacity ~ 1 / mean service time
     assert res.best is not None, figures
-    assert 0.75 * predicted <= res.capacity <= 1.15 * predicted, figures
-    # the server-side view agrees: TorchServe's own inference time ~ the sleep
-    assert res.best.server.get("ts_inference_mean_ms", MEAN_MS) == pytest.approx(MEAN_MS, abs=6)
+    assert 0.75 * predicted <= res.capacity <= 1.25 * predicted, figures
+    # the server-side view agrees: TorchServe's backend time per request ~ the sleep
+    assert res.best.server["ts_backend_mean_ms"] == pytest.approx(MEAN_MS, abs=6)
+    assert res.best.server["ts_queue_mean_ms"] > 0

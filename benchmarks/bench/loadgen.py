@@ -104,8 +104,6 @@ class LoadGenerator:
             else:
                 users = int(load.level)
                 spec["users"] = users // processes + (1 if k < users % processes else 0)
-            if load.mode == "closed" and spec["users"] == 0:
-                spec["users"] = 0
             self._write(d, spec)
         h = Handle(self, self.seq, start_epoch)
         self.seq += 1

@@ -115,7 +115,8 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
     warm, win, n = meas.warmup_s, meas.window_s, meas.stable_windows
     if load.mode == "open":  # a window must hold enough requests to say anything about percentiles
         win = min(max(win, meas.min_window_requests / load.level), 4 * win)
-    handle: Handle = gen.start(load, processes, warm + meas.max_trials * win + meas.settle_s + 2)
+    longest = 4 * meas.window_s
+    handle: Handle = gen.start(load, processes, warm + meas.max_trials * longest + meas.settle_s + 2)
     if gpu is not None:
         gpu.start()
     scrapes: list[Sample | None] = []
@@ -124,6 +125,10 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
     early: str | None = None
     try:
         handle.sleep_until(warm)
+        if load.mode == "closed" and warm > 0:  # the same rule, with the rate seen during warm-up
+            seen = len(handle.records()) / warm
+            if seen > 0:
+                win = min(max(win, meas.min_window_requests / seen), longest)
         scrapes.append(scrape())
         for i in range(meas.max_trials):
             t_end = warm + (i + 1) * win

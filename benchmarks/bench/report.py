@@ -324,7 +324,8 @@ def write_report(run: "Run") -> Answer:
           + f"; locust/gevent load processes; request timeout {cfg.load.timeout_s:g}s.",
           f"- Measurement: warm-up {cfg.measurement.warmup_s:g}s (excluded), windows of {cfg.measurement.window_s:g}s "
           f"until the last {cfg.measurement.stable_windows} agree (throughput and p50 within "
-          f"{cfg.measurement.tolerance:.0%}, p99 within {cfg.measurement.tail_tolerance:.0%}) or "
+          f"{cfg.measurement.tolerance:.0%} or their sampling noise, p99 within {cfg.measurement.tail_tolerance:.0%} once "
+          f"windows hold 1000+ requests) or "
           f"{cfg.measurement.max_trials} windows; percentiles are exact (nearest rank) over every request of the "
           "agreeing windows.",
           f"- Payloads: {run.payload_info.get('count', '?')} bodies, characters p50 "
@@ -339,7 +340,7 @@ def write_report(run: "Run") -> Answer:
     L += ["## Ranking", "", "Capacity = the highest load that met the SLA with stable windows (open loop: its "
           "arrival rate; closed loop: its achieved throughput). "
           "P = on the Pareto front of (capacity, p99 at capacity).", "",
-          "| # | config | capacity rps | p50 ms | p99 ms | load | texts/batch | queue ms | inference ms | GPU util | P | search |",
+          "| # | config | capacity rps | p50 ms | p99 ms | load | texts/batch | queue ms | backend ms | GPU util | P | search |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     idx = {id(r): i for i, r in enumerate(run.results)}
     for n, r in enumerate(a["ranked"], 1):
@@ -348,7 +349,7 @@ def write_report(run: "Run") -> Answer:
         L.append(f"| {n} | {r.config.label()}{' (stock)' if r.config.variant == a['base_name'] else ''} | "
                  f"{r.capacity:.1f} | {_num(bp.summary.p['p50'])} | {_num(bp.summary.p['p99'])} | {bp.load.label()} | "
                  f"{_num(s.get('texts_per_batch'), 2)} | {_num(s.get('ts_queue_mean_ms'))} | "
-                 f"{_num(s.get('ts_inference_mean_ms'))} | {_num(bp.gpu.get('util_mean_pct'), 0)} | "
+                 f"{_num(s.get('ts_backend_mean_ms'))} | {_num(bp.gpu.get('util_mean_pct'), 0)} | "
                  f"{'P' if idx[id(r)] in front else ''} | {r.search.bound} |")
     other = [r for r in run.results if r not in a["ranked"]]
     if other:

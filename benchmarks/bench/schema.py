@@ -216,7 +216,7 @@ class Measurement:
     repeats: int = 1
     budget_s: float | None = None
     settle_s: float = 0.5
-    min_window_requests: int = 20  # open loop: windows are lengthened to hold at least this many
+    min_window_requests: int = 20  # windows are lengthened (up to 4x) to hold at least this many
 
 
 @dataclass(frozen=True)

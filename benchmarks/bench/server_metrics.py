@@ -63,10 +63,14 @@ def point_figures(before: Sample | None, after: Sample | None, model: str, secon
     if reqs:
         out["ts_requests"] = reqs
         out["ts_requests_per_s"] = reqs / seconds if seconds > 0 else None
+        # TorchServe's "inference latency" counter includes the queue: the backend (worker) time
+        # per request is the difference.
         if inf_us is not None:
-            out["ts_inference_mean_ms"] = inf_us / reqs / 1000.0
+            out["ts_latency_mean_ms"] = inf_us / reqs / 1000.0
         if queue_us is not None:
             out["ts_queue_mean_ms"] = queue_us / reqs / 1000.0
+            if inf_us is not None:
+                out["ts_backend_mean_ms"] = (inf_us - queue_us) / reqs / 1000.0
     batches = d("servekit_batches_total")
     texts = d("servekit_texts_total")
     requests = d("servekit_requests_total")
