@@ -107,3 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     path = build_archive(args.model, args.out, args.config, args.name)
     print(f"archive written: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
