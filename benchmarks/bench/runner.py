@@ -204,7 +204,16 @@ class Run:
             users = max(2, 2 * conf.workers * conf.batch_size)
             return measure(LoadSpec("closed", float(users)), "probe")
 
-        c.search = search_capacity(cfg.load, measure, probe if cfg.load.mode == "open" else None, self.out_of_time)
+        try:
+            c.search = search_capacity(cfg.load, measure, probe if cfg.load.mode == "open" else None, self.out_of_time)
+        except KeyboardInterrupt:
+            # Keep what this configuration measured before the interrupt in the partial report.
+            mine = [p for p in self.points if p.config == conf and p.role != "probe" and p.load.mode == cfg.load.mode]
+            passed = [p for p in mine if p.passed]
+            c.search = SearchResult(points=mine, best=max(passed, key=lambda p: p.load.level) if passed else None,
+                                    bound="interrupted")
+            c.status = "measured"
+            raise
         c.status = "measured"
         best = c.search.best
         for _ in range(cfg.measurement.repeats - 1):
