@@ -99,7 +99,7 @@ def search_capacity(load: Load, measure: Callable[[LoadSpec, str], PointResult],
                     if lo is not None:
                         break
                     nxt = norm(level / s.growth)
-                    if nxt >= level or nxt < start / s.growth ** 6:
+                    if nxt >= level or nxt < start / s.growth ** 3:  # 8x below the start: give up
                         res.bound = "no level within the SLA"
                         return _finish(res, hi)
                     level = nxt
