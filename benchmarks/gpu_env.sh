@@ -11,7 +11,7 @@ mkdir -p /opt/sk
 for done_dir in /opt/carry/*/; do
   name=$(basename "$done_dir")
   if compgen -G "$done_dir.gpu/*/*.whl" >/dev/null && [ ! -f "/opt/sk/.installed-$name" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /opt/sk "$done_dir".gpu/*/*.whl \
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /opt/sk "$done_dir".gpu/*/*.whl \
       && touch "/opt/sk/.installed-$name"
   fi
 done
