@@ -89,6 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="servekit demo", description=__doc__)
     p.add_argument("--run-dir", type=Path, default=ROOT / ".run" / "demo", help="logs and pid file (default: .run/demo)")
     p.add_argument("--requests", type=int, default=200, help="concurrent requests to send (default: 200)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the small auto-benchmark sweep at the end")
     args = p.parse_args(argv)
-    run(Console(), args.run_dir, args.requests)
-    return 0
+    console = Console()
+    run(console, args.run_dir, args.requests)
+    if args.no_sweep:
+        return 0
+    console.rule("auto-benchmark: which configuration serves most within the SLA? (about 3 minutes)")
+    from benchmarks.bench.runner import main as bench
+
+    return bench([str(ROOT / "benchmarks" / "sweeps" / "minilm-cpu-demo.yaml"),
+                  "--out", str(args.run_dir / "sweep")])
