@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -230,22 +229,25 @@ def evaluate(model: Transformer, speculator: Speculator, ex: Examples, batch: in
 def train_heads(model: Transformer, speculator: Speculator, train: Examples, steps: int, batch_size: int,
                 lr: float = 1e-3, weight_decay: float = 0.01, max_seconds: float | None = None, seed: int = 0,
                 progress: Callable[[str], None] | None = None, log_every_s: float = 5.0,
-                held_out: Examples | None = None) -> dict:
+                held_out: Examples | None = None, eval_every_s: float = 30.0) -> dict:
     """Train the heads (in place, fp32 weights); the base model is frozen. Returns a summary.
 
     Progress lines show the loss, the batch's accuracy per head and, with ``held_out``, the
-    held-out accuracy per head (on up to 4096 of its examples).
+    held-out accuracy per head (on up to 4096 of its examples, every ``eval_every_s``).
     """
     model.requires_grad_(False)
     speculator.train()
-    opt = torch.optim.AdamW(speculator.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    opt = torch.optim.AdamW(speculator.parameters(), lr=lr / 20, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+    def progress_frac(step: int, now: float) -> float:
+        """How far training is: by steps, or by time when ``max_seconds`` comes first."""
+        frac = step / steps
+        return max(frac, (now - t0) / max_seconds) if max_seconds else frac
+
     gen = torch.Generator().manual_seed(seed)
     n, device = len(train), train.hidden.device
     perm, cursor = torch.randperm(n, generator=gen), 0
-    t0 = last_log = time.perf_counter()
+    t0 = last_log = last_eval = time.perf_counter()
     step, avg = 0, None
     for step in range(1, steps + 1):
         if cursor + batch_size > n:
@@ -258,21 +260,26 @@ def train_heads(model: Transformer, speculator: Speculator, train: Examples, ste
         loss.backward()
         torch.nn.utils.clip_grad_norm_(speculator.parameters(), 1.0)
         opt.step()
-        sched.step()
         now = time.perf_counter()
-        if now - last_log >= log_every_s or step == steps or step == 1:
+        frac = progress_frac(step, now)
+        # 5% linear warm-up, then cosine down to 10%, over steps or time, whichever ends first
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, frac / 0.05) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        if now - last_log >= log_every_s or step == steps or step == 1 or frac >= 1.0:
             accs = [round(float((c == 1).sum() / (c >= 0).sum().clamp(min=1)), 3) for c in correct]
             avg = float(loss.detach())
             held = ""
-            if held_out is not None and progress is not None:
+            if held_out is not None and progress is not None and (now - last_eval >= eval_every_s or step == steps):
+                last_eval = now
                 speculator.eval()
                 held = f"  held-out {evaluate(model, speculator, held_out.subset(slice(0, 4096)))['accuracy']}"
                 speculator.train()
             _say(progress, f"train: step {step}/{steps}  loss {avg:.3f}  batch accuracy per head {accs}{held}  "
                            f"{now - t0:.1f} s")
             last_log = now
-        if max_seconds is not None and now - t0 > max_seconds:
-            _say(progress, f"train: stopping at step {step}: --max-train-seconds {max_seconds:g} reached")
+        if frac >= 1.0:
+            if step < steps:
+                _say(progress, f"train: stopping at step {step}: --max-train-seconds {max_seconds:g} reached")
             break
     speculator.eval()
     return {"steps": step, "seconds": round(time.perf_counter() - t0, 2), "final_loss": avg,
@@ -325,7 +332,7 @@ def run_recipe(model: Transformer, tokenizer, args: argparse.Namespace, progress
     before = evaluate(model, speculator, held)
     summary = train_heads(model, speculator, train, args.steps, args.batch_size, args.lr,
                           max_seconds=args.max_train_seconds, seed=args.seed, progress=progress, held_out=held)
-    fit = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:20000].to(device)
+    fit = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:4096].to(device)
     report = {
         "base": source, "base_config": {"dim": model.config.dim, "n_layers": model.config.n_layers,
                                         "vocab_size": model.config.vocab_size},
@@ -358,14 +365,15 @@ def build_parser(prog: str = "python -m optimizations.train_speculator") -> argp
     p.add_argument("--heads", type=int, default=4, help="number of speculator heads (draft tokens per step)")
     p.add_argument("--hidden-mult", type=float, default=2.0, help="head MLP width as a multiple of the model dim")
     p.add_argument("--new-tokens", type=int, default=256, help="completion length (stops earlier at EOS)")
-    p.add_argument("--samples", type=int, default=7 if cuda else 1,
+    p.add_argument("--samples", type=int, default=11 if cuda else 1,
                    help="sampled completions per training prompt, besides the greedy one")
-    p.add_argument("--temperature", type=float, default=1.0, help="temperature of the sampled completions")
-    p.add_argument("--gen-batch", type=int, default=64 if cuda else 16, help="batch size for generating completions")
-    p.add_argument("--steps", type=int, default=3000 if cuda else 300, help="training steps")
+    p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled completions")
+    p.add_argument("--gen-batch", type=int, default=256 if cuda else 16, help="batch size for generating completions")
+    p.add_argument("--steps", type=int, default=20000 if cuda else 300, help="training steps")
     p.add_argument("--batch-size", type=int, default=1024 if cuda else 128, help="training positions per step")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-train-seconds", type=float, default=None, help="stop training after this long")
+    p.add_argument("--max-train-seconds", type=float, default=None,
+                   help="train for at most this long (the learning-rate schedule then runs over this time)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if cuda else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if cuda else "fp32", help="base model dtype")
     p.add_argument("--threads", type=int, help="torch CPU threads")
