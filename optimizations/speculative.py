@@ -486,6 +486,18 @@ class SpeculativeRunner:
         self.base._sync()
         return {**phases, "spec_prefill_s": t1 - t0, "spec_verify_s": time.perf_counter() - t1}
 
+    @property
+    def max_batch(self) -> int:
+        return self.base.max_batch
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.base.max_seq_len
+
+    def check(self, prompt: list[int], params: SamplingParams) -> str | None:
+        """Why this request cannot run (a client error), or None: the plain runner's rules."""
+        return self.base.check(prompt, params)
+
     def will_speculate(self, params: list[SamplingParams], speculate: list[bool] | None = None) -> bool:
         """Whether ``stream`` would take the speculative path for this batch."""
         rows = self._spec_rows(params, speculate)

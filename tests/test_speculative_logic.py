@@ -241,6 +241,7 @@ def test_per_request_switch_and_sampled_requests(base: LlamaRunner, spec: Specul
 
 
 def test_bad_requests_raise_at_call(spec: SpeculativeRunner) -> None:
+    assert spec.check([], SamplingParams()) == "the prompt is empty" and spec.max_batch == 4
     with pytest.raises(ValueError, match="request 1: the prompt is empty"):
         spec.stream([[5, 6], []], [SamplingParams(max_tokens=4)] * 2)
     with pytest.raises(ValueError, match="exceeds the context"):
