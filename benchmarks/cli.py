@@ -10,6 +10,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("benchmarks.serve", "start TorchServe with config/ and the archives, in the foreground"),
     "demo": ("benchmarks.demo", "archive, serve, send real requests, print results, stop"),
     "bench": ("benchmarks.bench.runner", "SLA-driven auto-benchmark from a YAML sweep: report + recommendation"),
+    "train-speculator": ("optimizations.train_speculator", "train speculative-decoding heads for a Llama model"),
+    "dashboards": ("benchmarks.dashboards", "build the Grafana dashboards, or push them to a Grafana URL"),
 }
 
 
