@@ -11,7 +11,7 @@ has loaded (and while every worker restarts), so readiness asks `GET /models/<na
 workers and batching written there (TorchServe itself would let the archive's model-config win).
 
 Kubelet runs the probe every few seconds: this module imports nothing beyond the standard library
-(no torch, no servekit package code) and starts in a few tens of milliseconds.
+(no torch; only benchmarks.server's stdlib HTTP helpers) and starts in a few tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -20,38 +20,21 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
+
+# Standard library only (benchmarks.server imports nothing else at module level).
+from benchmarks.server import http_json, read_properties
 
 DEFAULT_MANAGEMENT = "http://127.0.0.1:8081"
 
 
-def get_json(url: str, timeout: float):
-    """(status, parsed body); raises OSError when nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            status, body = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, body = e.code, e.read()
-    try:
-        return status, json.loads(body)
-    except ValueError:
-        return status, body.decode("utf-8", "replace")
-
-
-def request(method: str, url: str, timeout: float):
-    req = urllib.request.Request(url, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8", "replace")
+def _text(body: object) -> str:
+    return body if isinstance(body, str) else json.dumps(body)
 
 
 def worker_states(management: str, model: str, timeout: float = 3.0) -> list[str]:
     """Status of every worker of every version of `model`. Raises OSError / ValueError on failure."""
-    status, body = get_json(f"{management}/models/{urllib.parse.quote(model, safe='')}", timeout)
+    status, body = http_json("GET", f"{management}/models/{urllib.parse.quote(model, safe='')}", timeout)
     if status == 404:
         raise ValueError(f"model {model!r} is not registered")
     if status != 200 or not isinstance(body, list):
@@ -69,17 +52,6 @@ def ready(management: str, model: str, timeout: float = 3.0) -> tuple[bool, str]
     if "READY" in states:
         return True, f"{model}: {states.count('READY')}/{len(states)} workers READY"
     return False, f"{model}: no READY worker (workers: {', '.join(states) or 'none'})"
-
-
-def read_properties(path: str) -> dict[str, str]:
-    props = {}
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line and not line.startswith(("#", "!")) and "=" in line:
-                key, value = line.split("=", 1)
-                props[key.strip()] = value.strip()
-    return props
 
 
 def management_url(explicit: str | None, config: str | None) -> str:
@@ -129,7 +101,7 @@ def register(management: str, config: str, deadline_s: float = 120.0) -> str:
     deadline = time.monotonic() + deadline_s
     while True:
         try:
-            request("GET", f"{management}/models", 3)
+            http_json("GET", f"{management}/models", 3)
             break
         except OSError as e:
             if time.monotonic() > deadline:
@@ -140,13 +112,15 @@ def register(management: str, config: str, deadline_s: float = 120.0) -> str:
         workers = {"min_worker": params.pop("min_worker"), "max_worker": params.pop("max_worker"),
                    "synchronous": "false"}
         name = params["model_name"]
-        status, body = request("POST", f"{management}/models?{urllib.parse.urlencode(params)}", 30)
+        status, body = http_json("POST", f"{management}/models?{urllib.parse.urlencode(params)}", 30)
+        body = _text(body)
         if status >= 300 and not (status == 409 or "already registered" in body):
             raise RuntimeError(f"registering {name} ({params['url']}) failed with {status}: {body.strip()[:300]}")
         # The archive's model-config may set minWorkers/maxWorkers, which win over initial_workers:
         # set the count explicitly.
-        status, body = request("PUT", f"{management}/models/{urllib.parse.quote(name, safe='')}?"
-                               f"{urllib.parse.urlencode(workers)}", 30)
+        status, body = http_json("PUT", f"{management}/models/{urllib.parse.quote(name, safe='')}?"
+                                 f"{urllib.parse.urlencode(workers)}", 30)
+        body = _text(body)
         if status >= 300:
             raise RuntimeError(f"setting {name}'s workers to {workers['min_worker']} failed with {status}: "
                                f"{body.strip()[:300]}")

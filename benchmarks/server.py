@@ -61,7 +61,7 @@ def read_properties(path: Path) -> dict[str, str]:
     props = {}
     for line in Path(path).read_text().splitlines():
         line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
+        if line and not line.startswith(("#", "!")) and "=" in line:
             k, v = line.split("=", 1)
             props[k.strip()] = v.strip()
     return props
