@@ -96,19 +96,30 @@ def decode_body(request: dict[str, Any]) -> Any:
         if _depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             raise RequestError(400, "invalid_request_error", f"JSON body is nested deeper than {MAX_JSON_DEPTH} levels",
                                "json_too_deep")
-        _reject_non_finite(body)
+        _check_values(body)
     return body
 
 
-def _reject_non_finite(value: Any) -> None:
-    # TorchServe's own json.loads accepts NaN/Infinity; no field of ours may carry them.
+def _check_values(value: Any) -> None:
+    """Refuse values no field of ours may carry, before any reaches a tokenizer or the model.
+
+    TorchServe's own json.loads accepts NaN/Infinity, and a JSON "\\ud800" escape decodes to an
+    unpaired surrogate that tokenizers reject with an exception that would fail the whole batch.
+    """
     stack = [value]
     while stack:
         v = stack.pop()
         if isinstance(v, float) and not math.isfinite(v):
             raise RequestError(400, "invalid_request_error", "NaN and Infinity are not allowed in the body",
                                "invalid_number")
-        if isinstance(v, dict):
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(400, "invalid_request_error", f"body is not valid Unicode: unpaired surrogate "
+                                   f"at character {e.start} of {v[:40]!r}", "invalid_unicode") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)

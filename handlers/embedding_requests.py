@@ -36,11 +36,6 @@ def _texts(value: Any, field: str, max_texts: int, max_chars: int) -> list[str]:
         if not isinstance(t, str):
             hint = " (token arrays are not supported)" if isinstance(t, (int, list)) else ""
             raise _bad(f"'{where}' must be a string, got {type(t).__name__}{hint}", "invalid_type")
-        try:
-            t.encode("utf-8")
-        except UnicodeEncodeError as e:  # a JSON "\ud800" escape: the tokenizer would fail the whole batch
-            raise _bad(f"'{where}' is not valid Unicode: unpaired surrogate at character {e.start}",
-                       "invalid_unicode") from None
         if not t.strip():
             raise _bad(f"'{field}' contains an empty string at index {i}", "empty_input")
         if len(t) > max_chars:
