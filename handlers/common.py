@@ -125,6 +125,17 @@ def _check_values(value: Any) -> None:
             stack.extend(v)
 
 
+def fail_request(context: Any, idx: int, metrics: Any, err: RequestError) -> str:
+    """Give request `idx` of the batch its own error answer (status + JSON body) and count it.
+
+    `context` is TorchServe's Context, `metrics` the handler's HandlerMetrics.
+    """
+    context.set_response_status(err.status, PHRASES.get(err.status, "Error"), idx=idx)
+    context.set_response_content_type(idx, "application/json")
+    metrics.emit("servekit_request_errors_total", "counter", 1, ErrorType=err.code or err.type)
+    return err.body()
+
+
 def url_path(context: Any, idx: int) -> str:
     """The path after /predictions/<model>/<version>/ (TorchServe's `url_path` header), '' if none."""
     try:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from handlers.common import PHRASES, RequestError, error_json, url_path
+from handlers.common import RequestError, fail_request, url_path
 from handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from handlers.metrics import HandlerMetrics
 from optimizations.embedding import EmbeddingRunner
@@ -45,12 +45,6 @@ class EmbeddingHandler:
         self.metrics.emit("servekit_recompiles", "gauge", 0)
         log.info("servekit plan %s ready: %s", self.plan.label(), json.dumps(self.runner.report()))
 
-    def _fail(self, context: Any, idx: int, err: RequestError) -> str:
-        context.set_response_status(err.status, PHRASES.get(err.status, "Error"), idx=idx)
-        context.set_response_content_type(idx, "application/json")
-        self.metrics.emit("servekit_request_errors_total", "counter", 1, ErrorType=err.code or err.type)
-        return err.body()
-
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         t0 = time.perf_counter()
         limits = self.plan.limits
@@ -61,7 +55,7 @@ class EmbeddingHandler:
                 requests[i] = parse_embedding_request(raw, url_path(context, i), self.dim,
                                                       limits.max_texts_per_request, limits.max_chars_per_text)
             except RequestError as e:
-                answers[i] = self._fail(context, i, e)
+                answers[i] = fail_request(context, i, self.metrics, e)
         # Tokenize every text of the batch in one call, then drop requests whose texts are too long.
         ids, cut = self.runner.tokenize([t for r in requests.values() for t in r.texts])
         spans: dict[int, tuple[int, int]] = {}
@@ -73,7 +67,7 @@ class EmbeddingHandler:
             for i, (a, b) in list(spans.items()):
                 if any(cut[a:b]):
                     k = next(j for j in range(a, b) if cut[j]) - a
-                    answers[i] = self._fail(context, i, RequestError(
+                    answers[i] = fail_request(context, i, self.metrics, RequestError(
                         413, "invalid_request_error", f"text {k} is longer than the largest bucket "
                         f"({self.runner.buckets.max_seq} tokens)", "input_too_long"))
                     del spans[i]
@@ -90,7 +84,7 @@ class EmbeddingHandler:
                 torch.cuda.empty_cache()
             vectors, failed = self._embed_alone(ids, spans)
             for i, err in failed.items():
-                answers[i] = self._fail(context, i, err)
+                answers[i] = fail_request(context, i, self.metrics, err)
                 del spans[i]
             kept = [j for a, b in spans.values() for j in range(a, b)]
             seqs = [ids[j] for j in kept]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from handlers.common import PHRASES, RequestError, decode_body, url_path
+from handlers.common import RequestError, decode_body, fail_request, url_path
 from handlers.metrics import HandlerMetrics
 from optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
 from optimizations.generate import (FINISH_STOP, LlamaRunner, LlmPlan, SamplingParams, load_llm_runner,
@@ -255,12 +255,6 @@ class LlmService:
             seed=None if seed is None else seed % 2**32,
             stop_token_ids=self.stop_ids)
 
-    def fail(self, context: Any, idx: int, err: RequestError) -> str:
-        context.set_response_status(err.status, PHRASES.get(err.status, "Error"), idx=idx)
-        context.set_response_content_type(idx, "application/json")
-        self.metrics.emit("servekit_request_errors_total", "counter", 1, ErrorType=err.code or err.type)
-        return err.body()
-
     # -- the batch -----------------------------------------------------------------------------
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         t0 = time.perf_counter()
@@ -270,7 +264,7 @@ class LlmService:
             try:
                 requests[i] = self.parse(raw, url_path(context, i))
             except RequestError as e:
-                answers[i] = self.fail(context, i, e)
+                answers[i] = fail_request(context, i, self.metrics, e)
         idx = list(requests)
         for start in range(0, len(idx), self.runner.max_batch):  # batchSize <= max bucket: one chunk
             chunk = {i: requests[i] for i in idx[start:start + self.runner.max_batch]}
@@ -281,7 +275,7 @@ class LlmService:
                 log.exception("generation failed for a batch of %d requests", len(chunk))
                 err = _device_error(e)
                 for i in chunk:
-                    answers[i] = self.fail(context, i, err)
+                    answers[i] = fail_request(context, i, self.metrics, err)
         self.metrics.emit("servekit_batches_total", "counter", 1)
         self.metrics.emit("servekit_requests_total", "counter", len(data))
         self.metrics.emit("servekit_batch_fill_ratio", "histogram", min(1.0, len(data) / max(1, self.batch_size)),

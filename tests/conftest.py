@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
 from benchmarks.server import TorchServe
 from handlers.archive import build_archive
@@ -26,3 +27,13 @@ def minilm_server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -
     with TorchServe(tmp_path_factory.mktemp("ts-run"), model_store) as ts:
         ts.register("minilm.mar", "minilm", batch_size=8, max_batch_delay_ms=50, workers=1)
         yield ts
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch CPU thread for a module of small-matrix tests: on 2 shared cores, two OpenMP
+    threads run small matmuls many times slower as soon as another process holds a core."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -3,7 +3,6 @@ path that CUDA graphs replay on GPU)."""
 
 from __future__ import annotations
 
-from typing import Iterator
 
 import pytest
 import torch
@@ -13,14 +12,7 @@ from optimizations.generate import (LlamaRunner, SamplingParams, default_kv_buck
 from optimizations.llama import LlamaConfig, Transformer, init_random
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # On 2 shared cores, two OpenMP threads run small matmuls many times slower than one as soon
-    # as another process holds a core.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 MAX_SEQ = 96
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Iterator
 
 import pytest
 import torch
@@ -11,14 +10,7 @@ from optimizations.llama import (LlamaConfig, Transformer, hf_to_ours, init_rand
                                  ours_to_hf)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # On 2 shared cores, two OpenMP threads run small matmuls many times slower than one as soon
-    # as another process holds a core.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Iterator
 
 import pytest
 import torch
@@ -11,14 +10,7 @@ from optimizations.sampling import (FILTER, GREEDY, SAMPLE, SamplingTensors, sam
                                     top_k_top_p_filter, uniform_noise)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # On 2 shared cores, two OpenMP threads run small matmuls many times slower than one as soon
-    # as another process holds a core.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def _params(b: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> SamplingTensors:

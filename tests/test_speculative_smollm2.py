@@ -7,7 +7,6 @@ that are accepted to every length 0..k.
 
 from __future__ import annotations
 
-from typing import Iterator
 
 import pytest
 import torch
@@ -29,12 +28,7 @@ PROMPTS = [_SYSTEM + [4898, 314, 260, 6376, 4461, 47, 2, 198, 1, 520, 9531, 198]
 EOS = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
