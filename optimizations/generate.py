@@ -162,28 +162,17 @@ class DecodeState:
         self.params.copy_(params)
 
 
-class DecodeStep:
-    """The decode step for one (batch bucket, sampling mode, kv length), on a shared ``DecodeState``.
+class GraphedStep:
+    """A step that runs eagerly, or replays a CUDA graph of itself after ``capture()`` (CUDA only).
 
-    ``run()`` decodes one token per row and advances the state's ``tokens``/``input_pos`` in place,
-    so consecutive calls need no host work. After ``capture()`` (CUDA only) it replays a CUDA graph.
+    Subclasses write ``_body()``: one step that reads and advances state kept in static tensors.
     """
 
-    def __init__(self, model: Transformer, state: DecodeState, mode: str, kv_len: int,
-                 forward: Callable[..., Tensor] | None = None) -> None:
-        self.model, self.state, self.mode, self.kv_len = model, state, mode, kv_len
-        self.forward = forward if forward is not None else model  # compiled, when the plan compiles decode
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+    out: Tensor | None = None
 
-    @torch.no_grad()
     def _body(self) -> Tensor:
-        st = self.state
-        nxt = decode_one_token(self.forward, st.tokens, st.input_pos, st.params, self.mode, self.kv_len)
-        st.tokens.copy_(nxt[:, None])
-        # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
-        st.input_pos.add_(1).clamp_(max=self.model.max_seq_len - 1)
-        return nxt
+        raise NotImplementedError
 
     def capture(self, pool: object | None = None, warmup_iters: int = 2) -> None:
         # Run a few times on a side stream first: compilation, autotuning and cuBLAS workspace
@@ -204,6 +193,28 @@ class DecodeStep:
         self.graph.replay()
         assert self.out is not None
         return self.out  # overwritten by the next replay: callers copy it out first
+
+
+class DecodeStep(GraphedStep):
+    """The decode step for one (batch bucket, sampling mode, kv length), on a shared ``DecodeState``.
+
+    ``run()`` decodes one token per row and advances the state's ``tokens``/``input_pos`` in place,
+    so consecutive calls need no host work. After ``capture()`` (CUDA only) it replays a CUDA graph.
+    """
+
+    def __init__(self, model: Transformer, state: DecodeState, mode: str, kv_len: int,
+                 forward: Callable[..., Tensor] | None = None) -> None:
+        self.model, self.state, self.mode, self.kv_len = model, state, mode, kv_len
+        self.forward = forward if forward is not None else model  # compiled, when the plan compiles decode
+
+    @torch.no_grad()
+    def _body(self) -> Tensor:
+        st = self.state
+        nxt = decode_one_token(self.forward, st.tokens, st.input_pos, st.params, self.mode, self.kv_len)
+        st.tokens.copy_(nxt[:, None])
+        # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
+        st.input_pos.add_(1).clamp_(max=self.model.max_seq_len - 1)
+        return nxt
 
 
 class _HostCopies:

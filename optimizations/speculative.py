@@ -55,8 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, LlamaRunner, SamplingParams,
-                                    pad_prompts, pick_bucket)
+from optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GraphedStep, LlamaRunner,
+                                    SamplingParams, pad_prompts, pick_bucket)
 from optimizations.llama import RMSNorm, Transformer
 from optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample, sampling_mode
 
@@ -348,7 +348,7 @@ class SpecState:
         self.params.copy_(params)
 
 
-class VerifyStep:
+class VerifyStep(GraphedStep):
     """``verify_step`` for one (batch bucket, mode, kv length) on a shared ``SpecState``.
 
     ``run()`` advances the state in place (token, drafts, positions) and returns ``(B, k+2)``:
@@ -359,8 +359,6 @@ class VerifyStep:
                  fn: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]) -> None:
         self.model, self.speculator, self.state, self.mode, self.kv_len, self.fn = (
             model, speculator, state, mode, kv_len, fn)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: Tensor | None = None
 
     @torch.no_grad()
     def _body(self) -> Tensor:
@@ -372,24 +370,6 @@ class VerifyStep:
         # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
         st.pos.add_(accepted + 1).clamp_(max=self.model.max_seq_len - 1)
         return torch.cat([base, accepted[:, None]], dim=1)
-
-    def capture(self, pool: object | None = None, warmup_iters: int = 2) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup_iters):
-                self._body()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = self._body()
-
-    def run(self) -> Tensor:
-        if self.graph is None:
-            return self._body()
-        self.graph.replay()
-        assert self.out is not None
-        return self.out  # overwritten by the next replay: copied to the host before that
 
 
 class _HostRing:
