@@ -353,11 +353,21 @@ def faulty_cases(max_seq: int) -> list[BadInput]:
 
 
 # -- faults --------------------------------------------------------------------------------------------------
-class Load:
-    """Closed-loop load of valid requests from `concurrency` threads, recording every answer."""
+NO_ANSWER = 0     # status recorded when the client timeout expired without an answer
+CONNECT_ERROR = -1  # status recorded when the connection failed
 
-    def __init__(self, ts: TorchServe, model: str, concurrency: int = 4) -> None:
+
+class Load:
+    """Closed-loop load of valid requests from `concurrency` threads, recording every answer.
+
+    Each request has a client timeout: TorchServe 0.12 drops the requests it was assembling into a
+    batch when the worker dies at that moment (no answer is ever sent), so a client without a
+    timeout would wait forever.
+    """
+
+    def __init__(self, ts: TorchServe, model: str, concurrency: int = 4, client_timeout: float = 30.0) -> None:
         self.url = f"{ts.inference_url}/predictions/{model}"
+        self.client_timeout = client_timeout
         self.records: list[tuple[float, float, int]] = []   # (sent, done, status), time.monotonic()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -369,9 +379,12 @@ class Load:
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
-                status = session.post(self.url, json=body, timeout=300).status_code
+                status = session.post(self.url, json=body, timeout=self.client_timeout).status_code
+            except requests.Timeout:
+                status = NO_ANSWER
+                session = requests.Session()  # the timed-out connection is unusable
             except requests.RequestException:
-                status = -1
+                status = CONNECT_ERROR
                 time.sleep(0.05)
             with self._lock:
                 self.records.append((t0, time.monotonic(), status))
@@ -384,16 +397,21 @@ class Load:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         for th in self._threads:
-            th.join(timeout=310)
+            th.join(timeout=self.client_timeout + 10)
 
 
 def kill_worker_under_load(ts: TorchServe, model: str, concurrency: int = 4, before_s: float = 3.0,
-                           after_s: float = 2.0, timeout: float = 300.0) -> dict[str, Any]:
-    """SIGKILL the model's worker while `concurrency` clients send valid requests; measure the damage."""
+                           after_s: float = 2.0, timeout: float = 300.0,
+                           client_timeout: float = 30.0) -> dict[str, Any]:
+    """SIGKILL the model's worker while `concurrency` clients send valid requests; measure the damage.
+
+    Requests in the dead worker's batch get 507 "Worker died."; requests TorchServe was still
+    assembling into a batch get no answer at all (counted as `no_answer` after `client_timeout`).
+    """
     before = worker_identity(ts, model)
     if not before or before[0][1] is None:
         raise RuntimeError(f"{model} has no worker with a pid: {before}")
-    with Load(ts, model, concurrency) as load:
+    with Load(ts, model, concurrency, client_timeout) as load:
         time.sleep(before_s)
         t_kill = time.monotonic()
         os.kill(before[0][1], signal.SIGKILL)
@@ -413,12 +431,16 @@ def kill_worker_under_load(ts: TorchServe, model: str, concurrency: int = 4, bef
     ok_after = [t1 for t0, t1, s in recs if s == 200 and t1 > t_kill]
     statuses: dict[str, int] = {}
     for _, _, s in failed:
-        statuses[str(s)] = statuses.get(str(s), 0) + 1
+        key = {NO_ANSWER: "no_answer", CONNECT_ERROR: "connection_error"}.get(s, str(s))
+        statuses[key] = statuses.get(key, 0) + 1
     return {
         "fault": "worker killed (SIGKILL) under load", "model": model, "concurrency": concurrency,
+        "client_timeout_s": client_timeout,
         "requests": len(recs), "failed": len(failed), "failed_statuses": statuses,
         "failed_in_flight_at_kill": sum(1 for t0, t1, s in failed if t0 <= t_kill <= t1),
         "failed_sent_after_kill": sum(1 for t0, t1, s in failed if t0 > t_kill),
+        "failed_sent_after_ready": (None if ready_s is None
+                                    else sum(1 for t0, t1, s in failed if t0 > t_kill + ready_s)),
         "worker_ready_s": None if ready_s is None else round(ready_s, 2),
         "recovery_s": round(min(ok_after) - t_kill, 2) if ok_after else None,
         "worker_before": before, "worker_after": worker_identity(ts, model),

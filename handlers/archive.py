@@ -69,21 +69,55 @@ def stage(name: str, staging: Path, weights: list[Path]) -> Path:
     return staging
 
 
+def speculator_files(config: Path, speculator: Path | None) -> tuple[str, list[Path]] | None:
+    """(archive folder, files) of the speculator heads the model-config's `servekit.speculation` asks
+    for, or None when it asks for none. Errors name what is missing or unused."""
+    import yaml
+
+    from optimizations.generate import SpecPlan
+    from optimizations.speculative import SPEC_CONFIG, SPEC_WEIGHTS
+
+    raw = yaml.safe_load(config.read_text()) or {}
+    section = (raw.get("servekit") or {}).get("speculation") if isinstance(raw, dict) else None
+    if section is None:
+        if speculator is not None:
+            raise ValueError(f"--speculator given but {config} has no servekit.speculation section to use it")
+        return None
+    if speculator is None:
+        raise ValueError(f"{config} asks for speculator heads (servekit.speculation): give --speculator DIR "
+                         "(a folder written by `servekit train-speculator`)")
+    files = [Path(speculator) / SPEC_CONFIG, Path(speculator) / SPEC_WEIGHTS]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"speculator heads not found: {', '.join(missing)}")
+    folder = section.get("heads", SpecPlan.heads) if isinstance(section, dict) else SpecPlan.heads
+    return str(folder), files
+
+
 def build_archive(name: str, out_dir: Path = ROOT / "model_store", config: Path | None = None,
-                  archive_name: str | None = None, weights: list[Path] | None = None) -> Path:
-    """Build `<out_dir>/<archive_name or name>.mar` and return its path."""
+                  archive_name: str | None = None, weights: list[Path] | None = None,
+                  speculator: Path | None = None) -> Path:
+    """Build `<out_dir>/<archive_name or name>.mar` and return its path.
+
+    `speculator`: a folder of trained heads, packed under the model-config's `speculation.heads`.
+    """
     if name not in SPECS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(SPECS))}")
     spec = SPECS[name]
     config = Path(config) if config else ROOT / spec.config
     if not config.exists():
         raise FileNotFoundError(f"model-config not found: {config}")
+    heads = speculator_files(config, speculator)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     archive_name = archive_name or name
     # torch-model-archiver assembles in $TMPDIR/<model-name>: a private TMPDIR keeps concurrent builds apart.
     with tempfile.TemporaryDirectory(prefix="servekit-archive-") as tmp:
         staging = stage(name, Path(tmp) / "stage", weights if weights is not None else spec.weights())
+        if heads is not None:
+            (staging / heads[0]).mkdir(parents=True, exist_ok=True)
+            for f in heads[1]:
+                shutil.copy2(f, staging / heads[0] / f.name)
         _run_archiver(spec, archive_name, staging, config, out_dir, tmp)
     return out_dir / f"{archive_name}.mar"
 
@@ -103,8 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, help="model-config YAML (default: config/models/<model>.yaml)")
     p.add_argument("--name", help="archive/model name (default: the model)")
     p.add_argument("--out", type=Path, default=ROOT / "model_store", help="export folder (default: model_store/)")
+    p.add_argument("--speculator", type=Path,
+                   help="speculator heads folder (from `servekit train-speculator`) for a model-config with "
+                        "servekit.speculation")
     args = p.parse_args(argv)
-    path = build_archive(args.model, args.out, args.config, args.name)
+    try:
+        path = build_archive(args.model, args.out, args.config, args.name, speculator=args.speculator)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"servekit archive: error: {e}", file=sys.stderr)
+        return 2
     print(f"archive written: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
 

@@ -31,12 +31,13 @@ from optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, T
 from optimizations.generate import (FINISH_STOP, LlamaRunner, LlmPlan, SamplingParams, load_llm_runner,
                                     parse_llm_plan)
 from optimizations.plan import PlanError
+from optimizations.speculative import SpecStats, SpeculativeRunner
 
 log = logging.getLogger(__name__)
 
 CHAT_ROUTE, COMPLETIONS_ROUTE = "v1/chat/completions", "v1/completions"
 COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stream_options", "stop",
-               "n", "user", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
+               "n", "user", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "speculate"}
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format"}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
 ROLES = {"system", "developer", "user", "assistant"}
@@ -52,6 +53,7 @@ class LlmRequest:
     include_usage: bool
     stop: list[str]
     model: str | None
+    speculate: bool = True  # servekit extension: false keeps this request from speculative decoding
 
 
 def _bad(message: str, code: str = "invalid_request") -> RequestError:
@@ -161,7 +163,7 @@ class LlmService:
         if gpu_id is not None and torch.cuda.is_available() and plan.device != "cpu":
             torch.cuda.set_device(int(gpu_id))
         t0 = time.perf_counter()
-        self.runner: LlamaRunner
+        self.runner: LlamaRunner | SpeculativeRunner
         self.plan: LlmPlan
         self.runner, self.plan, downgrades = load_llm_runner(model_dir, plan)
         for msg in downgrades:
@@ -213,7 +215,11 @@ class LlmService:
         err = self.runner.check(prompt, params)
         if err is not None:  # the runner's own limits, in case the plan's checks above missed one
             raise _bad(err, "invalid_value")
-        return LlmRequest(chat, prompt, params, *self._stream_flags(body), _stop(body.get("stop")), body.get("model"))
+        speculate = body.get("speculate", True)
+        if not isinstance(speculate, bool):
+            raise _bad("'speculate' must be true or false", "invalid_type")
+        return LlmRequest(chat, prompt, params, *self._stream_flags(body), _stop(body.get("stop")), body.get("model"),
+                          speculate)
 
     def _stream_flags(self, body: dict) -> tuple[bool, bool]:
         stream = body.get("stream")
@@ -317,28 +323,29 @@ class Generation:
                                   f"{'chatcmpl' if req.chat else 'cmpl'}-{rid}"))
 
     def run(self) -> dict[int, str]:
-        m = self.s.metrics
-        stream = self.s.runner.stream([r.req.prompt for r in self.rows], [r.req.params for r in self.rows])
+        m, runner = self.s.metrics, self.s.runner
+        prompts, params = [r.req.prompt for r in self.rows], [r.req.params for r in self.rows]
+        spec = isinstance(runner, SpeculativeRunner)
+        stream = (runner.stream(prompts, params, [r.req.speculate for r in self.rows]) if spec
+                  else runner.stream(prompts, params))
+        stats = SpecStats.empty(runner.n_heads) if spec else None
         last = None
         for step in stream:
             now = time.perf_counter()
             if last is not None:  # one observation per decode step: every live row waited this long
                 m.emit("servekit_llm_itl_seconds", "histogram", now - last, "Seconds")
             last = now
+            if stats is not None:
+                stats.add(step)
             chunks: dict[int, str] = {}
             for j, row in enumerate(self.rows):
-                tok, reason = step.tokens[j], step.finish_reasons[j]
-                if tok is None:
+                new = step.tokens[j]
+                if new is None:
                     continue
-                if row.tokens == 0:
-                    m.emit("servekit_llm_ttft_seconds", "histogram", now - self.t0, "Seconds")
-                row.tokens += 1
-                delta = row.text.push(tok) if reason != FINISH_STOP else ""  # never print the stop token
+                delta, reason = self._push(row, [new] if isinstance(new, int) else new, step.finish_reasons[j])
                 if row.text.stopped:  # a stop string matched: end the row here
-                    reason = FINISH_STOP
                     stream.cancel(j)
                 if reason is not None:
-                    delta += row.text.finish()
                     row.finish = reason
                     m.emit("servekit_request_latency_seconds", "histogram", now - self.t0, "Seconds")
                 if row.req.stream:
@@ -350,7 +357,31 @@ class Generation:
                 self._send(chunks)
         m.emit("servekit_llm_prompt_tokens_total", "counter", sum(len(r.req.prompt) for r in self.rows))
         m.emit("servekit_llm_completion_tokens_total", "counter", sum(r.tokens for r in self.rows))
+        if stats is not None and stats.proposed[0]:  # once per batch: 2 metric lines per draft position
+            for pos, (proposed, accepted) in enumerate(zip(stats.proposed, stats.accepted)):
+                m.emit("servekit_spec_proposed_total", "counter", proposed, Position=str(pos))
+                m.emit("servekit_spec_accepted_total", "counter", accepted, Position=str(pos))
         return {r.idx: ("" if r.req.stream else self._answer(r)) for r in self.rows}
+
+    def _push(self, row: _Row, tokens: list[int], reason: str | None) -> tuple[str, str | None]:
+        """Detokenize a row's new tokens (one, or several from a speculative step); the last one
+        carries `reason`. Returns the text to send and the finish reason (a stop string ends the
+        row at once: later tokens of the same step are dropped)."""
+        delta = ""
+        for n, tok in enumerate(tokens):
+            if row.tokens == 0:
+                self.s.metrics.emit("servekit_llm_ttft_seconds", "histogram", time.perf_counter() - self.t0,
+                                    "Seconds")
+            row.tokens += 1
+            last = n == len(tokens) - 1
+            if not (last and reason == FINISH_STOP):  # never print the stop token
+                delta += row.text.push(tok)
+            if row.text.stopped:
+                reason = FINISH_STOP
+                break
+        if reason is not None:
+            delta += row.text.finish()
+        return delta, reason
 
     def _send(self, chunks: dict[int, str]) -> None:
         from ts.handler_utils.utils import send_intermediate_predict_response

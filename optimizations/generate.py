@@ -32,13 +32,17 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from optimizations.llama import Transformer
 from optimizations.sampling import FILTER, MODES, SamplingTensors, sample, sampling_mode
+
+if TYPE_CHECKING:
+    from optimizations.speculative import SpeculativeRunner
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -440,6 +444,15 @@ class LlmLimits:
 
 
 @dataclass(frozen=True)
+class SpecPlan:
+    """``servekit.speculation``: speculator heads packed in the archive (optimizations/speculative.py)."""
+
+    heads: str = "speculator"  # folder in the archive holding speculator.json + speculator.safetensors
+    n_heads: int | None = None  # drafts per step (default: every trained head)
+    max_batch: int = 8  # batches with more requests decode without speculation
+
+
+@dataclass(frozen=True)
 class LlmPlan:
     device: str = "auto"
     precision: str = "fp32"
@@ -453,6 +466,7 @@ class LlmPlan:
     kv_lens: tuple[int, ...] | None = None  # decode attention lengths (default: 256, 512, ... max_seq_len)
     limits: LlmLimits = field(default_factory=LlmLimits)
     cpu_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
+    speculation: SpecPlan | None = None  # None: plain decoding
 
     def label(self) -> str:
         parts = [self.precision]
@@ -460,6 +474,8 @@ class LlmPlan:
             parts.append(f"compile-{self.compile}")
         if self.cuda_graphs:
             parts.append("cudagraphs")
+        if self.speculation is not None:
+            parts.append(f"spec{self.speculation.n_heads or ''}")
         return "+".join(parts)
 
 
@@ -472,7 +488,7 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
                                     _int_list, _positive_int)
 
     raw = _check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
-                                  "max_seq_len", "buckets", "limits", "cpu_threads"})
+                                  "max_seq_len", "buckets", "limits", "cpu_threads", "speculation"})
     kw: dict[str, object] = {}
     for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
                          ("fallback", FALLBACKS)):
@@ -504,14 +520,38 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     if limits.default_max_tokens > limits.max_tokens:
         raise PlanError(f"{path}.limits.default_max_tokens: {limits.default_max_tokens} exceeds "
                         f"limits.max_tokens {limits.max_tokens}")
+    if raw.get("speculation") is not None:
+        kw["speculation"] = _parse_spec_plan(raw["speculation"], f"{path}.speculation")
     return LlmPlan(**kw, limits=limits)  # type: ignore[arg-type]
+
+
+def _parse_spec_plan(raw: object, path: str) -> SpecPlan:
+    from optimizations.plan import PlanError, _check_keys, _positive_int
+
+    raw = _check_keys(path, raw, {"heads", "n_heads", "max_batch"})
+    kw: dict[str, object] = {}
+    if "heads" in raw:
+        heads = raw["heads"]
+        if not isinstance(heads, str) or not heads or heads.startswith("/") or ".." in Path(heads).parts:
+            raise PlanError(f"{path}.heads: expected a folder inside the archive, got {heads!r}")
+        kw["heads"] = heads
+    if raw.get("n_heads") is not None:
+        kw["n_heads"] = _positive_int(f"{path}.n_heads", raw["n_heads"])
+    if "max_batch" in raw:  # 0 turns speculation off for every batch
+        v = raw["max_batch"]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise PlanError(f"{path}.max_batch: expected an integer >= 0, got {v!r}")
+        kw["max_batch"] = v
+    return SpecPlan(**kw)  # type: ignore[arg-type]
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def load_llm_runner(model_dir: str, plan: LlmPlan) -> tuple[LlamaRunner, LlmPlan, list[str]]:
-    """Load the converted checkpoint in ``model_dir`` and build (and warm up) the plan's runner.
+def load_llm_runner(model_dir: str, plan: LlmPlan
+                    ) -> tuple["LlamaRunner | SpeculativeRunner", LlmPlan, list[str]]:
+    """Load the converted checkpoint in ``model_dir`` and build (and warm up) the plan's runner:
+    a ``SpeculativeRunner`` around it when the plan has a ``speculation`` section.
 
     Returns the runner, the effective plan and the downgrades made (only with ``fallback: eager``;
     otherwise anything the plan asks for that cannot be applied raises ``PlanError``).
@@ -559,4 +599,28 @@ def load_llm_runner(model_dir: str, plan: LlmPlan) -> tuple[LlamaRunner, LlmPlan
             plan = dataclasses.replace(plan, compile="off", cuda_graphs=False)
             runner = build(plan)
             runner.warmup()
+    if plan.speculation is not None:
+        return _speculative_runner(runner, Path(model_dir), plan), plan, downgrades
     return runner, plan, downgrades
+
+
+def _speculative_runner(runner: LlamaRunner, model_dir: Path, plan: LlmPlan) -> "SpeculativeRunner":
+    """Wrap the warmed-up runner with the archive's speculator heads (and warm the verify steps)."""
+    from optimizations.plan import PlanError
+    from optimizations.speculative import SPEC_CONFIG, SpeculativeRunner, load_speculator
+
+    sp = plan.speculation
+    assert sp is not None
+    folder = model_dir / sp.heads
+    if not (folder / SPEC_CONFIG).is_file():
+        raise PlanError(f"servekit.speculation.heads: no {SPEC_CONFIG} in the archive folder {sp.heads!r} "
+                        "(build the archive with --speculator DIR)")
+    try:
+        heads = load_speculator(folder)
+        spec = SpeculativeRunner(runner, heads, max_spec_batch=sp.max_batch, n_heads=sp.n_heads,
+                                 compile_verify=plan.compile != "off")
+    except ValueError as e:  # heads for another model, more heads asked for than trained, ...
+        raise PlanError(f"servekit.speculation: {e}") from e
+    if plan.warmup:
+        spec.warmup(include_base=False)
+    return spec

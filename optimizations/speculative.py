@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GraphedStep, LlamaRunner,
-                                    SamplingParams, pad_prompts, pick_bucket)
+                                    SamplingParams, SpecPlan, pad_prompts, pick_bucket)
 from optimizations.llama import RMSNorm, Transformer
 from optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample, sampling_mode
 
@@ -66,7 +66,7 @@ SPEC_CONFIG = "speculator.json"
 # Above this many requests in a batch the runner decodes without speculation. Placeholder until
 # the GPU measurement (benchmarks/spec_bench.py reports the batch size where speculation stops
 # paying); the plan can set it per model.
-DEFAULT_MAX_SPEC_BATCH = 8
+DEFAULT_MAX_SPEC_BATCH = SpecPlan.max_batch  # a plan's speculation.max_batch default
 
 
 # --- the heads ------------------------------------------------------------------------------------
@@ -473,6 +473,10 @@ class SpeculativeRunner:
     @property
     def max_seq_len(self) -> int:
         return self.base.max_seq_len
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        return self.base.prefill_buckets
 
     def check(self, prompt: list[int], params: SamplingParams) -> str | None:
         """Why this request cannot run (a client error), or None: the plain runner's rules."""

@@ -37,3 +37,39 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+# Prompts of the live LLM tests (the first line is held out by the recipe's every-10th split).
+SPEC_PROMPTS = ["Give a synonym for happy.", "What is the capital of France?", "Write a short poem about the sea.",
+                "Say hello.", "Name a colour.", "Count to three.", "What is two plus two?", "Say hi.", "Name two planets.",
+                "What color is the sky?"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_spec_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model store holding smollm2.mar: the CPU plan plus speculation with 3 heads trained here by
+    `servekit train-speculator` (~40 s) on the live tests' own prompts, so that drafts are accepted
+    often and several tokens per step reach the handler."""
+    import yaml
+
+    from optimizations import train_speculator
+    from optimizations.gguf_weights import smollm2_archive_files
+
+    tmp = tmp_path_factory.mktemp("smollm2-spec")
+    (tmp / "prompts.txt").write_text("\n".join(SPEC_PROMPTS) + "\n")
+    weights = smollm2_archive_files(torch.bfloat16)
+    old = torch.get_num_threads()
+    try:
+        assert train_speculator.main(["--model-dir", str(weights[0].parent), "--dtype", "fp32", "--out",
+                                      str(tmp / "heads"), "--prompts", str(tmp / "prompts.txt"), "--new-tokens", "32",
+                                      "--samples", "0", "--steps", "30", "--heads", "3", "--hidden-mult", "0.5",
+                                      "--lr", "3e-3", "--threads", "2", "--quiet"]) == 0
+    finally:
+        torch.set_num_threads(old)
+    config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())
+    config["servekit"]["speculation"] = {"heads": "speculator", "n_heads": 3, "max_batch": 4}
+    (tmp / "smollm2-cpu-spec.yaml").write_text(yaml.safe_dump(config))
+    store = tmp / "store"
+    build_archive("smollm2", store, config=tmp / "smollm2-cpu-spec.yaml", weights=weights,
+                  speculator=tmp / "heads")
+    return store

@@ -203,9 +203,43 @@ def test_llm_plan_errors_name_the_key() -> None:
                      ({"compile": "max-autotune"}, "servekit.compile"),
                      ({"cuda_graphs": "yes"}, "servekit.cuda_graphs"),
                      ({"limits": {"max_tokens": 4096}}, "servekit.limits.max_tokens"),
-                     ({"limits": {"default_max_tokens": 2000}}, "servekit.limits.default_max_tokens")]:
+                     ({"limits": {"default_max_tokens": 2000}}, "servekit.limits.default_max_tokens"),
+                     ({"speculation": {"head": "x"}}, "servekit.speculation.head: unknown key"),
+                     ({"speculation": {"n_heads": 0}}, "servekit.speculation.n_heads"),
+                     ({"speculation": {"max_batch": -1}}, "servekit.speculation.max_batch"),
+                     ({"speculation": {"heads": "../outside"}}, "servekit.speculation.heads"),
+                     ({"speculation": "on"}, "servekit.speculation: expected a mapping")]:
         with pytest.raises(PlanError, match=msg):
             parse_llm_plan(raw)
+    spec = parse_llm_plan({"precision": "bf16", "speculation": {"n_heads": 3, "max_batch": 4}})
+    assert spec.speculation is not None and (spec.speculation.heads, spec.speculation.n_heads) == ("speculator", 3)
+    assert spec.label() == "bf16+spec3" and parse_llm_plan({"speculation": None}).speculation is None
+
+
+def test_plan_with_speculation_wraps_the_runner_with_the_archived_heads(tmp_path) -> None:
+    from optimizations.generate import load_llm_runner, parse_llm_plan
+    from optimizations.plan import PlanError
+    from optimizations.speculative import (SpecStats, Speculator, SpeculatorConfig, SpeculativeRunner,
+                                           generate_speculative, save_speculator)
+
+    ckpt = _tiny_checkpoint(tmp_path)
+    raw = {"device": "cpu", "max_seq_len": 64, "limits": {"max_tokens": 32},
+           "buckets": {"batch_sizes": [1, 2], "prompt_lens": [16, 64], "kv_lens": [32]},
+           "speculation": {"heads": "heads", "n_heads": 2, "max_batch": 1}}
+    with pytest.raises(PlanError, match="no speculator.json in the archive folder 'heads'"):
+        load_llm_runner(ckpt, parse_llm_plan(raw))
+    model = init_random(LlamaConfig.tiny(), seed=0)
+    save_speculator(Speculator(SpeculatorConfig.for_model(model, 3)).reset_parameters(seed=1, random_out=True),
+                    tmp_path / "heads")
+    runner, plan, _ = load_llm_runner(ckpt, parse_llm_plan(raw))
+    assert isinstance(runner, SpeculativeRunner) and runner.n_heads == 2 and runner.max_spec_batch == 1
+    assert plan.label() == "fp32+spec2" and runner.prefill_buckets == runner.base.prefill_buckets
+    prompts = _prompts([5])
+    out, stats = generate_speculative(runner, prompts, [SamplingParams(max_tokens=6)])
+    assert isinstance(stats, SpecStats) and stats.proposed[0] > 0
+    assert out[0].tokens == _greedy_reference(runner.model, prompts[0], 6)
+    with pytest.raises(PlanError, match="servekit.speculation: can use 1..3 heads, asked for 5"):
+        load_llm_runner(ckpt, parse_llm_plan({**raw, "speculation": {"heads": "heads", "n_heads": 5}}))
 
 
 def test_load_llm_runner_fails_loudly_or_falls_back_as_the_plan_says(tmp_path) -> None:

@@ -1,8 +1,10 @@
-"""Live TorchServe with the SmolLM2 archive (CPU plan): the official openai client, streaming and
-not, text completions, per-request errors inside a shared batch, and the LLM metrics.
+"""Live TorchServe with the SmolLM2 archive (CPU plan with speculative decoding, heads trained by
+conftest's fixture): the official openai client, streaming and not, text completions, per-request
+errors inside a shared batch, the LLM and speculative-decoding metrics.
 
-Expected texts come from the same weights run in-process (fp32, greedy), so the server must
-produce exactly what optimizations.generate produces.
+Expected texts come from the same weights run in-process without speculation (fp32, greedy,
+optimizations.generate), so the server must produce exactly what plain greedy decoding produces
+while it accepts several drafted tokens per step.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import pytest
 import torch
 
 from benchmarks.server import TorchServe
-from handlers.archive import ArchiveSpec, build_archive, register_spec
 from optimizations.chat_template import ChatTokenizer
 from optimizations.generate import LlamaRunner, SamplingParams, generate
 from optimizations.gguf_weights import smollm2_archive_files
@@ -36,12 +37,8 @@ def weights_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(weights_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
-    register_spec("smollm2", ArchiveSpec("handlers/llm_handler.py", "config/models/smollm2-cpu.yaml",
-                                         lambda: smollm2_archive_files(torch.bfloat16)))
-    store = tmp_path_factory.mktemp("llm_store")
-    build_archive("smollm2", store)
-    with TorchServe(tmp_path_factory.mktemp("ts-llm"), store) as ts:
+def server(smollm2_spec_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    with TorchServe(tmp_path_factory.mktemp("ts-llm"), smollm2_spec_store) as ts:
         # A long batch delay so that requests sent together share a batch.
         ts.register("smollm2.mar", "smollm2", batch_size=4, max_batch_delay_ms=400, workers=1, timeout=240)
         yield ts
@@ -82,11 +79,20 @@ def post(server: TorchServe, route: str, body: object) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def metric_sum(server: TorchServe, name: str) -> float:
+def metric_sum(server: TorchServe, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=10).read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def wait_for_change(server: TorchServe, name: str, before: float, timeout: float = 15.0) -> float:
+    """The metric's sum once it differs from `before` (metrics reach /metrics asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while (now := metric_sum(server, name)) == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return now
 
 
 def test_openai_client_streams_a_chat_completion(client, reference) -> None:
@@ -160,6 +166,7 @@ def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchSe
     ("v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, 400, "invalid_type"),
     ("v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "unsupported_value"),
     ("v1/completions", {"prompt": ""}, 400, "empty_prompt"),
+    ("v1/completions", {"prompt": "x", "speculate": "yes"}, 400, "invalid_type"),
     ("v1/embeddings", {"input": "x"}, 404, "unknown_route"),
 ])
 def test_invalid_requests(server: TorchServe, route: str, body: dict, status: int, code: str) -> None:
@@ -178,3 +185,42 @@ def test_llm_metrics_are_exported(server: TorchServe, client) -> None:
     assert metric_sum(server, "servekit_llm_ttft_seconds_count") > 0
     assert metric_sum(server, "servekit_llm_itl_seconds_count") > 0
     assert metric_sum(server, "servekit_llm_ttft_seconds_bucket") > 0
+
+
+def test_speculative_decoding_is_exact_and_reports_acceptance(server: TorchServe, client, reference) -> None:
+    tok, complete = reference
+    msgs = [{"role": "user", "content": "Count to three."}]  # a prompt the fixture's heads trained on
+    want, tokens = complete(tok.encode_chat(msgs), 32)
+    proposed = [metric_sum(server, "servekit_spec_proposed_total", Position=str(j)) for j in range(3)]
+    accepted = [metric_sum(server, "servekit_spec_accepted_total", Position=str(j)) for j in range(3)]
+    chunks = list(client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=32, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert chunks[-1].usage.completion_tokens == len(tokens)
+    assert len(content_chunks) < len(tokens) - 1, "no step delivered more than one token"
+    wait_for_change(server, "servekit_spec_proposed_total", sum(proposed))
+    new_proposed = [metric_sum(server, "servekit_spec_proposed_total", Position=str(j)) - proposed[j]
+                    for j in range(3)]
+    new_accepted = [metric_sum(server, "servekit_spec_accepted_total", Position=str(j)) - accepted[j]
+                    for j in range(3)]
+    # Every verify step proposes at each position; a draft counts as accepted only after the ones before it.
+    assert new_proposed[0] == new_proposed[1] == new_proposed[2] > 0, new_proposed
+    assert new_proposed[0] >= new_accepted[0] >= new_accepted[1] >= new_accepted[2], new_accepted
+    # Tokens = prefill's first + per verify step (1 + accepted drafts), the last step cut short by
+    # max_tokens or the stop token by at most its 3 accepted drafts.
+    emitted = 1 + new_proposed[0] + sum(new_accepted)
+    assert emitted - 3 <= len(tokens) <= emitted, (new_proposed, new_accepted, len(tokens))
+    assert metric_sum(server, "servekit_plan_info", Plan="fp32+spec3") == 1
+
+
+def test_requests_can_opt_out_of_speculation(server: TorchServe, reference) -> None:
+    tok, complete = reference
+    want, _ = complete(tok.encode_chat(MESSAGES), 12)
+    before = metric_sum(server, "servekit_spec_proposed_total")
+    tokens_before = metric_sum(server, "servekit_llm_completion_tokens_total")
+    status, body = post(server, "v1/chat/completions", {"messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+                                                         "speculate": False})
+    assert status == 200 and body["choices"][0]["message"]["content"] == want
+    wait_for_change(server, "servekit_llm_completion_tokens_total", tokens_before)
+    assert metric_sum(server, "servekit_spec_proposed_total") == before

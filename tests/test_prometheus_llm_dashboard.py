@@ -1,15 +1,16 @@
-"""The LLM dashboard on live data: TorchServe serves the SmolLM2 archive (CPU plan) with the LLM
-handler, a real Prometheus scrapes its metrics port every second while a few chat completions
-(streaming and not) are served, and every panel query of servekit-llm.json must return data.
+"""The LLM dashboard on live data: TorchServe serves the SmolLM2 archive (CPU plan with speculative
+decoding) with the LLM handler, a real Prometheus scrapes its metrics port every second while a few
+chat completions (streaming and not) are served, and every panel query of servekit-llm.json must
+return data.
 
-Skipped, each with its reason: speculative-decoding panels (the LLM handler does not emit
-servekit_spec_* yet) and GPU-only panels on a machine without a CUDA GPU.
+Skipped, with the reason: GPU-only panels on a machine without a CUDA GPU.
 """
 from __future__ import annotations
 
 import json
 import math
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -17,8 +18,6 @@ import torch
 
 from benchmarks import dashboards
 from benchmarks.server import TorchServe
-from handlers.archive import ArchiveSpec, build_archive, register_spec
-from optimizations.gguf_weights import smollm2_archive_files
 from test_k8s_pod_live import http, promql, running_prometheus, substitute
 
 pytestmark = pytest.mark.server
@@ -31,20 +30,14 @@ QUERIES = [(p["title"], t.get("legendFormat", ""), t["expr"]) for p in BOARD["pa
 
 def skip_reason(expr: str) -> str | None:
     """Why a query is not checked here, or None."""
-    if "servekit_spec_" in expr:
-        return "speculative-decoding metrics (servekit_spec_*) are not emitted by the LLM handler yet"
     if "GPU" in expr and not torch.cuda.is_available():
         return "TorchServe emits GPU metrics only on a machine with a CUDA GPU"
     return None
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
-    register_spec(MODEL, ArchiveSpec("handlers/llm_handler.py", "config/models/smollm2-cpu.yaml",
-                                     lambda: smollm2_archive_files(torch.bfloat16)))
-    store = tmp_path_factory.mktemp("llm_store")
-    build_archive(MODEL, store)
-    with TorchServe(tmp_path_factory.mktemp("ts-llm-dash"), store) as ts:
+def server(smollm2_spec_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    with TorchServe(tmp_path_factory.mktemp("ts-llm-dash"), smollm2_spec_store) as ts:
         ts.register(f"{MODEL}.mar", MODEL, batch_size=4, max_batch_delay_ms=50, workers=1, timeout=240)
         yield ts
 

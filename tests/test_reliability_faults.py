@@ -68,13 +68,16 @@ def test_text_over_the_largest_bucket_is_rejected_with_413(faulty, reference):
 
 def test_killed_worker_is_replaced_and_only_in_flight_requests_fail(faulty):
     ts = faulty["ts"]
-    r = kill_worker_under_load(ts, MODEL, concurrency=4, before_s=2.0, after_s=1.0, timeout=180)
+    r = kill_worker_under_load(ts, MODEL, concurrency=4, before_s=2.0, after_s=1.0, timeout=180,
+                               client_timeout=20.0)
     assert r["worker_ready_s"] is not None and r["recovery_s"] is not None, r
     assert r["worker_after"] and r["worker_after"][0][1] != r["worker_before"][0][1], r
     # Closed-loop clients have at most one request each in flight: those in the dead worker's batch
-    # get TorchServe's 507 "Worker died."; the queued ones wait for the new worker and succeed.
-    assert r["failed"] <= 4, r
-    assert set(r["failed_statuses"]) <= {"507", "503"}, r
+    # get TorchServe's 507 "Worker died."; those it was assembling into a batch get no answer (a
+    # TorchServe 0.12 bug, hence the client timeout); the queued ones wait for the new worker.
+    assert r["failed_in_flight_at_kill"] <= 4, r
+    assert r["failed_sent_after_ready"] == 0, r
+    assert set(r["failed_statuses"]) <= {"500", "503", "507", "no_answer"}, r
     assert r["requests"] > r["failed"], r
 
 

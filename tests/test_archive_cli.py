@@ -1,0 +1,33 @@
+"""`servekit archive` refuses speculator heads that the model-config cannot use, and a model-config
+that asks for heads it was not given, before building anything."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def archive(*args: str, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "handlers.archive", "smollm2", "--out", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "config/models/smollm2-spec.yaml"], "asks for speculator heads (servekit.speculation): give "
+                                                      "--speculator DIR"),
+    (["--config", "config/models/smollm2-cpu.yaml", "--speculator", "optimizations"],
+     "--speculator given but config/models/smollm2-cpu.yaml has no servekit.speculation section"),
+    (["--config", "config/models/smollm2-spec.yaml", "--speculator", "no/such/heads"],
+     "speculator heads not found: no/such/heads/speculator.json"),
+    (["--config", "no/such.yaml"], "model-config not found: no/such.yaml"),
+])
+def test_archive_refuses_mismatched_speculator(tmp_path: Path, args: list[str], message: str) -> None:
+    r = archive(*args, out=tmp_path)
+    assert r.returncode == 2, r
+    assert r.stderr.strip() == f"servekit archive: error: {message}" or message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
