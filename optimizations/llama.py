@@ -266,6 +266,12 @@ class Transformer(nn.Module):
         the whole cache); the caller guarantees every position that matters is below ``kv_len``,
         which saves reading the cache's unused tail.
         """
+        return self.output(self.hidden(tokens, input_pos, last_idx, kv_len)).float()
+
+    def hidden(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
+               kv_len: int | None = None) -> Tensor:
+        """``forward`` without the vocab projection: the final normed hidden state ``(B, T, dim)``
+        (``(B, dim)`` with ``last_idx``), in the model's dtype. Writes the KV cache like ``forward``."""
         if tokens.shape[0] > self.max_batch_size:
             raise ValueError(f"batch {tokens.shape[0]} exceeds the cache's max_batch_size={self.max_batch_size}")
         x = self.tok_embeddings(tokens)
@@ -278,7 +284,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, input_pos)
         if last_idx is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_idx]
-        return self.output(self.norm(x)).float()
+        return self.norm(x)
 
 
 # Hugging Face parameter names <-> ours. Checkpoints on disk use the Hugging Face names so that

@@ -206,21 +206,9 @@ def forward_hidden(model: Transformer, tokens: Tensor, input_pos: Tensor, kv_len
     """``Transformer.forward`` that also returns the final normed hidden state.
 
     Returns fp32 logits and hidden states, ``(B, T, V)`` / ``(B, T, dim)``, or ``(B, V)`` /
-    ``(B, dim)`` at ``last_idx`` of each row (logits None when ``with_logits`` is false). Same
-    computation as ``model(...)``, step by step.
+    ``(B, dim)`` at ``last_idx`` of each row (logits None when ``with_logits`` is false).
     """
-    if tokens.shape[0] > model.max_batch_size:
-        raise ValueError(f"batch {tokens.shape[0]} exceeds the cache's max_batch_size={model.max_batch_size}")
-    x = model.tok_embeddings(tokens)
-    cos = model.rope_cos[input_pos].unsqueeze(1).to(x.dtype)
-    sin = model.rope_sin[input_pos].unsqueeze(1).to(x.dtype)
-    kv_len = model.max_seq_len if kv_len is None else kv_len
-    mask = model.cache_positions[None, None, :kv_len] <= input_pos[:, :, None]
-    for layer in model.layers:
-        x = layer(x, cos, sin, mask, input_pos)
-    if last_idx is not None:
-        x = x[torch.arange(x.shape[0], device=x.device), last_idx]
-    hidden = model.norm(x)
+    hidden = model.hidden(tokens, input_pos, last_idx, kv_len)
     return (model.output(hidden).float() if with_logits else None), hidden
 
 

