@@ -33,6 +33,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 VARIANTS = {  # LlamaRunner switches per variant
     "eager": {},
     "graphs": {"cuda_graphs": True},
+    "graphs-prefill": {"cuda_graphs": True, "prefill_graphs": 512},  # prefill of short prompts captured too
     "compile-graphs": {"compile_prefill": True, "compile_decode": True, "cuda_graphs": True},
 }
 PROMPT_TEXT = ("You are reviewing a travel plan. The traveller wants to visit three cities in Italy over ten "

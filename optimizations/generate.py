@@ -221,6 +221,35 @@ class DecodeStep(GraphedStep):
         return nxt
 
 
+class PrefillState:
+    """Static prefill inputs of one (batch bucket, prompt bucket), shared by its graphs (every mode)."""
+
+    def __init__(self, batch: int, length: int, device: torch.device) -> None:
+        self.tokens = torch.zeros(batch, length, dtype=torch.int64, device=device)
+        self.input_pos = torch.zeros(batch, length, dtype=torch.int64, device=device)
+        self.last_idx = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
+
+    def load(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor, params: SamplingTensors) -> None:
+        self.tokens.copy_(tokens)
+        self.input_pos.copy_(input_pos)
+        self.last_idx.copy_(last_idx)
+        self.params.copy_(params)
+
+
+class PrefillStep(GraphedStep):
+    """Prefill of one (batch bucket, prompt bucket, sampling mode) on static inputs: on CUDA a graph
+    replay instead of a few hundred kernel launches, which is most of a short prompt's TTFT."""
+
+    def __init__(self, forward: Callable[..., Tensor], state: PrefillState, mode: str) -> None:
+        self.forward, self.state, self.mode = forward, state, mode
+
+    @torch.no_grad()
+    def _body(self) -> Tensor:
+        st = self.state
+        return prefill(self.forward, st.tokens, st.input_pos, st.last_idx, st.params, self.mode)
+
+
 class _HostCopies:
     """Two host buffers for step outputs: copy step t+1 while the host reads step t."""
 
@@ -284,7 +313,7 @@ class LlamaRunner:
     def __init__(self, model: Transformer, max_seq_len: int, batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16),
                  prefill_buckets: tuple[int, ...] | None = None, kv_buckets: tuple[int, ...] | None = None,
                  compile_prefill: bool = False, compile_decode: bool = False, cuda_graphs: bool = False,
-                 compile_mode: str = "default", pad_id: int = 0) -> None:
+                 compile_mode: str = "default", pad_id: int = 0, prefill_graphs: int = 0) -> None:
         self.model = model.eval()
         self.device = model.tok_embeddings.weight.device
         if cuda_graphs and self.device.type != "cuda":
@@ -312,9 +341,16 @@ class LlamaRunner:
         self.states = {b: DecodeState(b, self.device) for b in self.batch_buckets}
         self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, compiled if compile_decode else None)
                       for b in self.batch_buckets for m in MODES for kv in self.kv_buckets}
+        # Prompt buckets up to `prefill_graphs` tokens prefill from static inputs (captured on CUDA);
+        # longer prompts are compute-bound and run as plain calls.
+        short = [t for t in self.prefill_buckets if t <= prefill_graphs]
+        prefill_states = {(b, t): PrefillState(b, t, self.device) for b in self.batch_buckets for t in short}
+        self.prefill_steps = {(b, t, m): PrefillStep(self._prefill_model, st, m)
+                              for (b, t), st in prefill_states.items() for m in MODES}
         self._rng = random.Random()
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
-                     "compile_mode": compile_mode, "cuda_graphs": cuda_graphs, "batch_buckets": list(self.batch_buckets),
+                     "compile_mode": compile_mode, "cuda_graphs": cuda_graphs, "prefill_graphs": prefill_graphs,
+                     "batch_buckets": list(self.batch_buckets),
                      "prefill_buckets": list(self.prefill_buckets), "kv_buckets": list(self.kv_buckets),
                      "max_seq_len": max_seq_len}
 
@@ -356,7 +392,14 @@ class LlamaRunner:
                        torch.zeros(b, dtype=torch.int64, device=self.device),
                        SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        # Largest batch first: the smaller graphs fit into the memory pool it leaves.
+        # Largest shapes first: the smaller graphs fit into the memory pool they leave.
+        for key in sorted(self.prefill_steps, key=lambda k: (-k[0] * k[1], k[2])):
+            if self.cuda_graphs:
+                self.prefill_steps[key].capture(pool)
+            elif key[2] == FILTER:
+                self.prefill_steps[key].run()  # eager: one run per shape checks it
+        self._sync()
+        t2 = time.perf_counter()
         for key in sorted(self.steps, key=lambda k: (-k[0], -k[2])):
             step = self.steps[key]
             if self.cuda_graphs:
@@ -364,7 +407,7 @@ class LlamaRunner:
             elif key[1:] == (FILTER, self.kv_buckets[-1]):
                 step.run()  # eager: nothing to capture; one run per batch checks the shapes
         self._sync()
-        return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+        return {"prefill_s": t1 - t0, "prefill_graphs_s": t2 - t1, "decode_s": time.perf_counter() - t2}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -397,7 +440,12 @@ class LlamaRunner:
         mode = sampling_mode(temperature, top_k, top_p)
         positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
         with torch.no_grad():
-            first = prefill(self._prefill_model, tokens, input_pos, last_idx, sampling, mode)
+            step = self.prefill_steps.get((batch, length, mode))
+            if step is not None:
+                step.state.load(tokens, input_pos, last_idx, sampling)
+                first = step.run()  # a graph's output: copied into the decode state before any replay
+            else:
+                first = prefill(self._prefill_model, tokens, input_pos, last_idx, sampling, mode)
             self.states[batch].load(first, positions, sampling)
         host = _HostCopies(batch, self.device)
         host.start(0, first)
@@ -458,6 +506,7 @@ class LlmPlan:
     precision: str = "fp32"
     compile: str = "off"  # off | default | max-autotune-no-cudagraphs: prefill and decode, dynamic shapes
     cuda_graphs: bool = False  # decode steps captured per (batch, kv length, sampling mode)
+    prefill_graphs: int = 0  # prefill of prompt buckets up to this many tokens from graphs too (0: off)
     warmup: bool = True
     fallback: str = "error"  # error | eager: what to do when compile/graphs cannot be applied
     max_seq_len: int = 2048  # KV cache length: prompt + completion
@@ -474,6 +523,8 @@ class LlmPlan:
             parts.append(f"compile-{self.compile}")
         if self.cuda_graphs:
             parts.append("cudagraphs")
+        if self.prefill_graphs:
+            parts.append(f"prefill-graphs{self.prefill_graphs}")
         if self.speculation is not None:
             parts.append(f"spec{self.speculation.n_heads or ''}")
         return "+".join(parts)
@@ -488,7 +539,8 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
                                     _int_list, _positive_int)
 
     raw = _check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
-                                  "max_seq_len", "buckets", "limits", "cpu_threads", "speculation"})
+                                  "max_seq_len", "buckets", "limits", "cpu_threads", "speculation",
+                                  "prefill_graphs"})
     kw: dict[str, object] = {}
     for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
                          ("fallback", FALLBACKS)):
@@ -502,6 +554,11 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     for key in ("max_seq_len", "cpu_threads"):
         if raw.get(key) is not None:
             kw[key] = _positive_int(f"{path}.{key}", raw[key])
+    if raw.get("prefill_graphs") is not None:
+        v = raw["prefill_graphs"]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise PlanError(f"{path}.prefill_graphs: expected a prompt length >= 0 (0: off), got {v!r}")
+        kw["prefill_graphs"] = v
     max_seq = int(kw.get("max_seq_len", LlmPlan.max_seq_len))  # type: ignore[call-overload]
     buckets = _check_keys(f"{path}.buckets", raw.get("buckets"), {"batch_sizes", "prompt_lens", "kv_lens"})
     for key in ("batch_sizes", "prompt_lens", "kv_lens"):
@@ -586,7 +643,7 @@ def load_llm_runner(model_dir: str, plan: LlmPlan
         compiled = p.compile != "off"
         return LlamaRunner(model, p.max_seq_len, p.batch_sizes, p.prompt_lens, p.kv_lens,
                            compile_prefill=compiled, compile_decode=compiled, cuda_graphs=p.cuda_graphs,
-                           compile_mode=p.compile if compiled else "default")
+                           compile_mode=p.compile if compiled else "default", prefill_graphs=p.prefill_graphs)
 
     runner = build(plan)
     if plan.warmup:

@@ -1,4 +1,4 @@
-"""CUDA-only: captured decode graphs (and compiled steps) give what eager gives. Skipped without a GPU."""
+"""CUDA-only: captured prefill and decode graphs (and compiled steps) give what eager gives. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ PARAMS = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=12, temperatu
           SamplingParams(max_tokens=30, temperature=1.0, seed=4)]
 
 
-def _run(**switches: bool) -> list[list[int]]:
+def _run(**switches: bool | int) -> list[list[int]]:
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64),
                          kv_buckets=(32, 64), **switches)
@@ -30,6 +30,10 @@ def _run(**switches: bool) -> list[list[int]]:
 
 def test_cuda_graph_decode_equals_eager() -> None:
     assert _run(cuda_graphs=True) == _run()
+
+
+def test_captured_prefill_and_decode_equal_eager() -> None:
+    assert _run(cuda_graphs=True, prefill_graphs=64) == _run()
 
 
 def test_compiled_and_captured_decode_equals_eager() -> None:

@@ -127,7 +127,7 @@ def test_warmup_runs_every_bucket_on_cpu() -> None:
     model = init_random(LlamaConfig.tiny(), seed=0)
     r = LlamaRunner(model, max_seq_len=32, batch_buckets=(1, 2), prefill_buckets=(8, 32))
     timings = r.warmup()
-    assert set(timings) == {"prefill_s", "decode_s"}
+    assert set(timings) == {"prefill_s", "prefill_graphs_s", "decode_s"}
     prompts = _prompts([3, 8], seed=6)
     out = generate(r, prompts, [SamplingParams(max_tokens=4)] * 2)
     assert [c.tokens for c in out] == [_greedy_reference(model, p, 4) for p in prompts]
@@ -262,3 +262,22 @@ def test_load_llm_runner_fails_loudly_or_falls_back_as_the_plan_says(tmp_path) -
     assert runner.kv_buckets == (32, 64) and runner.max_batch == 2
     out = generate(runner, _prompts([5]), [SamplingParams(max_tokens=4)])
     assert out[0].tokens == _greedy_reference(runner.model, _prompts([5])[0], 4)
+
+
+def test_prefill_from_static_inputs_matches_plain_prefill(model: Transformer, runner: LlamaRunner) -> None:
+    """The prefill steps CUDA graphs capture (static input buffers per batch x prompt bucket x mode),
+    run eagerly here: same tokens as the plain prefill call, for greedy and seeded sampled rows, and
+    prompts longer than `prefill_graphs` still take the plain call."""
+    graphed = LlamaRunner(model, max_seq_len=MAX_SEQ, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
+                          prefill_graphs=16)
+    assert sorted({(b, t) for b, t, _ in graphed.prefill_steps}) == [(b, t) for b in (1, 2, 4) for t in (8, 16)]
+    assert graphed.warmup()["prefill_graphs_s"] >= 0
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=3),
+              SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=4)]
+    for lengths in ([5], [12, 3, 7], [40, 2]):  # buckets 8 and 16 graphed; 64 is not
+        prompts = _prompts(lengths, seed=len(lengths))
+        ps = params[:len(prompts)]
+        assert [c.tokens for c in generate(graphed, prompts, ps)] == [c.tokens for c in generate(runner, prompts, ps)]
+    # The same static buffers serve the next request: nothing of the previous one leaks through.
+    prompts = _prompts([3], seed=9)
+    assert generate(graphed, prompts, params[:1])[0].tokens == _greedy_reference(model, prompts[0], 6)
