@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from benchmarks import dashboards
 from benchmarks.server import free_port
+from http_double import HttpDouble, JsonHandler
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "glsa_test_token"
@@ -68,7 +67,7 @@ def test_llm_dashboard_covers_ttft_itl_tokens_and_speculation():
         assert metric in text, metric
 
 
-class FakeGrafana:
+class FakeGrafana(HttpDouble):
     """The few endpoints of Grafana's HTTP API that push uses, with bearer-token auth."""
 
     def __init__(self, html: bool = False) -> None:
@@ -76,18 +75,7 @@ class FakeGrafana:
         self.saved: list[dict] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, status: int, body, content_type: str = "application/json") -> None:
-                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def authorized(self) -> bool:
                 if html:
                     self.reply(200, "<html>not grafana</html>", "text/html")
@@ -109,7 +97,7 @@ class FakeGrafana:
             def do_POST(self):
                 if not self.authorized():
                     return
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = self.json_body()
                 if self.path == "/api/folders":
                     folder = {"uid": "f-" + body["title"], "title": body["title"]}
                     outer.folders.append(folder)
@@ -120,13 +108,7 @@ class FakeGrafana:
                     return self.reply(200, {"status": "success", "uid": uid, "url": f"/d/{uid}/x"})
                 self.reply(404, {"message": "Not found"})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture

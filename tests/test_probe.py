@@ -4,20 +4,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from benchmarks.server import free_port
+from http_double import HttpDouble, JsonHandler
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class FakeManagement:
+class FakeManagement(HttpDouble):
     """Answers GET /models/<name> from `self.models`, records POST/PUT calls."""
 
     def __init__(self, port: int = 0) -> None:
@@ -26,18 +25,7 @@ class FakeManagement:
         self.fail_register: tuple[int, str] | None = None
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, status: int, body) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 path = urllib.parse.urlparse(self.path).path
                 if path == "/models":
@@ -63,13 +51,7 @@ class FakeManagement:
                 outer.calls.append(("PUT", url.path, dict(urllib.parse.parse_qsl(url.query))))
                 self.reply(202, {"status": "Processing worker updates..."})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler, port)
 
 
 @pytest.fixture
