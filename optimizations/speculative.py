@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GraphedStep, LlamaRunner,
-                                    SamplingParams, SpecPlan, pad_prompts, pick_bucket)
+                                    PrefillState, SamplingParams, SpecPlan, pad_prompts, pick_bucket)
 from optimizations.llama import RMSNorm, Transformer
 from optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample, sampling_mode
 
@@ -360,6 +360,21 @@ class VerifyStep(GraphedStep):
         return torch.cat([base, accepted[:, None]], dim=1)
 
 
+class SpecPrefillStep(GraphedStep):
+    """``spec_prefill`` on the base runner's static prefill inputs (``PrefillState``) for one
+    (batch bucket, prompt bucket, mode); returns ``(B, 1+k)``: each row's first token and drafts."""
+
+    def __init__(self, prefill_fn: Callable[..., tuple[Tensor, Tensor]], model: Transformer, speculator: Speculator,
+                 state: PrefillState, mode: str) -> None:
+        self.fn, self.model, self.speculator, self.state, self.mode = prefill_fn, model, speculator, state, mode
+
+    @torch.no_grad()
+    def _body(self) -> Tensor:
+        st = self.state
+        first, draft = self.fn(self.model, self.speculator, st.tokens, st.input_pos, st.last_idx, st.params, self.mode)
+        return torch.cat([first[:, None], draft], dim=1)
+
+
 class _HostRing:
     """Two pinned host buffers ``(B, k+2)``: copy step t+1 while the host reads step t."""
 
@@ -423,6 +438,9 @@ class SpeculativeRunner:
         self.states = {b: SpecState(b, self.n_heads, self.device) for b in self.spec_buckets}
         self.steps = {(b, m, kv): VerifyStep(model, self.speculator, self.states[b], m, kv, fn)
                       for b in self.spec_buckets for m in MODES for kv in base.kv_buckets}
+        # The base runner's short prompt buckets prefill from static inputs; so do ours, on its buffers.
+        self.prefill_steps = {key: SpecPrefillStep(self._prefill, model, self.speculator, step.state, key[2])
+                              for key, step in base.prefill_steps.items() if key[0] in self.spec_buckets}
         self.plan = {**base.plan, "speculative": {"n_heads": self.n_heads, "max_spec_batch": self.max_spec_batch,
                                                    "spec_buckets": list(self.spec_buckets),
                                                    "compile_verify": compile_verify}}
@@ -438,13 +456,18 @@ class SpeculativeRunner:
             tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.base.pad_id] * t], b, t))
             for mode in MODES:
                 self._prefill(self.model, self.speculator, tokens, input_pos, last_idx, params, mode)
+        pool = torch.cuda.graph_pool_handle() if self.base.cuda_graphs else None
+        for key in sorted(self.prefill_steps, key=lambda k: (-k[0] * k[1], k[2])):
+            if self.base.cuda_graphs:
+                self.prefill_steps[key].capture(pool)
+            elif key[2] == FILTER:
+                self.prefill_steps[key].run()
         self.base._sync()
         t1 = time.perf_counter()
         for b, state in self.states.items():
             zeros = torch.zeros(b, dtype=torch.int64, device=self.device)
             state.load(zeros, torch.zeros(b, self.n_heads, dtype=torch.int64, device=self.device), zeros, zeros + 1,
                        SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
-        pool = torch.cuda.graph_pool_handle() if self.base.cuda_graphs else None
         for key in sorted(self.steps, key=lambda k: (-k[0], -k[2])):
             step = self.steps[key]
             if self.base.cuda_graphs:
@@ -514,7 +537,13 @@ class SpeculativeRunner:
         positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
         spec_rows = torch.tensor([int(r) for r in rows] + [0] * pad_rows, device=self.device)
         with torch.no_grad():
-            first, draft = self._prefill(model, self.speculator, tokens, input_pos, last_idx, sampling, mode)
+            step = self.prefill_steps.get((batch, length, mode))
+            if step is not None:
+                step.state.load(tokens, input_pos, last_idx, sampling)
+                out = step.run()  # a graph's output: copied into the verify state before any replay
+                first, draft = out[:, 0], out[:, 1:]
+            else:
+                first, draft = self._prefill(model, self.speculator, tokens, input_pos, last_idx, sampling, mode)
             self.states[batch].load(first, draft, positions, spec_rows, sampling)
             host = _HostRing(batch, self.n_heads + 2, self.device)
             host.start(0, torch.cat([first[:, None], torch.zeros_like(draft), torch.zeros_like(first)[:, None]], 1))

@@ -40,3 +40,17 @@ def test_compiled_and_captured_decode_equals_eager() -> None:
     # fp32 tiny model: fused kernels may differ in the last bits, so compare greedy/sampled tokens
     # (equal unless a near-tie flips, which random weights at fp32 make very unlikely).
     assert _run(compile_prefill=True, compile_decode=True, cuda_graphs=True) == _run()
+
+
+def test_captured_speculative_steps_equal_plain_decoding() -> None:
+    from optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeRunner, generate_speculative
+
+    model = init_random(LlamaConfig.tiny(), seed=0).cuda()
+    runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64),
+                         kv_buckets=(32, 64), cuda_graphs=True, prefill_graphs=64)
+    heads = Speculator(SpeculatorConfig.for_model(model, 3)).reset_parameters(seed=1, random_out=True)
+    spec = SpeculativeRunner(runner, heads, max_spec_batch=4)
+    spec.warmup(include_base=True)
+    got, stats = generate_speculative(spec, _prompts(), PARAMS)
+    assert stats.proposed[0] > 0
+    assert [c.tokens for c in got] == _run()

@@ -123,6 +123,21 @@ def test_random_heads_are_exact(base: LlamaRunner, spec: SpeculativeRunner, batc
         assert stats.proposed[0] > 0  # it did speculate
 
 
+def test_prefill_from_static_inputs_is_exact(model: Transformer, base: LlamaRunner, random_heads: Speculator) -> None:
+    """With the base runner's short prompt buckets on static inputs (what CUDA graphs capture), the
+    speculative prefill uses the same buffers; output still equals plain decoding."""
+    graphed = LlamaRunner(model, max_seq_len=MAX_SEQ, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
+                          kv_buckets=(16, 32, 48, 64), prefill_graphs=16)
+    runner = SpeculativeRunner(graphed, random_heads, max_spec_batch=2)
+    assert sorted({k[:2] for k in runner.prefill_steps}) == [(b, t) for b in (1, 2) for t in (8, 16)]
+    runner.warmup(include_base=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
+    for group in ([5], [12, 3], [40, 9]):  # buckets 8 and 16 on static inputs; 64 is not
+        prompts = _prompts(group, seed=len(group) + group[0])
+        params = [SamplingParams(max_tokens=20)] + [sampled] * (len(group) - 1)
+        assert _check_exact(base, runner, prompts, params).proposed[0] > 0
+
+
 def test_trained_heads_are_exact_and_accept(base: LlamaRunner, trained_dir: Path) -> None:
     heads = load_speculator(trained_dir)
     runner = SpeculativeRunner(base, heads, max_spec_batch=4)
