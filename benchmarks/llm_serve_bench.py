@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8 if cuda else 1, help="rounds of c requests per level")
     p.add_argument("--max-tokens", type=int, default=256 if cuda else 16)
     p.add_argument("--ttft-requests", type=int, default=20 if cuda else 2)
-    p.add_argument("--batch-delay-ms", type=int, default=10, help="the archive's maxBatchDelay")
+    p.add_argument("--batch-delay-ms", type=int, default=5,
+                   help="the archive's maxBatchDelay (a lone request waits all of it: part of its TTFT)")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=cuda,
                    help="transformers eager generate at batch 1 first (default: on with CUDA)")
