@@ -323,6 +323,47 @@ class OomOnMarkerHandler(EmbeddingHandler):
 '''
 
 
+FAULTY_LLM_HANDLER = f'''"""Test-only handler (built by benchmarks/faults.py, never shipped): the production LLM handler
+whose generation raises torch.OutOfMemoryError for any batch with a prompt holding {OOM_MARKER!r}."""
+import torch
+
+from handlers import llm_handler
+
+MARKER = {OOM_MARKER!r}
+
+
+class OomOnMarkerService(llm_handler.LlmService):
+    def initialize(self, context):
+        super().initialize(context)
+        stream = self.runner.stream
+
+        def stream_or_oom(prompts, params, *args, **kwargs):
+            if any(MARKER in self.tokenizer.decode(p) for p in prompts):
+                raise torch.OutOfMemoryError("simulated out of memory: the batch holds the marker word")
+            return stream(prompts, params, *args, **kwargs)
+
+        self.runner.stream = stream_or_oom
+
+
+llm_handler._service = OomOnMarkerService()
+handle = llm_handler.handle
+'''
+
+
+def build_faulty_llm_archive(store: Path, work: Path, config: Path, name: str = "smollm2_faulty") -> Path:
+    """`<store>/<name>.mar`: SmolLM2 with the OOM-on-marker LLM handler and the given model-config."""
+    import torch
+
+    from handlers.archive import ArchiveSpec, build_archive, register_spec
+    from optimizations.gguf_weights import smollm2_archive_files
+
+    work.mkdir(parents=True, exist_ok=True)
+    handler = work / "oom_llm_handler.py"
+    handler.write_text(FAULTY_LLM_HANDLER)
+    register_spec(name, ArchiveSpec(str(handler), str(config), lambda: smollm2_archive_files(torch.bfloat16)))
+    return build_archive(name, store, archive_name=name)
+
+
 def build_faulty_archive(store: Path, work: Path, buckets: dict[str, list[int]] | None = None,
                          name: str = "minilm_faulty") -> Path:
     """`<store>/<name>.mar`: the OOM-on-marker handler, `too_long: reject`, batch 8 / 50 ms."""

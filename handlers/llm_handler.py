@@ -274,19 +274,31 @@ class LlmService:
         idx = list(requests)
         for start in range(0, len(idx), self.runner.max_batch):  # batchSize <= max bucket: one chunk
             chunk = {i: requests[i] for i in idx[start:start + self.runner.max_batch]}
-            try:
-                for i, answer in Generation(self, chunk, context, t0).run().items():
-                    answers[i] = answer
-            except Exception as e:  # the device failed this batch: every request of it gets a 5xx, the worker lives
-                log.exception("generation failed for a batch of %d requests", len(chunk))
-                err = _device_error(e)
-                for i in chunk:
-                    answers[i] = fail_request(context, i, self.metrics, err)
+            for i, answer in self._generate(chunk, context, t0).items():
+                answers[i] = answer
         self.metrics.emit("servekit_batches_total", "counter", 1)
         self.metrics.emit("servekit_requests_total", "counter", len(data))
         self.metrics.emit("servekit_batch_fill_ratio", "histogram", min(1.0, len(data) / max(1, self.batch_size)),
                           "Ratio")
         return [a if a is not None else "" for a in answers]
+
+
+    def _generate(self, chunk: dict[int, LlmRequest], context: Any, t0: float) -> dict[int, str]:
+        """Answers of one batch. If generation fails (out of memory, ...), the requests that have not
+        streamed anything yet are generated again one by one, so only one that fails alone gets the
+        5xx; a request whose stream had begun gets the error (its chunks cannot be taken back)."""
+        gen = Generation(self, chunk, context, t0)
+        try:
+            return gen.run()
+        except Exception as e:  # the worker lives on
+            log.exception("generation failed for a batch of %d requests", len(chunk))
+            err = _device_error(e)
+        started = {row.idx for row in gen.rows if row.started}
+        out = {i: fail_request(context, i, self.metrics, err) for i in chunk if i in started or len(chunk) == 1}
+        for i in chunk:
+            if i not in out:
+                out.update(self._generate({i: chunk[i]}, context, t0))
+        return out
 
 
 def _device_error(e: Exception) -> RequestError:

@@ -17,13 +17,16 @@ import pytest
 import requests
 import torch
 
-from benchmarks.faults import VERSION, Answer, BadInput, handler_counter, send_together, worker_identity
+from benchmarks.faults import (OOM_MARKER, VERSION, Answer, BadInput, build_faulty_llm_archive, handler_counter,
+                               send_together, worker_identity)
 from benchmarks.server import TorchServe
 from handlers.archive import ArchiveSpec, build_archive, register_spec
 from optimizations.gguf_weights import smollm2_archive_files
 
 pytestmark = pytest.mark.server
 MODEL = "smollm2"
+FAULTY = "smollm2_faulty"
+ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/predictions/{model}/{version}/v1/chat/completions"
 TEXT = "/predictions/{model}/{version}/v1/completions"
 MAX_TOKENS = 4
@@ -196,8 +199,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
         yield ts
 
 
-def _good_calls(ts: TorchServe) -> list[tuple[str, str, bytes, str]]:
-    return [("POST", ts.inference_url + path.format(model=MODEL, version=VERSION), _j(body), "application/json")
+def _good_calls(ts: TorchServe, model: str = MODEL) -> list[tuple[str, str, bytes, str]]:
+    return [("POST", ts.inference_url + path.format(model=model, version=VERSION), _j(body), "application/json")
             for path, body, _ in GOOD]
 
 
@@ -221,15 +224,15 @@ def worker(server: TorchServe):
     return before
 
 
-def check(ts: TorchServe, bad: BadInput, alone: list[str]) -> dict[str, Any]:
-    batches0 = handler_counter(ts, "servekit_batches_total", MODEL)
-    answers = send_together([(bad.method, bad.url(ts.inference_url, MODEL), bad.body, bad.content_type)]
-                            + _good_calls(ts))
+def check(ts: TorchServe, bad: BadInput, alone: list[str], model: str = MODEL) -> dict[str, Any]:
+    batches0 = handler_counter(ts, "servekit_batches_total", model)
+    answers = send_together([(bad.method, bad.url(ts.inference_url, model), bad.body, bad.content_type)]
+                            + _good_calls(ts, model))
     bad_answer, goods = answers[0], answers[1:]
     texts = [text_of(a, streamed) if a.status == 200 else None for a, (_, _, streamed) in zip(goods, GOOD)]
     batches1 = batches0
     for _ in range(30):  # the counter moves once the worker has reported the batch
-        batches1 = handler_counter(ts, "servekit_batches_total", MODEL)
+        batches1 = handler_counter(ts, "servekit_batches_total", model)
         if batches1 > batches0:
             break
         time.sleep(0.1)
@@ -238,8 +241,9 @@ def check(ts: TorchServe, bad: BadInput, alone: list[str]) -> dict[str, Any]:
             "good_texts": texts, "good_correct": texts == alone, "batches_used": batches1 - batches0}
 
 
-def assert_fails_alone(ts: TorchServe, bad: BadInput, alone: list[str], worker) -> dict[str, Any]:
-    r = check(ts, bad, alone)
+def assert_fails_alone(ts: TorchServe, bad: BadInput, alone: list[str], worker,
+                       model: str = MODEL) -> dict[str, Any]:
+    r = check(ts, bad, alone, model)
     assert r["status"] == bad.status, r
     err = (r["body"] or {}).get("error") if isinstance(r["body"], dict) else None
     assert isinstance(err, dict) and set(err) == {"message", "type", "code"}, r
@@ -248,7 +252,7 @@ def assert_fails_alone(ts: TorchServe, bad: BadInput, alone: list[str], worker) 
     assert bad.expect.lower() in named.lower(), f"message does not name the problem ({bad.expect!r}): {named}"
     assert r["good_statuses"] == [200, 200, 200], r
     assert r["good_correct"], f"valid batch-mates answered differently than alone: {r['good_texts']} vs {alone}"
-    assert worker_identity(ts, MODEL) == worker, "worker changed"
+    assert worker_identity(ts, model) == worker, "worker changed"
     assert r["batches_used"] >= 1, r
     BATCHES_USED.append(r["batches_used"])
     return r
@@ -280,3 +284,24 @@ def test_worker_kept_after_the_matrix(server, worker):
     r = requests.post(server.inference_url + TEXT.format(model=MODEL, version=VERSION),
                       json={"prompt": "hello", "max_tokens": 2, "temperature": 0}, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_out_of_memory_fails_alone_and_the_worker_stays(server, alone, tmp_path_factory):
+    """A test-only archive (benchmarks/faults.py) whose generation raises torch.OutOfMemoryError for
+    a batch holding a marker word: the handler generates the batch's requests again one by one, so
+    the marker request alone gets 507 and its three batch-mates their normal answers."""
+    work = tmp_path_factory.mktemp("llm-oom")
+    build_faulty_llm_archive(server.model_store, work, ROOT / "config/models/smollm2-cpu.yaml", FAULTY)
+    server.register(f"{FAULTY}.mar", FAULTY, batch_size=4, max_batch_delay_ms=400, workers=1, timeout=240)
+    before = worker_identity(server, FAULTY)
+    oom = BadInput("out_of_memory", "generation raises torch.OutOfMemoryError (marker word in the prompt)",
+                   _chat(messages=[{"role": "user", "content": f"Repeat {OOM_MARKER} please."}]), 507,
+                   "out of memory", path=CHAT)
+    shared = []
+    for _ in range(3):  # until the four requests have shared one batch (the retry path) once
+        r = assert_fails_alone(server, oom, alone, before, FAULTY)
+        assert r["body"]["error"]["code"] == "out_of_memory"
+        shared.append(r["batches_used"])
+        if r["batches_used"] == 1:
+            break
+    assert 1 in shared, f"the marker never shared a batch: batches per round {shared}"
