@@ -361,7 +361,7 @@ def build_faulty_llm_archive(store: Path, work: Path, config: Path, name: str = 
     handler = work / "oom_llm_handler.py"
     handler.write_text(FAULTY_LLM_HANDLER)
     register_spec(name, ArchiveSpec(str(handler), str(config), lambda: smollm2_archive_files(torch.bfloat16)))
-    return build_archive(name, store, archive_name=name)
+    return build_archive(name, store, archive_name=name, compress=False)  # test-only: fast to build
 
 
 def build_faulty_archive(store: Path, work: Path, buckets: dict[str, list[int]] | None = None,
@@ -380,7 +380,7 @@ def build_faulty_archive(store: Path, work: Path, buckets: dict[str, list[int]] 
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     register_spec(name, ArchiveSpec(str(handler), str(config), minilm_weights))
-    return build_archive(name, store, archive_name=name)
+    return build_archive(name, store, archive_name=name, compress=False)  # test-only: fast to build
 
 
 def faulty_cases(max_seq: int) -> list[BadInput]:

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="servekit-gpu-oom-") as tmp:
         store = Path(tmp) / "store"
-        build_archive(MODEL, store, config=args.config)
+        build_archive(MODEL, store, config=args.config, compress=False)
         with TorchServe(Path(tmp) / "run", store) as ts:
             ts.register(f"{MODEL}.mar", MODEL, timeout=1800)
             res = run(ts, args.leave_free_mib)

@@ -190,7 +190,7 @@ def run_variant(name: str, cfg: dict[str, Any], speculator: Path | None, args: a
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     store = work / f"store-{name}"
-    build_archive(MODEL, store, config=config, speculator=speculator)
+    build_archive(MODEL, store, config=config, speculator=speculator, compress=False)  # temporary: fast to build
     with TorchServe(work / f"run-{name}", store) as ts:
         t0 = time.perf_counter()
         ts.register(f"{MODEL}.mar", MODEL, timeout=args.ready_timeout)

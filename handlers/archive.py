@@ -96,10 +96,12 @@ def speculator_files(config: Path, speculator: Path | None) -> tuple[str, list[P
 
 def build_archive(name: str, out_dir: Path = ROOT / "model_store", config: Path | None = None,
                   archive_name: str | None = None, weights: list[Path] | None = None,
-                  speculator: Path | None = None) -> Path:
+                  speculator: Path | None = None, compress: bool = True) -> Path:
     """Build `<out_dir>/<archive_name or name>.mar` and return its path.
 
     `speculator`: a folder of trained heads, packed under the model-config's `speculation.heads`.
+    `compress=False` stores files uncompressed (torch-model-archiver's zip-store format, still a
+    `.mar`): much faster to build and unpack, larger (SmolLM2: 25 s and 187 MiB vs 1 s and 260 MiB).
     """
     if name not in SPECS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(SPECS))}")
@@ -118,14 +120,16 @@ def build_archive(name: str, out_dir: Path = ROOT / "model_store", config: Path 
             (staging / heads[0]).mkdir(parents=True, exist_ok=True)
             for f in heads[1]:
                 shutil.copy2(f, staging / heads[0] / f.name)
-        _run_archiver(spec, archive_name, staging, config, out_dir, tmp)
+        _run_archiver(spec, archive_name, staging, config, out_dir, tmp, compress)
     return out_dir / f"{archive_name}.mar"
 
 
-def _run_archiver(spec: ArchiveSpec, archive_name: str, staging: Path, config: Path, out_dir: Path, tmp: str) -> None:
+def _run_archiver(spec: ArchiveSpec, archive_name: str, staging: Path, config: Path, out_dir: Path, tmp: str,
+                  compress: bool = True) -> None:
     cmd = [str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", archive_name,
            "--version", spec.version, "--handler", str(ROOT / spec.handler), "--extra-files", str(staging),
-           "--config-file", str(config), "--export-path", str(out_dir), "--force"]
+           "--config-file", str(config), "--export-path", str(out_dir), "--force",
+           "--archive-format", "default" if compress else "zip-store"]
     if not Path(cmd[0]).exists():
         cmd[0] = "torch-model-archiver"
     subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
@@ -140,9 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculator", type=Path,
                    help="speculator heads folder (from `servekit train-speculator`) for a model-config with "
                         "servekit.speculation")
+    p.add_argument("--no-compress", action="store_true",
+                   help="store files uncompressed (zip-store): much faster to build and unpack, larger")
     args = p.parse_args(argv)
     try:
-        path = build_archive(args.model, args.out, args.config, args.name, speculator=args.speculator)
+        path = build_archive(args.model, args.out, args.config, args.name, speculator=args.speculator,
+                             compress=not args.no_compress)
     except (ValueError, FileNotFoundError) as e:
         print(f"servekit archive: error: {e}", file=sys.stderr)
         return 2

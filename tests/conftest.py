@@ -71,5 +71,5 @@ def smollm2_spec_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tmp / "smollm2-cpu-spec.yaml").write_text(yaml.safe_dump(config))
     store = tmp / "store"
     build_archive("smollm2", store, config=tmp / "smollm2-cpu-spec.yaml", weights=weights,
-                  speculator=tmp / "heads")
+                  speculator=tmp / "heads", compress=False)  # uncompressed: 3 s instead of 25 s
     return store

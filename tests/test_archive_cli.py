@@ -31,3 +31,16 @@ def test_archive_refuses_mismatched_speculator(tmp_path: Path, args: list[str], 
     assert r.stderr.strip() == f"servekit archive: error: {message}" or message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_no_compress_builds_a_stored_mar(tmp_path: Path) -> None:
+    import zipfile
+
+    r = subprocess.run([sys.executable, "-m", "handlers.archive", "minilm", "--out", str(tmp_path), "--no-compress"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    with zipfile.ZipFile(tmp_path / "minilm.mar") as z:
+        infos = z.infolist()
+        names = {i.filename for i in infos}
+    assert {"MAR-INF/MANIFEST.json", "model.safetensors", "minilm.yaml", "handlers/embedding_handler.py"} <= names
+    assert {i.compress_type for i in infos} == {zipfile.ZIP_STORED}

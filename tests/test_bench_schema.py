@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,94 @@ def test_invalid_yaml_file(tmp_path: Path) -> None:
     p.write_text(yaml.safe_dump(with_("sweep.batch_size", [1, 8, 0])))
     from benchmarks.bench.runner import main
     assert main([str(p), "--check"]) == 2
+
+
+# -- streamed LLM sweeps ---------------------------------------------------------------------------
+LLM = {
+    "name": "llm",
+    "target": {"local": {}},
+    "variants": [{"name": "plain", "model": "smollm2", "config": "config/models/smollm2-cpu.yaml", "baseline": True},
+                 {"name": "spec", "model": "smollm2", "config": "config/models/smollm2-cpu.yaml",
+                  "plan": {"speculation": {"n_heads": 2}}, "speculator": "heads"}],
+    "request": {"path": "/predictions/{model}/1.0/v1/chat/completions", "stream": "sse"},
+    "payloads": {"file": "benchmarks/payloads/chat.jsonl", "set": {"max_tokens": 16}},
+    "sla": {"p99_ms": 5000, "ttft_p99_ms": 500, "itl_p99_ms": 50},
+}
+
+
+def test_llm_sweep_parses() -> None:
+    cfg = parse_config(LLM)
+    assert cfg.streamed and cfg.request.stream == "sse"
+    assert (cfg.sla.ttft_p99_ms, cfg.sla.itl_p99_ms) == (500.0, 50.0)
+    plain, spec = cfg.variants
+    assert plain.speculator is None and spec.speculator == ROOT / "heads"  # resolved, not required to exist yet
+    assert cfg.payloads.set_keys == {"max_tokens": 16}
+    assert not parse_config(BASE).streamed
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("request.stream", "websocket", "request.stream: 'websocket' is not one of none, sse"),
+    ("sla.itl_p99_ms", -1, "sla.itl_p99_ms: expected a positive number, got -1"),
+    ("sla.ttft_p99_ms", "fast", "sla.ttft_p99_ms: expected a positive number"),
+    ("payloads.set", [1], "payloads.set: expected a mapping, got list"),
+    # the smollm2 plan goes through the LLM handler's own parser, merged with the model-config
+    ("variants.1.plan", {"speculation": {"n_heads": 0}}, "variants[1].plan.speculation.n_heads: expected a positive"),
+    ("variants.1.plan", {"quantization": "int8_weight_only", "speculation": {}},
+     "variants[1].plan.quantization: unknown key"),
+    ("variants.1.plan", {"limits": {"max_tokens": 4096}}, "variants[1].plan.limits.max_tokens: 4096 leaves no room"),
+    ("variants.1.plan", {}, "variants[1].speculator: the variant's plan has no `speculation` section"),
+    ("variants.0.plan", {"speculation": {"n_heads": 2}}, "variants[0].speculator: required"),
+    ("variants", [LLM["variants"][0], {"name": "spec", "mar": "smollm2.mar", "speculator": "heads"}],
+     "variants[1].speculator: only for variants built from `model`"),
+])
+def test_llm_errors_name_the_key(path: str, value, message: str) -> None:
+    with pytest.raises(SchemaError) as e:
+        parse_config(with_(path, value, LLM))
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["ttft_p99_ms", "itl_p99_ms"])
+def test_token_slas_need_a_streamed_sweep(key: str) -> None:
+    with pytest.raises(SchemaError, match=rf"sla.{key}: only for streamed requests \(set `request.stream: sse`\)"):
+        parse_config(with_(f"sla.{key}", 100, BASE))
+
+
+def test_streamed_bodies_must_ask_for_a_stream(tmp_path: Path) -> None:
+    from benchmarks.bench.payloads import load_bodies
+
+    f = tmp_path / "chat.jsonl"
+    f.write_text('{"messages": [], "stream": true}\n\n{"messages": []}\n')
+    cfg = parse_config(with_("payloads", {"file": str(f)}, LLM))
+    with pytest.raises(SchemaError, match=rf'payloads: {f}:3 lacks "stream": true'):
+        load_bodies(cfg.payloads, streamed=True)
+    assert len(load_bodies(cfg.payloads)) == 2  # an embedding sweep does not ask
+    cfg = parse_config(with_("payloads", {"file": str(f), "set": {"stream": True, "max_tokens": 8}}, LLM))
+    bodies = [json.loads(b) for b in load_bodies(cfg.payloads, streamed=True)]
+    assert bodies == [{"messages": [], "stream": True, "max_tokens": 8}] * 2
+    cfg = parse_config(with_("payloads", {"body": ["not", "an", "object"], "set": {"stream": True}}, LLM))
+    with pytest.raises(SchemaError, match="payloads.set: payloads.body is not a JSON object"):
+        load_bodies(cfg.payloads)
+
+
+def test_shipped_chat_payloads() -> None:
+    from benchmarks.bench.payloads import load_bodies
+
+    cfg = parse_config(LLM)
+    bodies = [json.loads(b) for b in load_bodies(cfg.payloads, streamed=True)]
+    assert len(bodies) >= 40 and all(b["max_tokens"] == 16 for b in bodies)  # `set` wins over the file
+    raw = [json.loads(line) for line in (ROOT / "benchmarks/payloads/chat.jsonl").read_text().splitlines()]
+    assert all(b["temperature"] == 0 and b["stream_options"] == {"include_usage": True} for b in raw)
+    assert min(b["max_tokens"] for b in raw) >= 32 and max(b["max_tokens"] for b in raw) <= 128
+    assert len({b["messages"][-1]["content"] for b in raw}) == len(raw)
+
+
+def test_speculator_heads_are_checked_when_the_run_starts(tmp_path: Path) -> None:
+    from benchmarks.bench.runner import check_heads
+
+    spec = parse_config(with_("variants.1.speculator", str(tmp_path), LLM)).variants[1]
+    with pytest.raises(SchemaError, match=rf"variants\[spec\].speculator: {tmp_path} lacks speculator.json, "
+                                          "speculator.safetensors; train heads with `servekit train-speculator"):
+        check_heads(spec)
+    for name in ("speculator.json", "speculator.safetensors"):
+        (tmp_path / name).write_text("")
+    check_heads(spec)

@@ -192,7 +192,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
     register_spec(MODEL, ArchiveSpec("handlers/llm_handler.py", "config/models/smollm2-cpu.yaml",
                                      lambda: smollm2_archive_files(torch.bfloat16)))
     store: Path = tmp_path_factory.mktemp("llm_rel_store")
-    build_archive(MODEL, store)
+    build_archive(MODEL, store, compress=False)
     with TorchServe(tmp_path_factory.mktemp("ts-llm-rel"), store) as ts:
         # A long batch delay so that requests sent together share a batch.
         ts.register(f"{MODEL}.mar", MODEL, batch_size=4, max_batch_delay_ms=400, workers=1, timeout=240)

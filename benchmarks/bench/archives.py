@@ -1,12 +1,13 @@
 """Archive specs the benchmark adds to `handlers.archive` (stock baseline, sleep test handler) and
-building of variant archives: one base model + model-config/plan overrides -> one `.mar`."""
+building of variant archives: one base model + model-config/plan overrides (+ speculator heads)
+-> one `.mar`."""
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -63,12 +64,32 @@ def variant_config(model: str, config: Path | None, overrides: dict[str, Any], p
     return merged
 
 
-def build_variant(model: str, name: str, cfg: dict[str, Any], out_dir: Path, work_dir: Path) -> Path:
-    """Build `<out_dir>/<name>.mar` from `cfg` unless an identical build is already there."""
+LLM_HANDLER = "handlers/llm_handler.py"
+
+
+def plan_parser(model: str) -> Callable[[Any, str], Any]:
+    """The validator of the `servekit:` section that `model`'s handler reads (raises PlanError)."""
+    if SPECS[model].handler == LLM_HANDLER:
+        from optimizations.generate import parse_llm_plan
+        return parse_llm_plan
+    from optimizations.plan import parse_plan
+    return parse_plan
+
+
+def speculator_stamp(speculator: Path) -> list[Any]:
+    """What identifies a heads folder's content for the rebuild check: retrained heads rebuild."""
+    files = sorted(f for f in Path(speculator).iterdir() if f.is_file())
+    return [str(speculator)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def build_variant(model: str, name: str, cfg: dict[str, Any], out_dir: Path, work_dir: Path,
+                  speculator: Path | None = None) -> Path:
+    """Build `<out_dir>/<name>.mar` from `cfg` (and speculator heads) unless an identical build is there."""
     for key in FRONTEND_SWEPT:
         cfg.pop(key, None)
     text = yaml.safe_dump(cfg, sort_keys=False)
-    digest = hashlib.sha256(json.dumps([model, text], sort_keys=True).encode()).hexdigest()[:16]
+    key: list[Any] = [model, text] + ([speculator_stamp(speculator)] if speculator is not None else [])
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     work_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = work_dir / f"{name}.yaml"
     cfg_path.write_text(text)
@@ -76,6 +97,7 @@ def build_variant(model: str, name: str, cfg: dict[str, Any], out_dir: Path, wor
     stamp = Path(out_dir) / f".{name}.mar.sha"
     if mar.exists() and stamp.exists() and stamp.read_text() == digest:
         return mar
-    build_archive(model, Path(out_dir), config=cfg_path, archive_name=name)
+    # A benchmark's own archive: uncompressed builds and unpacks in seconds.
+    build_archive(model, Path(out_dir), config=cfg_path, archive_name=name, speculator=speculator, compress=False)
     stamp.write_text(digest)
     return mar

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench.stats import NFIELDS
+from benchmarks.bench.stats import LLM_FIELDS, NFIELDS
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -45,10 +45,13 @@ class LoadGenerator:
     """A pool of worker processes; `start(point)` returns a handle that streams records."""
 
     def __init__(self, folder: Path, host: str, path: str, bodies: Path, content_type: str,
-                 headers: dict[str, str], timeout_s: float, max_inflight: int, seed: int = 0) -> None:
+                 headers: dict[str, str], timeout_s: float, max_inflight: int, seed: int = 0,
+                 stream: str = "none") -> None:
         self.folder = Path(folder)
         self.host, self.path, self.bodies = host, path, bodies
         self.content_type, self.headers = content_type, headers
+        self.stream = stream  # "sse": answers are server-sent events, records get (first, last, tokens)
+        self.nfields = len(LLM_FIELDS) if stream == "sse" else NFIELDS
         self.timeout_s, self.max_inflight, self.seed = timeout_s, max_inflight, seed
         self.procs: list[subprocess.Popen] = []
         self.dirs: list[Path] = []
@@ -96,7 +99,8 @@ class LoadGenerator:
         for k, d in enumerate(self.dirs):
             spec = {"action": "run", "mode": load.mode, "arrival": load.arrival, "host": self.host,
                     "path": self.path, "bodies": str(self.bodies), "content_type": self.content_type,
-                    "headers": self.headers, "timeout_s": self.timeout_s, "max_inflight": self.max_inflight,
+                    "headers": self.headers, "stream": self.stream, "timeout_s": self.timeout_s,
+                    "max_inflight": self.max_inflight,
                     "start_epoch": start_epoch, "max_duration_s": max_duration_s,
                     "seed": self.seed * 1000003 + self.seq * 101 + k}
             if load.mode == "open":
@@ -151,14 +155,15 @@ class Handle:
 
     def records(self) -> np.ndarray:
         rows = []
+        width = self.gen.nfields
         for d in self.gen.dirs:
             path = d / f"rec-{self.seq}.bin"
             if path.exists():
                 data = path.read_bytes()
-                usable = len(data) // (8 * NFIELDS) * (8 * NFIELDS)
-                rows.append(np.frombuffer(data[:usable], dtype=np.float64).reshape(-1, NFIELDS))
+                usable = len(data) // (8 * width) * (8 * width)
+                rows.append(np.frombuffer(data[:usable], dtype=np.float64).reshape(-1, width))
         if not rows:
-            return np.zeros((0, NFIELDS))
+            return np.zeros((0, width))
         r = np.concatenate(rows)
         return r[np.argsort(r[:, 0], kind="stable")]
 

@@ -6,13 +6,19 @@ happens once per process and never touches the controlling process:
 
     cmd-<n>.json   {"action": "run", ...spec...} or {"action": "exit"}
     stop-<n>       stop sending; finish in-flight requests; then write done-<n>
-    rec-<n>.bin    records appended as float64 rows (intended, start, end, status, payload)
+    rec-<n>.bin    records appended as float64 rows (intended, start, end, status, payload), plus
+                   (first, last, tokens) for streamed requests
     done-<n>       written last; holds a JSON line with the process's own counters
 
 Closed loop: `users` locust users, each sending its next request when the previous one returns.
 Open loop: one locust user dispatches requests on a precomputed arrival schedule (Poisson or
 constant), each in its own greenlet, and never waits for answers; `intended` is the scheduled
 time, so a request delayed by the server or by this process still counts from when it was due.
+
+Streamed requests (`"stream": "sse"`): the answer's server-sent events are read as they arrive
+(benchmarks.bench.sse) and the request ends at `data: [DONE]`; the connection is then closed,
+since TorchServe holds the rest of the response until the whole batch has finished. The request
+timeout covers the whole stream, not only each read.
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ from locust.contrib.fasthttp import FastHttpSession  # noqa: E402
 from locust.env import Environment  # noqa: E402
 from locust.exception import StopUser  # noqa: E402
 
+from benchmarks.bench.sse import StreamTally, read_events  # noqa: E402
+from benchmarks.bench.stats import CONNECTION_ERROR, INCOMPLETE_STREAM  # noqa: E402
+
 POLL_S = 0.02
 FLUSH_S = 0.2
 
@@ -49,7 +58,8 @@ class Run:
         self.rng = np.random.default_rng(spec["seed"])
         self.order = self.rng.permutation(len(self.bodies))
         self.next_body = 0
-        self.records: list[tuple[float, float, float, float, float]] = []
+        self.streamed = spec.get("stream") == "sse"
+        self.records: list[tuple[float, ...]] = []
         self.stopping = False
         self.inflight = 0
         self.sent = 0
@@ -71,17 +81,39 @@ class Run:
         self.inflight += 1
         self.sent += 1
         start = self.now()
-        status = 0
+        tally = StreamTally() if self.streamed else None
         try:
-            with client.request("POST", self.spec["path"], data=body, headers=self.headers,
-                                catch_response=True, name="bench") as resp:
-                status = int(resp.status_code or 0)
-                resp.success()  # locust's own statistics are not used
-        except Exception:  # connection refused/reset, timeout: status 0
-            status = 0
+            status = self.post(client, body) if tally is None else self.post_streamed(client, body, tally)
+        except (Exception, gevent.Timeout):  # connection refused/reset, timeout
+            status = CONNECTION_ERROR
         end = self.now()
         self.inflight -= 1
-        self.records.append((start if intended is None else intended, start, end, float(status), float(i)))
+        row = (start if intended is None else intended, start, end, float(status), float(i))
+        self.records.append(row if tally is None else row + tally.fields())
+
+    def post(self, client: FastHttpSession, body: bytes) -> int:
+        with client.request("POST", self.spec["path"], data=body, headers=self.headers,
+                            catch_response=True, name="bench") as resp:
+            resp.success()  # locust's own statistics are not used
+            return int(resp.status_code or 0)
+
+    def post_streamed(self, client: FastHttpSession, body: bytes, tally: StreamTally) -> int:
+        # A slow stream never trips the per-read network timeout: bound the whole request.
+        with gevent.Timeout(self.spec["timeout_s"]):
+            with client.request("POST", self.spec["path"], data=body, headers=self.headers, stream=True,
+                                catch_response=True, name="bench") as resp:
+                resp.success()
+                status = int(resp.status_code or 0)
+                if not status:  # no response at all
+                    return CONNECTION_ERROR
+                try:
+                    if 200 <= status < 300:
+                        read_events(resp.stream, tally, self.now)
+                except ValueError:  # an event that is not JSON
+                    return INCOMPLETE_STREAM
+                finally:
+                    resp.release()  # closes the connection unless the response was read to its end
+        return status if not 200 <= status < 300 or tally.complete else INCOMPLETE_STREAM
 
     def flush(self) -> None:
         if self.records:

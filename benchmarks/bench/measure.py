@@ -16,7 +16,7 @@ import numpy as np
 from benchmarks.bench.loadgen import Handle, LoadGenerator, LoadSpec
 from benchmarks.bench.schema import SLA, Measurement
 from benchmarks.bench.server_metrics import GPUSampler, Sample, point_figures
-from benchmarks.bench.stats import FIELDS, Summary, stability, summarize, window_stats
+from benchmarks.bench.stats import FIELDS, LLM_FIELDS, Summary, stability, summarize, window_stats
 
 PASS, FAIL, UNSTABLE, ERROR = "pass", "fail", "unstable", "error"
 
@@ -87,6 +87,11 @@ def judge(summary: Summary, stable: bool, sla: SLA) -> tuple[str, list[str]]:
         reasons.append(f"p99 {summary.p['p99']:.1f} ms > {sla.p99_ms:g} ms")
     if sla.p50_ms is not None and summary.p["p50"] > sla.p50_ms:
         reasons.append(f"p50 {summary.p['p50']:.1f} ms > {sla.p50_ms:g} ms")
+    if summary.llm is not None:
+        if sla.ttft_p99_ms is not None and summary.llm.ttft_ms["p99"] > sla.ttft_p99_ms:
+            reasons.append(f"TTFT p99 {summary.llm.ttft_ms['p99']:.1f} ms > {sla.ttft_p99_ms:g} ms")
+        if sla.itl_p99_ms is not None and summary.llm.itl_ms["p99"] > sla.itl_p99_ms:
+            reasons.append(f"ITL p99 {summary.llm.itl_ms['p99']:.1f} ms > {sla.itl_p99_ms:g} ms")
     if reasons:
         return FAIL, reasons
     if not stable:
@@ -173,7 +178,8 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
     raw_file = None
     if raw_path is not None:
         raw_path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(raw_path, records=records, fields=np.array(FIELDS))
+        fields = LLM_FIELDS if records.shape[1] == len(LLM_FIELDS) else FIELDS
+        np.savez_compressed(raw_path, records=records, fields=np.array(fields))
         raw_file = str(raw_path)
     return PointResult(config=config, load=load, status=status, reasons=reasons, summary=summary,
                        warmup=summarize(records, 0.0, warm) if warm > 0 else None, windows=windows, stable=stable,

@@ -1,9 +1,10 @@
-"""Request bodies for a run: a JSONL file (one body per line), one fixed body, or synthetic texts."""
+"""Request bodies for a run: a JSONL file (one body per line), one fixed body, or synthetic texts;
+optionally with top-level keys set in every body (`payloads.set`)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -17,10 +18,29 @@ WORDS = ("the model serves requests from many clients while the queue grows and 
          "support tickets product reviews and short questions in several languages").split()
 
 
-def load_bodies(p: Payloads) -> list[str]:
-    """Each body serialised once, as it will be sent."""
+def load_bodies(p: Payloads, streamed: bool = False) -> list[str]:
+    """Each body serialised once, as it will be sent. `streamed`: every body must ask for a
+    server-sent-events answer (`"stream": true`), the answers `request.stream: sse` reads."""
+    where, texts = _read(p)
+    bodies = [json.loads(t) for t in texts]
+    if p.set_keys:
+        for n, b in enumerate(bodies):
+            if not isinstance(b, dict):
+                raise SchemaError(f"payloads.set: {where(n)} is not a JSON object to set keys in")
+            b.update(p.set_keys)
+        texts = [json.dumps(b, ensure_ascii=False) for b in bodies]
+    if streamed:
+        for n, b in enumerate(bodies):
+            if not (isinstance(b, dict) and b.get("stream") is True):
+                raise SchemaError(f"payloads: {where(n)} lacks \"stream\": true, which `request.stream: sse` needs "
+                                  "(or add it to every body with `payloads.set: {stream: true}`)")
+    return texts
+
+
+def _read(p: Payloads) -> tuple[Callable[[int], str], list[str]]:
+    """(body index -> where it came from, for errors; each body as given)."""
     if p.file is not None:
-        bodies = []
+        lines, texts = [], []
         for n, line in enumerate(p.file.read_text().splitlines(), 1):
             if not line.strip():
                 continue
@@ -28,24 +48,31 @@ def load_bodies(p: Payloads) -> list[str]:
                 json.loads(line)
             except ValueError as e:
                 raise SchemaError(f"payloads.file: {p.file}:{n}: not a JSON value ({e})") from None
-            bodies.append(line.strip())
-        if not bodies:
+            lines.append(n)
+            texts.append(line.strip())
+        if not texts:
             raise SchemaError(f"payloads.file: {p.file} holds no request bodies")
-        return bodies
+        return (lambda k: f"{p.file}:{lines[k]}"), texts
     if p.generate is None:
-        return [json.dumps(p.body)]
+        return (lambda k: "payloads.body"), [json.dumps(p.body)]
     g = p.generate
     rng = np.random.default_rng(g["seed"])
     w = np.asarray(g["weights"], dtype=float)
     lengths = rng.choice(g["words"], size=g["count"], p=w / w.sum())
-    return [json.dumps({g["field"]: " ".join(rng.choice(WORDS, size=int(n)))}) for n in lengths]
+    return ((lambda k: f"generated body {k}"),
+            [json.dumps({g["field"]: " ".join(rng.choice(WORDS, size=int(n)))}) for n in lengths])
 
 
 def describe(bodies: list[str]) -> dict[str, Any]:
-    """Length mix of the bodies (characters of each body's text fields)."""
+    """Length mix of the bodies (characters of each body), and their `max_tokens` range if they give one."""
     chars = np.array([len(b) for b in bodies])
-    return {"count": len(bodies), "chars_p50": float(np.median(chars)), "chars_p90": float(np.percentile(chars, 90)),
-            "chars_max": int(chars.max())}
+    out: dict[str, Any] = {"count": len(bodies), "chars_p50": float(np.median(chars)),
+                           "chars_p90": float(np.percentile(chars, 90)), "chars_max": int(chars.max())}
+    limits = [b.get("max_tokens") for b in map(json.loads, bodies) if isinstance(b, dict)]
+    limits = [m for m in limits if isinstance(m, int) and not isinstance(m, bool)]
+    if limits:
+        out.update(max_tokens_min=min(limits), max_tokens_max=max(limits))
+    return out
 
 
 def write_bodies(bodies: list[str], path: Path) -> Path:

@@ -2,6 +2,7 @@
 
     points.jsonl                    one line per measured point (written as the run goes)
     raw/*.npz                       every request of every point: intended, start, end, status, payload
+                                    (+ first, last, tokens for streamed requests)
     results.json                    per-config capacities, ranking, Pareto front, winner, baseline margin
     report.md + *.png               tables and plots
     recommended-model-config.yaml   the winner as a model-config (frontend keys + servekit plan)
@@ -18,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from benchmarks.bench.measure import PointResult
+from benchmarks.bench.stats import Summary
 
 if TYPE_CHECKING:
     from benchmarks.bench.runner import ConfigResult, Run
-    from benchmarks.bench.schema import BenchConfig
+    from benchmarks.bench.schema import SLA, BenchConfig
 
 
 def _num(x: Any, nd: int = 1) -> str:
@@ -34,7 +36,57 @@ def _num(x: Any, nd: int = 1) -> str:
     return str(x)
 
 
+def sla_text(sla: "SLA") -> str:
+    parts = [f"p99 <= {sla.p99_ms:g} ms"]
+    if sla.p50_ms is not None:
+        parts.append(f"p50 <= {sla.p50_ms:g} ms")
+    if sla.ttft_p99_ms is not None:
+        parts.append(f"TTFT p99 <= {sla.ttft_p99_ms:g} ms")
+    if sla.itl_p99_ms is not None:
+        parts.append(f"ITL p99 <= {sla.itl_p99_ms:g} ms")
+    return ", ".join(parts + [f"errors <= {sla.max_error_rate:.1%}"])
+
+
+def sla_dict(sla: "SLA") -> dict[str, Any]:
+    d: dict[str, Any] = {"p99_ms": sla.p99_ms, "p50_ms": sla.p50_ms, "max_error_rate": sla.max_error_rate}
+    d.update({k: getattr(sla, k) for k in ("ttft_p99_ms", "itl_p99_ms") if getattr(sla, k) is not None})
+    return d
+
+
+# Streamed (LLM) sweeps: columns of the report tables.
+LLM_COLUMNS = ("TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s", "tok/s/seq")
+
+
+def llm_cells(s: Summary) -> list[str]:
+    """The LLM_COLUMNS cells of one point."""
+    m = s.llm
+    if m is None:
+        return ["-"] * len(LLM_COLUMNS)
+    return [_num(m.ttft_ms["p50"]), _num(m.ttft_ms["p99"]), _num(m.itl_ms["p50"], 2), _num(m.itl_ms["p99"], 2),
+            _num(m.tokens_per_s), _num(m.tokens_per_s_per_seq)]
+
+
+LLM_NOTE = (" TTFT: time to the first token, from the intended send time. ITL: a request's mean time per token "
+            "after the first, (last - first) / (tokens - 1); the percentiles are over requests. tok/s: completion "
+            "tokens of successful requests per second, all together; tok/s/seq: 1000 / median ITL, the speed one "
+            "sequence decodes at. Failed requests count as infinitely slow in the TTFT and ITL percentiles.")
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def llm_text(s: Summary) -> str:
+    """The streamed figures of the winner's line ("" for other sweeps)."""
+    m = s.llm
+    if m is None:
+        return ""
+    return (f", TTFT p99 {m.ttft_ms['p99']:.1f} ms, ITL p99 {m.itl_ms['p99']:.2f} ms, "
+            f"{m.tokens_per_s:.1f} output tokens/s ({m.tokens_per_s_per_seq:.1f} per sequence)")
+
+
 def point_json(p: PointResult, versions: dict[str, Any], cfg: "BenchConfig") -> dict[str, Any]:
+    llm = {"llm": p.summary.llm.to_dict()} if p.summary is not None and p.summary.llm is not None else {}
     return {
         "run": cfg.name,
         "config": p.config.to_dict(),
@@ -47,6 +99,7 @@ def point_json(p: PointResult, versions: dict[str, Any], cfg: "BenchConfig") -> 
         "segment_s": list(p.segment),
         "summary": p.summary.to_dict() if p.summary else None,
         "percentiles_ms": p.summary.to_dict()["p"] if p.summary else None,
+        **llm,
         "errors": {"count": p.summary.errors, "rate": p.summary.error_rate, "by_status": p.summary.status_counts}
         if p.summary else None,
         "warmup": p.warmup.to_dict() if p.warmup else None,
@@ -56,7 +109,7 @@ def point_json(p: PointResult, versions: dict[str, Any], cfg: "BenchConfig") -> 
         "generator": p.generator,
         "raw_file": p.raw_file,
         "elapsed_s": round(p.elapsed_s, 2),
-        "sla": {"p99_ms": cfg.sla.p99_ms, "p50_ms": cfg.sla.p50_ms, "max_error_rate": cfg.sla.max_error_rate},
+        "sla": sla_dict(cfg.sla),
         "versions": versions,
         "gpu_name": (versions.get("gpu") or [None])[0],
     }
@@ -95,8 +148,7 @@ def analyze(run: "Run") -> dict[str, Any]:
 
 def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
     cfg = run.cfg
-    sla = f"p99 <= {cfg.sla.p99_ms:g} ms" + (f", p50 <= {cfg.sla.p50_ms:g} ms" if cfg.sla.p50_ms else "") \
-          + f", errors <= {cfg.sla.max_error_rate:.1%}"
+    sla = sla_text(cfg.sla)
     w, b = a["winner"], a["baseline"]
     lines: list[str] = []
     answered = True
@@ -110,13 +162,16 @@ def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
     else:
         bp = w.best
         lines.append(f"Winner: {w.config.label()}: {w.capacity:.1f} requests/s within the SLA ({sla}); "
-                     f"at that load p50 {bp.summary.p['p50']:.1f} ms, p99 {bp.summary.p['p99']:.1f} ms.")
+                     f"at that load p50 {bp.summary.p['p50']:.1f} ms, p99 {bp.summary.p['p99']:.1f} ms"
+                     f"{llm_text(bp.summary)}.")
     if a["base_name"] is None:
         lines.append("No stock baseline in this sweep (mark a variant `baseline: true`).")
     elif b is None or b.status != "measured":
         why = b.error if b is not None and b.error else "not measured"
         lines.append(f"Stock baseline {a['base_name']}: {why}; the margin over stock is unknown.")
         answered = False
+    elif w is b:
+        lines.append(f"The winner is the baseline variant {a['base_name']} itself (no other variant met the SLA).")
     elif w is not None:
         if b.capacity > 0:
             lines.append(f"{w.capacity / b.capacity:.1f} x the stock throughput at the same SLA "
@@ -166,10 +221,12 @@ def recommendation(run: "Run", a: dict[str, Any], ready_s: float | None) -> tupl
         "target_rps": round(target, 2),
         "replicas": replicas,
         "warmup_seconds": warm,
-        "sla": {"p99_ms": cfg.sla.p99_ms, "p50_ms": cfg.sla.p50_ms, "max_error_rate": cfg.sla.max_error_rate},
+        "sla": sla_dict(cfg.sla),
         "gpu": (run.versions.get("gpu") or [None])[0],
         "plan": base.get("servekit"),
     }
+    if w.best.summary.llm is not None:  # what one pod delivers at that load, for capacity planning
+        overlay["llm"] = w.best.summary.llm.to_dict()
     return model_cfg, overlay
 
 
@@ -287,12 +344,13 @@ def write_report(run: "Run") -> Answer:
     results_json = {
         "name": cfg.name, "started": run.started, "elapsed_s": round(run.elapsed(), 1),
         "partial": run.interrupted, "fatal": run.fatal, "answered": ans.answered, "answer": ans.lines,
-        "sla": {"p99_ms": cfg.sla.p99_ms, "p50_ms": cfg.sla.p50_ms, "max_error_rate": cfg.sla.max_error_rate},
+        "sla": sla_dict(cfg.sla),
         "load_mode": cfg.load.mode,
         "configs": [{**r.config.to_dict(), "status": r.status, "error": r.error,
                      "capacity_rps": round(r.capacity, 3),
                      "p50_ms": r.best.summary.p["p50"] if r.best else None,
                      "p99_ms": r.best.summary.p["p99"] if r.best else None,
+                     **({"llm": r.best.summary.llm.to_dict()} if r.best and r.best.summary.llm else {}),
                      "load_at_capacity": r.best.load.level if r.best else None,
                      "first_failing_load": r.search.first_fail if r.search else None,
                      "search": r.search.bound if r.search else None, "ready_s": r.ready_s,
@@ -316,9 +374,7 @@ def write_report(run: "Run") -> Answer:
     L += [f"**Answer:** {ans.lines[0] if ans.lines else ''}", ""] + [f"- {x}" for x in ans.lines[1:]] + [""]
     v = run.versions
     L += ["## Setup", "",
-          f"- SLA: p99 <= {cfg.sla.p99_ms:g} ms" + (f", p50 <= {cfg.sla.p50_ms:g} ms" if cfg.sla.p50_ms else "")
-          + f", error rate <= {cfg.sla.max_error_rate:.1%}; a failed request counts as infinitely slow in the SLA "
-          "percentiles.",
+          f"- SLA: {sla_text(cfg.sla)}; a failed request counts as infinitely slow in the SLA percentiles.",
           f"- Load: {cfg.load.mode} loop" + (f" ({cfg.load.arrival} arrivals; latency timed from each request's "
                                                "scheduled send time)" if cfg.load.mode == "open" else " (N users)")
           + f"; locust/gevent load processes; request timeout {cfg.load.timeout_s:g}s.",
@@ -330,7 +386,9 @@ def write_report(run: "Run") -> Answer:
           "agreeing windows.",
           f"- Payloads: {run.payload_info.get('count', '?')} bodies, characters p50 "
           f"{_num(run.payload_info.get('chars_p50'), 0)}, p90 {_num(run.payload_info.get('chars_p90'), 0)}, max "
-          f"{run.payload_info.get('chars_max', '-')}.",
+          f"{run.payload_info.get('chars_max', '-')}"
+          + (f"; max_tokens {run.payload_info['max_tokens_min']} to {run.payload_info['max_tokens_max']}"
+             if "max_tokens_min" in run.payload_info else "") + ".",
           f"- Target: {'local TorchServe from ' + str(cfg.target.local.config) if cfg.target.local else cfg.target.remote.inference_url}.",
           f"- Machine: {v.get('machine')}, {v.get('cpu_count')} CPUs, GPU: {', '.join(v.get('gpu') or ['none'])}"
           + (f" (driver {v['nvidia_driver']})" if v.get("nvidia_driver") else "") + ".",
@@ -339,18 +397,23 @@ def write_report(run: "Run") -> Answer:
           f"- Started {run.started}, {run.elapsed():.0f}s so far.", ""]
     L += ["## Ranking", "", "Capacity = the highest load that met the SLA with stable windows (open loop: its "
           "arrival rate; closed loop: its achieved throughput). "
-          "P = on the Pareto front of (capacity, p99 at capacity).", "",
-          "| # | config | capacity rps | p50 ms | p99 ms | load | texts/batch | queue ms | backend ms | GPU util | P | search |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "P = on the Pareto front of (capacity, p99 at capacity)."
+          + (LLM_NOTE if cfg.streamed else ""), ""]
+    # A streamed (LLM) request is one generation, not a batch of texts: its columns replace texts/batch.
+    extra = list(LLM_COLUMNS) if cfg.streamed else []
+    per_batch = ("requests/batch", "requests_per_batch") if cfg.streamed else ("texts/batch", "texts_per_batch")
+    L += [_row(["#", "config", "capacity rps", "p50 ms", "p99 ms", *extra, "load", per_batch[0], "queue ms",
+                "backend ms", "GPU util", "P", "search"]),
+          _row(["---"] * (12 + len(extra)))]
     idx = {id(r): i for i, r in enumerate(run.results)}
     for n, r in enumerate(a["ranked"], 1):
         bp = r.best
         s = bp.server
-        L.append(f"| {n} | {r.config.label()}{' (stock)' if r.config.variant == a['base_name'] else ''} | "
-                 f"{r.capacity:.1f} | {_num(bp.summary.p['p50'])} | {_num(bp.summary.p['p99'])} | {bp.load.label()} | "
-                 f"{_num(s.get('texts_per_batch'), 2)} | {_num(s.get('ts_queue_mean_ms'))} | "
-                 f"{_num(s.get('ts_backend_mean_ms'))} | {_num(bp.gpu.get('util_mean_pct'), 0)} | "
-                 f"{'P' if idx[id(r)] in front else ''} | {r.search.bound} |")
+        L.append(_row([str(n), f"{r.config.label()}{' (stock)' if r.config.variant == a['base_name'] else ''}",
+                       f"{r.capacity:.1f}", _num(bp.summary.p["p50"]), _num(bp.summary.p["p99"]),
+                       *(llm_cells(bp.summary) if extra else []), bp.load.label(), _num(s.get(per_batch[1]), 2),
+                       _num(s.get("ts_queue_mean_ms")), _num(s.get("ts_backend_mean_ms")),
+                       _num(bp.gpu.get("util_mean_pct"), 0), "P" if idx[id(r)] in front else "", r.search.bound]))
     other = [r for r in run.results if r not in a["ranked"]]
     if other:
         L += ["", "Configurations without a passing load:", ""]
@@ -367,17 +430,20 @@ def write_report(run: "Run") -> Answer:
         for title, f in plots:
             L += [f"### {title}", "", f"![{title}]({f})", ""]
     L += ["## Every point", "",
-          "| config | load | role | status | rps | p50 | p90 | p99 | p99.9 | errors | windows | stable | notes |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          _row(["config", "load", "role", "status", "rps", "p50", "p90", "p99", "p99.9", *extra, "errors", "windows",
+                "stable", "notes"]),
+          _row(["---"] * (13 + len(extra)))]
     for p in run.points:
         s = p.summary
-        L.append(f"| {p.config.label()} | {p.load.mode} {p.load.label()} | {p.role} | {p.status} | "
-                 f"{_num(s.throughput)} | {_num(s.p['p50'])} | {_num(s.p['p90'])} | {_num(s.p['p99'])} | "
-                 f"{_num(s.p['p99.9'])} | {s.error_rate:.2%} | {len(p.windows)} | {'yes' if p.stable else 'no'} | "
-                 f"{'; '.join(p.reasons).replace('|', '/')} |")
+        L.append(_row([p.config.label(), f"{p.load.mode} {p.load.label()}", p.role, p.status, _num(s.throughput),
+                       _num(s.p["p50"]), _num(s.p["p90"]), _num(s.p["p99"]), _num(s.p["p99.9"]),
+                       *(llm_cells(s) if extra else []), f"{s.error_rate:.2%}", str(len(p.windows)),
+                       "yes" if p.stable else "no", "; ".join(p.reasons).replace("|", "/")]))
     L += ["", "## Files", "", "- `points.jsonl`: every point (config, load, summary, percentiles, errors, windows, "
           "server metrics, GPU, versions)", "- `raw/`: every request of every point (numpy .npz: intended, start, end, "
-          "status, payload index; seconds)", "- `results.json`, `recommendation.json`, `recommended-model-config.yaml`",
+          "status, payload index; seconds" + ("; streamed requests add first, last (token arrival times) and tokens"
+                                              if cfg.streamed else "") + ")",
+          "- `results.json`, `recommendation.json`, `recommended-model-config.yaml`",
           "- `bench.yaml`: the sweep file as run", ""]
     (out / "report.md").write_text("\n".join(L))
     return ans

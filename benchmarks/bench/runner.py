@@ -127,6 +127,9 @@ class Run:
         style = {"pass": "green", "fail": "red", "unstable": "yellow"}.get(p.status, "red")
         figs = (f"{s.throughput:7.1f} rps  p50 {s.p['p50']:7.1f}  p99 {s.p['p99']:7.1f} ms  err {s.error_rate:.1%}"
                 if s else "")
+        if s is not None and s.llm is not None:
+            figs += (f"  TTFT p99 {s.llm.ttft_ms['p99']:.1f}  ITL p99 {s.llm.itl_ms['p99']:.1f} ms  "
+                     f"{s.llm.tokens_per_s:.1f} tok/s")
         extra = f"  batch {p.server['texts_per_batch']:.1f}" if p.server.get("texts_per_batch") else ""
         self.console.print(f"  [{style}]{p.status:8}[/] {p.role:6} {p.load.label():>12}  {figs}{extra}"
                            + (f"  [dim]{'; '.join(p.reasons)}[/]" if p.reasons else ""))
@@ -134,7 +137,7 @@ class Run:
     # -- steps ---------------------------------------------------------------------------------
     def prepare(self) -> None:
         cfg = self.cfg
-        bodies = load_bodies(cfg.payloads)
+        bodies = load_bodies(cfg.payloads, streamed=cfg.streamed)
         self.payload_info = describe(bodies)
         self.bodies_path = write_bodies(bodies, self.dir / "bodies.jsonl")
         if cfg.target.local is not None:
@@ -145,17 +148,14 @@ class Run:
             if v.mar:
                 self.mars[v.name] = v.mar
                 continue
-            vc = archives.variant_config(v.model, v.config, v.overrides, v.plan)
-            if "servekit" in vc:
-                from optimizations.plan import PlanError, parse_plan
-                try:
-                    parse_plan(vc["servekit"], f"variants[{v.name}].plan")
-                except PlanError as e:
-                    raise SchemaError(str(e)) from None
+            vc = archives.variant_config(v.model, v.config, v.overrides, v.plan)  # validated at load
             self.variant_configs[v.name] = vc
+            if v.speculator is not None:
+                check_heads(v)
             with self.console.status(f"building archive {v.name}.mar ({v.model})"):
                 t = time.monotonic()
-                mar = archives.build_variant(v.model, v.name, dict(vc), self.model_store, self.dir / "configs")
+                mar = archives.build_variant(v.model, v.name, dict(vc), self.model_store, self.dir / "configs",
+                                             speculator=v.speculator)
             self.console.print(f"archive {mar.name} ready ({time.monotonic() - t:.0f}s)")
             self.mars[v.name] = mar.name
 
@@ -262,12 +262,22 @@ class Run:
         return write_report(self)
 
 
+def check_heads(v: Variant) -> None:
+    """The variant's speculator folder holds trained heads (checked when the run starts, not at
+    load: heads are often trained after the sweep file is written)."""
+    from optimizations.speculative import SPEC_CONFIG, SPEC_WEIGHTS
+
+    missing = [n for n in (SPEC_CONFIG, SPEC_WEIGHTS) if not (v.speculator / n).is_file()]
+    if missing:
+        raise SchemaError(f"variants[{v.name}].speculator: {v.speculator} lacks {', '.join(missing)}; train heads "
+                          f"with `servekit train-speculator --out {v.speculator}`")
+
+
 def run(cfg: BenchConfig, out_dir: Path, console: Console) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     r = Run(cfg, out_dir, console)
-    console.print(f"[bold]servekit bench[/] {cfg.name}: SLA p99 <= {cfg.sla.p99_ms:g} ms"
-                  + (f", p50 <= {cfg.sla.p50_ms:g} ms" if cfg.sla.p50_ms else "")
-                  + f", errors <= {cfg.sla.max_error_rate:.1%}; output {out_dir}")
+    from benchmarks.bench.report import sla_text
+    console.print(f"[bold]servekit bench[/] {cfg.name}: SLA {sla_text(cfg.sla)}; output {out_dir}")
     if cfg.source:
         (out_dir / "bench.yaml").write_text(cfg.source.read_text())
     try:
@@ -276,7 +286,8 @@ def run(cfg: BenchConfig, out_dir: Path, console: Console) -> int:
         with server:
             gen = LoadGenerator(out_dir / "loadgen", server.inference_url,
                                 cfg.request.path, r.bodies_path, cfg.request.content_type,
-                                cfg.request.headers, cfg.load.timeout_s, cfg.load.max_inflight)
+                                cfg.request.headers, cfg.load.timeout_s, cfg.load.max_inflight,
+                                stream=cfg.request.stream)
             try:
                 r.sweep(server, gen)
             finally:

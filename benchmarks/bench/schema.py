@@ -159,6 +159,10 @@ class Variant:
     baseline: bool
     axes: Axes  # the sweep axes for this variant (the global sweep unless the variant fixes its own)
     description: str = ""
+    speculator: Path | None = None  # trained speculator heads packed into the archive (servekit.speculation)
+
+
+STREAMS = ("none", "sse")
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ class Request:
     path: str = "/predictions/{model}"
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
+    stream: str = "none"  # sse: answers are server-sent events (LLM streaming): TTFT, ITL, tokens/s
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,7 @@ class Payloads:
     file: Path | None = None
     body: Any = None
     generate: dict[str, Any] | None = None  # {words: [..], weights: [..], count, seed}
+    set_keys: dict[str, Any] = field(default_factory=dict)  # top-level keys set in every body
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,8 @@ class SLA:
     p99_ms: float
     p50_ms: float | None = None
     max_error_rate: float = 0.01
+    ttft_p99_ms: float | None = None  # streamed requests: time to first token
+    itl_p99_ms: float | None = None   # streamed requests: per-request mean inter-token latency
 
 
 @dataclass(frozen=True)
@@ -244,6 +252,10 @@ class BenchConfig:
     @property
     def baseline(self) -> Variant | None:
         return next((v for v in self.variants if v.baseline), None)
+
+    @property
+    def streamed(self) -> bool:
+        return self.request.stream == "sse"
 
 
 # -- parsing -----------------------------------------------------------------------------------
@@ -288,8 +300,8 @@ def _variants(raw: Any, axes: Axes, base: Path, remote_without_store: bool) -> t
     out: list[Variant] = []
     for i, rv in enumerate(raw):
         p = f"variants[{i}]"
-        rv = _keys(p, rv, {"name", "model", "mar", "config", "overrides", "plan", "baseline", "sweep", "description"},
-                   ("name",))
+        rv = _keys(p, rv, {"name", "model", "mar", "config", "overrides", "plan", "baseline", "sweep", "description",
+                           "speculator"}, ("name",))
         name = _str(f"{p}.name", rv["name"])
         if not NAME_RE.match(name):
             raise SchemaError(f"{p}.name: {name!r} must be letters, digits, '.', '_' or '-' (it becomes a model name)")
@@ -309,7 +321,7 @@ def _variants(raw: Any, axes: Axes, base: Path, remote_without_store: bool) -> t
                                   "into; or name an existing archive with `mar`")
         else:
             mar = _str(f"{p}.mar", rv["mar"])
-            for key in ("config", "overrides", "plan"):
+            for key in ("config", "overrides", "plan", "speculator"):
                 if key in rv:
                     raise SchemaError(f"{p}.{key}: only for variants built from `model`")
         overrides = _keys(f"{p}.overrides", rv.get("overrides"), set(rv.get("overrides") or {}))
@@ -321,23 +333,47 @@ def _variants(raw: Any, axes: Axes, base: Path, remote_without_store: bool) -> t
             if k == "servekit":
                 raise SchemaError(f"{p}.overrides.servekit: put plan keys under `{p}.plan`")
         plan = _keys(f"{p}.plan", rv.get("plan"), set(rv.get("plan") or {}))
-        if plan:
-            from optimizations.plan import PlanError, parse_plan
-            try:
-                parse_plan(plan, f"{p}.plan")  # the keys alone; merged with the base plan at build time
-            except PlanError as e:
-                raise SchemaError(str(e)) from None
+        config = _path(f"{p}.config", rv["config"], base) if rv.get("config") else None
+        # Not checked for existence here: heads are often trained after the sweep file is written.
+        speculator = _path(f"{p}.speculator", rv["speculator"], base, must_exist=False) if "speculator" in rv else None
+        if model is not None:
+            _check_plan(p, model, config, dict(overrides), dict(plan), speculator)
         out.append(Variant(
-            name=name, model=model, mar=mar,
-            config=_path(f"{p}.config", rv["config"], base) if rv.get("config") else None,
+            name=name, model=model, mar=mar, config=config,
             overrides=dict(overrides), plan=dict(plan),
             baseline=_bool(f"{p}.baseline", rv.get("baseline", False)),
             axes=_axes(f"{p}.sweep", rv.get("sweep"), axes),
             description=str(rv.get("description", "")),
+            speculator=speculator,
         ))
     if sum(v.baseline for v in out) > 1:
         raise SchemaError("variants: at most one variant may be `baseline: true`")
     return tuple(out)
+
+
+def _check_plan(p: str, model: str, config: Path | None, overrides: dict[str, Any], plan: dict[str, Any],
+                speculator: Path | None) -> None:
+    """The variant's merged `servekit:` section, validated by the parser its handler uses; and
+    speculator heads given exactly when that section asks for speculation."""
+    from benchmarks.bench.archives import plan_parser, variant_config
+    from optimizations.plan import PlanError
+    try:
+        merged = variant_config(model, config, overrides, plan)
+    except (OSError, yaml.YAMLError) as e:
+        raise SchemaError(f"{p}.config: cannot read the model-config: {e}") from None
+    section = merged.get("servekit")
+    if section is not None:
+        try:
+            plan_parser(model)(section, f"{p}.plan")
+        except PlanError as e:
+            raise SchemaError(str(e)) from None
+    asks = isinstance(section, dict) and section.get("speculation") is not None
+    if speculator is not None and not asks:
+        raise SchemaError(f"{p}.speculator: the variant's plan has no `speculation` section to use the heads "
+                          f"(add e.g. `plan: {{speculation: {{n_heads: 2}}}}`)")
+    if asks and speculator is None:
+        raise SchemaError(f"{p}.speculator: required: the variant's plan has a `speculation` section; give the "
+                          "folder written by `servekit train-speculator --out DIR`")
 
 
 def _load(raw: Any) -> Load:
@@ -381,15 +417,16 @@ def _load(raw: Any) -> Load:
 
 
 def _payloads(raw: Any, base: Path) -> Payloads:
-    raw = _keys("payloads", raw, {"file", "body", "generate"})
+    raw = _keys("payloads", raw, {"file", "body", "generate", "set"})
     given = [k for k in ("file", "body", "generate") if k in raw]
     if len(given) != 1:
         raise SchemaError("payloads: give exactly one of `file` (JSONL, one request body per line), `body` "
                           "(one fixed body) or `generate` (synthetic texts)")
+    set_keys = dict(_keys("payloads.set", raw.get("set"), set(raw.get("set") or {})))
     if "file" in raw:
-        return Payloads(file=_path("payloads.file", raw["file"], base))
+        return Payloads(file=_path("payloads.file", raw["file"], base), set_keys=set_keys)
     if "body" in raw:
-        return Payloads(body=raw["body"])
+        return Payloads(body=raw["body"], set_keys=set_keys)
     g = _keys("payloads.generate", raw["generate"], {"words", "weights", "count", "seed", "field"}, ("words",))
     words = _list("payloads.generate.words", g["words"], _pos_int)
     weights = _list("payloads.generate.weights", g["weights"], _pos_num) if "weights" in g else (1.0,) * len(words)
@@ -398,7 +435,8 @@ def _payloads(raw: Any, base: Path) -> Payloads:
     return Payloads(generate={"words": list(words), "weights": list(weights),
                               "count": _pos_int("payloads.generate.count", g.get("count", 200)),
                               "seed": _nonneg_int("payloads.generate.seed", g.get("seed", 0)),
-                              "field": _str("payloads.generate.field", g.get("field", "text"))})
+                              "field": _str("payloads.generate.field", g.get("field", "text"))},
+                    set_keys=set_keys)
 
 
 def _measurement(raw: Any) -> Measurement:
@@ -422,6 +460,21 @@ def _measurement(raw: Any) -> Measurement:
     return m
 
 
+def _sla(raw: Any, streamed: bool) -> SLA:
+    raw = _keys("sla", raw, {"p99_ms", "p50_ms", "max_error_rate", "ttft_p99_ms", "itl_p99_ms"}, ("p99_ms",))
+    def optional(key: str) -> float | None:
+        return _pos_num(f"sla.{key}", raw[key]) if raw.get(key) is not None else None
+    for key in ("ttft_p99_ms", "itl_p99_ms"):
+        if raw.get(key) is not None and not streamed:
+            raise SchemaError(f"sla.{key}: only for streamed requests (set `request.stream: sse`)")
+    sla = SLA(_pos_num("sla.p99_ms", raw["p99_ms"]), optional("p50_ms"),
+              _fraction("sla.max_error_rate", raw.get("max_error_rate", 0.01)),
+              optional("ttft_p99_ms"), optional("itl_p99_ms"))
+    if sla.p50_ms is not None and sla.p50_ms > sla.p99_ms:
+        raise SchemaError(f"sla.p50_ms: {sla.p50_ms} is above sla.p99_ms ({sla.p99_ms})")
+    return sla
+
+
 def parse_config(raw: Any, base: Path = ROOT, source: Path | None = None) -> BenchConfig:
     """Validate a parsed benchmark YAML. Relative paths are resolved against `base` (the repo root)."""
     raw = _keys("", raw, {"name", "target", "variants", "sweep", "strategy", "request", "payloads", "load", "sla",
@@ -433,19 +486,15 @@ def parse_config(raw: Any, base: Path = ROOT, source: Path | None = None) -> Ben
     axes = _axes("sweep", raw.get("sweep"), Axes())
     variants = _variants(raw["variants"], axes, base,
                          remote_without_store=target.remote is not None and target.remote.model_store is None)
-    req = _keys("request", raw.get("request"), {"path", "content_type", "headers"})
+    req = _keys("request", raw.get("request"), {"path", "content_type", "headers", "stream"})
     path = _str("request.path", req.get("path", "/predictions/{model}"))
     if not path.startswith("/"):
         raise SchemaError(f"request.path: must start with '/', got {path!r}")
     headers = _keys("request.headers", req.get("headers"), set(req.get("headers") or {}))
     request = Request(path, _str("request.content_type", req.get("content_type", "application/json")),
-                      {str(k): str(v) for k, v in headers.items()})
-    sla_raw = _keys("sla", raw["sla"], {"p99_ms", "p50_ms", "max_error_rate"}, ("p99_ms",))
-    sla = SLA(_pos_num("sla.p99_ms", sla_raw["p99_ms"]),
-              _pos_num("sla.p50_ms", sla_raw["p50_ms"]) if sla_raw.get("p50_ms") is not None else None,
-              _fraction("sla.max_error_rate", sla_raw.get("max_error_rate", 0.01)))
-    if sla.p50_ms is not None and sla.p50_ms > sla.p99_ms:
-        raise SchemaError(f"sla.p50_ms: {sla.p50_ms} is above sla.p99_ms ({sla.p99_ms})")
+                      {str(k): str(v) for k, v in headers.items()},
+                      _choice("request.stream", req.get("stream", "none"), STREAMS))
+    sla = _sla(raw["sla"], streamed=request.stream == "sse")
     dep = _keys("deploy", raw.get("deploy"), {"target_rps", "headroom", "warmup_seconds"})
     headroom = dep.get("headroom", 0.8)
     if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not 0 < headroom <= 1:

@@ -8,7 +8,6 @@ TorchServe's fixed buckets and are only used for their sums and counts.
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 from typing import Any
 

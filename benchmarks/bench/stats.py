@@ -4,6 +4,10 @@ A record is one request: (intended, start, end, status, payload index), times in
 the point's start. `intended` is when the request should have been sent: for open-loop load the
 arrival schedule, for closed-loop load the moment the user sent it. Latency is `end - intended`,
 so a stalled server or load generator cannot hide queueing time (coordinated omission).
+
+A streamed (server-sent events) request adds (first, last, tokens): when its first and last
+tokens arrived and how many completion tokens it got; `llm_summary` turns them into TTFT,
+inter-token latency and output tokens/s.
 """
 from __future__ import annotations
 
@@ -15,7 +19,13 @@ import numpy as np
 
 FIELDS = ("intended", "start", "end", "status", "payload")
 NFIELDS = len(FIELDS)
+LLM_FIELDS = FIELDS + ("first", "last", "tokens")
 PERCENTILES = (50, 90, 95, 99, 99.9)
+LLM_PERCENTILES = (50, 90, 99)
+
+# Statuses that are not HTTP codes: no answer at all, and a 2xx stream that ended before `data: [DONE]`.
+CONNECTION_ERROR, INCOMPLETE_STREAM = 0, 1
+STATUS_NAMES = {CONNECTION_ERROR: "connection_error", INCOMPLETE_STREAM: "incomplete_stream"}
 
 
 def percentile(values: np.ndarray | Sequence[float], q: float) -> float:
@@ -49,6 +59,66 @@ def ok_mask(status: np.ndarray) -> np.ndarray:
     return (status >= 200) & (status < 300)
 
 
+def _clean(x: Any) -> Any:
+    """A figure as JSON can hold it: inf as "inf", NaN as null, floats rounded."""
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return round(x, 4) if isinstance(x, float) else x
+
+
+@dataclass
+class LlmSummary:
+    """Streamed-generation figures of a set of requests (see `llm_summary`)."""
+
+    ttft_ms: dict[str, float]      # time to first token from the intended send time; failures infinite
+    itl_ms: dict[str, float]       # per-request mean inter-token latency; failures infinite
+    tokens_per_s: float            # completion tokens of successful requests per second of the span
+    tokens_per_s_per_seq: float    # 1000 / median ITL of successful requests: one sequence's decode speed
+    completion_tokens: int
+    completion_tokens_mean: float
+    itl_requests: int              # successful requests with 2+ tokens: the ITL population
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: ({q: _clean(x) for q, x in v.items()} if isinstance(v, dict) else _clean(v))
+                for k, v in self.__dict__.items()}
+
+
+def inter_token_ms(first: np.ndarray, last: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Per request: (last - first) / (tokens - 1) in ms, the mean gap between its tokens; NaN
+    below 2 tokens. With speculative decoding one chunk may carry several tokens: this is the
+    mean time per token, not the time between chunks."""
+    n = np.asarray(tokens, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(n >= 2, (np.asarray(last) - np.asarray(first)) * 1000.0 / (n - 1), np.nan)
+
+
+def llm_summary(r: np.ndarray, duration: float) -> LlmSummary:
+    """TTFT, ITL and output tokens/s of the streamed requests `r` (rows of LLM_FIELDS) over
+    `duration` seconds. Failed requests count as infinitely slow in the TTFT and ITL percentiles,
+    as in the latency ones; a successful one-token answer has no ITL."""
+    ok = ok_mask(r[:, 3])
+    failed = int((~ok).sum())
+    ttft = np.concatenate([(r[ok, 5] - r[ok, 0]) * 1000.0, np.full(failed, np.inf)])
+    itl_ok = inter_token_ms(r[ok, 5], r[ok, 6], r[ok, 7])
+    itl_ok = itl_ok[~np.isnan(itl_ok)]
+    itl = np.concatenate([itl_ok, np.full(failed, np.inf)])
+    tokens = r[ok, 7]
+    median_itl = percentile(itl_ok, 50)
+    with np.errstate(divide="ignore"):
+        per_seq = float(np.float64(1000.0) / median_itl)
+    return LlmSummary(
+        ttft_ms={pkey(q): percentile(ttft, q) for q in LLM_PERCENTILES},
+        itl_ms={pkey(q): percentile(itl, q) for q in LLM_PERCENTILES},
+        tokens_per_s=float(tokens.sum() / duration) if duration > 0 else float("nan"),
+        tokens_per_s_per_seq=per_seq,
+        completion_tokens=int(tokens.sum()),
+        completion_tokens_mean=float(tokens.mean()) if tokens.size else float("nan"),
+        itl_requests=int(itl_ok.size),
+    )
+
+
 @dataclass
 class Summary:
     """Figures of a set of records over a span of `duration` seconds."""
@@ -67,20 +137,19 @@ class Summary:
     max_ms: float
     send_lag_p99_ms: float   # how far behind its schedule the load generator sent (open loop)
     status_counts: dict[str, int]
+    llm: LlmSummary | None = None  # streamed requests only
 
     def to_dict(self) -> dict[str, Any]:
-        def clean(x: float) -> float | None | str:
-            if isinstance(x, float) and math.isinf(x):
-                return "inf"
-            if isinstance(x, float) and math.isnan(x):
-                return None
-            return round(x, 4) if isinstance(x, float) else x
         d = dict(self.__dict__)
-        d["p"] = {k: clean(v) for k, v in self.p.items()}
-        d["p_ok"] = {k: clean(v) for k, v in self.p_ok.items()}
+        d["p"] = {k: _clean(v) for k, v in self.p.items()}
+        d["p_ok"] = {k: _clean(v) for k, v in self.p_ok.items()}
         for k in ("throughput", "offered", "error_rate", "mean_ms", "min_ms", "max_ms", "send_lag_p99_ms",
                   "duration"):
-            d[k] = clean(d[k])
+            d[k] = _clean(d[k])
+        if self.llm is None:
+            del d["llm"]
+        else:
+            d["llm"] = self.llm.to_dict()
         return d
 
 
@@ -90,7 +159,7 @@ def pkey(q: float) -> str:
 
 def summarize(records: np.ndarray, t0: float, t1: float) -> Summary:
     """Summary of the requests whose intended time lies in [t0, t1)."""
-    r = records[(records[:, 0] >= t0) & (records[:, 0] < t1)] if records.size else records.reshape(0, NFIELDS)
+    r = _select(records, t0, t1)
     duration = t1 - t0
     status = r[:, 3]
     ok = ok_mask(status)
@@ -99,7 +168,7 @@ def summarize(records: np.ndarray, t0: float, t1: float) -> Summary:
     lat_ok = lat[ok]
     counts: dict[str, int] = {}
     for s, c in zip(*np.unique(status.astype(int), return_counts=True)):
-        counts[str(s) if s else "connection_error"] = int(c)
+        counts[STATUS_NAMES.get(int(s), str(s))] = int(c)
     n = len(r)
     return Summary(
         count=n, ok=int(ok.sum()), errors=int(n - ok.sum()), duration=duration,
@@ -113,7 +182,15 @@ def summarize(records: np.ndarray, t0: float, t1: float) -> Summary:
         max_ms=float(lat.max()) if lat.size else float("nan"),
         send_lag_p99_ms=percentile((r[:, 1] - r[:, 0]) * 1000.0, 99) if n else float("nan"),
         status_counts=counts,
+        llm=llm_summary(r, duration) if r.shape[1] >= len(LLM_FIELDS) else None,
     )
+
+
+def _select(records: np.ndarray, t0: float, t1: float) -> np.ndarray:
+    """The records whose intended time lies in [t0, t1), keeping the column count when empty."""
+    if not records.size:
+        return records.reshape(0, records.shape[1] if records.ndim == 2 else NFIELDS)
+    return records[(records[:, 0] >= t0) & (records[:, 0] < t1)]
 
 
 def spread(values: Sequence[float]) -> float:
@@ -157,7 +234,7 @@ class WindowStats:
 
 
 def window_stats(records: np.ndarray, t0: float, t1: float) -> WindowStats:
-    r = records[(records[:, 0] >= t0) & (records[:, 0] < t1)] if records.size else records.reshape(0, NFIELDS)
+    r = _select(records, t0, t1)
     d = t1 - t0
     ok = ok_mask(r[:, 3])
     lat = np.where(ok, (r[:, 2] - r[:, 0]) * 1000.0, np.inf)
