@@ -12,9 +12,10 @@ never read), the prompt to a length bucket, and each decode step attends over a 
 cache prefix the live rows have reached, rounded up) rather than the whole cache.
 
 On CUDA, ``LlamaRunner.warmup()`` runs every prefill shape through the compiled model (when the
-plan compiles: ``torch.compile(model, dynamic=True)``, the model alone, shared by prefill and
-decode; dynamo keeps 4 graphs whatever the buckets: prefill and decode, each for batch 1 and
-batch > 1) and captures one ``torch.cuda.CUDAGraph`` per (batch bucket, kv bucket, sampling mode:
+plan compiles: ``RegionalCompiled``, the transformer block compiled once with dynamic shapes and
+reused by every layer, shared by prefill and decode; dynamo keeps 4 graphs whatever the buckets:
+prefill and decode, each for batch 1 and batch > 1) and captures one ``torch.cuda.CUDAGraph`` per
+(batch bucket, kv bucket, sampling mode:
 greedy / sample / top-k-top-p, chosen on the host from the requests) for the decode step,
 sampling included. The default GPU plan (batch 1..8, kv 256..2048) makes 48 graphs in one pool.
 We capture graphs ourselves rather than through ``mode="reduce-overhead"``: the graph's input and
@@ -94,6 +95,32 @@ class Completion:
 
 
 # --- the model calls: plain functions, compiled or captured by the runner -------------------------
+
+class RegionalCompiled:
+    """The model with its transformer block compiled once and reused by every layer.
+
+    ``torch.compile`` of the whole model traces and compiles all 30 layers of SmolLM2 as one graph
+    (it did not finish within 5 minutes on an H100); the layers share one code object and their
+    weights are graph inputs, so compiling the block gives one graph that every layer reuses:
+    compile time of one block, most of the fusion. Embedding, final norm and lm_head stay eager.
+    Looks like the model to the functions below (``__call__``, ``hidden``, other attributes).
+    """
+
+    def __init__(self, model: Transformer, mode: str = "default") -> None:
+        self._model = model
+        self._blocks = [torch.compile(layer, dynamic=True, mode=mode) for layer in model.layers]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._model, name)
+
+    def __call__(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
+                 kv_len: int | None = None) -> Tensor:
+        return self._model(tokens, input_pos, last_idx, kv_len, blocks=self._blocks)
+
+    def hidden(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
+               kv_len: int | None = None) -> Tensor:
+        return self._model.hidden(tokens, input_pos, last_idx, kv_len, blocks=self._blocks)
+
 
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last_idx: Tensor,
             params: SamplingTensors, mode: str = FILTER) -> Tensor:
@@ -332,11 +359,11 @@ class LlamaRunner:
         if compile_mode not in ("default", "max-autotune-no-cudagraphs"):
             # Other modes capture CUDA graphs of their own, which would nest inside ours.
             raise ValueError(f"compile mode {compile_mode!r}: use 'default' or 'max-autotune-no-cudagraphs'")
-        # Only the model is compiled, once, with dynamic shapes; sampling stays eager (inside the
-        # decode graphs it costs no launches). Dynamo then keeps 4 graphs: prefill and decode, each
-        # for batch 1 (always specialized) and batch > 1, whatever the buckets and sampling modes.
-        compiled = (torch.compile(model, dynamic=True, mode=compile_mode)
-                    if compile_prefill or compile_decode else None)
+        # Only the transformer block is compiled, with dynamic shapes; sampling stays eager (inside
+        # the decode graphs it costs no launches). Dynamo then keeps 4 graphs: prefill and decode,
+        # each for batch 1 (always specialized) and batch > 1, whatever the buckets and modes.
+        compiled = RegionalCompiled(model, compile_mode) if compile_prefill or compile_decode else None
+        self.compiled_model = compiled
         self._prefill_model = compiled if compile_prefill else model
         self.states = {b: DecodeState(b, self.device) for b in self.batch_buckets}
         self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, compiled if compile_decode else None)

@@ -24,6 +24,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -257,19 +258,20 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
     def forward(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
-                kv_len: int | None = None) -> Tensor:
+                kv_len: int | None = None, blocks: Sequence[Callable[..., Tensor]] | None = None) -> Tensor:
         """tokens, input_pos: ``(B, T)`` int64 with per-row positions.
 
         Returns fp32 logits ``(B, T, V)``, or ``(B, V)`` at column ``last_idx[b]`` of each row when
         ``last_idx`` is given (prefill only needs each prompt's last token: skips the vocab
         projection of every other position). Attention reads cache slots ``:kv_len`` only (default:
         the whole cache); the caller guarantees every position that matters is below ``kv_len``,
-        which saves reading the cache's unused tail.
+        which saves reading the cache's unused tail. ``blocks``: callables run instead of
+        ``self.layers`` (compiled copies of them, see ``optimizations.generate.RegionalCompiled``).
         """
-        return self.output(self.hidden(tokens, input_pos, last_idx, kv_len)).float()
+        return self.output(self.hidden(tokens, input_pos, last_idx, kv_len, blocks)).float()
 
     def hidden(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
-               kv_len: int | None = None) -> Tensor:
+               kv_len: int | None = None, blocks: Sequence[Callable[..., Tensor]] | None = None) -> Tensor:
         """``forward`` without the vocab projection: the final normed hidden state ``(B, T, dim)``
         (``(B, dim)`` with ``last_idx``), in the model's dtype. Writes the KV cache like ``forward``."""
         if tokens.shape[0] > self.max_batch_size:
@@ -280,7 +282,7 @@ class Transformer(nn.Module):
         # (B, T, S): a token at position p sees cache slots 0..p of its own row.
         kv_len = self.max_seq_len if kv_len is None else kv_len
         mask = self.cache_positions[None, None, :kv_len] <= input_pos[:, :, None]
-        for layer in self.layers:
+        for layer in self.layers if blocks is None else blocks:
             x = layer(x, cos, sin, mask, input_pos)
         if last_idx is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_idx]

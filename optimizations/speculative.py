@@ -56,7 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GraphedStep, LlamaRunner,
-                                    PrefillState, SamplingParams, SpecPlan, pad_prompts, pick_bucket)
+                                    PrefillState, RegionalCompiled, SamplingParams, SpecPlan, pad_prompts,
+                                    pick_bucket)
 from optimizations.llama import RMSNorm, Transformer
 from optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample, sampling_mode
 
@@ -343,8 +344,8 @@ class VerifyStep(GraphedStep):
     the k+1 base tokens and the accepted count. After ``capture()`` (CUDA) it replays a graph.
     """
 
-    def __init__(self, model: Transformer, speculator: Speculator, state: SpecState, mode: str, kv_len: int,
-                 fn: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]) -> None:
+    def __init__(self, model: Transformer | RegionalCompiled, speculator: Speculator, state: SpecState, mode: str,
+                 kv_len: int, fn: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]) -> None:
         self.model, self.speculator, self.state, self.mode, self.kv_len, self.fn = (
             model, speculator, state, mode, kv_len, fn)
 
@@ -364,8 +365,8 @@ class SpecPrefillStep(GraphedStep):
     """``spec_prefill`` on the base runner's static prefill inputs (``PrefillState``) for one
     (batch bucket, prompt bucket, mode); returns ``(B, 1+k)``: each row's first token and drafts."""
 
-    def __init__(self, prefill_fn: Callable[..., tuple[Tensor, Tensor]], model: Transformer, speculator: Speculator,
-                 state: PrefillState, mode: str) -> None:
+    def __init__(self, prefill_fn: Callable[..., tuple[Tensor, Tensor]], model: Transformer | RegionalCompiled,
+                 speculator: Speculator, state: PrefillState, mode: str) -> None:
         self.fn, self.model, self.speculator, self.state, self.mode = prefill_fn, model, speculator, state, mode
 
     @torch.no_grad()
@@ -431,15 +432,18 @@ class SpeculativeRunner:
         self.max_spec_batch = min(max_spec_batch, base.max_batch)
         top = pick_bucket(self.max_spec_batch, base.batch_buckets) if self.max_spec_batch else 0
         self.spec_buckets = tuple(b for b in base.batch_buckets if b <= top)
-        compile_mode = base.plan.get("compile_mode", "default")
-        self._prefill = (torch.compile(spec_prefill, dynamic=True, mode=compile_mode) if base.compile_prefill
-                         else spec_prefill)
-        fn = torch.compile(verify_step, dynamic=True, mode=compile_mode) if compile_verify else verify_step
+        # The base runner's compiled blocks (regional compilation) serve prefill and verify too.
+        compiled = base.compiled_model
+        if compile_verify and compiled is None:
+            compiled = RegionalCompiled(model, base.plan.get("compile_mode", "default"))
+        self._prefill_model = base.compiled_model if base.compile_prefill else model
+        verify_model = compiled if compile_verify else model
         self.states = {b: SpecState(b, self.n_heads, self.device) for b in self.spec_buckets}
-        self.steps = {(b, m, kv): VerifyStep(model, self.speculator, self.states[b], m, kv, fn)
+        self.steps = {(b, m, kv): VerifyStep(verify_model, self.speculator, self.states[b], m, kv, verify_step)
                       for b in self.spec_buckets for m in MODES for kv in base.kv_buckets}
         # The base runner's short prompt buckets prefill from static inputs; so do ours, on its buffers.
-        self.prefill_steps = {key: SpecPrefillStep(self._prefill, model, self.speculator, step.state, key[2])
+        self.prefill_steps = {key: SpecPrefillStep(spec_prefill, self._prefill_model, self.speculator, step.state,
+                                                   key[2])
                               for key, step in base.prefill_steps.items() if key[0] in self.spec_buckets}
         self.plan = {**base.plan, "speculative": {"n_heads": self.n_heads, "max_spec_batch": self.max_spec_batch,
                                                    "spec_buckets": list(self.spec_buckets),
@@ -455,7 +459,7 @@ class SpeculativeRunner:
             params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
             tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.base.pad_id] * t], b, t))
             for mode in MODES:
-                self._prefill(self.model, self.speculator, tokens, input_pos, last_idx, params, mode)
+                spec_prefill(self._prefill_model, self.speculator, tokens, input_pos, last_idx, params, mode)
         pool = torch.cuda.graph_pool_handle() if self.base.cuda_graphs else None
         for key in sorted(self.prefill_steps, key=lambda k: (-k[0] * k[1], k[2])):
             if self.base.cuda_graphs:
@@ -543,7 +547,8 @@ class SpeculativeRunner:
                 out = step.run()  # a graph's output: copied into the verify state before any replay
                 first, draft = out[:, 0], out[:, 1:]
             else:
-                first, draft = self._prefill(model, self.speculator, tokens, input_pos, last_idx, sampling, mode)
+                first, draft = spec_prefill(self._prefill_model, self.speculator, tokens, input_pos, last_idx,
+                                            sampling, mode)
             self.states[batch].load(first, draft, positions, spec_rows, sampling)
             host = _HostRing(batch, self.n_heads + 2, self.device)
             host.start(0, torch.cat([first[:, None], torch.zeros_like(draft), torch.zeros_like(first)[:, None]], 1))

@@ -281,3 +281,22 @@ def test_prefill_from_static_inputs_matches_plain_prefill(model: Transformer, ru
     # The same static buffers serve the next request: nothing of the previous one leaks through.
     prompts = _prompts([3], seed=9)
     assert generate(graphed, prompts, params[:1])[0].tokens == _greedy_reference(model, prompts[0], 6)
+
+
+def test_compiled_blocks_match_eager_with_four_graphs(model: Transformer, runner: LlamaRunner) -> None:
+    """Regional compilation: the transformer block is compiled once (dynamic shapes) and reused by
+    every layer, prefill and decode, every bucket: at most 4 graphs (prefill/decode x batch 1/>1)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = LlamaRunner(model, max_seq_len=MAX_SEQ, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
+                           compile_prefill=True, compile_decode=True)
+    compiled.warmup()
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=3),
+              SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=4)]
+    for lengths in ([5], [12, 3, 7], [40, 2]):
+        prompts = _prompts(lengths, seed=len(lengths) + 10)
+        ps = params[:len(prompts)]
+        assert [c.tokens for c in generate(compiled, prompts, ps)] == [c.tokens for c in generate(runner, prompts, ps)]
+    assert 1 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
