@@ -38,10 +38,21 @@ def java_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports: every socket stays bound until all are picked, since the
+    kernel may hand a just-closed port out again (two of a server's addresses on one port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,7 @@ class Ports:
 
     @classmethod
     def free(cls) -> "Ports":
-        return cls(free_port(), free_port(), free_port(), free_port(), free_port())
+        return cls(*free_ports(5))
 
 
 def read_properties(path: Path) -> dict[str, str]:

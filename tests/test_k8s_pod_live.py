@@ -33,7 +33,7 @@ import yaml
 
 from benchmarks import dashboards
 from benchmarks.overlay import write_overlay
-from benchmarks.server import free_port, java_env
+from benchmarks.server import free_port, free_ports, java_env
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -159,8 +159,8 @@ def pod(rendered, small_store, tmp_path_factory) -> Pod:
     volumes = {v["name"]: v for v in spec["volumes"]}
     config_maps = {d["metadata"]["name"]: d for d in rendered if d["kind"] == "ConfigMap"}
     # One free port per port number the pod listens on (8080-8082, gRPC 7070/7071).
-    listening = {"8080", "8081", "8082", "7070", "7071"}
-    pod_ports = {p: free_port() for p in listening}
+    listening = ["8080", "8081", "8082", "7070", "7071"]
+    pod_ports = dict(zip(listening, free_ports(len(listening))))
     mounts: dict[str, Path] = {}
     for m in c["volumeMounts"]:
         volume = volumes[m["name"]]
