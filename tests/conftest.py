@@ -46,30 +46,40 @@ SPEC_PROMPTS = ["Give a synonym for happy.", "What is the capital of France?", "
 
 
 @pytest.fixture(scope="session")
-def smollm2_spec_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model store holding smollm2.mar: the CPU plan plus speculation with 3 heads trained here by
-    `servekit train-speculator` (~40 s) on the live tests' own prompts, so that drafts are accepted
-    often and several tokens per step reach the handler."""
-    import yaml
-
+def smollm2_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 speculator heads for SmolLM2 trained by `servekit train-speculator` (~35 s) on the live
+    tests' own prompts, so that drafts are accepted often and several tokens per step reach the
+    handler."""
     from optimizations import train_speculator
     from optimizations.gguf_weights import smollm2_archive_files
 
-    tmp = tmp_path_factory.mktemp("smollm2-spec")
+    tmp = tmp_path_factory.mktemp("smollm2-heads")
     (tmp / "prompts.txt").write_text("\n".join(SPEC_PROMPTS) + "\n")
-    weights = smollm2_archive_files(torch.bfloat16)
     old = torch.get_num_threads()
     try:
-        assert train_speculator.main(["--model-dir", str(weights[0].parent), "--dtype", "fp32", "--out",
-                                      str(tmp / "heads"), "--prompts", str(tmp / "prompts.txt"), "--new-tokens", "32",
-                                      "--samples", "0", "--steps", "30", "--heads", "3", "--hidden-mult", "0.5",
-                                      "--lr", "3e-3", "--threads", "2", "--quiet"]) == 0
+        assert train_speculator.main(["--model-dir", str(smollm2_archive_files(torch.bfloat16)[0].parent),
+                                      "--dtype", "fp32", "--out", str(tmp / "heads"), "--prompts",
+                                      str(tmp / "prompts.txt"), "--new-tokens", "32", "--samples", "0", "--steps",
+                                      "30", "--heads", "3", "--hidden-mult", "0.5", "--lr", "3e-3", "--threads", "2",
+                                      "--quiet"]) == 0
     finally:
         torch.set_num_threads(old)
+    return tmp / "heads"
+
+
+@pytest.fixture(scope="session")
+def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model store holding smollm2.mar: the CPU plan plus speculation with `smollm2_heads`."""
+    import yaml
+
+    from optimizations.gguf_weights import smollm2_archive_files
+
+    tmp = tmp_path_factory.mktemp("smollm2-spec")
     config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())
     config["servekit"]["speculation"] = {"heads": "speculator", "n_heads": 3, "max_batch": 4}
     (tmp / "smollm2-cpu-spec.yaml").write_text(yaml.safe_dump(config))
     store = tmp / "store"
-    build_archive("smollm2", store, config=tmp / "smollm2-cpu-spec.yaml", weights=weights,
-                  speculator=tmp / "heads", compress=False)  # uncompressed: 3 s instead of 25 s
+    build_archive("smollm2", store, config=tmp / "smollm2-cpu-spec.yaml",
+                  weights=smollm2_archive_files(torch.bfloat16), speculator=smollm2_heads,
+                  compress=False)  # uncompressed: 3 s instead of 25 s
     return store

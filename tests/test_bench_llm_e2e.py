@@ -2,7 +2,7 @@
 
 The sweep builds its variant archive the normal way (spec `smollm2`, the CPU model-config plus a
 `plan:` override that turns on speculative decoding with two heads, and `speculator:` naming the
-heads conftest's `smollm2_spec_store` trained), registers it on the session's live TorchServe
+heads conftest's `smollm2_heads` trained), registers it on the session's live TorchServe
 (a remote target), and measures one closed-loop level. Speculative steps send several tokens in
 one chunk, so token counts must come from the usage chunk, not from counting chunks.
 """
@@ -24,11 +24,10 @@ MAX_TOKENS = 12
 LLM_KEYS = {"ttft_ms", "itl_ms", "tokens_per_s", "tokens_per_s_per_seq", "completion_tokens"}
 
 
-def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, smollm2_spec_store: Path,
+def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, smollm2_heads: Path,
                                         tmp_path: Path) -> None:
     ts = minilm_server
-    heads = smollm2_spec_store.parent / "heads"
-    assert (heads / "speculator.json").is_file(), f"smollm2_spec_store's trained heads are not in {heads}"
+    heads = smollm2_heads
     sweep = {
         "name": "llm-e2e",
         "target": {"remote": {"inference_url": ts.inference_url, "management_url": ts.management_url,
