@@ -33,6 +33,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -248,6 +249,20 @@ class DecodeStep(GraphedStep):
         return nxt
 
 
+@dataclass
+class PreparedBatch:
+    """A validated batch padded to its (batch, prompt) buckets, with its sampling tensors."""
+
+    batch: int
+    length: int
+    tokens: Tensor
+    input_pos: Tensor
+    last_idx: Tensor
+    sampling: SamplingTensors
+    mode: str
+    positions: Tensor  # each row's prompt length (its first decode position); 0 for dummy rows
+
+
 class PrefillState:
     """Static prefill inputs of one (batch bucket, prompt bucket), shared by its graphs (every mode)."""
 
@@ -266,15 +281,38 @@ class PrefillState:
 
 class PrefillStep(GraphedStep):
     """Prefill of one (batch bucket, prompt bucket, sampling mode) on static inputs: on CUDA a graph
-    replay instead of a few hundred kernel launches, which is most of a short prompt's TTFT."""
+    replay instead of a few hundred kernel launches, which is most of a short prompt's TTFT.
 
-    def __init__(self, forward: Callable[..., Tensor], state: PrefillState, mode: str) -> None:
-        self.forward, self.state, self.mode = forward, state, mode
+    ``fn(tokens, input_pos, last_idx, params, mode)``: the plain runner's prefill, or the
+    speculative runner's (first tokens and drafts)."""
+
+    def __init__(self, fn: Callable[..., Tensor], state: PrefillState, mode: str) -> None:
+        self.fn, self.state, self.mode = fn, state, mode
 
     @torch.no_grad()
     def _body(self) -> Tensor:
         st = self.state
-        return prefill(self.forward, st.tokens, st.input_pos, st.last_idx, st.params, self.mode)
+        return self.fn(st.tokens, st.input_pos, st.last_idx, st.params, self.mode)
+
+
+# Capture orders, largest shapes first: the smaller graphs fit into the memory pool they leave.
+def prefill_order(key: tuple[int, int, str]) -> tuple:  # (batch, prompt length, mode)
+    return -key[0] * key[1], key[2]
+
+
+def decode_order(key: tuple[int, str, int]) -> tuple:  # (batch, mode, kv length)
+    return -key[0], -key[2]
+
+
+def warm_steps(steps: dict[tuple, GraphedStep], order: Callable[[tuple], tuple], pool: object | None,
+               eager_probe: Callable[[tuple], bool]) -> None:
+    """Capture every step as a CUDA graph in one memory pool (``pool``: a graph pool handle), or,
+    without graphs, run the steps ``eager_probe`` picks once each to check their shapes."""
+    for key in sorted(steps, key=order):
+        if pool is not None:
+            steps[key].capture(pool)
+        elif eager_probe(key):
+            steps[key].run()
 
 
 class _HostCopies:
@@ -372,7 +410,7 @@ class LlamaRunner:
         # longer prompts are compute-bound and run as plain calls.
         short = [t for t in self.prefill_buckets if t <= prefill_graphs]
         prefill_states = {(b, t): PrefillState(b, t, self.device) for b in self.batch_buckets for t in short}
-        self.prefill_steps = {(b, t, m): PrefillStep(self._prefill_model, st, m)
+        self.prefill_steps = {(b, t, m): PrefillStep(partial(prefill, self._prefill_model), st, m)
                               for (b, t), st in prefill_states.items() for m in MODES}
         self._rng = random.Random()
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
@@ -419,20 +457,10 @@ class LlamaRunner:
                        torch.zeros(b, dtype=torch.int64, device=self.device),
                        SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        # Largest shapes first: the smaller graphs fit into the memory pool they leave.
-        for key in sorted(self.prefill_steps, key=lambda k: (-k[0] * k[1], k[2])):
-            if self.cuda_graphs:
-                self.prefill_steps[key].capture(pool)
-            elif key[2] == FILTER:
-                self.prefill_steps[key].run()  # eager: one run per shape checks it
+        warm_steps(self.prefill_steps, prefill_order, pool, lambda k: k[2] == FILTER)
         self._sync()
         t2 = time.perf_counter()
-        for key in sorted(self.steps, key=lambda k: (-k[0], -k[2])):
-            step = self.steps[key]
-            if self.cuda_graphs:
-                step.capture(pool)
-            elif key[1:] == (FILTER, self.kv_buckets[-1]):
-                step.run()  # eager: nothing to capture; one run per batch checks the shapes
+        warm_steps(self.steps, decode_order, pool, lambda k: k[1:] == (FILTER, self.kv_buckets[-1]))
         self._sync()
         return {"prefill_s": t1 - t0, "prefill_graphs_s": t2 - t1, "decode_s": time.perf_counter() - t2}
 
@@ -447,6 +475,19 @@ class LlamaRunner:
         first ``next()``. Iterate to the end (or drop the iterator) before the next call: the
         runner has one KV cache.
         """
+        b = self.prepare(prompts, params, self.batch_buckets)
+        with torch.no_grad():
+            first = self.run_prefill(self.prefill_steps, b, partial(prefill, self._prefill_model))
+            self.states[b.batch].load(first, b.positions, b.sampling)
+        host = _HostCopies(b.batch, self.device)
+        host.start(0, first)
+        done = [False] * len(prompts)
+        return GenerationStream(self._decode_loop(b.batch, b.mode, host, [len(p) for p in prompts], params, done),
+                                done)
+
+    def prepare(self, prompts: list[list[int]], params: list[SamplingParams],
+                batch_buckets: tuple[int, ...]) -> "PreparedBatch":
+        """Validate a batch (``ValueError`` naming the request) and pad it to its buckets, on the device."""
         if self.model.max_seq_len != self.max_seq_len or self.model.max_batch_size < self.max_batch:
             raise RuntimeError("the model's KV cache was reallocated by another runner; use one runner per model")
         n = len(prompts)
@@ -455,7 +496,7 @@ class LlamaRunner:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if (err := self.check(p, sp)) is not None:
                 raise ValueError(f"request {i}: {err}")
-        batch = pick_bucket(n, self.batch_buckets)
+        batch = pick_bucket(n, batch_buckets)
         length = pick_bucket(max(len(p) for p in prompts), self.prefill_buckets)
         tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts(prompts, batch, length, self.pad_id))
         pad_rows = batch - n  # dummy rows decode greedily
@@ -463,21 +504,22 @@ class LlamaRunner:
         top_k = [sp.top_k for sp in params] + [0] * pad_rows
         top_p = [float(sp.top_p) for sp in params] + [1.0] * pad_rows
         seeds = [sp.seed if sp.seed is not None else self._rng.getrandbits(32) for sp in params] + [0] * pad_rows
-        sampling = SamplingTensors.build(temperature, top_k, top_p, seeds, self.device)
-        mode = sampling_mode(temperature, top_k, top_p)
         positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
-        with torch.no_grad():
-            step = self.prefill_steps.get((batch, length, mode))
-            if step is not None:
-                step.state.load(tokens, input_pos, last_idx, sampling)
-                first = step.run()  # a graph's output: copied into the decode state before any replay
-            else:
-                first = prefill(self._prefill_model, tokens, input_pos, last_idx, sampling, mode)
-            self.states[batch].load(first, positions, sampling)
-        host = _HostCopies(batch, self.device)
-        host.start(0, first)
-        done = [False] * n
-        return GenerationStream(self._decode_loop(batch, mode, host, [len(p) for p in prompts], params, done), done)
+        return PreparedBatch(batch, length, tokens, input_pos, last_idx,
+                             SamplingTensors.build(temperature, top_k, top_p, seeds, self.device),
+                             sampling_mode(temperature, top_k, top_p), positions)
+
+    @staticmethod
+    def run_prefill(steps: dict[tuple[int, int, str], GraphedStep], b: "PreparedBatch",
+                    plain: Callable[..., Tensor]) -> Tensor:
+        """Prefill from the static-input step of the batch's shape when there is one (a graph's
+        output: the caller copies it before any replay), else ``plain(tokens, input_pos, last_idx,
+        sampling, mode)``."""
+        step = steps.get((b.batch, b.length, b.mode))
+        if step is None:
+            return plain(b.tokens, b.input_pos, b.last_idx, b.sampling, b.mode)
+        step.state.load(b.tokens, b.input_pos, b.last_idx, b.sampling)
+        return step.run()
 
     def _decode_loop(self, batch: int, mode: str, host: _HostCopies, lengths: list[int],
                      params: list[SamplingParams], done: list[bool]) -> Iterator[StepOutput]:

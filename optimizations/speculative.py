@@ -55,11 +55,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GraphedStep, LlamaRunner,
-                                    PrefillState, RegionalCompiled, SamplingParams, SpecPlan, pad_prompts,
-                                    pick_bucket)
+from optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GraphedStep, LlamaRunner, PrefillStep,
+                                    RegionalCompiled, SamplingParams, SpecPlan, decode_order, pad_prompts,
+                                    pick_bucket, prefill_order, warm_steps)
 from optimizations.llama import RMSNorm, Transformer
-from optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample, sampling_mode
+from optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
 
 SPEC_FORMAT = "servekit-mlp-speculator"
 SPEC_WEIGHTS = "speculator.safetensors"
@@ -361,21 +361,6 @@ class VerifyStep(GraphedStep):
         return torch.cat([base, accepted[:, None]], dim=1)
 
 
-class SpecPrefillStep(GraphedStep):
-    """``spec_prefill`` on the base runner's static prefill inputs (``PrefillState``) for one
-    (batch bucket, prompt bucket, mode); returns ``(B, 1+k)``: each row's first token and drafts."""
-
-    def __init__(self, prefill_fn: Callable[..., tuple[Tensor, Tensor]], model: Transformer | RegionalCompiled,
-                 speculator: Speculator, state: PrefillState, mode: str) -> None:
-        self.fn, self.model, self.speculator, self.state, self.mode = prefill_fn, model, speculator, state, mode
-
-    @torch.no_grad()
-    def _body(self) -> Tensor:
-        st = self.state
-        first, draft = self.fn(self.model, self.speculator, st.tokens, st.input_pos, st.last_idx, st.params, self.mode)
-        return torch.cat([first[:, None], draft], dim=1)
-
-
 class _HostRing:
     """Two pinned host buffers ``(B, k+2)``: copy step t+1 while the host reads step t."""
 
@@ -442,8 +427,7 @@ class SpeculativeRunner:
         self.steps = {(b, m, kv): VerifyStep(verify_model, self.speculator, self.states[b], m, kv, verify_step)
                       for b in self.spec_buckets for m in MODES for kv in base.kv_buckets}
         # The base runner's short prompt buckets prefill from static inputs; so do ours, on its buffers.
-        self.prefill_steps = {key: SpecPrefillStep(spec_prefill, self._prefill_model, self.speculator, step.state,
-                                                   key[2])
+        self.prefill_steps = {key: PrefillStep(self._plain_prefill, step.state, key[2])
                               for key, step in base.prefill_steps.items() if key[0] in self.spec_buckets}
         self.plan = {**base.plan, "speculative": {"n_heads": self.n_heads, "max_spec_batch": self.max_spec_batch,
                                                    "spec_buckets": list(self.spec_buckets),
@@ -461,23 +445,14 @@ class SpeculativeRunner:
             for mode in MODES:
                 spec_prefill(self._prefill_model, self.speculator, tokens, input_pos, last_idx, params, mode)
         pool = torch.cuda.graph_pool_handle() if self.base.cuda_graphs else None
-        for key in sorted(self.prefill_steps, key=lambda k: (-k[0] * k[1], k[2])):
-            if self.base.cuda_graphs:
-                self.prefill_steps[key].capture(pool)
-            elif key[2] == FILTER:
-                self.prefill_steps[key].run()
+        warm_steps(self.prefill_steps, prefill_order, pool, lambda k: k[2] == FILTER)
         self.base._sync()
         t1 = time.perf_counter()
         for b, state in self.states.items():
             zeros = torch.zeros(b, dtype=torch.int64, device=self.device)
             state.load(zeros, torch.zeros(b, self.n_heads, dtype=torch.int64, device=self.device), zeros, zeros + 1,
                        SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
-        for key in sorted(self.steps, key=lambda k: (-k[0], -k[2])):
-            step = self.steps[key]
-            if self.base.cuda_graphs:
-                step.capture(pool)
-            elif key[1:] == (FILTER, self.base.kv_buckets[-1]):
-                step.run()
+        warm_steps(self.steps, decode_order, pool, lambda k: k[1:] == (FILTER, self.base.kv_buckets[-1]))
         self.base._sync()
         return {**phases, "spec_prefill_s": t1 - t0, "spec_verify_s": time.perf_counter() - t1}
 
@@ -518,43 +493,24 @@ class SpeculativeRunner:
         """
         if not self.will_speculate(params, speculate):
             return self._plain(prompts, params)
-        base, model = self.base, self.model
-        if model.max_seq_len != base.max_seq_len or model.max_batch_size < base.max_batch:
-            raise RuntimeError("the model's KV cache was reallocated by another runner; use one runner per model")
-        n = len(prompts)
-        if n != len(params):
-            raise ValueError(f"need one SamplingParams per prompt, got {n} prompts and {len(params)}")
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            if (err := base.check(p, sp)) is not None:
-                raise ValueError(f"request {i}: {err}")
         rows = self._spec_rows(params, speculate)
-        batch = pick_bucket(n, self.spec_buckets)
-        length = pick_bucket(max(len(p) for p in prompts), base.prefill_buckets)
-        tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts(prompts, batch, length, base.pad_id))
-        pad_rows = batch - n
-        temperature = [float(sp.temperature) for sp in params] + [0.0] * pad_rows
-        top_k = [sp.top_k for sp in params] + [0] * pad_rows
-        top_p = [float(sp.top_p) for sp in params] + [1.0] * pad_rows
-        seeds = [sp.seed if sp.seed is not None else base._rng.getrandbits(32) for sp in params] + [0] * pad_rows
-        sampling = SamplingTensors.build(temperature, top_k, top_p, seeds, self.device)
-        mode = sampling_mode(temperature, top_k, top_p)
-        positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
-        spec_rows = torch.tensor([int(r) for r in rows] + [0] * pad_rows, device=self.device)
+        b = self.base.prepare(prompts, params, self.spec_buckets)
+        spec_rows = torch.tensor([int(r) for r in rows] + [0] * (b.batch - len(rows)), device=self.device)
         with torch.no_grad():
-            step = self.prefill_steps.get((batch, length, mode))
-            if step is not None:
-                step.state.load(tokens, input_pos, last_idx, sampling)
-                out = step.run()  # a graph's output: copied into the verify state before any replay
-                first, draft = out[:, 0], out[:, 1:]
-            else:
-                first, draft = spec_prefill(self._prefill_model, self.speculator, tokens, input_pos, last_idx,
-                                            sampling, mode)
-            self.states[batch].load(first, draft, positions, spec_rows, sampling)
-            host = _HostRing(batch, self.n_heads + 2, self.device)
+            out = self.base.run_prefill(self.prefill_steps, b, self._plain_prefill)
+            first, draft = out[:, 0], out[:, 1:]
+            self.states[b.batch].load(first, draft, b.positions, spec_rows, b.sampling)
+            host = _HostRing(b.batch, self.n_heads + 2, self.device)
             host.start(0, torch.cat([first[:, None], torch.zeros_like(draft), torch.zeros_like(first)[:, None]], 1))
-        done = [False] * n
-        return SpecStream(self._spec_loop(batch, mode, host, [len(p) for p in prompts], params, rows, done),
+        done = [False] * len(prompts)
+        return SpecStream(self._spec_loop(b.batch, b.mode, host, [len(p) for p in prompts], params, rows, done),
                           lambda i: done.__setitem__(i, True), speculative=True)
+
+    def _plain_prefill(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor, params: SamplingTensors,
+                       mode: str) -> Tensor:
+        """``spec_prefill`` as one ``(B, 1+k)`` tensor: each row's first token and its drafts."""
+        first, draft = spec_prefill(self._prefill_model, self.speculator, tokens, input_pos, last_idx, params, mode)
+        return torch.cat([first[:, None], draft], dim=1)
 
     def _plain(self, prompts: list[list[int]], params: list[SamplingParams]) -> SpecStream:
         steps = self.base.stream(prompts, params)  # validates now
