@@ -47,17 +47,22 @@ CHECK_TEXTS = ["Why is the sky blue?", "Give me a recipe for pancakes with blueb
                "Write a short story about a robot who learns to paint, in the style of a fairy tale."]
 
 
-def environment(argv: list[str]) -> dict:
+def environment(argv: list[str], module: str = "benchmarks.llm_inprocess") -> dict:
+    """Date, GPU, versions and the command line (`python -m <module> <argv>`) of an LLM benchmark run."""
     cuda = torch.cuda.is_available()
-    import transformers
+    try:  # the tiny-model smoke runs need no transformers
+        import transformers
 
+        tf = transformers.__version__
+    except ImportError:
+        tf = None
     return {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name() if cuda else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": tf,
             "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
-            "command": " ".join(["python", "-m", "benchmarks.llm_inprocess", *argv])}
+            "command": " ".join(["python", "-m", module, *argv])}
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -84,7 +89,7 @@ def bench_runner(runner: LlamaRunner, prompt: list[int], batch: int, new_tokens:
     params = [SamplingParams(max_tokens=new_tokens, seed=i, **sampling) for i in range(batch)]
     ttfts, totals, itls = [], [], []
     for rep in range(repeats + 1):  # the first run is a warm-up
-        _sync(runner.device)
+        sync_device(runner.device)
         t0 = time.perf_counter()
         steps, stamps = runner.stream([prompt] * batch, params), []
         for _ in steps:
@@ -107,12 +112,12 @@ def bench_hf(model, prompt: list[int], batch: int, new_tokens: int, repeats: int
     mask = torch.ones_like(ids)
 
     def run(n: int) -> float:
-        _sync(device)
+        sync_device(device)
         t = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                                  pad_token_id=2)
-        _sync(device)
+        sync_device(device)
         assert out.shape[1] == ids.shape[1] + n, "transformers stopped early"
         return time.perf_counter() - t
 

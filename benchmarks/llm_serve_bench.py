@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +39,12 @@ import requests
 import yaml
 
 from benchmarks.bench.stats import percentile
+from benchmarks.llm_inprocess import PROMPT_TEXT
+from benchmarks.llm_inprocess import environment as llm_environment
 from benchmarks.server import ROOT, TorchServe
 
 MODEL = "smollm2"
-TTFT_PROMPT = ("You are reviewing a travel plan. The traveller wants to visit three cities in Italy over ten "
-               "days, starting in Rome, then Florence, then Venice, using trains between cities and staying in "
-               "small family-run hotels. They like museums, long walks and local food, dislike crowds, and "
-               "have a moderate budget. Suggest how to split the days, what to book in advance, and two "
-               "day trips worth taking.")
+TTFT_PROMPT = PROMPT_TEXT  # ~100 tokens with the chat template, as in the in-process benchmark
 
 
 @dataclass
@@ -223,16 +220,9 @@ def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def environment(argv: list[str]) -> dict[str, Any]:
-    import platform
-
-    import torch
-
     from benchmarks.bench.runner import versions
 
-    cuda = torch.cuda.is_available()
-    return {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name() if cuda else None,
-            "cpu": platform.processor() or platform.machine(), **versions(),
-            "command": " ".join(["python", "-m", "benchmarks.llm_serve_bench", *argv])}
+    return {**versions(), **llm_environment(argv, "benchmarks.llm_serve_bench")}
 
 
 def compare(res: dict[str, Any]) -> None:

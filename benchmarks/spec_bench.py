@@ -24,40 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
+from benchmarks.llm_inprocess import environment, identical_prefix, sync_device
 from optimizations.generate import LlamaRunner, SamplingParams, generate
 from optimizations.llama import LlamaConfig, init_random, load_llama
 from optimizations.speculative import SpecStats, SpeculativeRunner, generate_speculative, load_speculator, save_speculator
 from optimizations import train_speculator as ts
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def environment(argv: list[str]) -> dict:
-    cuda = torch.cuda.is_available()
-    try:
-        import transformers
-
-        tf = transformers.__version__
-    except ImportError:
-        tf = None
-    return {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name() if cuda else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": tf,
-            "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
-            "command": " ".join(["python", "-m", "benchmarks.spec_bench", *argv])}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -87,10 +67,10 @@ def chunks(n_prompts: int, batch: int, rows: int) -> list[list[int]]:
 
 
 def timed(device: torch.device, fn) -> tuple[float, object]:
-    _sync(device)
+    sync_device(device)
     t = time.perf_counter()
     res = fn()
-    _sync(device)
+    sync_device(device)
     return time.perf_counter() - t, res
 
 
@@ -131,10 +111,6 @@ def bench_batch(base: LlamaRunner, spec: SpeculativeRunner, prompts: list[list[i
     # plain greedy tokens per prompt index, to compare plain decoding across batch sizes
     out["_plain_by_prompt"] = {i: toks for idx, ga in zip(groups, plain) for i, toks in zip(idx, ga)}
     return out
-
-
-def identical_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def acceptance_run(base: LlamaRunner, spec: SpeculativeRunner, prompts: list[list[int]], params: SamplingParams,
@@ -263,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     say = lambda msg: print(msg, flush=True)  # noqa: E731
     model, tokenizer, source = load_model(args, device, dtype)
-    res: dict = {"environment": environment(argv), "model": "tiny random-init Llama" if args.tiny else "SmolLM2-135M",
+    res: dict = {"environment": environment(argv, "benchmarks.spec_bench"), "model": "tiny random-init Llama" if args.tiny else "SmolLM2-135M",
                  "model_source": source, "dtype": args.dtype, "new_tokens": args.new_tokens}
 
     texts = ts.load_prompts()
