@@ -151,10 +151,7 @@ def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchSe
     assert results[0][1]["choices"][0]["message"]["content"] == want
     assert [b["error"]["code"] for _, b in results[1:]] == ["empty_messages", "invalid_value", "unknown_field"]
     assert "max_tokens" in results[2][1]["error"]["message"]
-    deadline = time.monotonic() + 15
-    while metric_sum(server, "servekit_batches_total") == before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert metric_sum(server, "servekit_batches_total") - before == 1  # the four shared one batch
+    assert wait_for_change(server, "servekit_batches_total", before) - before == 1  # the four shared one batch
 
 
 @pytest.mark.parametrize("route, body, status, code", [
@@ -177,10 +174,7 @@ def test_invalid_requests(server: TorchServe, route: str, body: dict, status: in
 def test_llm_metrics_are_exported(server: TorchServe, client) -> None:
     before = metric_sum(server, "servekit_llm_completion_tokens_total")
     r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=6, temperature=0)
-    deadline = time.monotonic() + 15
-    while metric_sum(server, "servekit_llm_completion_tokens_total") == before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert metric_sum(server, "servekit_llm_completion_tokens_total") - before == r.usage.completion_tokens
+    assert wait_for_change(server, "servekit_llm_completion_tokens_total", before) - before == r.usage.completion_tokens
     assert metric_sum(server, "servekit_llm_prompt_tokens_total") > 0
     assert metric_sum(server, "servekit_llm_ttft_seconds_count") > 0
     assert metric_sum(server, "servekit_llm_itl_seconds_count") > 0
