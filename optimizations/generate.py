@@ -380,6 +380,7 @@ class LlamaRunner:
                  compile_prefill: bool = False, compile_decode: bool = False, cuda_graphs: bool = False,
                  compile_mode: str = "default", pad_id: int = 0, prefill_graphs: int = 0) -> None:
         self.model = model.eval()
+        model.fuse_projections()  # fewer, larger matmuls: decode steps are bound by kernel launches
         self.device = model.tok_embeddings.weight.device
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA model, this one is on {self.device}")

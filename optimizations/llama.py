@@ -177,13 +177,30 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.wqkv: nn.Linear | None = None  # set by fuse()
         self.kv_cache: KVCache | None = None
+
+    def fuse(self) -> None:
+        """Replace wq, wk, wv by one projection: a decode step is bound by kernel launches, and one
+        matmul with the three outputs costs about what each of the three small ones did."""
+        if self.wqkv is not None:
+            return
+        self.wqkv = _concat_linears(self.wq, self.wk, self.wv)
+        del self.wq, self.wk, self.wv
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self.wqkv is None:
+            return self.wq(x), self.wk(x), self.wv(x)
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+        return q, k, v
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project_qkv(x)
+        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is None:
             raise RuntimeError("call Transformer.setup_caches() before forward()")
@@ -204,9 +221,28 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # gate
         self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # up
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)  # down
+        self.w13: nn.Linear | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """Replace the gate and up projections by one (see ``Attention.fuse``)."""
+        if self.w13 is not None:
+            return
+        self.w13 = _concat_linears(self.w1, self.w3)
+        del self.w1, self.w3
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.w13 is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+def _concat_linears(*linears: nn.Linear) -> nn.Linear:
+    """One bias-free Linear whose output is the given Linears' outputs side by side."""
+    weight = torch.cat([m.weight for m in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
 
 
 class TransformerBlock(nn.Module):
@@ -233,6 +269,13 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.max_batch_size = 0
         self.max_seq_len = 0
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up projections in every layer, in place (idempotent). Serving only:
+        the fused model's parameter names no longer map to checkpoint names."""
+        for layer in self.layers:
+            layer.attention.fuse()
+            layer.feed_forward.fuse()
 
     def tie_weights(self) -> None:
         if self.config.tie_embeddings:
