@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for gpu_oom.json")
     p.add_argument("--config", type=Path, default=ROOT / "config/models/smollm2.yaml", help="GPU model-config")
-    p.add_argument("--leave-free-mib", type=int, default=64, help="GPU memory the ballast leaves free")
+    p.add_argument("--leave-free-mib", type=int, default=8, help="GPU memory the ballast leaves free")
     args = p.parse_args(argv)
     import torch
 

@@ -463,6 +463,10 @@ class LlamaRunner:
         t2 = time.perf_counter()
         warm_steps(self.steps, decode_order, pool, lambda k: k[1:] == (FILTER, self.kv_buckets[-1]))
         self._sync()
+        if self.device.type == "cuda":
+            # Scratch memory of loading and warm-up goes back to the device (graphs keep their own
+            # pool): other workers on this GPU may use it, and serving allocates only what it needs.
+            torch.cuda.empty_cache()
         return {"prefill_s": t1 - t0, "prefill_graphs_s": t2 - t1, "decode_s": time.perf_counter() - t2}
 
     def _sync(self) -> None:
