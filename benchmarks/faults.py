@@ -558,8 +558,10 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def summary(faults: dict[str, Any] | None, soak: dict[str, Any] | None) -> dict[str, Any]:
-    """The figures of docs/reliability.md in one machine-readable object."""
+def summary(faults: dict[str, Any] | None, soak: dict[str, Any] | None,
+            gpu_oom: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The figures of docs/reliability.md in one machine-readable object (``gpu_oom``: the result of
+    ``benchmarks/gpu_oom.py``, the real out-of-memory error on a GPU)."""
     out: dict[str, Any] = {"generated": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if faults:
         bad = faults["bad_input"]
@@ -585,6 +587,11 @@ def summary(faults: dict[str, Any] | None, soak: dict[str, Any] | None) -> dict[
         ]
         out["faults_command"] = faults["command"]
         out["faults_machine"] = faults["machine"]
+    if gpu_oom:
+        out["gpu_oom"] = {k: gpu_oom[k] for k in ("gpu", "ballast_mib", "long_status", "long_error", "short_statuses",
+                                                  "short_same_as_alone", "worker_same", "after_ballast_freed_status",
+                                                  "passed", "command")}
+        out["gpu_oom"]["date"] = gpu_oom["machine"]["date"]
     if soak:
         out["soak"] = {k: soak[k] for k in ("duration_s", "requests", "valid_requests", "invalid_requests_sent",
                                             "errors", "valid_lost", "worker_restarts", "throughput_rps",
@@ -642,7 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "reliability-faults.md").write_text(markdown(report))
     soak_path = args.out / "reliability-soak.json"
     soak = json.loads(soak_path.read_text()) if soak_path.exists() else None
-    (args.out / "reliability-summary.json").write_text(json.dumps(summary(report, soak), indent=2) + "\n")
+    oom_runs = sorted(args.out.glob("gpu-oom-*/gpu_oom.json"))  # GPU runs committed beside the results
+    gpu_oom = json.loads(oom_runs[-1].read_text()) if oom_runs else None
+    (args.out / "reliability-summary.json").write_text(json.dumps(summary(report, soak, gpu_oom), indent=2) + "\n")
     print(markdown(report))
     ok = all(r["passed"] for r in bad) and oom["passed"] and restart["passed"]
     return 0 if ok else 1
