@@ -120,3 +120,20 @@ def test_attending_over_a_cache_prefix_equals_the_whole_cache(tiny: Transformer)
         step_whole = tiny(tokens[:, :1], torch.tensor([[12], [5]]))
     torch.testing.assert_close(prefix, whole)
     torch.testing.assert_close(step, step_whole)
+
+
+def test_fused_projections_give_the_same_logits_with_fewer_matmuls() -> None:
+    model = init_random(LlamaConfig.tiny(), seed=3)
+    model.setup_caches(max_batch_size=2, max_seq_len=32)
+    tokens = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
+    before = _forward(model, tokens)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    model.fuse_projections()
+    model.fuse_projections()  # idempotent
+    torch.testing.assert_close(_forward(model, tokens), before, rtol=1e-5, atol=1e-5)
+    assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == n_linear - 3 * model.config.n_layers
+    layer = model.layers[0]
+    assert not hasattr(layer.attention, "wq") and not hasattr(layer.feed_forward, "w1")
+    cfg = model.config
+    assert layer.attention.wqkv.weight.shape == ((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim)
+    assert layer.feed_forward.w13.weight.shape == (2 * cfg.intermediate_size, cfg.dim)
