@@ -192,3 +192,30 @@ def test_search_reports_no_passing_level_and_budget() -> None:
     assert res.best is None and res.bound == "no level within the SLA"
     res = search_capacity(load, lambda s, r: fake_point(s, 50.0), None, lambda: True)
     assert res.best is None and res.bound == "time budget exhausted"
+
+
+def _point(mode: str, level: float, rate: float, status: str = PASS, role: str = "search") -> PointResult:
+    """A point whose summary holds `rate` requests/s of 5 ms requests over 10 s."""
+    n = int(rate * 10)
+    summary = summarize(records(np.arange(n) / rate, 0.005), 0, 10)
+    return PointResult(ServingConfig("stock", 1, 1, 100), LoadSpec(mode, level), status, [], summary, role=role)
+
+
+@pytest.mark.parametrize(("probe_rps", "capacity", "warned"), [(160.0, 10.0, True), (100.0, 60.0, False)])
+def test_a_baseline_whose_probe_beat_its_search_is_flagged(probe_rps: float, capacity: float, warned: bool) -> None:
+    """A closed-loop probe passing at over twice the open-loop capacity means the search hit unstable
+    windows: "N x stock" would overstate the margin, and the report says so."""
+    from benchmarks.bench.report import baseline_doubt
+    from benchmarks.bench.runner import ConfigResult
+    from benchmarks.bench.search import SearchResult
+
+    search = SearchResult(best=_point("open", capacity, capacity),
+                          probe=_point("closed", 2, probe_rps, role="probe"))
+    result = ConfigResult(ServingConfig("stock", 1, 1, 100), status="measured", search=search)
+    assert result.capacity == capacity
+    doubt = baseline_doubt(result)
+    assert (doubt is not None) == warned
+    if warned:
+        assert f"{probe_rps:.1f} requests/s" in doubt and f"capacity of {capacity:.1f}" in doubt
+    failed_probe = SearchResult(best=search.best, probe=_point("closed", 2, probe_rps, status=FAIL, role="probe"))
+    assert baseline_doubt(ConfigResult(result.config, status="measured", search=failed_probe)) is None

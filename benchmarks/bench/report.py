@@ -146,6 +146,19 @@ def analyze(run: "Run") -> dict[str, Any]:
     return {"ranked": ranked, "front": front, "baseline": base_best, "winner": winner, "base_name": base_name}
 
 
+def baseline_doubt(b: "ConfigResult") -> str | None:
+    """Why the stock baseline's capacity understates it, or None. Its closed-loop probe meeting the
+    SLA at over twice the arrival rate its open-loop search settled on means that search ran into
+    unstable windows, not the server's limit (seen on an H100: probe 160 requests/s, capacity 10),
+    so "N x the stock throughput" would overstate servekit's lead."""
+    probe = b.search.probe if b.search else None
+    if probe is None or not probe.passed or b.capacity <= 0 or probe.throughput <= 2 * b.capacity:
+        return None
+    return (f"the stock baseline's closed-loop probe met the SLA at {probe.throughput:.1f} requests/s, over twice its "
+            f"open-loop capacity of {b.capacity:.1f}: the margin over stock is overstated; measure again with "
+            "longer windows (measurement.window_s)")
+
+
 def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
     cfg = run.cfg
     sla = sla_text(cfg.sla)
@@ -176,6 +189,9 @@ def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
         if b.capacity > 0:
             lines.append(f"{w.capacity / b.capacity:.1f} x the stock throughput at the same SLA "
                          f"(stock {b.config.label()}: {b.capacity:.1f} requests/s).")
+            doubt = baseline_doubt(b)
+            if doubt:
+                lines.append(f"WARNING: {doubt}.")
         else:
             lines.append(f"The stock baseline ({b.config.label()}) met the SLA at no load tried; "
                          f"the winner serves {w.capacity:.1f} requests/s within it.")
