@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU-machine set-up for servekit's GPU benchmarks, where nothing installs from a registry.
-# Wheels travel as parts made by pack.sh (one part per call, see the README's GPU section):
+# Wheels travel as parts made by a pack script (tar split into <= 60 MiB parts with a MANIFEST and
+# an unpack.sh; one part per call), then benchmarks/gpu_run.sh runs the measurements:
 #   source benchmarks/gpu_env.sh .gpu/packa [.gpu/packb ...]
 # collects the carried parts under /opt/carry, installs every pack that is complete into its own
 # folder /opt/sk/<pack> (once: pip --target replaces shared folders such as bin/, so packs must not
