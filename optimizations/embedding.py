@@ -46,6 +46,17 @@ def _sdpa_context(attention: str):
     return sdpa_kernel([backend])
 
 
+def _cache_env(name: str, directory: Path) -> None:
+    """Point a compiler cache at `directory` unless the environment chose one. Inductor writes its
+    default into TORCHINDUCTOR_CACHE_DIR the first time anything asks for it (loading, quantizing),
+    so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get(name)
+    if current is None or (name == "TORCHINDUCTOR_CACHE_DIR" and current == os.path.abspath(default_cache_dir())):
+        os.environ[name] = str(directory)
+
+
 def unique_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (a new one while serving = a recompile)."""
     from torch._dynamo.utils import counters
@@ -139,9 +150,10 @@ class EmbeddingRunner:
 
     def _load_compile_cache(self) -> None:
         if self.plan.compile_cache and self.plan.compile != "off":
-            # Inductor's own on-disk caches (FX graphs, Triton kernels) go to the same volume, so a
-            # new worker also skips kernel compilation; an explicit TORCHINDUCTOR_CACHE_DIR wins.
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(self.plan.compile_cache) / "inductor"))
+            # Inductor's and Triton's own on-disk caches (FX graphs, kernels) go to the same volume,
+            # so a new worker also skips kernel compilation; a directory set from outside wins.
+            _cache_env("TORCHINDUCTOR_CACHE_DIR", Path(self.plan.compile_cache) / "inductor")
+            _cache_env("TRITON_CACHE_DIR", Path(self.plan.compile_cache) / "triton")
         path = self._cache_file()
         self.compile_cache_hit = bool(path and path.exists())
         if self.compile_cache_hit:

@@ -55,9 +55,19 @@ def test_unsupported_plan_fails_at_load_or_falls_back():
     assert runner.plan.cuda_graphs is False and runner.downgrades
 
 
-def test_compiled_plan_serves_every_bucket_without_recompiling(golden):
-    runner = EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "compile": "default"}))
+def test_compiled_plan_serves_every_bucket_without_recompiling(golden, tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    # Inductor pins its default directory into the environment at first use; the plan's
+    # compile_cache must still receive inductor's caches (and the compile-artifact file).
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    cache_dir()
+    cache = tmp_path / "compile-cache"
+    runner = EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "compile": "default", "compile_cache": str(cache)}))
     assert len(runner.bucket_stats) == 4
+    assert not runner.compile_cache_hit and list(cache.glob("minilm-*.bin"))
+    assert any(p.is_file() for p in (cache / "inductor").rglob("*")), "inductor's cache went elsewhere"
     # Mixed sizes and lengths that land in every (batch, seq) bucket.
     for texts in (golden[:1], golden[:3], golden, ["word " * 40], ["word " * 40] * 3, golden[:2] + ["word " * 200]):
         runner.embed(texts)
