@@ -463,10 +463,6 @@ class LlamaRunner:
         t2 = time.perf_counter()
         warm_steps(self.steps, decode_order, pool, lambda k: k[1:] == (FILTER, self.kv_buckets[-1]))
         self._sync()
-        if self.device.type == "cuda":
-            # Scratch memory of loading and warm-up goes back to the device (graphs keep their own
-            # pool): other workers on this GPU may use it, and serving allocates only what it needs.
-            torch.cuda.empty_cache()
         return {"prefill_s": t1 - t0, "prefill_graphs_s": t2 - t1, "decode_s": time.perf_counter() - t2}
 
     def _sync(self) -> None:
@@ -730,9 +726,13 @@ def load_llm_runner(model_dir: str, plan: LlmPlan
             plan = dataclasses.replace(plan, compile="off", cuda_graphs=False)
             runner = build(plan)
             runner.warmup()
-    if plan.speculation is not None:
-        return _speculative_runner(runner, Path(model_dir), plan), plan, downgrades
-    return runner, plan, downgrades
+    served = _speculative_runner(runner, Path(model_dir), plan) if plan.speculation is not None else runner
+    if device.type == "cuda":
+        # Scratch memory of loading and of every warm-up (plain and speculative) goes back to the
+        # device (graphs keep their own pool): other workers on this GPU may use it, and serving
+        # allocates only what it needs, so a request too large for the device fails alone.
+        torch.cuda.empty_cache()
+    return served, plan, downgrades
 
 
 def _speculative_runner(runner: LlamaRunner, model_dir: Path, plan: LlmPlan) -> "SpeculativeRunner":
