@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks.bench.runner import main
+from bench_run import remote_target, run_sweep
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(400)]
 
@@ -24,9 +24,7 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
     ts = minilm_server
     sweep = {
         "name": "e2e",
-        "target": {"remote": {"inference_url": ts.inference_url, "management_url": ts.management_url,
-                              "metrics_url": ts.metrics_url, "model_store": str(model_store)},
-                   "ready_timeout_s": 180},
+        "target": remote_target(ts, model_store),
         "variants": [
             {"name": "e2e-stock", "model": "minilm-stock", "baseline": True,
              "sweep": {"workers": [1], "batch_size": [1], "max_batch_delay_ms": [100]}},
@@ -45,11 +43,7 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
                         "tolerance": 0.3, "tail_tolerance": 0.6},
         "deploy": {"target_rps": 100},
     }
-    path = tmp_path / "e2e.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    out = tmp_path / "run"
-    rc = main([str(path), "--out", str(out)])
-    results = json.loads((out / "results.json").read_text())
+    rc, out, results = run_sweep(sweep, tmp_path)
     assert rc == 0, results["answer"]
     assert results["answered"] and results["winner"]["variant"] == "e2e-servekit"
     assert results["baseline"]["variant"] == "e2e-stock"

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from benchmarks.bench.runner import main
+from bench_run import remote_target, run_sweep
 from benchmarks.bench.stats import LLM_FIELDS
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(400)]
@@ -30,9 +29,7 @@ def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, smollm
     heads = smollm2_heads
     sweep = {
         "name": "llm-e2e",
-        "target": {"remote": {"inference_url": ts.inference_url, "management_url": ts.management_url,
-                              "metrics_url": ts.metrics_url, "model_store": str(model_store)},
-                   "ready_timeout_s": 180},
+        "target": remote_target(ts, model_store),
         "variants": [{"name": "e2e-smollm2-spec", "model": "smollm2", "config": "config/models/smollm2-cpu.yaml",
                       "plan": {"buckets": {"batch_sizes": [1, 2]}, "speculation": {"n_heads": 2, "max_batch": 2}},
                       "speculator": str(heads), "baseline": True}],
@@ -45,11 +42,7 @@ def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, smollm
         "measurement": {"warmup_s": 3, "window_s": 3, "stable_windows": 2, "max_trials": 3, "tolerance": 0.5,
                         "min_window_requests": 3},
     }
-    path = tmp_path / "llm.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    out = tmp_path / "run"
-    rc = main([str(path), "--out", str(out)])
-    results = json.loads((out / "results.json").read_text())
+    rc, out, results = run_sweep(sweep, tmp_path)
     assert rc == 0, results["answer"]
 
     (point,) = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
