@@ -210,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-batch-size", type=int, default=1024 if cuda else 128)
     p.add_argument("--max-train-seconds", type=float, default=150.0 if cuda else 120.0)
     p.add_argument("--train-new-tokens", type=int, default=256 if cuda else 32)
-    p.add_argument("--train-samples", type=int, default=11 if cuda else 1,
+    p.add_argument("--train-topic-prompts", type=int, default=3000 if cuda else 0,
+                   help="extra training prompts from optimizations/data/speculator_topics.txt (train-speculator --topic-prompts)")
+    p.add_argument("--train-samples", type=int, default=4 if cuda else 1,
                    help="sampled completions per training prompt, besides the greedy one")
     p.add_argument("--prompts-limit", type=int, default=0 if cuda else 60, help="first N prompts of the file (0: all)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if cuda else "fp32")
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             ["--out", str(out / "heads"), "--heads", str(args.heads), "--steps", str(args.train_steps),
              "--batch-size", str(args.train_batch_size), "--max-train-seconds", str(args.max_train_seconds),
              "--new-tokens", str(args.train_new_tokens), "--prompts-limit", str(args.prompts_limit),
-             "--samples", str(args.train_samples),
+             "--samples", str(args.train_samples), "--topic-prompts", str(args.train_topic_prompts),
              "--device", device.type])
         heads, report = ts.run_recipe(model, tokenizer, targs, say, source)
         heads_dir = save_speculator(heads, out / "heads", report)

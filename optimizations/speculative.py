@@ -114,6 +114,12 @@ class Speculator(nn.Module):
         super().__init__()
         self.config = config
         self.stages = nn.ModuleList(SpeculatorStage(config) for _ in range(config.n_heads))
+        # Token ids a head may guess (sorted; empty: the whole vocabulary). Guesses come from the
+        # lm_head rows of these tokens only: a 49k x 576 matmul and argmax per head is most of a
+        # head's cost, and the tokens greedy decoding rarely emits are rarely right guesses.
+        self.register_buffer("draft_vocab", torch.empty(0, dtype=torch.int64))
+        self._draft_head: Tensor | None = None  # lm_head rows of draft_vocab (prepare_draft)
+        self._draft_fn: Callable[..., Tensor] | None = None
 
     @property
     def n_heads(self) -> int:
@@ -149,7 +155,32 @@ class Speculator(nn.Module):
         nn.Module.__init__(sub)
         sub.config = SpeculatorConfig(**{**asdict(self.config), "n_heads": n})
         sub.stages = nn.ModuleList(list(self.stages)[:n])
+        sub.register_buffer("draft_vocab", self.draft_vocab)
+        sub._draft_head, sub._draft_fn = None, None
         return sub
+
+    def set_draft_vocab(self, ids: Tensor) -> None:
+        """Restrict guesses to ``ids`` (empty: the whole vocabulary)."""
+        ids = torch.unique(ids.to(torch.int64).flatten())  # sorted
+        if ids.numel() and not (0 <= int(ids[0]) and int(ids[-1]) < self.config.vocab_size):
+            raise ValueError(f"draft vocabulary ids must be in 0..{self.config.vocab_size - 1}")
+        self.draft_vocab = ids.to(self.draft_vocab.device)
+        self._draft_head, self._draft_fn = None, None
+
+    def pick(self, logits: Tensor) -> Tensor:
+        """Greedy guesses from full-vocabulary logits ``(..., V)``, within the draft vocabulary."""
+        if not self.draft_vocab.numel():
+            return logits.argmax(dim=-1)
+        return self.draft_vocab[logits.index_select(-1, self.draft_vocab).argmax(dim=-1)]
+
+    def prepare_draft(self, model: Transformer, compile_mode: str | None = None) -> None:
+        """Serving set-up, after the heads are on the model's device and dtype: gather the draft
+        vocabulary's lm_head rows once, and compile the drafting loop if asked (it fuses each
+        head's norms, activation and argmax; run inside the captured verify step)."""
+        w = model.output.weight
+        self._draft_head = w.index_select(0, self.draft_vocab.to(w.device)).contiguous() if self.draft_vocab.numel() else None
+        self._draft_fn = (torch.compile(self._draft, mode=compile_mode, fullgraph=True, dynamic=False)
+                          if compile_mode else None)
 
     def forward(self, model: Transformer, hidden: Tensor, tokens: Tensor) -> list[Tensor]:
         """Teacher-forced logits for training: hidden ``(N, dim)`` at position t, tokens ``(N, k)``
@@ -162,10 +193,21 @@ class Speculator(nn.Module):
 
     def draft(self, model: Transformer, hidden: Tensor, token: Tensor) -> Tensor:
         """Greedy drafts ``(B, k)`` from hidden ``(B, dim)`` at position t and token x_{t+1} ``(B,)``."""
+        head = self._draft_head
+        if head is None:
+            w = model.output.weight
+            head = w.index_select(0, self.draft_vocab) if self.draft_vocab.numel() else w
+        return (self._draft_fn or self._draft)(model.tok_embeddings.weight, head, hidden, token)
+
+    def _draft(self, emb: Tensor, head: Tensor, hidden: Tensor, token: Tensor) -> Tensor:
+        """``draft`` on plain tensors (what ``torch.compile`` sees): emb ``(V, dim)``; head: the
+        lm_head rows guesses come from (all of them, or ``draft_vocab``'s)."""
         state, out = hidden, []
         for stage in self.stages:
-            state, feat = stage(state, model.tok_embeddings(token))
-            token = model.output(feat).argmax(dim=-1)
+            state, feat = stage(state, F.embedding(token, emb))
+            token = F.linear(feat, head).argmax(dim=-1)
+            if self.draft_vocab.numel():
+                token = self.draft_vocab[token]
             out.append(token)
         return torch.stack(out, dim=1)
 
@@ -176,7 +218,8 @@ def save_speculator(speculator: Speculator, out_dir: str | Path, info: dict | No
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().float().cpu().contiguous() for k, v in speculator.state_dict().items()}
+    tensors = {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
+               for k, v in speculator.state_dict().items()}
     save_file(tensors, str(out / SPEC_WEIGHTS), metadata={"format": SPEC_FORMAT})
     config = {"format": SPEC_FORMAT, "version": 1, **asdict(speculator.config), "training": info or {}}
     (out / SPEC_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
@@ -196,7 +239,12 @@ def load_speculator(path: str | Path, device: torch.device | str = "cpu",
         raise ValueError(f"{folder / SPEC_CONFIG}: format is {raw.get('format')!r}, expected {SPEC_FORMAT!r}")
     config = SpeculatorConfig(**{k: raw[k] for k in ("n_heads", "dim", "hidden_dim", "vocab_size", "norm_eps")})
     spec = Speculator(config)
-    spec.load_state_dict(load_file(str(folder / SPEC_WEIGHTS)), strict=True)
+    tensors = load_file(str(folder / SPEC_WEIGHTS))
+    if "draft_vocab" in tensors:  # heads saved before draft vocabularies have none: all tokens
+        spec.set_draft_vocab(tensors["draft_vocab"])
+    else:
+        tensors["draft_vocab"] = spec.draft_vocab
+    spec.load_state_dict(tensors, strict=True)
     return spec.to(device=device, dtype=dtype).eval()
 
 
@@ -414,6 +462,7 @@ class SpeculativeRunner:
         self.base, self.model, self.device = base, model, base.device
         self.speculator = speculator.head_subset(n_heads or speculator.n_heads).to(device=w.device, dtype=w.dtype).eval()
         self.n_heads = self.speculator.n_heads
+        self.speculator.prepare_draft(model, base.plan.get("compile_mode", "default") if compile_verify else None)
         self.max_spec_batch = min(max_spec_batch, base.max_batch)
         top = pick_bucket(self.max_spec_batch, base.batch_buckets) if self.max_spec_batch else 0
         self.spec_buckets = tuple(b for b in base.batch_buckets if b <= top)

@@ -2,7 +2,9 @@
 
 1. Prompts from a text file (one per line; default: the ``speculator_prompts.txt`` shipped in
    ``optimizations/data``), every 10th held out for evaluation, wrapped in the tokenizer's chat
-   template (as the chat endpoint serves them).
+   template (as the chat endpoint serves them). ``--topic-prompts N`` adds N training prompts made
+   from ``speculator_topics.txt`` and a few instruction templates: heads trained on a few hundred
+   prompts learn those prompts' completions by heart and guess far worse on new ones.
 2. The base model completes each prompt greedily, and ``--samples`` more times with sampling
    (``LlamaRunner``, stop at EOS): the sampled completions add varied contexts, which matters
    with a few hundred prompts.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +44,27 @@ from optimizations.llama import LlamaConfig, Transformer, init_random, load_llam
 from optimizations.speculative import Speculator, SpeculatorConfig, forward_hidden, save_speculator
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "speculator_prompts.txt"
+DEFAULT_TOPICS = Path(__file__).resolve().parent / "data" / "speculator_topics.txt"
+# Instruction forms for the topic prompts: answers of different shapes (prose, lists, stories,
+# verse, code, letters), so the heads see the base model's styles, not one.
+TOPIC_TEMPLATES = (
+    "Explain {a} in simple terms.",
+    "Write a short paragraph about {a}.",
+    "What are the advantages and disadvantages of {a}?",
+    "Give me three interesting facts about {a}.",
+    "How would you describe {a} to a ten-year-old?",
+    "Write a short story that involves {a}.",
+    "What are common misconceptions about {a}?",
+    "List five tips for someone getting started with {a}.",
+    "Write a short poem about {a}.",
+    "Summarize the history of {a}.",
+    "Why does {a} matter?",
+    "Compare {a} and {b}.",
+    "Write a short Python program related to {a}, with comments.",
+    "Write a friendly email to a colleague about {a}.",
+    "What questions should I ask an expert on {a}?",
+    "What is the connection between {a} and {b}?",
+)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HELD_OUT_EVERY = 10  # prompt i is held out when i % 10 == 9
 
@@ -51,6 +75,31 @@ def load_prompts(path: str | Path = DEFAULT_PROMPTS) -> list[str]:
     """Non-empty lines that do not start with '#'; a literal ``\\n`` in a line is a newline."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     return [ln.strip().replace("\\n", "\n") for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def topic_prompts(n: int, topics_path: str | Path = DEFAULT_TOPICS, seed: int = 0) -> list[str]:
+    """``n`` distinct prompts, each a ``TOPIC_TEMPLATES`` entry filled with topics from the file
+    (same n and seed: same prompts). ValueError when the file cannot give ``n``."""
+    topics = load_prompts(topics_path)
+    if n <= 0:
+        return []
+    if len(topics) < 2:
+        raise ValueError(f"{topics_path}: need at least 2 topics, found {len(topics)}")
+    rng = random.Random(seed)
+    pairs = sum("{b}" in t for t in TOPIC_TEMPLATES)
+    most = len(topics) * (len(TOPIC_TEMPLATES) - pairs) + len(topics) * (len(topics) - 1) * pairs
+    if n > most // 2:  # keep the draw below half the space so it ends quickly
+        raise ValueError(f"--topic-prompts {n} is too many for {len(topics)} topics x {len(TOPIC_TEMPLATES)} "
+                         f"templates (at most {most // 2})")
+    seen: set[str] = set()
+    out: list[str] = []
+    while len(out) < n:
+        a, b = rng.sample(topics, 2)
+        text = rng.choice(TOPIC_TEMPLATES).format(a=a, b=b)
+        if text not in seen:
+            seen.add(text)
+            out.append(text[0].upper() + text[1:])
+    return out
 
 
 def split_prompts(prompts: list[str], every: int = HELD_OUT_EVERY) -> tuple[list[str], list[str]]:
@@ -186,6 +235,17 @@ def build_examples(model: Transformer, prompts: list[list[int]], seqs: list[Sequ
     return ex.subset(keep)
 
 
+def draft_vocabulary(targets: Tensor, vocab_size: int, size: int) -> tuple[Tensor, float]:
+    """The ``size`` most frequent target tokens (sorted ids) and the share of targets they cover;
+    an empty tensor and 1.0 when ``size`` is 0 or not smaller than the vocabulary."""
+    valid = targets[targets >= 0].flatten()
+    if size <= 0 or size >= vocab_size or not valid.numel():
+        return torch.empty(0, dtype=torch.int64), 1.0
+    counts = torch.bincount(valid.cpu(), minlength=vocab_size)
+    top = counts.topk(size).indices
+    return top.sort().values, float(counts[top].sum()) / float(counts.sum())
+
+
 # --- training and evaluation ----------------------------------------------------------------------
 
 def _autocast(device: torch.device):
@@ -204,7 +264,7 @@ def head_losses(model: Transformer, speculator: Speculator, ex: Examples) -> tup
         valid = target >= 0
         ce = F.cross_entropy(lg.float(), target.clamp(min=0), reduction="none")
         losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
-        correct.append(torch.where(valid, (lg.argmax(-1) == target).long(), -1))
+        correct.append(torch.where(valid, (speculator.pick(lg) == target).long(), -1))
     return losses, correct
 
 
@@ -314,13 +374,20 @@ def run_recipe(model: Transformer, tokenizer, args: argparse.Namespace, progress
     train_texts, eval_texts = split_prompts(texts)
     if not eval_texts:
         raise ValueError(f"need at least {HELD_OUT_EVERY} prompts to hold some out, got {len(texts)}")
+    topic_texts = topic_prompts(args.topic_prompts, args.topics, args.seed)
     stop = tuple(i for i in {model.config.eos_token_id, getattr(tokenizer, "eos_token_id", None)} if i is not None)
     t0 = time.perf_counter()
-    prompts = encode_prompts(train_texts + eval_texts, tokenizer, model.config.vocab_size, chat=not args.no_chat)
-    _say(progress, f"prompts: {len(train_texts)} for training, {len(eval_texts)} held out ({args.prompts})")
-    n_train = len(train_texts)
-    seqs = self_distill(model, prompts[:n_train], args.new_tokens, args.gen_batch, stop, args.samples,
+    prompts = encode_prompts(train_texts + topic_texts + eval_texts, tokenizer, model.config.vocab_size,
+                             chat=not args.no_chat)
+    _say(progress, f"prompts: {len(train_texts)} + {len(topic_texts)} from topics for training, "
+                   f"{len(eval_texts)} held out ({args.prompts})")
+    n_file, n_train = len(train_texts), len(train_texts) + len(topic_texts)
+    seqs = self_distill(model, prompts[:n_file], args.new_tokens, args.gen_batch, stop, args.samples,
                         args.temperature, args.seed, progress)
+    if topic_texts:  # Sequence.prompt indexes prompts[n_file:n_train]: shift it to index prompts
+        seqs += [Sequence(q.prompt + n_file, q.tokens, q.stopped)
+                 for q in self_distill(model, prompts[n_file:n_train], args.new_tokens, args.gen_batch, stop,
+                                       args.topic_samples, args.temperature, args.seed + 1, progress)]
     held_seqs = self_distill(model, prompts[n_train:], args.new_tokens, args.gen_batch, stop, 0, progress=progress)
     t1 = time.perf_counter()
     train = build_examples(model, prompts[:n_train], seqs, args.heads)
@@ -329,6 +396,10 @@ def run_recipe(model: Transformer, tokenizer, args: argparse.Namespace, progress
     _say(progress, f"examples: {len(train)} training positions, {len(held)} held out ({t2 - t1:.1f} s)")
     config = SpeculatorConfig.for_model(model, args.heads, args.hidden_mult)
     speculator = Speculator(config).reset_parameters(args.seed).to(device)
+    vocab, coverage = draft_vocabulary(train.targets, config.vocab_size, args.draft_vocab)
+    speculator.set_draft_vocab(vocab)
+    if vocab.numel():
+        _say(progress, f"draft vocabulary: {vocab.numel()} tokens, {coverage:.2%} of the training targets")
     before = evaluate(model, speculator, held)
     summary = train_heads(model, speculator, train, args.steps, args.batch_size, args.lr,
                           max_seconds=args.max_train_seconds, seed=args.seed, progress=progress, held_out=held)
@@ -338,11 +409,14 @@ def run_recipe(model: Transformer, tokenizer, args: argparse.Namespace, progress
                                         "vocab_size": model.config.vocab_size},
         "base_dtype": str(model.tok_embeddings.weight.dtype).removeprefix("torch."), "device": str(device),
         "prompts": {"file": str(args.prompts), "train": len(train_texts), "held_out": len(eval_texts),
+                    "topic_prompts": len(topic_texts), "topics_file": str(args.topics),
                     "chat_template": bool(tokenizer is not None and not args.no_chat)},
         "completions": {"new_tokens": args.new_tokens, "sampled_per_prompt": args.samples,
+                        "sampled_per_topic_prompt": args.topic_samples,
                         "temperature": args.temperature, "sequences": len(seqs) + len(held_seqs),
                         "tokens": sum(len(q.tokens) for q in seqs + held_seqs), "seconds": round(t1 - t0, 2)},
         "examples": {"train": len(train), "held_out": len(held), "seconds": round(t2 - t1, 2)},
+        "draft_vocab": {"tokens": vocab.numel() or config.vocab_size, "target_coverage": round(coverage, 5)},
         "train": summary,
         "held_out_untrained": before,
         "held_out": evaluate(model, speculator, held),
@@ -361,8 +435,15 @@ def build_parser(prog: str = "python -m optimizations.train_speculator") -> argp
     src.add_argument("--tiny", action="store_true", help="tiny random-init model, no tokenizer (smoke test)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="text file, one prompt per line")
     p.add_argument("--prompts-limit", type=int, default=0, help="use only the first N prompts (0: all)")
+    p.add_argument("--topics", default=str(DEFAULT_TOPICS), help="text file, one topic per line (for --topic-prompts)")
+    p.add_argument("--topic-prompts", type=int, default=3000 if cuda else 0,
+                   help="extra training prompts made from --topics and instruction templates (0: none)")
+    p.add_argument("--topic-samples", type=int, default=1,
+                   help="sampled completions per topic prompt, besides the greedy one")
     p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, not the chat template")
     p.add_argument("--heads", type=int, default=4, help="number of speculator heads (draft tokens per step)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="heads guess only the N most frequent tokens of the completions (0: every token)")
     p.add_argument("--hidden-mult", type=float, default=2.0, help="head MLP width as a multiple of the model dim")
     p.add_argument("--new-tokens", type=int, default=256, help="completion length (stops earlier at EOS)")
     p.add_argument("--samples", type=int, default=11 if cuda else 1,

@@ -332,3 +332,78 @@ def test_oracle_drafts_are_accepted_exactly_as_planned(base: LlamaRunner, model:
             assert step.proposed == [len(live)] * K
             assert step.accepted == [sum(plan(r, t - 1) > j for r in live) for j in range(K)]
     assert emitted == [ref[:m] for ref, m in zip(refs, max_tokens)]
+
+
+# --- draft vocabulary, compiled drafting, topic prompts ----------------------------------------------
+
+def _restricted_heads(model: Transformer, ids: torch.Tensor) -> Speculator:
+    heads = Speculator(SpeculatorConfig.for_model(model, K)).reset_parameters(seed=2, random_out=True)
+    heads.set_draft_vocab(ids)
+    return heads
+
+
+def test_draft_vocabulary_limits_guesses_and_round_trips(model: Transformer, tmp_path: Path) -> None:
+    ids = torch.arange(5, model.config.vocab_size, 7)
+    heads = _restricted_heads(model, ids)
+    hidden = torch.randn(6, model.config.dim)
+    token = torch.randint(0, model.config.vocab_size, (6,))
+    drafts = heads.draft(model, hidden, token)
+    assert set(drafts.flatten().tolist()) <= set(ids.tolist())
+    # the same guesses as picking within the vocabulary from the full lm_head logits
+    state, want = hidden, []
+    for stage in heads.stages:
+        state, feat = stage(state, model.tok_embeddings(token))
+        token = heads.pick(model.output(feat))
+        want.append(token)
+    assert torch.equal(drafts, torch.stack(want, 1))
+    unrestricted = Speculator(heads.config)
+    unrestricted.load_state_dict({k: v for k, v in heads.state_dict().items() if k != "draft_vocab"}, strict=False)
+    assert not set(unrestricted.draft(model, hidden, token).flatten().tolist()) <= set(ids.tolist())
+
+    save_speculator(heads, tmp_path / "h")
+    loaded = load_speculator(tmp_path / "h")
+    assert loaded.draft_vocab.dtype == torch.int64 and torch.equal(loaded.draft_vocab, ids)
+    save_speculator(unrestricted, tmp_path / "old")  # a file without a vocabulary (older heads)
+    assert load_speculator(tmp_path / "old").draft_vocab.numel() == 0
+    with pytest.raises(ValueError, match="draft vocabulary ids"):
+        heads.set_draft_vocab(torch.tensor([model.config.vocab_size]))
+
+
+def test_compiled_draft_is_exact(model: Transformer, base: LlamaRunner) -> None:
+    """compile_verify compiles the drafting loop too: same drafts as eager, output still exact."""
+    heads = _restricted_heads(model, torch.arange(0, model.config.vocab_size, 3))
+    eager = heads.draft(model, torch.randn(2, model.config.dim), torch.tensor([3, 9]))
+    runner = SpeculativeRunner(base, heads, max_spec_batch=2, compile_verify=True)
+    assert heads._draft_fn is not None and heads._draft_head is not None
+    torch.manual_seed(0)
+    hidden, token = torch.randn(2, model.config.dim), torch.tensor([3, 9])
+    assert torch.equal(runner.speculator.draft(model, hidden, token), heads._draft(
+        model.tok_embeddings.weight, model.output.weight[heads.draft_vocab], hidden, token))
+    assert eager.shape == (2, K)
+    prompts = _prompts([7, 19], seed=21)
+    _check_exact(base, runner, prompts, [SamplingParams(max_tokens=24)] * 2)
+
+
+def test_draft_vocabulary_from_targets() -> None:
+    targets = torch.tensor([[5, 5, 5, -1], [7, 7, 9, -1], [5, 1, -1, -1]])
+    ids, coverage = train_speculator.draft_vocabulary(targets, vocab_size=16, size=2)
+    assert ids.tolist() == [5, 7] and coverage == pytest.approx(6 / 8)
+    assert train_speculator.draft_vocabulary(targets, 16, 0)[0].numel() == 0
+    assert train_speculator.draft_vocabulary(targets, 16, 16)[0].numel() == 0
+
+
+def test_topic_prompts_are_distinct_and_repeatable(tmp_path: Path) -> None:
+    a = train_speculator.topic_prompts(500)
+    assert len(set(a)) == 500 and a == train_speculator.topic_prompts(500)
+    assert a != train_speculator.topic_prompts(500, seed=1)
+    shipped = set(train_speculator.load_prompts())
+    assert not shipped & set(a)  # the held-out evaluation prompts stay unseen
+    assert all(not any(c in p for c in "{}") for p in a)
+    topics = tmp_path / "topics.txt"
+    topics.write_text("# comment\nowls\nkites\n")
+    assert len(train_speculator.topic_prompts(10, topics)) == 10
+    with pytest.raises(ValueError, match="too many"):
+        train_speculator.topic_prompts(1000, topics)
+    topics.write_text("owls\n")
+    with pytest.raises(ValueError, match="at least 2 topics"):
+        train_speculator.topic_prompts(3, topics)
