@@ -197,8 +197,13 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     t = time.perf_counter()
     runner = EmbeddingRunner(model_dir(), parse_plan(json.loads(args.plan_json)))
-    print(json.dumps({"runner_ready_s": round(time.perf_counter() - t, 2), "warmup_s": round(runner.warmup_s, 2),
-                      "compile_cache_hit": runner.compile_cache_hit, "buckets": len(runner.bucket_stats)}))
+    from optimizations.embedding import unique_graphs
+
+    slowest = sorted(runner.bucket_stats, key=lambda c: -c["capture_s"])[:4]
+    print(json.dumps({"runner_ready_s": round(time.perf_counter() - t, 2), "load_s": round(runner.load_s, 2),
+                      "warmup_s": round(runner.warmup_s, 2), "compile_cache_hit": runner.compile_cache_hit,
+                      "buckets": len(runner.bucket_stats), "compiled_graphs": unique_graphs(),
+                      "slowest_buckets": [{k: c[k] for k in ("batch", "seq", "capture_s")} for c in slowest]}))
     return 0
 
 
