@@ -101,12 +101,7 @@ class EmbeddingRunner:
         self.bucket_stats: list[dict] = []
         t1 = time.perf_counter()
         if self.plan.warmup or self.plan.cuda_graphs or self.plan.compile != "off":
-            # Size-oblivious shapes: batch 1 shares the dynamic graph instead of getting one of its
-            # own (dynamo specialises sizes 0 and 1), one trace fewer at every worker start.
-            import torch.fx.experimental._config as fx_config
-
-            with fx_config.patch(backed_size_oblivious=True):
-                self._warm_up()
+            self._warm_up()
         self._save_compile_cache()
         self.warmup_s = time.perf_counter() - t1
         self._graphs_baseline = unique_graphs()
