@@ -23,7 +23,8 @@ for step in "$@"; do
   echo "== $step -> $out/$step"
   case $step in
     llm-inprocess) python3 -m benchmarks.llm_inprocess --out "$out/$step" --variants graphs-prefill compile-graphs hf-eager --repeats 3 ;;
-    spec) python3 -m benchmarks.spec_bench --out "$(dirname "$heads")" --max-train-seconds 120 --batches 1 4 16 --rows 16 \
+    spec) python3 -m benchmarks.spec_bench --out "$(dirname "$heads")" --max-train-seconds 150 --train-topic-prompts 8000 \
+            --batches 1 --rows 16 --fp32-check off \
             && cp "$(dirname "$heads")"/spec_bench.* "$out/$step/" ;;
     serve) python3 -m benchmarks.llm_serve_bench --out "$out/$step" --speculator "$heads" --rounds 4 ;;
     oom) python3 -m benchmarks.gpu_oom --out "$out/$step" ;;

@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-batch-size", type=int, default=1024 if cuda else 128)
     p.add_argument("--max-train-seconds", type=float, default=150.0 if cuda else 120.0)
     p.add_argument("--train-new-tokens", type=int, default=256 if cuda else 32)
-    p.add_argument("--train-topic-prompts", type=int, default=3000 if cuda else 0,
+    p.add_argument("--train-topic-prompts", type=int, default=8000 if cuda else 0,
                    help="extra training prompts from optimizations/data/speculator_topics.txt (train-speculator --topic-prompts)")
     p.add_argument("--train-samples", type=int, default=4 if cuda else 1,
                    help="sampled completions per training prompt, besides the greedy one")

@@ -9,7 +9,7 @@ embedding of the token before the one it guesses, and returns a new state and a 
 
 ``E`` and ``lm_head`` are the base model's own (frozen, not stored with the heads), so a head is
 two small matrices and two norm vectors: for SmolLM2-135M (dim 576, hidden 1152) 2 M parameters
-per head, 8 MiB of fp32 safetensors for 4 heads. At serving time stage 1 gets the token the base
+per head, 32 MiB of fp32 safetensors for 4 heads. At serving time stage 1 gets the token the base
 model has just chosen, later stages the previous stage's guess.
 
 One decoding step (``verify_step``), for every row of a batch at once:

@@ -436,7 +436,7 @@ def build_parser(prog: str = "python -m optimizations.train_speculator") -> argp
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="text file, one prompt per line")
     p.add_argument("--prompts-limit", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--topics", default=str(DEFAULT_TOPICS), help="text file, one topic per line (for --topic-prompts)")
-    p.add_argument("--topic-prompts", type=int, default=3000 if cuda else 0,
+    p.add_argument("--topic-prompts", type=int, default=8000 if cuda else 0,
                    help="extra training prompts made from --topics and instruction templates (0: none)")
     p.add_argument("--topic-samples", type=int, default=1,
                    help="sampled completions per topic prompt, besides the greedy one")
@@ -446,7 +446,7 @@ def build_parser(prog: str = "python -m optimizations.train_speculator") -> argp
                    help="heads guess only the N most frequent tokens of the completions (0: every token)")
     p.add_argument("--hidden-mult", type=float, default=2.0, help="head MLP width as a multiple of the model dim")
     p.add_argument("--new-tokens", type=int, default=256, help="completion length (stops earlier at EOS)")
-    p.add_argument("--samples", type=int, default=11 if cuda else 1,
+    p.add_argument("--samples", type=int, default=4 if cuda else 1,
                    help="sampled completions per training prompt, besides the greedy one")
     p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled completions")
     p.add_argument("--gen-batch", type=int, default=256 if cuda else 16, help="batch size for generating completions")
