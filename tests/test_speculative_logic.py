@@ -53,7 +53,8 @@ def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Heads trained by the CLI recipe on the tiny model (seconds)."""
     out = tmp_path_factory.mktemp("spec-tiny")
     assert train_speculator.main(["--tiny", "--out", str(out), "--prompts-limit", "30", "--new-tokens", "24",
-                                  "--steps", "40", "--batch-size", "128", "--device", "cpu", "--quiet"]) == 0
+                                  "--steps", "40", "--batch-size", "128", "--device", "cpu", "--quiet",
+                                  "--topic-prompts", "12", "--draft-vocab", "192"]) == 0
     return out
 
 
@@ -295,6 +296,10 @@ def test_training_recipe_smoke(trained_dir: Path, capsys: pytest.CaptureFixture[
     assert cfg["n_heads"] == K and cfg["dim"] == 64 and cfg["vocab_size"] == 256
     report = cfg["training"]
     assert report["prompts"]["train"] == 27 and report["prompts"]["held_out"] == 3
+    # 27 file and 12 topic prompts, each greedy + 1 sampled completion; held-out prompts greedy only
+    assert report["prompts"]["topic_prompts"] == 12 and report["completions"]["sequences"] == 27 * 2 + 12 * 2 + 3
+    assert report["draft_vocab"]["tokens"] == 192 and 0.5 < report["draft_vocab"]["target_coverage"] <= 1.0
+    assert load_speculator(trained_dir).draft_vocab.numel() == 192
     assert report["train"]["steps"] == 40 and report["examples"]["train"] > 500
     assert len(report["held_out"]["accuracy"]) == K and report["held_out"]["mean_accepted_length"] >= 1.0
     assert 0 < report["train"]["final_loss"] < 5.0  # ln(256) = 5.5 is chance
