@@ -5,7 +5,7 @@ sequences/s per bucket, cosine to the fp32 eager reference, recompiles after a r
 bucket. `ready` measures worker-ready time in a fresh process with and without the compile cache.
 
     python -m benchmarks.plan_bench run --out benchmarks/results/plans-<gpu>   # all plans
-    python -m benchmarks.plan_bench ready --out DIR --plan fp16-compile-graphs
+    python -m benchmarks.plan_bench ready --out DIR --plan fp16-compile-graphs   # GPU (fp32-compile on CPU)
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ PLANS: dict[str, dict] = {
     "fp16-eager": {"precision": "fp16"},
     "bf16-eager": {"precision": "bf16"},
     "fp16-compile": {"precision": "fp16", "compile": "default"},
+    "fp32-compile": {"precision": "fp32", "compile": "default"},  # `ready` on a CPU
     "fp16-graphs": {"precision": "fp16", "cuda_graphs": True},
     "fp16-compile-graphs": {"precision": "fp16", "compile": "default", "cuda_graphs": True},
     "int8wo-compile-graphs": {"precision": "fp16", "quantization": "int8_weight_only", "compile": "default",
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(fn=cmd_run)
     w = sub.add_parser("ready", help="worker-ready time with and without the compile cache")
     w.add_argument("--out", required=True)
-    w.add_argument("--plan", default="fp16-compile-graphs", choices=sorted(PLANS))
+    w.add_argument("--plan", default="fp16-compile-graphs" if torch.cuda.is_available() else "fp32-compile",
+                   choices=sorted(PLANS))
     w.set_defaults(fn=cmd_ready)
     md = sub.add_parser("render", help="rewrite DIR/plans.md from DIR/plans.json and DIR/ready-*.json")
     md.add_argument("dir")

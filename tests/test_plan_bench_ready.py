@@ -1,0 +1,26 @@
+"""`plan_bench ready` on CPU: two fresh worker processes of a compile plan, the first with empty
+caches, the second with the compile cache the first left behind (real MiniLM, real compiles)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ready_cold_then_with_compile_cache(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.plan_bench", "ready", "--out", str(tmp_path),
+                           "--plan", "fp32-compile"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "ready-fp32-compile.json").read_text())
+    cold, cached = result["ready"]["cold"], result["ready"]["with_compile_cache"]
+    assert result["config"]["compile"] == "default" and result["environment"]["torch"]
+    assert (cold["compile_cache_hit"], cached["compile_cache_hit"]) == (False, True)
+    assert cold["buckets"] == cached["buckets"] == 4 and cached["compiled_graphs"] >= 1
+    assert len(cached["slowest_buckets"]) == 4 and all(b["capture_s"] >= 0 for b in cached["slowest_buckets"])
+    # the compile cache is what makes the second start shorter: compiling dominates the cold one
+    assert cached["warmup_s"] < 0.7 * cold["warmup_s"], (cold, cached)
+    assert cached["runner_ready_s"] < cold["runner_ready_s"]
