@@ -200,13 +200,11 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from optimizations.embedding import EmbeddingRunner
+    from optimizations.embedding import EmbeddingRunner, unique_graphs
     from optimizations.plan import parse_plan
 
     t = time.perf_counter()
     runner = EmbeddingRunner(model_dir(), parse_plan(json.loads(args.plan_json)))
-    from optimizations.embedding import unique_graphs
-
     slowest = sorted(runner.bucket_stats, key=lambda c: -c["capture_s"])[:4]
     print(json.dumps({"runner_ready_s": round(time.perf_counter() - t, 2), "load_s": round(runner.load_s, 2),
                       "warmup_s": round(runner.warmup_s, 2), "compile_cache_hit": runner.compile_cache_hit,

@@ -80,9 +80,9 @@ def load_prompts(path: str | Path = DEFAULT_PROMPTS) -> list[str]:
 def topic_prompts(n: int, topics_path: str | Path = DEFAULT_TOPICS, seed: int = 0) -> list[str]:
     """``n`` distinct prompts, each a ``TOPIC_TEMPLATES`` entry filled with topics from the file
     (same n and seed: same prompts). ValueError when the file cannot give ``n``."""
-    topics = load_prompts(topics_path)
     if n <= 0:
         return []
+    topics = load_prompts(topics_path)
     if len(topics) < 2:
         raise ValueError(f"{topics_path}: need at least 2 topics, found {len(topics)}")
     rng = random.Random(seed)
