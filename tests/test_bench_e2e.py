@@ -40,7 +40,7 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
         # default 10% (seen: servekit's only point marked unstable, so stock "won"); stability itself
         # is covered by the known-answer and statistics tests.
         "measurement": {"warmup_s": 2, "window_s": 1.5, "max_trials": 4, "min_window_requests": 12,
-                        "tolerance": 0.3, "tail_tolerance": 0.6},
+                        "tolerance": 0.3, "tail_tolerance": 0.6, "inprocess_s": 2},
         "deploy": {"target_rps": 100},
     }
     rc, out, results = run_sweep(sweep, tmp_path)
@@ -63,6 +63,12 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
     assert fast[-1]["server"]["texts_per_batch"] >= 1.0          # from the handler's own counters
     assert fast[-1]["server"]["ts_backend_mean_ms"] > 0         # from TorchServe's counters
 
+    # the in-process reference: the winner's plan timed in this process on the same payload texts
+    ip = results["inprocess"]
+    assert ip["config"] == results["winner"] and ip["batch_size"] == 4 and ip["texts_per_s"] > 0
+    assert ip["texts_per_request"] == 1.0 and ip["plan"].startswith("fp32")
+    assert ip["served_fraction"] == pytest.approx(caps["e2e-servekit"]["capacity_rps"] / ip["texts_per_s"], rel=1e-3)
+
     overlay = json.loads((out / "recommendation.json").read_text())
     assert OVERLAY_KEYS <= set(overlay)
     assert overlay["batch_size"] == 4 and overlay["replicas"] >= 1
@@ -70,6 +76,7 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
     assert mc["batchSize"] == 4 and mc["minWorkers"] == mc["maxWorkers"] == 1 and "servekit" in mc
     report = (out / "report.md").read_text()
     assert "x the stock throughput" in report or "met the SLA at no load" in report
+    assert "In-process reference: the winner's plan ran" in report
     assert (out / "latency_throughput.png").stat().st_size > 10_000
     # models the run registered are gone again; the session's own model is untouched
     from benchmarks.server import model_ready, model_workers

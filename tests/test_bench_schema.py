@@ -50,6 +50,9 @@ def test_defaults_and_variant_axes() -> None:
     assert stock.axes.workers == (1,) and stock.axes.batch_size == (1,)
     assert fast.axes.workers == (1, 2) and fast.axes.batch_size == (1, 8)
     assert cfg.baseline is stock
+    assert cfg.load.search.refine_precision is None and cfg.measurement.inprocess_s == 0
+    refined = parse_config(with_("load.search", {"precision": 0.2, "refine": {"precision": 0.03}}))
+    assert (refined.load.search.refine_precision, refined.load.search.refine_points) == (0.03, 6)
 
 
 @pytest.mark.parametrize("path, value, message", [
@@ -64,6 +67,11 @@ def test_defaults_and_variant_axes() -> None:
     ("load.levels", [10, 5], "load.levels: values must be strictly increasing"),
     ("load.search", {"growth": 1.0}, "load.search.growth: expected a number > 1"),
     ("load.search", {"precison": 0.1}, "load.search.precison: unknown key"),
+    ("load.search", {"precision": 0.1, "refine": {"precision": 0.2}},
+     "load.search.refine.precision: must be finer than load.search.precision (0.1)"),
+    ("load.search", {"refine": {"max_points": 3}}, "load.search.refine: give `precision`"),
+    ("load.search", {"refine": {"precision": 0.03, "points": 3}}, "load.search.refine.points: unknown key"),
+    ("measurement.inprocess_s", -1, "measurement.inprocess_s: expected a non-negative number"),
     ("measurement.max_trials", 2, "measurement.max_trials: 2 is fewer than stable_windows"),
     ("measurement.tolerance", 0, "measurement.tolerance: expected a number in (0, 1)"),
     ("variants.1.plan", {"precision": "fp12"}, "variants[1].plan.precision: 'fp12' is not one of"),
@@ -204,3 +212,15 @@ def test_speculator_heads_are_checked_when_the_run_starts(tmp_path: Path) -> Non
     for name in ("speculator.json", "speculator.safetensors"):
         (tmp_path / name).write_text("")
     check_heads(spec)
+
+
+def test_inprocess_reads_the_texts_of_every_body_shape(tmp_path: Path) -> None:
+    from benchmarks.bench.inprocess import payload_texts
+
+    bodies = tmp_path / "bodies.jsonl"
+    bodies.write_text('{"text": "a"}\n{"input": ["b", "c", "d"]}\n["e", "f"]\n\n{"text": ["g"]}\n')
+    per_body, mean = payload_texts(bodies)
+    assert per_body == [["a"], ["b", "c", "d"], ["e", "f"], ["g"]] and mean == 7 / 4
+    bodies.write_text('{"sleep_ms": 3}\n')
+    with pytest.raises(ValueError, match="no request body holds a text"):
+        payload_texts(bodies)

@@ -9,7 +9,7 @@ import pytest
 from benchmarks.bench.loadgen import LoadSpec
 from benchmarks.bench.measure import FAIL, PASS, PointResult, ServingConfig, judge
 from benchmarks.bench.schema import SLA, Load, Search
-from benchmarks.bench.search import search_capacity
+from benchmarks.bench.search import refine_capacity, search_capacity
 from benchmarks.bench.stats import (constant_schedule, percentile, percentile_interval, poisson_schedule, stability,
                                     summarize, window_stats)
 
@@ -128,6 +128,11 @@ def test_stability_rule() -> None:
            for k in range(3)]
     ws = [window_stats(np.concatenate(big), 2.0 * k, 2.0 * (k + 1)) for k in range(3)]
     assert not stability(ws, 3, 0.10, 0.25)[0]  # ... but compared when every window holds 1000+
+    # p99s of 10, 60 and 10 ms: they straddle a 50 ms SLA (unstable verdict), not a 100 ms one
+    assert [round(w.p99) for w in ws] == [10, 60, 10]
+    assert not stability(ws, 3, 0.10, 0.25, p99_limit=50.0)[0]
+    assert stability(ws, 3, 0.10, 0.25, p99_limit=100.0)[0]
+    assert stability(ws, 3, 0.10, 0.25, p99_limit=5.0)[0]  # every window fails: a stable failure
 
 
 def test_judge() -> None:
@@ -160,6 +165,35 @@ def test_search_brackets_the_boundary(capacity: float) -> None:
     assert res.best.load.level >= capacity / 1.1 - 1e-9, (seen, res.bound)
     assert res.first_fail is not None and res.first_fail > capacity
     assert len(seen) <= 12
+
+
+@pytest.mark.parametrize("capacity", [37.0, 450.0, 1234.0])
+def test_refine_narrows_a_coarse_bracket(capacity: float) -> None:
+    load = Load(mode="open", search=Search(start=10.0, precision=0.3, max_points=12))
+    res = search_capacity(load, lambda spec, role: fake_point(spec, capacity), None, lambda: False)
+    coarse = (res.best.load.level, res.first_fail)
+    seen: list[float] = []
+    def measure(level: float) -> PointResult:
+        seen.append(level)
+        return fake_point(LoadSpec("open", level), capacity)
+    refine_capacity(res, False, 0.03, 8, measure)
+    assert all(coarse[0] < level < coarse[1] for level in seen) and len(seen) <= 8
+    assert capacity / 1.03 - 1e-9 <= res.best.load.level <= capacity < res.first_fail
+    assert (res.first_fail - res.best.load.level) / res.best.load.level <= 0.03
+    assert res.bound.startswith("refined: bracketed within") and len(res.points) > len(seen)
+    # out of points: the bracket is narrower but the bound says it was not reached
+    res = search_capacity(load, lambda spec, role: fake_point(spec, capacity), None, lambda: False)
+    refine_capacity(res, False, 0.001, 1, lambda level: fake_point(LoadSpec("open", level), capacity))
+    assert res.bound.startswith("refined: 1 more point(s)")
+
+
+def test_refine_leaves_an_unbracketed_search_alone() -> None:
+    res = search_capacity(Load(mode="open", search=Search(start=10.0, max_points=2)),
+                          lambda spec, role: fake_point(spec, 1e9), None, lambda: False)
+    assert res.first_fail is None
+    bound = res.bound
+    refine_capacity(res, False, 0.03, 6, lambda level: pytest.fail("measured without a bracket"))
+    assert res.bound == bound
 
 
 def test_search_uses_the_probe_as_upper_bound() -> None:

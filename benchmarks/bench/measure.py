@@ -149,7 +149,7 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
             early = _decisive_failure(windows, sla) if early_stop else None
             if early:
                 break
-            if stability(wstats, n, meas.tolerance, meas.tail_tolerance)[0]:
+            if stability(wstats, n, meas.tolerance, meas.tail_tolerance, sla.p99_ms)[0]:
                 break
     finally:
         gen_counts = handle.stop(timeout_s)
@@ -158,7 +158,8 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
     # Judge again from the complete records: requests still in flight at a window's end are in now.
     bounds = [(warm + i * win, warm + (i + 1) * win) for i in range(len(windows))]
     windows = [summarize(records, *b) for b in bounds]
-    stable, spreads = stability([window_stats(records, *b) for b in bounds], n, meas.tolerance, meas.tail_tolerance)
+    stable, spreads = stability([window_stats(records, *b) for b in bounds], n, meas.tolerance, meas.tail_tolerance,
+                                sla.p99_ms)
     first = len(windows) - n if stable else 0
     seg = (warm + first * win, warm + len(windows) * win)
     summary = summarize(records, *seg)

@@ -159,6 +159,17 @@ def baseline_doubt(b: "ConfigResult") -> str | None:
             "longer windows (measurement.window_s)")
 
 
+def inprocess_figures(run: "Run", w: "ConfigResult | None") -> dict[str, Any] | None:
+    """The in-process reference (measurement.inprocess_s) with the served share of it, or None."""
+    ip = getattr(run, "inprocess", None)
+    if ip is None or w is None:
+        return ip
+    if "texts_per_s" not in ip or ip.get("config") != w.config.to_dict():
+        return ip if "texts_per_s" not in ip else None
+    served = w.capacity * ip["texts_per_request"]
+    return {**ip, "served_texts_per_s": served, "served_fraction": served / ip["texts_per_s"]}
+
+
 def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
     cfg = run.cfg
     sla = sla_text(cfg.sla)
@@ -195,6 +206,13 @@ def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
         else:
             lines.append(f"The stock baseline ({b.config.label()}) met the SLA at no load tried; "
                          f"the winner serves {w.capacity:.1f} requests/s within it.")
+    ip = inprocess_figures(run, w)
+    if ip is not None and "texts_per_s" in ip:
+        lines.append(f"In-process reference: the winner's plan ran {ip['texts_per_s']:.0f} texts/s inside one process "
+                     f"(full batches of {ip['batch_size']} from the same payloads: tokenize + embed, no HTTP); "
+                     f"served within the SLA: {ip['served_texts_per_s']:.0f} texts/s = {ip['served_fraction']:.0%} of it.")
+    elif ip is not None:
+        lines.append(f"In-process reference not measured: {ip['skipped']}.")
     errs = [r for r in run.results if r.status == "error"]
     if errs:
         lines.append(f"{len(errs)} configuration(s) failed: " + "; ".join(f"{r.config.label()}: "
@@ -378,6 +396,7 @@ def write_report(run: "Run") -> Answer:
         "margin_over_baseline": (w.capacity / a["baseline"].capacity
                                  if w and a["baseline"] and a["baseline"].capacity > 0 else None),
         "recommendation": rec[1] if rec else None,
+        "inprocess": inprocess_figures(run, w),
         "payloads": run.payload_info, "versions": run.versions,
     }
     (out / "results.json").write_text(json.dumps(results_json, indent=2, default=str) + "\n")
@@ -397,9 +416,13 @@ def write_report(run: "Run") -> Answer:
           f"- Measurement: warm-up {cfg.measurement.warmup_s:g}s (excluded), windows of {cfg.measurement.window_s:g}s "
           f"until the last {cfg.measurement.stable_windows} agree (throughput and p50 within "
           f"{cfg.measurement.tolerance:.0%} or their sampling noise, p99 within {cfg.measurement.tail_tolerance:.0%} once "
-          f"windows hold 1000+ requests) or "
+          f"windows hold 1000+ requests, or every window's p99 on the same side of the SLA) or "
           f"{cfg.measurement.max_trials} windows; percentiles are exact (nearest rank) over every request of the "
           "agreeing windows.",
+          f"- Search: highest passing load, bisected until pass and fail are within {cfg.load.search.precision:.0%}"
+          + (f"; then the winner's and the baseline's brackets are refined to {cfg.load.search.refine_precision:.0%} "
+             f"(at most {cfg.load.search.refine_points} more points each)" if cfg.load.search.refine_precision else "")
+          + ".",
           f"- Payloads: {run.payload_info.get('count', '?')} bodies, characters p50 "
           f"{_num(run.payload_info.get('chars_p50'), 0)}, p90 {_num(run.payload_info.get('chars_p90'), 0)}, max "
           f"{run.payload_info.get('chars_max', '-')}"

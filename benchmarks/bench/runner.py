@@ -32,7 +32,7 @@ from benchmarks.bench.loadgen import LoadGenerator, LoadGenError, LoadSpec, proc
 from benchmarks.bench.measure import ERROR, PointResult, ServingConfig, measure_point
 from benchmarks.bench.payloads import describe, load_bodies, write_bodies
 from benchmarks.bench.schema import BenchConfig, SchemaError, Variant, load_config
-from benchmarks.bench.search import SearchResult, search_capacity
+from benchmarks.bench.search import SearchResult, refine_capacity, search_capacity
 from benchmarks.bench.server_metrics import GPUSampler, scrape
 from benchmarks.bench.target import Server
 from benchmarks.server import ServerError
@@ -109,6 +109,7 @@ class Run:
         self.mars: dict[str, str] = {}
         self.variant_configs: dict[str, dict[str, Any]] = {}
         self.point_seq = 0
+        self.inprocess: dict[str, Any] | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -187,18 +188,7 @@ class Run:
             server.current = None if register else server.current
             return
 
-        def measure(load: LoadSpec, role: str) -> PointResult:
-            procs = processes_for(load, cfg.load.processes, cfg.load.rps_per_process, cfg.load.users_per_process)
-            self.point_seq += 1
-            raw = self.dir / "raw" / f"{self.point_seq:04d}-{conf.variant}-w{conf.workers}-b{conf.batch_size}" \
-                                     f"-d{conf.max_batch_delay_ms}-{load.mode}-{load.level:g}.npz"
-            with console.status(f"  {role} {load.label()} ..."):
-                p = measure_point(gen, conf, load, procs, cfg.measurement, cfg.sla, cfg.load.timeout_s,
-                                  lambda: scrape(server.metrics_url), conf.variant, self.gpu, raw,
-                                  early_stop=role != "probe")
-            p.role = role
-            self.record_point(p)
-            return p
+        measure = self._measurer(server, gen, conf)
 
         def probe() -> PointResult:
             users = max(2, 2 * conf.workers * conf.batch_size)
@@ -215,14 +205,97 @@ class Run:
             c.status = "measured"
             raise
         c.status = "measured"
-        best = c.search.best
-        for _ in range(cfg.measurement.repeats - 1):
+        self._repeat(c, measure)
+        cap = c.capacity
+        console.print(f"  [bold]capacity within SLA: {cap:.1f} rps[/] ({c.search.bound})")
+
+    def _measurer(self, server: Server, gen: LoadGenerator, conf: ServingConfig):
+        """measure(load, role) for `conf`: one point, recorded as soon as it is measured."""
+        cfg, console = self.cfg, self.console
+
+        def measure(load: LoadSpec, role: str) -> PointResult:
+            procs = processes_for(load, cfg.load.processes, cfg.load.rps_per_process, cfg.load.users_per_process)
+            self.point_seq += 1
+            raw = self.dir / "raw" / f"{self.point_seq:04d}-{conf.variant}-w{conf.workers}-b{conf.batch_size}" \
+                                     f"-d{conf.max_batch_delay_ms}-{load.mode}-{load.level:g}.npz"
+            with console.status(f"  {role} {load.label()} ..."):
+                p = measure_point(gen, conf, load, procs, cfg.measurement, cfg.sla, cfg.load.timeout_s,
+                                  lambda: scrape(server.metrics_url), conf.variant, self.gpu, raw,
+                                  early_stop=role != "probe")
+            p.role = role
+            self.record_point(p)
+            return p
+        return measure
+
+    def _repeat(self, c: ConfigResult, measure) -> None:
+        """measurement.repeats: measure the best level again; the capacity is the lowest of them."""
+        c.repeats = []
+        best = c.search.best if c.search else None
+        for _ in range(self.cfg.measurement.repeats - 1):
             if best is None or self.out_of_time():
                 break
             p = measure(best.load, "repeat")
             c.repeats.append(p.sustained_rps if p.passed else 0.0)
-        cap = c.capacity
-        console.print(f"  [bold]capacity within SLA: {cap:.1f} rps[/] ({c.search.bound})")
+
+    def refine(self, server: Server, gen: LoadGenerator) -> None:
+        """Narrow the winner's and the baseline's SLA bracket (load.search.refine): the answer and
+        its "N x stock" rest on those two capacities."""
+        s = self.cfg.load.search
+        if s.refine_precision is None:
+            return
+        baseline = {v.name for v in self.cfg.variants if v.baseline}
+        done = [r for r in self.results if r.status == "measured" and r.best is not None]
+        picks = [max([r for r in done if r.config.variant not in baseline], key=lambda r: r.capacity, default=None),
+                 max([r for r in done if r.config.variant in baseline], key=lambda r: r.capacity, default=None)]
+        for c in picks:
+            if c is None or c.search.first_fail is None or \
+                    (c.search.first_fail - c.capacity) / c.capacity <= s.refine_precision:
+                continue
+            conf = c.config
+            self.console.rule(f"[bold]refining {conf.label()}[/]: {c.capacity:g} passes, "
+                              f"{c.search.first_fail:g} fails  ({self.elapsed():.0f}s elapsed)")
+            gen.path = self.cfg.request.path.replace("{model}", conf.variant)
+            try:
+                server.register(self.mars[conf.variant], conf.variant, conf.batch_size, conf.max_batch_delay_ms,
+                                conf.workers)
+            except ServerError as e:
+                self.console.print(f"  [red]ERROR[/] not refined, server not ready: {e}")
+                continue
+            measure = self._measurer(server, gen, conf)
+            refine_capacity(c.search, self.cfg.load.mode == "closed", s.refine_precision, s.refine_points,
+                            lambda level: measure(LoadSpec(self.cfg.load.mode, level, self.cfg.load.arrival), "refine"))
+            self._repeat(c, measure)
+            self.console.print(f"  [bold]capacity within SLA: {c.capacity:.1f} rps[/] ({c.search.bound})")
+            self.write_report()
+        server.unregister()
+
+    def measure_inprocess(self) -> None:
+        """measurement.inprocess_s: the winner's plan timed inside this process, on this machine's
+        device, after every model is unregistered (so a local server's workers have freed it)."""
+        from benchmarks.bench import inprocess
+        from benchmarks.bench.report import analyze
+
+        secs = self.cfg.measurement.inprocess_s
+        w = analyze(self)["winner"]
+        if secs <= 0 or w is None:
+            return
+        v = next(v for v in self.cfg.variants if v.name == w.config.variant)
+        if v.name not in self.variant_configs:
+            self.inprocess = {"skipped": "the winner is a prebuilt archive (`mar`): its plan is not known here"}
+            return
+        self.console.rule(f"[bold]in-process reference[/]: {v.name} plan, batches of {w.config.batch_size}")
+        try:
+            with self.console.status(f"  loading the {v.name} plan and timing it for {secs:g}s ..."):
+                self.inprocess = {"config": w.config.to_dict(),
+                                  **inprocess.measure(v.model, self.variant_configs[v.name], self.bodies_path,
+                                                      w.config.batch_size, secs)}
+        except Exception as e:  # the reference is extra: never lose the sweep's report for it
+            self.inprocess = {"skipped": f"failed: {type(e).__name__}: {e}"}
+        if "texts_per_s" in self.inprocess:
+            self.console.print(f"  {self.inprocess['texts_per_s']:.0f} texts/s in-process "
+                               f"({self.inprocess['ms_per_batch']:.2f} ms per batch of {w.config.batch_size})")
+        else:
+            self.console.print(f"  [yellow]not measured[/]: {self.inprocess['skipped']}")
 
     def sweep(self, server: Server, gen: LoadGenerator) -> None:
         cfg = self.cfg
@@ -290,8 +363,10 @@ def run(cfg: BenchConfig, out_dir: Path, console: Console) -> int:
                                 stream=cfg.request.stream)
             try:
                 r.sweep(server, gen)
+                r.refine(server, gen)
             finally:
                 gen.close()
+            r.measure_inprocess()
     except KeyboardInterrupt:
         r.interrupted = True
         console.print("[yellow]interrupted: writing the partial report[/]")

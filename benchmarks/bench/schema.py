@@ -189,6 +189,10 @@ class Search:
     precision: float = 0.1
     max_points: int = 8
     max_level: float = 1e6
+    # After the sweep, the winner's and the baseline's bracket is bisected again to this precision
+    # (None: no refinement), with at most `refine_points` more points each.
+    refine_precision: float | None = None
+    refine_points: int = 6
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,7 @@ class Measurement:
     budget_s: float | None = None
     settle_s: float = 0.5
     min_window_requests: int = 20  # windows are lengthened (up to 4x) to hold at least this many
+    inprocess_s: float = 0.0  # > 0: time the winner's plan in-process (on this machine) for this long
 
 
 @dataclass(frozen=True)
@@ -388,7 +393,8 @@ def _load(raw: Any) -> Load:
     if isinstance(s, bool):
         search = Search(enabled=s)
     else:
-        s = _keys("load.search", s, {"start", "growth", "precision", "max_points", "max_level"})
+        s = _keys("load.search", s, {"start", "growth", "precision", "max_points", "max_level", "refine"})
+        refine = _keys("load.search.refine", s.get("refine") or {}, {"precision", "max_points"})
         start = s.get("start", "auto")
         search = Search(
             enabled=True,
@@ -398,7 +404,15 @@ def _load(raw: Any) -> Load:
             precision=_fraction("load.search.precision", s.get("precision", 0.1), open_zero=True),
             max_points=_pos_int("load.search.max_points", s.get("max_points", 8)),
             max_level=_pos_num("load.search.max_level", s.get("max_level", 1e6)),
+            refine_precision=(_fraction("load.search.refine.precision", refine["precision"], open_zero=True)
+                              if "precision" in refine else None),
+            refine_points=_pos_int("load.search.refine.max_points", refine.get("max_points", 6)),
         )
+        if refine and search.refine_precision is None:
+            raise SchemaError("load.search.refine: give `precision` (e.g. 0.03)")
+        if search.refine_precision is not None and search.refine_precision >= search.precision:
+            raise SchemaError(f"load.search.refine.precision: must be finer than load.search.precision "
+                              f"({search.precision}), got {search.refine_precision}")
         if search.growth <= 1:
             raise SchemaError(f"load.search.growth: expected a number > 1, got {search.growth}")
     if not search.enabled and not levels:
@@ -442,7 +456,7 @@ def _payloads(raw: Any, base: Path) -> Payloads:
 def _measurement(raw: Any) -> Measurement:
     raw = _keys("measurement", raw, {"warmup_s", "window_s", "tolerance", "tail_tolerance", "stable_windows",
                                      "max_trials", "repeats", "budget_s", "settle_s",
-                                     "min_window_requests"})
+                                     "min_window_requests", "inprocess_s"})
     m = Measurement(
         warmup_s=_nonneg_num("measurement.warmup_s", raw.get("warmup_s", 3.0)),
         window_s=_pos_num("measurement.window_s", raw.get("window_s", 5.0)),
@@ -454,6 +468,7 @@ def _measurement(raw: Any) -> Measurement:
         budget_s=_pos_num("measurement.budget_s", raw["budget_s"]) if raw.get("budget_s") is not None else None,
         settle_s=_nonneg_num("measurement.settle_s", raw.get("settle_s", 0.5)),
         min_window_requests=_pos_int("measurement.min_window_requests", raw.get("min_window_requests", 20)),
+        inprocess_s=_nonneg_num("measurement.inprocess_s", raw.get("inprocess_s", 0.0)),
     )
     if m.max_trials < m.stable_windows:
         raise SchemaError(f"measurement.max_trials: {m.max_trials} is fewer than stable_windows ({m.stable_windows})")

@@ -5,7 +5,8 @@ first, in order, up to the first that fails. Then, unless the search is off: a s
 or half the throughput of a closed-loop saturation probe, which also bounds the search: an
 arrival rate above the saturation throughput only grows the queue), exponential growth until a
 level fails (or shrinking until one passes), then bisection between the last pass and the first
-fail until they are within `precision` of each other.
+fail until they are within `precision` of each other. `refine_capacity` narrows a finished
+search's bracket further, for the configurations the answer rests on.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def search_capacity(load: Load, measure: Callable[[LoadSpec, str], PointResult],
         return p.passed
 
     def norm(x: float) -> float:
-        return float(max(1, round(x))) if closed else float(f"{x:.4g}")
+        return _norm(x, closed)
 
     try:
         for level in load.levels:
@@ -131,6 +132,40 @@ def search_capacity(load: Load, measure: Callable[[LoadSpec, str], PointResult],
     except BudgetExceeded:
         res.bound = "time budget exhausted"
     return _finish(res, hi)
+
+
+def _norm(x: float, closed: bool) -> float:
+    return float(max(1, round(x))) if closed else float(f"{x:.4g}")
+
+
+def refine_capacity(res: SearchResult, closed: bool, precision: float, max_points: int,
+                    measure: Callable[[float], PointResult]) -> SearchResult:
+    """Bisect again between a finished search's best pass and first fail, to `precision`.
+
+    Used for the few configurations the report's answer rests on (the winner, the baseline): the
+    sweep's coarse precision leaves up to that fraction between two runs' answers. Every new point
+    is added to `res`; its best pass and first fail move as the bracket narrows.
+    """
+    if res.best is None or res.first_fail is None:
+        return res
+    lo, hi = res.best.load.level, res.first_fail
+    spent = 0
+    while spent < max_points and (hi - lo) / lo > precision:
+        mid = _norm((lo + hi) / 2, closed)
+        if mid <= lo or mid >= hi:
+            break
+        p = measure(mid)
+        res.points.append(p)
+        spent += 1
+        if p.passed:
+            lo, res.best = mid, p
+        else:
+            hi = mid
+    res.first_fail = hi
+    gap = (hi - lo) / lo
+    res.bound = (f"refined: bracketed within {gap:.0%}" if gap <= precision
+                 else f"refined: {max_points} more point(s), {gap:.0%} between pass and fail")
+    return res
 
 
 def _finish(res: SearchResult, hi: float | None) -> SearchResult:
