@@ -1,6 +1,7 @@
 """Request decoding and error shaping shared by servekit's handlers (no `ts` import here)."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 from dataclasses import dataclass
@@ -145,3 +146,16 @@ def url_path(context: Any, idx: int) -> str:
     if isinstance(value, (bytes, bytearray)):
         value = bytes(value).decode("utf-8", "replace")
     return (value or "").strip("/")
+
+
+def freeze_heap() -> int:
+    """Exempt every object alive now from the cyclic garbage collector; returns how many.
+
+    Called once a worker is warm. A loaded plan is ~0.5 M objects (dynamo/inductor state, graphs,
+    tokenizer), and each full collection walks them all: ~250 ms on a 2-core VM, and on an H100
+    host under load p99 stalls of 70-100 ms that came and went between measurement windows.
+    Frozen objects are never collected, which is right for what lives as long as the worker.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 import torch
 
-from handlers.common import RequestError, fail_request, url_path
+from handlers.common import RequestError, fail_request, freeze_heap, url_path
 from handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from handlers.metrics import HandlerMetrics
 from optimizations.embedding import EmbeddingRunner
@@ -50,7 +50,8 @@ class EmbeddingHandler:
         self.metrics = HandlerMetrics(context, self.model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
         self.metrics.emit("servekit_recompiles", "gauge", 0)
-        log.info("servekit plan %s ready: %s", self.plan.label(), json.dumps(self.runner.report()))
+        log.info("servekit plan %s ready: %s", self.plan.label(),
+                 json.dumps({**self.runner.report(), "gc_frozen_objects": freeze_heap()}))
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str | bytes]:
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from handlers.common import RequestError, decode_body, fail_request, url_path
+from handlers.common import RequestError, decode_body, fail_request, freeze_heap, url_path
 from handlers.metrics import HandlerMetrics
 from optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
 from optimizations.generate import (FINISH_STOP, LlamaRunner, LlmPlan, SamplingParams, load_llm_runner,
@@ -178,8 +178,8 @@ class LlmService:
         self.stop_ids = tuple(sorted({t for t in (eos, end_of_text) if t is not None}))
         self.metrics = HandlerMetrics(context, self.model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
-        log.info("servekit LLM plan %s ready in %.1f s: %s", self.plan.label(), time.perf_counter() - t0,
-                 json.dumps(self.runner.plan))
+        log.info("servekit LLM plan %s ready in %.1f s (gc_frozen_objects %d): %s", self.plan.label(),
+                 time.perf_counter() - t0, freeze_heap(), json.dumps(self.runner.plan))
         self.initialized = True
 
     # -- requests ------------------------------------------------------------------------------

@@ -76,6 +76,15 @@ def test_openai_client(minilm_server, reference):
     assert close(decoded, reference(texts))
 
 
+def test_warm_worker_exempts_its_heap_from_the_garbage_collector(minilm_server):
+    """The worker froze its loaded plan's objects (a full collection over them stalls requests)."""
+    import re
+
+    log = (minilm_server.log_dir / "model_log.log").read_text(errors="replace")
+    frozen = [int(n) for n in re.findall(r'servekit plan .* ready: .*"gc_frozen_objects": (\d+)', log)]
+    assert frozen and min(frozen) > 10_000, log[-2000:]
+
+
 def test_concurrent_requests_are_batched(minilm_server, reference):
     batches0 = metric_sum(minilm_server, "servekit_batches_total")
     requests0 = metric_sum(minilm_server, "servekit_requests_total")
