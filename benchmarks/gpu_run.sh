@@ -11,6 +11,8 @@
 #        plans-ready    MiniLM worker-ready time, cold and with the compile cache
 #        sweep          the MiniLM auto-benchmark (benchmarks/sweeps/minilm-gpu.yaml)
 #        soak           10 minutes of steady MiniLM load: memory growth, errors, latency drift
+# The MiniLM steps also need orjson (servekit's embedding handler writes its answers with it) and
+# the sweep needs locust, rich, matplotlib and nvidia-ml-py: carry their wheels too.
 set -uo pipefail
 out=${OUT_DIR:-${OUT:-gpu-out}}
 heads=${SPEC_HEADS:-/opt/spec/heads}
