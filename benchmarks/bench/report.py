@@ -162,10 +162,10 @@ def baseline_doubt(b: "ConfigResult") -> str | None:
 def inprocess_figures(run: "Run", w: "ConfigResult | None") -> dict[str, Any] | None:
     """The in-process reference (measurement.inprocess_s) with the served share of it, or None."""
     ip = getattr(run, "inprocess", None)
-    if ip is None or w is None:
-        return ip
-    if "texts_per_s" not in ip or ip.get("config") != w.config.to_dict():
-        return ip if "texts_per_s" not in ip else None
+    if ip is None or w is None or "texts_per_s" not in ip:
+        return ip  # not asked for, or skipped (it says why)
+    if ip.get("config") != w.config.to_dict():
+        return None  # measured for another configuration
     served = w.capacity * ip["texts_per_request"]
     return {**ip, "served_texts_per_s": served, "served_fraction": served / ip["texts_per_s"]}
 
