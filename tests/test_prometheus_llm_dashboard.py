@@ -49,6 +49,21 @@ def chat(ts: TorchServe, content: str, stream: bool) -> int:
     return status
 
 
+def scraped_ttft_count(url: str) -> float:
+    result = promql(url, f'sum(servekit_llm_ttft_seconds_count{{ModelName="{MODEL}"}})')
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def wait_scraped(url: str, count: int, timeout: float = 60.0) -> None:
+    """Until Prometheus has scraped TTFT observations of `count` requests: on a busy 2-core machine
+    its first scrapes can come late, and a fixed sleep then left every sample after the last
+    request (zero increase: histogram_quantile over it is NaN)."""
+    deadline = time.monotonic() + timeout
+    while scraped_ttft_count(url) < count:
+        assert time.monotonic() < deadline, f"Prometheus never scraped {count} TTFT observations"
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def prometheus(server: TorchServe, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Prometheus URL after load: a first request creates the series, a scrape sees them, then
@@ -57,12 +72,13 @@ def prometheus(server: TorchServe, tmp_path_factory: pytest.TempPathFactory) -> 
     with running_prometheus(tmp_path_factory.mktemp("prometheus-llm"), target,
                             {"namespace": NAMESPACE, "pod": POD}) as url:
         codes = [chat(server, "Say hello.", stream=False)]
-        time.sleep(2.5)
-        for i, question in enumerate(["What is the capital of France?", "Name a colour.", "Count to three.",
-                                      "What is two plus two?"]):
+        wait_scraped(url, 1)
+        questions = ["What is the capital of France?", "Name a colour.", "Count to three.", "What is two plus two?"]
+        for i, question in enumerate(questions):
             codes.append(chat(server, question, stream=i % 2 == 0))
-        time.sleep(3)  # a last scrape after the load
         assert codes == [200] * len(codes), codes
+        wait_scraped(url, 1 + len(questions))  # a scrape after the load
+        time.sleep(1.5)  # and one more, for the metrics emitted after the last token
         yield url
 
 
