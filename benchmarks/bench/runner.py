@@ -240,15 +240,15 @@ class Run:
     def refine(self, server: Server, gen: LoadGenerator) -> None:
         """Narrow the winner's and the baseline's SLA bracket (load.search.refine): the answer and
         its "N x stock" rest on those two capacities."""
+        from benchmarks.bench.report import analyze
+
         s = self.cfg.load.search
         if s.refine_precision is None:
             return
-        baseline = {v.name for v in self.cfg.variants if v.baseline}
-        done = [r for r in self.results if r.status == "measured" and r.best is not None]
-        picks = [max([r for r in done if r.config.variant not in baseline], key=lambda r: r.capacity, default=None),
-                 max([r for r in done if r.config.variant in baseline], key=lambda r: r.capacity, default=None)]
+        a = analyze(self)  # the configurations the report will call winner and baseline
+        picks = [a["winner"]] + ([a["baseline"]] if a["baseline"] is not a["winner"] else [])
         for c in picks:
-            if c is None or c.search.first_fail is None or \
+            if c is None or c.status != "measured" or c.best is None or c.search.first_fail is None or \
                     (c.search.first_fail - c.capacity) / c.capacity <= s.refine_precision:
                 continue
             conf = c.config
