@@ -27,6 +27,7 @@ import torch
 
 from handlers.common import RequestError, decode_body, fail_request, freeze_heap, url_path
 from handlers.metrics import HandlerMetrics
+from handlers.worker_io import install_buffered_reads
 from optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
 from optimizations.generate import (FINISH_STOP, LlamaRunner, LlmPlan, SamplingParams, load_llm_runner,
                                     parse_llm_plan)
@@ -178,6 +179,7 @@ class LlmService:
         self.stop_ids = tuple(sorted({t for t in (eos, end_of_text) if t is not None}))
         self.metrics = HandlerMetrics(context, self.model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
+        install_buffered_reads()
         log.info("servekit LLM plan %s ready in %.1f s (gc_frozen_objects %d): %s", self.plan.label(),
                  time.perf_counter() - t0, freeze_heap(), json.dumps(self.runner.plan))
         self.initialized = True

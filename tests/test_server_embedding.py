@@ -85,9 +85,20 @@ def test_warm_worker_exempts_its_heap_from_the_garbage_collector(minilm_server):
     assert frozen and min(frozen) > 10_000, log[-2000:]
 
 
+def test_warm_worker_reads_frames_through_the_buffered_reader(minilm_server):
+    """Every worker swapped TorchServe's one-recv-per-field reader for handlers.worker_io's."""
+    import re
+
+    post(f"{minilm_server.inference_url}/predictions/minilm", {"text": "through the buffered reader"})
+    log = (minilm_server.log_dir / "model_log.log").read_text(errors="replace")
+    installed = re.findall(r'servekit plan .* ready: .*"buffered_reads": (true|false)', log)
+    assert installed and set(installed) == {"true"}, log[-2000:]
+
+
 def test_concurrent_requests_are_batched(minilm_server, reference):
     batches0 = metric_sum(minilm_server, "servekit_batches_total")
     requests0 = metric_sum(minilm_server, "servekit_requests_total")
+    latencies0 = metric_sum(minilm_server, "servekit_request_latency_seconds_count")
     texts = [f"concurrent request {i} about model serving" for i in range(48)]
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda t: post(f"{minilm_server.inference_url}/predictions/minilm", {"text": t}), texts))
@@ -97,6 +108,8 @@ def test_concurrent_requests_are_batched(minilm_server, reference):
     served = metric_sum(minilm_server, "servekit_requests_total") - requests0
     assert served == 48
     assert batches < 48 / 2, f"48 requests in {batches} batches: TorchServe did not batch"
+    # One latency observation per request, not per batch (a batch writes them as one block of lines).
+    assert metric_sum(minilm_server, "servekit_request_latency_seconds_count") - latencies0 == 48
 
 
 def test_bad_requests_in_a_batch_fail_alone(minilm_server, reference):

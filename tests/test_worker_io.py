@@ -1,0 +1,140 @@
+"""handlers.worker_io and handlers.metrics against TorchServe 0.12's own decoder and emitter, on real sockets."""
+import io
+import json
+import logging
+import socket
+import threading
+
+import pytest
+from ts.metrics.caching_metric import CachingMetric
+from ts.metrics.metric_type_enum import MetricTypes
+from ts.protocol import otf_message_handler as otf
+
+from benchmarks.worker_overhead import predict_frame
+from handlers import worker_io
+from handlers.metrics import HandlerMetrics, metric_line
+
+BODIES = [json.dumps({"text": f"request {i} " + "é" * i}).encode() for i in range(20)]
+
+
+@pytest.fixture
+def sockets(monkeypatch):
+    """A connected socket pair, TorchServe's reader restored and no buffered state left afterwards."""
+    monkeypatch.setattr(otf, "_retrieve_buffer", worker_io.stock_retrieve)
+    monkeypatch.setattr(worker_io, "_reader", None)
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _decode(conn):
+    cmd, msg = otf.retrieve_msg(conn)
+    return bytes(cmd), msg
+
+
+def test_buffered_reader_decodes_what_torchserve_decodes(sockets):
+    a, b = sockets
+    frame = predict_frame(BODIES)
+    a.sendall(frame)
+    stock = _decode(b)
+    assert worker_io.install_buffered_reads() is True
+    assert worker_io.install_buffered_reads() is False  # once per process
+    a.sendall(frame)
+    buffered = _decode(b)
+    assert stock == buffered
+    cmd, msg = buffered
+    assert cmd == b"I" and len(msg) == len(BODIES)
+    assert [r["parameters"][0]["value"] for r in msg] == [json.loads(x) for x in BODIES]
+    assert msg[3]["requestId"] == b"req-00000003"
+
+
+def test_frames_split_anywhere_or_sent_together_decode_alike(sockets):
+    a, b = sockets
+    worker_io.install_buffered_reads()
+    frames = [predict_frame(BODIES[:k]) for k in (1, 7, 20)]
+    a.sendall(b"".join(frames[:2]))  # two frames in one write: the second stays buffered
+    got = [_decode(b)[1], _decode(b)[1]]
+
+    def dribble():  # the third in 3-byte pieces: fields span reads
+        for i in range(0, len(frames[2]), 3):
+            a.sendall(frames[2][i:i + 3])
+
+    sender = threading.Thread(target=dribble)
+    sender.start()
+    got.append(_decode(b)[1])
+    sender.join()
+    assert [len(m) for m in got] == [1, 7, 20]
+    assert [r["parameters"][0]["value"]["text"] for r in got[2]] == [json.loads(x)["text"] for x in BODIES]
+
+
+def test_frontend_disconnect_ends_the_worker_as_torchserve_does(sockets):
+    a, b = sockets
+    worker_io.install_buffered_reads()
+    a.sendall(predict_frame(BODIES[:2])[:10])  # a frame cut short, then the peer goes away
+    a.close()
+    with pytest.raises(SystemExit) as exc:
+        _decode(b)
+    assert exc.value.code == 0
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+class _Context:
+    def __init__(self):
+        from pathlib import Path
+
+        from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
+
+        self.metrics = MetricsCacheYamlImpl(str(Path(__file__).resolve().parent.parent / "config" / "metrics.yaml"))
+        self.metrics.initialize_cache()
+
+
+def test_metric_line_is_what_torchserve_logs():
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("ts.metrics.caching_metric")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for kind, value in ((MetricTypes.HISTOGRAM, 0.0123), (MetricTypes.COUNTER, 7), (MetricTypes.GAUGE, 0)):
+            metric = CachingMetric("servekit_x", "Seconds", ["ModelName", "Plan"], kind)
+            metric.add_or_update(value, ["minilm", "fp16"])
+            ours = metric_line(metric, value, ["minilm", "fp16"], socket.gethostname(), 0)
+            theirs = stream.getvalue().splitlines()[-1]
+            # The timestamp (whole seconds) is the only part that may differ.
+            assert ours.rsplit(",", 1)[0] == theirs.rsplit(",", 1)[0]
+    finally:
+        logger.removeHandler(handler)
+    with pytest.raises(ValueError, match="dimensions"):
+        metric_line(metric, 1, ["minilm"], "h", 0)
+    with pytest.raises(ValueError, match="cannot decrease"):
+        metric_line(CachingMetric("c", "Count", ["ModelName"], MetricTypes.COUNTER), -1, ["m"], "h", 0)
+
+
+class _CountingStream(io.StringIO):
+    writes = 0
+
+    def write(self, s):
+        self.writes += 1
+        return super().write(s)
+
+
+def test_a_batch_of_metrics_is_one_write_and_loses_no_observation():
+    stream = _CountingStream()
+    m = HandlerMetrics(_Context(), "minilm", stream=stream)
+    m.emit("servekit_plan_info", "gauge", 1, Plan="fp32")  # outside a batch: written at once
+    assert stream.writes == 1
+    m.begin_batch()
+    m.emit("servekit_batches_total", "counter", 1)
+    m.emit("servekit_request_latency_seconds", "histogram", 0.01, "Seconds", times=16)
+    m.emit("servekit_request_errors_total", "counter", -1, ErrorType="x")  # refused, logged, not fatal
+    assert stream.writes == 1
+    m.flush()
+    assert stream.writes == 2
+    lines = stream.getvalue().splitlines()
+    assert sum(line.startswith("[METRICS]servekit_request_latency_seconds.Seconds:0.01|#ModelName:minilm|")
+               for line in lines) == 16
+    assert len(lines) == 1 + 1 + 16
+    m.flush()  # nothing queued: no write
+    assert stream.writes == 2
