@@ -59,6 +59,9 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
         assert p["versions"]["torchserve"] == "0.12.0"
         raw = np.load(p["raw_file"])["records"]
         assert raw.shape[1] == 5 and len(raw) >= p["summary"]["count"]
+        # the host's CPUs were busy serving and loading; the load generator's own share is counted
+        assert 0 < p["host"]["busy_pct"] <= 100 and 0 <= p["host"]["loadgen_cores"] <= p["host"]["cpu_count"]
+    assert max(p["host"]["loadgen_cores"] for p in points) > 0
     fast = [p for p in points if p["config"]["variant"] == "e2e-servekit" and p["status"] == "pass"]
     assert fast and fast[-1]["server"]["available"]
     assert fast[-1]["server"]["texts_per_batch"] >= 1.0          # from the handler's own counters
@@ -78,6 +81,7 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
     report = (out / "report.md").read_text()
     assert "x the stock throughput" in report or "met the SLA at no load" in report
     assert "In-process reference: the winner's plan ran" in report
+    assert "| host CPU |" in report
     assert (out / "latency_throughput.png").stat().st_size > 10_000
     # models the run registered are gone again; the session's own model is untouched
     from benchmarks.server import model_ready, model_workers

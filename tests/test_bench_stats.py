@@ -253,3 +253,20 @@ def test_a_baseline_whose_probe_beat_its_search_is_flagged(probe_rps: float, cap
         assert f"{probe_rps:.1f} requests/s" in doubt and f"capacity of {capacity:.1f}" in doubt
     failed_probe = SearchResult(best=search.best, probe=_point("closed", 2, probe_rps, status=FAIL, role="probe"))
     assert baseline_doubt(ConfigResult(result.config, status="measured", search=failed_probe)) is None
+
+
+def test_a_saturated_host_is_named_in_the_lag_reason_and_the_answer() -> None:
+    from benchmarks.bench.measure import lag_advice
+    from benchmarks.bench.report import host_note
+
+    busy = {"cpu_count": 16, "busy_pct": 96.7, "loadgen_cores": 3.1}
+    calm = {"cpu_count": 16, "busy_pct": 41.0, "loadgen_cores": 1.2}
+    assert "97% busy" in lag_advice(busy) and "lower bound" in lag_advice(busy)
+    assert lag_advice(calm) == "more load processes would help" == lag_advice({})
+    point = _point("open", 100, 100)
+    point.host = busy
+    assert "97% busy" in host_note(point) and "3.1 of 16 cores" in host_note(point)
+    point.host = calm
+    assert host_note(point) is None
+    point.host = {}
+    assert host_note(point) is None

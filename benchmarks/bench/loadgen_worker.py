@@ -4,6 +4,7 @@ Started by `benchmarks.bench.loadgen.LoadGenerator`, never by hand. It lives for
 takes commands through files in its folder, so locust's import (and gevent's monkey patching)
 happens once per process and never touches the controlling process:
 
+    ready          written once imported: {"pid", "gc_frozen_objects"}
     cmd-<n>.json   {"action": "run", ...spec...} or {"action": "exit"}
     stop-<n>       stop sending; finish in-flight requests; then write done-<n>
     rec-<n>.bin    records appended as float64 rows (intended, start, end, status, payload), plus
@@ -42,6 +43,7 @@ from locust.exception import StopUser  # noqa: E402
 
 from benchmarks.bench.sse import StreamTally, read_events  # noqa: E402
 from benchmarks.bench.stats import CONNECTION_ERROR, INCOMPLETE_STREAM  # noqa: E402
+from handlers.common import freeze_heap  # noqa: E402
 
 POLL_S = 0.02
 FLUSH_S = 0.2
@@ -202,7 +204,11 @@ def watcher(run: Run) -> None:
 
 def main(folder: str) -> int:
     folder_p = Path(folder)
-    (folder_p / "ready").write_text(str(os.getpid()))
+    # The imports (locust, gevent, numpy) leave ~60k objects that each full garbage collection would
+    # walk: 10-35 ms on the 2-core VM, a pause that delays this process's sends and reads alike and so
+    # lands in the latencies it records. Nothing imported is ever freed: exempt it.
+    frozen = freeze_heap()
+    (folder_p / "ready").write_text(json.dumps({"pid": os.getpid(), "gc_frozen_objects": frozen}))
     seq = 0
     while True:
         cmd = folder_p / f"cmd-{seq}.json"

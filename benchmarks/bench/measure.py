@@ -15,7 +15,7 @@ import numpy as np
 
 from benchmarks.bench.loadgen import Handle, LoadGenerator, LoadSpec
 from benchmarks.bench.schema import SLA, Measurement
-from benchmarks.bench.server_metrics import GPUSampler, Sample, point_figures
+from benchmarks.bench.server_metrics import GPUSampler, HostCPU, Sample, point_figures
 from benchmarks.bench.stats import FIELDS, LLM_FIELDS, Summary, stability, summarize, window_stats
 
 PASS, FAIL, UNSTABLE, ERROR = "pass", "fail", "unstable", "error"
@@ -50,6 +50,7 @@ class PointResult:
     segment: tuple[float, float] = (0.0, 0.0)
     server: dict[str, Any] = field(default_factory=dict)
     gpu: dict[str, Any] = field(default_factory=dict)
+    host: dict[str, Any] = field(default_factory=dict)  # host CPU busy %, load generator cores
     generator: dict[str, Any] = field(default_factory=dict)
     raw_file: str | None = None
     elapsed_s: float = 0.0
@@ -99,6 +100,18 @@ def judge(summary: Summary, stable: bool, sla: SLA) -> tuple[str, list[str]]:
     return PASS, []
 
 
+SATURATED_PCT = 90.0
+
+
+def lag_advice(host: dict[str, Any]) -> str:
+    """What a late load generator means, given how busy the host's CPUs were."""
+    busy = host.get("busy_pct")
+    if busy is not None and busy >= SATURATED_PCT:
+        return (f"the host's CPUs were {busy:.0f}% busy, the load generator taking {host.get('loadgen_cores')} "
+                "cores: client and server compete for them, so this capacity is a lower bound")
+    return "more load processes would help"
+
+
 def _decisive_failure(ws: list[Summary], sla: SLA) -> str | None:
     """Two windows in a row so far outside the SLA that more windows cannot change the verdict."""
     if len(ws) < 2:
@@ -128,8 +141,10 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
     windows: list[Summary] = []
     wstats = []
     early: str | None = None
+    host = HostCPU()
     try:
         handle.sleep_until(warm)
+        host.start([p.pid for p in gen.procs])
         if load.mode == "closed" and warm > 0:  # the same rule, with the rate seen during warm-up
             seen = len(handle.records()) / warm
             if seen > 0:
@@ -152,6 +167,7 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
             if stability(wstats, n, meas.tolerance, meas.tail_tolerance, sla.p99_ms)[0]:
                 break
     finally:
+        host_fig = host.stop()
         gen_counts = handle.stop(timeout_s)
         gpu_fig = gpu.stop() if gpu is not None else {"available": False}
     records = handle.records()
@@ -173,7 +189,7 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
     lag = summary.send_lag_p99_ms
     if load.mode == "open" and lag == lag and lag > max(5.0, 0.1 * sla.p99_ms):
         reasons.append(f"load generator ran {lag:.1f} ms behind its schedule at p99 (latencies still count "
-                       "from the scheduled time; more load processes would help)")
+                       f"from the scheduled time; {lag_advice(host_fig)})")
     server = point_figures(scrapes[first] if scrapes else None, scrapes[len(windows)] if len(scrapes) > len(windows)
                            else None, model, seg[1] - seg[0])
     raw_file = None
@@ -184,6 +200,6 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
         raw_file = str(raw_path)
     return PointResult(config=config, load=load, status=status, reasons=reasons, summary=summary,
                        warmup=summarize(records, 0.0, warm) if warm > 0 else None, windows=windows, stable=stable,
-                       spreads=spreads, segment=seg, server=server, gpu=gpu_fig,
+                       spreads=spreads, segment=seg, server=server, gpu=gpu_fig, host=host_fig,
                        generator={"processes": processes, **gen_counts}, raw_file=raw_file,
                        elapsed_s=time.monotonic() - t_begin)

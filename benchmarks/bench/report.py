@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from benchmarks.bench.measure import PointResult
+from benchmarks.bench.measure import SATURATED_PCT, PointResult
 from benchmarks.bench.stats import Summary
 
 if TYPE_CHECKING:
@@ -106,6 +106,7 @@ def point_json(p: PointResult, versions: dict[str, Any], cfg: "BenchConfig") -> 
         "windows": [w.to_dict() for w in p.windows],
         "server": p.server,
         "gpu": p.gpu,
+        "host": p.host,
         "generator": p.generator,
         "raw_file": p.raw_file,
         "elapsed_s": round(p.elapsed_s, 2),
@@ -159,6 +160,17 @@ def baseline_doubt(b: "ConfigResult") -> str | None:
             "longer windows (measurement.window_s)")
 
 
+def host_note(p: PointResult) -> str | None:
+    """Why a point's capacity may understate the server (its host's CPUs were saturated), or None."""
+    busy = p.host.get("busy_pct")
+    if busy is None or busy < SATURATED_PCT:
+        return None
+    return (f"the host's CPUs were {busy:.0f}% busy at the winner's load (the load generator took "
+            f"{p.host.get('loadgen_cores')} of {p.host.get('cpu_count')} cores): client and server competed for "
+            "them, so its capacity is a lower bound and can vary between runs; running the bench on another "
+            "machine against it (target.remote) measures the server alone")
+
+
 def inprocess_figures(run: "Run", w: "ConfigResult | None") -> dict[str, Any] | None:
     """The in-process reference (measurement.inprocess_s) with the served share of it, or None."""
     ip = getattr(run, "inprocess", None)
@@ -188,6 +200,9 @@ def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
         lines.append(f"Winner: {w.config.label()}: {w.capacity:.1f} requests/s within the SLA ({sla}); "
                      f"at that load p50 {bp.summary.p['p50']:.1f} ms, p99 {bp.summary.p['p99']:.1f} ms"
                      f"{llm_text(bp.summary)}.")
+        note = host_note(bp)
+        if note:
+            lines.append(f"NOTE: {note}.")
     if a["base_name"] is None:
         lines.append("No stock baseline in this sweep (mark a variant `baseline: true`).")
     elif b is None or b.status != "measured":
@@ -442,8 +457,8 @@ def write_report(run: "Run") -> Answer:
     extra = list(LLM_COLUMNS) if cfg.streamed else []
     per_batch = ("requests/batch", "requests_per_batch") if cfg.streamed else ("texts/batch", "texts_per_batch")
     L += [_row(["#", "config", "capacity rps", "p50 ms", "p99 ms", *extra, "load", per_batch[0], "queue ms",
-                "backend ms", "GPU util", "P", "search"]),
-          _row(["---"] * (12 + len(extra)))]
+                "backend ms", "GPU util", "host CPU", "P", "search"]),
+          _row(["---"] * (13 + len(extra)))]
     idx = {id(r): i for i, r in enumerate(run.results)}
     for n, r in enumerate(a["ranked"], 1):
         bp = r.best
@@ -452,7 +467,8 @@ def write_report(run: "Run") -> Answer:
                        f"{r.capacity:.1f}", _num(bp.summary.p["p50"]), _num(bp.summary.p["p99"]),
                        *(llm_cells(bp.summary) if extra else []), bp.load.label(), _num(s.get(per_batch[1]), 2),
                        _num(s.get("ts_queue_mean_ms")), _num(s.get("ts_backend_mean_ms")),
-                       _num(bp.gpu.get("util_mean_pct"), 0), "P" if idx[id(r)] in front else "", r.search.bound]))
+                       _num(bp.gpu.get("util_mean_pct"), 0), _num(bp.host.get("busy_pct"), 0),
+                       "P" if idx[id(r)] in front else "", r.search.bound]))
     other = [r for r in run.results if r not in a["ranked"]]
     if other:
         L += ["", "Configurations without a passing load:", ""]

@@ -1,4 +1,4 @@
-"""Server-side figures per point: TorchServe's and the handler's Prometheus metrics, and GPU via NVML.
+"""Server-side figures per point: TorchServe's and the handler's Prometheus metrics, GPU via NVML, host CPU.
 
 /metrics is scraped at each window boundary and parsed with prometheus_client's text parser;
 a point's figures are differences of counters over its measured windows. TorchServe's latency
@@ -8,6 +8,7 @@ TorchServe's fixed buckets and are only used for their sums and counts.
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from typing import Any
 
@@ -162,3 +163,49 @@ class GPUSampler:
         mem = [m for _, m in self._samples]
         return {"available": True, "samples": len(util), "util_mean_pct": sum(util) / len(util),
                 "util_max_pct": max(util), "memory_used_max_mib": max(mem)}
+
+
+class HostCPU:
+    """How busy the host's CPUs were over a point, and how many cores the load generator took.
+
+    The load generator usually shares the host with TorchServe: when the host is saturated, client
+    and server slow each other down and the capacity found is a lower bound (and varies run to run).
+    """
+
+    def __init__(self) -> None:
+        self._t0 = 0.0
+        self._host0: Any = None
+        self._procs: dict[int, tuple[Any, float]] = {}
+
+    def start(self, pids: list[int]) -> None:
+        import psutil
+
+        self._t0 = time.monotonic()
+        self._host0 = psutil.cpu_times()
+        self._procs = {}
+        for pid in pids:
+            try:
+                p = psutil.Process(pid)
+                self._procs[pid] = (p, sum(p.cpu_times()[:2]))
+            except psutil.Error:  # gone already: it simply adds nothing
+                pass
+
+    def stop(self) -> dict[str, Any]:
+        import psutil
+
+        if self._host0 is None:
+            return {}
+        wall = time.monotonic() - self._t0
+        host1 = psutil.cpu_times()
+        idle = lambda t: t.idle + getattr(t, "iowait", 0.0)  # noqa: E731
+        total = sum(host1) - sum(self._host0)
+        busy = total - (idle(host1) - idle(self._host0))
+        gen = 0.0
+        for p, before in self._procs.values():
+            try:
+                gen += sum(p.cpu_times()[:2]) - before
+            except psutil.Error:
+                pass
+        self._host0 = None
+        return {"cpu_count": psutil.cpu_count(), "busy_pct": round(100.0 * busy / total, 1) if total > 0 else None,
+                "loadgen_cores": round(gen / wall, 3) if wall > 0 else None}
