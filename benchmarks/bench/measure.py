@@ -15,7 +15,7 @@ import numpy as np
 
 from benchmarks.bench.loadgen import Handle, LoadGenerator, LoadSpec
 from benchmarks.bench.schema import SLA, Measurement
-from benchmarks.bench.server_metrics import GPUSampler, HostCPU, Sample, point_figures
+from benchmarks.bench.server_metrics import GPUSampler, HostCPU, Sample, host_saturation, point_figures
 from benchmarks.bench.stats import FIELDS, LLM_FIELDS, Summary, stability, summarize, window_stats
 
 PASS, FAIL, UNSTABLE, ERROR = "pass", "fail", "unstable", "error"
@@ -100,15 +100,11 @@ def judge(summary: Summary, stable: bool, sla: SLA) -> tuple[str, list[str]]:
     return PASS, []
 
 
-SATURATED_PCT = 90.0
-
-
 def lag_advice(host: dict[str, Any]) -> str:
     """What a late load generator means, given how busy the host's CPUs were."""
-    busy = host.get("busy_pct")
-    if busy is not None and busy >= SATURATED_PCT:
-        return (f"the host's CPUs were {busy:.0f}% busy, the load generator taking {host.get('loadgen_cores')} "
-                "cores: client and server compete for them, so this capacity is a lower bound")
+    saturated = host_saturation(host)
+    if saturated:
+        return f"{saturated}: client and server compete for them, so this capacity is a lower bound"
     return "more load processes would help"
 
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from benchmarks.bench.measure import SATURATED_PCT, PointResult
+from benchmarks.bench.measure import PointResult
+from benchmarks.bench.server_metrics import host_saturation
 from benchmarks.bench.stats import Summary
 
 if TYPE_CHECKING:
@@ -162,13 +163,12 @@ def baseline_doubt(b: "ConfigResult") -> str | None:
 
 def host_note(p: PointResult) -> str | None:
     """Why a point's capacity may understate the server (its host's CPUs were saturated), or None."""
-    busy = p.host.get("busy_pct")
-    if busy is None or busy < SATURATED_PCT:
+    saturated = host_saturation(p.host)
+    if not saturated:
         return None
-    return (f"the host's CPUs were {busy:.0f}% busy at the winner's load (the load generator took "
-            f"{p.host.get('loadgen_cores')} of {p.host.get('cpu_count')} cores): client and server competed for "
-            "them, so its capacity is a lower bound and can vary between runs; running the bench on another "
-            "machine against it (target.remote) measures the server alone")
+    return (f"at the winner's load {saturated}: client and server competed for them, so its capacity is a "
+            "lower bound and can vary between runs; running the bench on another machine against it "
+            "(target.remote) measures the server alone")
 
 
 def inprocess_figures(run: "Run", w: "ConfigResult | None") -> dict[str, Any] | None:

@@ -12,6 +12,8 @@ import time
 import urllib.request
 from typing import Any
 
+import psutil
+
 Sample = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -165,6 +167,9 @@ class GPUSampler:
                 "util_max_pct": max(util), "memory_used_max_mib": max(mem)}
 
 
+SATURATED_PCT = 90.0  # host CPU busy share from which client and server are taken to compete
+
+
 class HostCPU:
     """How busy the host's CPUs were over a point, and how many cores the load generator took.
 
@@ -175,24 +180,20 @@ class HostCPU:
     def __init__(self) -> None:
         self._t0 = 0.0
         self._host0: Any = None
-        self._procs: dict[int, tuple[Any, float]] = {}
+        self._procs: list[tuple[psutil.Process, float]] = []
 
     def start(self, pids: list[int]) -> None:
-        import psutil
-
         self._t0 = time.monotonic()
         self._host0 = psutil.cpu_times()
-        self._procs = {}
+        self._procs = []
         for pid in pids:
             try:
                 p = psutil.Process(pid)
-                self._procs[pid] = (p, sum(p.cpu_times()[:2]))
+                self._procs.append((p, sum(p.cpu_times()[:2])))
             except psutil.Error:  # gone already: it simply adds nothing
                 pass
 
     def stop(self) -> dict[str, Any]:
-        import psutil
-
         if self._host0 is None:
             return {}
         wall = time.monotonic() - self._t0
@@ -201,7 +202,7 @@ class HostCPU:
         total = sum(host1) - sum(self._host0)
         busy = total - (idle(host1) - idle(self._host0))
         gen = 0.0
-        for p, before in self._procs.values():
+        for p, before in self._procs:
             try:
                 gen += sum(p.cpu_times()[:2]) - before
             except psutil.Error:
@@ -209,3 +210,12 @@ class HostCPU:
         self._host0 = None
         return {"cpu_count": psutil.cpu_count(), "busy_pct": round(100.0 * busy / total, 1) if total > 0 else None,
                 "loadgen_cores": round(gen / wall, 3) if wall > 0 else None}
+
+
+def host_saturation(host: dict[str, Any]) -> str | None:
+    """'the host's CPUs were N% busy, ...' when a point's host was saturated (HostCPU figures), else None."""
+    busy = host.get("busy_pct")
+    if busy is None or busy < SATURATED_PCT:
+        return None
+    return (f"the host's CPUs were {busy:.0f}% busy, the load generator taking {host.get('loadgen_cores')} of "
+            f"{host.get('cpu_count')} cores")
