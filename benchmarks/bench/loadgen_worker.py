@@ -205,8 +205,8 @@ def watcher(run: Run) -> None:
 def main(folder: str) -> int:
     folder_p = Path(folder)
     # The imports (locust, gevent, numpy) leave ~60k objects that each full garbage collection would
-    # walk: 10-35 ms on the 2-core VM, a pause that delays this process's sends and reads alike and so
-    # lands in the latencies it records. Nothing imported is ever freed: exempt it.
+    # walk: 33-40 ms on the busy 2-core VM, a pause that delays this process's sends and reads alike
+    # and so lands in the latencies it records. Nothing imported is ever freed: exempt it.
     frozen = freeze_heap()
     (folder_p / "ready").write_text(json.dumps({"pid": os.getpid(), "gc_frozen_objects": frozen}))
     seq = 0
