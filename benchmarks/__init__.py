@@ -1,1 +1,1 @@
-"""servekit's harness: TorchServe server adapter, auto-benchmark, demo and CLI."""
+"""The auto-benchmark (bench/) and benchmark scripts; results of GPU runs in results/."""

@@ -1,6 +1,6 @@
 """Fault injection against a live TorchServe: bad input, a killed worker, out of memory, a restart.
 
-    python -m benchmarks.faults --out benchmarks/results
+    python -m servekit.benchmarks.faults --out benchmarks/results
 
 builds `minilm.mar` and a test-only `minilm_faulty.mar` (the production handler whose inference raises
 `torch.OutOfMemoryError` for any batch holding a marker word, with `too_long: reject`), starts its own
@@ -34,9 +34,9 @@ import numpy as np
 import requests
 import yaml
 
-from benchmarks.server import TorchServe, model_workers
+from servekit.resources import model_config
+from servekit.torchserve import TorchServe, model_workers
 
-ROOT = Path(__file__).resolve().parent.parent
 VERSION = "1.0"
 OOM_MARKER = "xqzoommarker"
 
@@ -67,11 +67,11 @@ def vectors(answer: Any) -> np.ndarray:
 
 def reference_embedder(texts: list[str] | None = None) -> Callable[[list[str]], np.ndarray]:
     """In-process reference: the same runner and plan as the archive (eager, no warm-up), on CPU."""
-    from handlers.archive import minilm_weights
-    from optimizations.embedding import EmbeddingRunner
-    from optimizations.plan import parse_plan
+    from servekit.archive import minilm_weights
+    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.plan import parse_plan
 
-    raw = yaml.safe_load((ROOT / "config" / "models" / "minilm.yaml").read_text())["servekit"]
+    raw = yaml.safe_load(model_config("minilm").read_text())["servekit"]
     plan = dataclasses.replace(parse_plan(raw), device="cpu", warmup=False)
     runner = EmbeddingRunner(minilm_weights()[0].parent, plan, golden_texts=texts or GOOD_TEXTS)
     cache: dict[tuple[str, ...], np.ndarray] = {}
@@ -302,7 +302,7 @@ FAULTY_HANDLER = f'''"""Test-only handler (built by benchmarks/faults.py, never 
 handler whose inference raises torch.OutOfMemoryError for any batch holding the word {OOM_MARKER!r}."""
 import torch
 
-from handlers.embedding_handler import EmbeddingHandler
+from servekit.handlers.embedding_handler import EmbeddingHandler
 
 MARKER = {OOM_MARKER!r}
 
@@ -327,7 +327,7 @@ FAULTY_LLM_HANDLER = f'''"""Test-only handler (built by benchmarks/faults.py, ne
 whose generation raises torch.OutOfMemoryError for any batch with a prompt holding {OOM_MARKER!r}."""
 import torch
 
-from handlers import llm_handler
+from servekit.handlers import llm_handler
 
 MARKER = {OOM_MARKER!r}
 
@@ -354,33 +354,33 @@ def build_faulty_llm_archive(store: Path, work: Path, config: Path, name: str = 
     """`<store>/<name>.mar`: SmolLM2 with the OOM-on-marker LLM handler and the given model-config."""
     import torch
 
-    from handlers.archive import ArchiveSpec, build_archive, register_spec
-    from optimizations.gguf_weights import smollm2_archive_files
+    from servekit.archive import LLM, ArchiveSpec, build_archive
+    from servekit.optimizations.gguf_weights import smollm2_archive_files
 
     work.mkdir(parents=True, exist_ok=True)
     handler = work / "oom_llm_handler.py"
     handler.write_text(FAULTY_LLM_HANDLER)
-    register_spec(name, ArchiveSpec(str(handler), str(config), lambda: smollm2_archive_files(torch.bfloat16)))
-    return build_archive(name, store, archive_name=name, compress=False)  # test-only: fast to build
+    spec = ArchiveSpec(LLM, handler, Path(config), lambda: smollm2_archive_files(torch.bfloat16))
+    return build_archive(name, store, archive_name=name, compress=False, spec=spec)  # test-only: fast to build
 
 
 def build_faulty_archive(store: Path, work: Path, buckets: dict[str, list[int]] | None = None,
                          name: str = "minilm_faulty") -> Path:
     """`<store>/<name>.mar`: the OOM-on-marker handler, `too_long: reject`, batch 8 / 50 ms."""
-    from handlers.archive import ArchiveSpec, build_archive, minilm_weights, register_spec
+    from servekit.archive import EMBEDDING, ArchiveSpec, build_archive, minilm_weights
 
     work.mkdir(parents=True, exist_ok=True)
     handler = work / "oom_handler.py"
     handler.write_text(FAULTY_HANDLER)
-    cfg = yaml.safe_load((ROOT / "config" / "models" / "minilm.yaml").read_text())
+    cfg = yaml.safe_load(model_config("minilm").read_text())
     cfg.update({"batchSize": 8, "maxBatchDelay": 50})
     cfg["servekit"].setdefault("limits", {})["too_long"] = "reject"
     if buckets:
         cfg["servekit"]["buckets"] = buckets
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    register_spec(name, ArchiveSpec(str(handler), str(config), minilm_weights))
-    return build_archive(name, store, archive_name=name, compress=False)  # test-only: fast to build
+    spec = ArchiveSpec(EMBEDDING, handler, config, minilm_weights)
+    return build_archive(name, store, archive_name=name, compress=False, spec=spec)  # test-only: fast to build
 
 
 def faulty_cases(max_seq: int) -> list[BadInput]:
@@ -602,14 +602,14 @@ def summary(faults: dict[str, Any] | None, soak: dict[str, Any] | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.soak import machine_info
-    from handlers.archive import build_archive
+    from servekit.benchmarks.soak import machine_info
+    from servekit.archive import build_archive
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="folder for the results")
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.faults", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the results")
     p.add_argument("--concurrency", type=int, default=4, help="clients during the worker kill (default 4)")
     args = p.parse_args(argv)
-    command = "python -m benchmarks.faults " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m servekit.benchmarks.faults " + " ".join(argv if argv is not None else sys.argv[1:])
     reference = reference_embedder()
     with tempfile.TemporaryDirectory(prefix="servekit-faults-") as tmp:
         tmp_path = Path(tmp)

@@ -13,7 +13,7 @@ So the script:
    with their solo text, and the worker must be the same process;
 4. frees the ballast and sends the long prompt again: it must be answered (the worker recovered).
 
-    python3 -m benchmarks.gpu_oom --out benchmarks/results/gpu-oom-<gpu>
+    python3 -m servekit.benchmarks.gpu_oom --out benchmarks/results/gpu-oom-<gpu>
 
 Exit status 0 when every check passed, 1 otherwise (also when no out-of-memory error happened:
 then lower ``--leave-free-mib``).
@@ -27,8 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.faults import Answer, send_together, worker_identity
-from benchmarks.server import ROOT, TorchServe
+from servekit.benchmarks.faults import Answer, send_together, worker_identity
+from servekit.resources import model_config
+from servekit.torchserve import TorchServe
 
 MODEL = "smollm2"
 SHORT = ["What is the capital of France?", "Name three colors.", "Say hello in Spanish."]
@@ -73,18 +74,18 @@ def run(ts: TorchServe, leave_free_mib: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_oom", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.gpu_oom", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for gpu_oom.json")
-    p.add_argument("--config", type=Path, default=ROOT / "config/models/smollm2.yaml", help="GPU model-config")
+    p.add_argument("--config", type=Path, default=model_config("smollm2"), help="GPU model-config")
     p.add_argument("--leave-free-mib", type=int, default=8, help="GPU memory the ballast leaves free")
     args = p.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (the CPU suite simulates the error: tests/test_reliability_llm.py)")
-    from benchmarks.soak import machine_info
-    from handlers.archive import build_archive
+    from servekit.benchmarks.soak import machine_info
+    from servekit.archive import build_archive
 
     with tempfile.TemporaryDirectory(prefix="servekit-gpu-oom-") as tmp:
         store = Path(tmp) / "store"
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             ts.register(f"{MODEL}.mar", MODEL, timeout=1800)
             res = run(ts, args.leave_free_mib)
     res["machine"] = machine_info()
-    res["command"] = "python -m benchmarks.gpu_oom " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["command"] = "python -m servekit.benchmarks.gpu_oom " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_oom.json").write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))

@@ -24,14 +24,14 @@ for step in "$@"; do
   mkdir -p "$out/$step"
   echo "== $step -> $out/$step"
   case $step in
-    llm-inprocess) python3 -m benchmarks.llm_inprocess --out "$out/$step" --variants graphs-prefill compile-graphs hf-eager --repeats 3 ;;
-    spec) python3 -m benchmarks.spec_bench --out "$(dirname "$heads")" --max-train-seconds 150 --train-topic-prompts 8000 \
+    llm-inprocess) python3 -m servekit.benchmarks.llm_inprocess --out "$out/$step" --variants graphs-prefill compile-graphs hf-eager --repeats 3 ;;
+    spec) python3 -m servekit.benchmarks.spec_bench --out "$(dirname "$heads")" --max-train-seconds 150 --train-topic-prompts 8000 \
             --batches 1 --rows 16 --fp32-check off \
             && cp "$(dirname "$heads")"/spec_bench.* "$out/$step/" ;;
-    serve) python3 -m benchmarks.llm_serve_bench --out "$out/$step" --speculator "$heads" --rounds 4 ;;
-    oom) python3 -m benchmarks.gpu_oom --out "$out/$step" ;;
-    plans-ready) python3 -m benchmarks.plan_bench ready --out "$out/$step" --plan fp16-compile-graphs ;;
-    sweep) python3 -m benchmarks.bench.runner benchmarks/sweeps/minilm-gpu.yaml --out "$out/$step" ;;
-    soak) python3 -m benchmarks.soak --minutes 10 --out "$out/$step" ;;
+    serve) python3 -m servekit.benchmarks.llm_serve_bench --out "$out/$step" --speculator "$heads" --rounds 4 ;;
+    oom) python3 -m servekit.benchmarks.gpu_oom --out "$out/$step" ;;
+    plans-ready) python3 -m servekit.benchmarks.plan_bench ready --out "$out/$step" --plan fp16-compile-graphs ;;
+    sweep) python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/minilm-gpu.yaml --out "$out/$step" ;;
+    soak) python3 -m servekit.benchmarks.soak --minutes 10 --out "$out/$step" ;;
   esac || echo "step $step failed (exit $?)" >&2
 done

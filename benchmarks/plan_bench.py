@@ -4,8 +4,8 @@ For each plan: load + warm-up/capture time, per-bucket capture time and memory, 
 sequences/s per bucket, cosine to the fp32 eager reference, recompiles after a run that mixes every
 bucket. `ready` measures worker-ready time in a fresh process with and without the compile cache.
 
-    python -m benchmarks.plan_bench run --out benchmarks/results/plans-<gpu>   # all plans
-    python -m benchmarks.plan_bench ready --out DIR --plan fp16-compile-graphs   # GPU (fp32-compile on CPU)
+    python -m servekit.benchmarks.plan_bench run --out benchmarks/results/plans-<gpu>   # all plans
+    python -m servekit.benchmarks.plan_bench ready --out DIR --plan fp16-compile-graphs   # GPU (fp32-compile on CPU)
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def environment() -> dict:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"date": date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(), "host_cpu": platform.processor(),
-            "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.plan_bench", *sys.argv[1:]])}
+            "command": " ".join([Path(sys.executable).name, "-m", "servekit.benchmarks.plan_bench", *sys.argv[1:]])}
 
 
 def model_dir() -> Path:
@@ -74,8 +74,8 @@ def time_bucket(runner, b: int, s: int, iters: int, repeats: int = 5) -> float:
 
 
 def bench_plan(name: str, raw: dict, iters: int) -> dict:
-    from optimizations.embedding import EmbeddingRunner
-    from optimizations.plan import parse_plan
+    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.plan import parse_plan
 
     t0 = time.perf_counter()
     runner = EmbeddingRunner(model_dir(), parse_plan(raw))
@@ -174,7 +174,7 @@ def cmd_ready(args: argparse.Namespace) -> int:
             env = ({k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
                    | {"PYTHONUNBUFFERED": "1", "PYTHONPYCACHEPREFIX": pycache})
             t = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.plan_bench", "_load", json.dumps(raw)],
+            proc = subprocess.run([sys.executable, "-m", "servekit.benchmarks.plan_bench", "_load", json.dumps(raw)],
                                   env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t
             if proc.returncode != 0:
@@ -200,8 +200,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from optimizations.embedding import EmbeddingRunner, unique_graphs
-    from optimizations.plan import parse_plan
+    from servekit.optimizations.embedding import EmbeddingRunner, unique_graphs
+    from servekit.optimizations.plan import parse_plan
 
     t = time.perf_counter()
     runner = EmbeddingRunner(model_dir(), parse_plan(json.loads(args.plan_json)))
@@ -214,7 +214,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.plan_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.plan_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="benchmark plans per bucket")

@@ -1,6 +1,6 @@
 """Soak test: steady load on a live TorchServe for N minutes, watching for leaks, errors and drift.
 
-    python -m benchmarks.soak --minutes 10 --out benchmarks/results
+    python -m servekit.benchmarks.soak --minutes 10 --out benchmarks/results
 
 builds `minilm.mar` from the working tree, starts its own TorchServe on free ports, holds a paced load
 (`--rate` requests/s from `--concurrency` clients; 5 % of them deliberately invalid so the error
@@ -30,10 +30,10 @@ from typing import Any
 import psutil
 import requests
 
-from benchmarks.server import TorchServe
+from servekit.optimizations.embedding import GOLDEN_TEXTS
+from servekit.torchserve import TorchServe
 
-ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = (ROOT / "optimizations" / "data" / "golden_texts.txt").read_text().splitlines()
+GOLDEN = GOLDEN_TEXTS.read_text().splitlines()
 PROBE_TEXT = "The soak probe sentence: its embedding must never change while the server runs."
 BAD_FRACTION = 0.05
 
@@ -353,20 +353,20 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="duration of the load (default 10)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="folder for the JSON and Markdown")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON and Markdown")
     p.add_argument("--rate", type=float, default=10.0, help="requests per second in total (default 10)")
     p.add_argument("--concurrency", type=int, default=4, help="client threads (default 4)")
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between memory samples (default 5)")
     p.add_argument("--model-store", type=Path, help="store that already holds minilm.mar (default: build one)")
     p.add_argument("--name", default="reliability-soak", help="output file stem (default reliability-soak)")
     args = p.parse_args(argv)
-    command = "python -m benchmarks.soak " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m servekit.benchmarks.soak " + " ".join(argv if argv is not None else sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="servekit-soak-") as tmp:
         store = args.model_store
         if store is None:
-            from handlers.archive import build_archive
+            from servekit.archive import build_archive
 
             store = Path(tmp) / "store"
             build_archive("minilm", store)

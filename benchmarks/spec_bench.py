@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: heads for SmolLM2-135M, tokens/s with and without speculation.
 
-1. Speculator heads: trained on the spot (``optimizations.train_speculator``'s recipe, on the
+1. Speculator heads: trained on the spot (``servekit.optimizations.train_speculator``'s recipe, on the
    training split of ``optimizations/data/speculator_prompts.txt``) or loaded with ``--heads-dir``.
 2. One ``LlamaRunner`` (CUDA graphs on GPU) and a ``SpeculativeRunner`` on top of it, warmed up.
 3. Acceptance per draft position and mean accepted length on the held-out prompts (never seen
@@ -15,9 +15,9 @@
 Writes ``spec_bench.json`` and ``spec_bench.md`` (GPU, versions, date, command) into ``--out``.
 
     # GPU (a few minutes on an H100; the converted folder carries safetensors + tokenizer):
-    python3 -m benchmarks.spec_bench --out benchmarks/results/spec-h100 --model-dir DIR
+    python3 -m servekit.benchmarks.spec_bench --out benchmarks/results/spec-h100 --model-dir DIR
     # CPU smoke run on a tiny random-init model:
-    python -m benchmarks.spec_bench --out /tmp/spec-cpu --tiny --threads 1
+    python -m servekit.benchmarks.spec_bench --out /tmp/spec-cpu --tiny --threads 1
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.llm_inprocess import environment, identical_prefix, sync_device
-from optimizations.generate import LlamaRunner, SamplingParams, generate
-from optimizations.llama import LlamaConfig, init_random, load_llama
-from optimizations.speculative import SpecStats, SpeculativeRunner, generate_speculative, load_speculator, save_speculator
-from optimizations import train_speculator as ts
+from servekit.benchmarks.llm_inprocess import environment, identical_prefix, sync_device
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llama import LlamaConfig, init_random, load_llama
+from servekit.optimizations.speculative import SpecStats, SpeculativeRunner, generate_speculative, load_speculator, save_speculator
+from servekit.optimizations import train_speculator as ts
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -47,7 +47,7 @@ def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:  # an fp32 conversion serves both the --dtype run and the fp32 check
-        from optimizations.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
+        from servekit.optimizations.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
 
         if args.gguf:
             model_dir = Path(args.cache_dir or Path.home() / ".cache" / "servekit") / f"{Path(args.gguf).stem}-fp32"
@@ -194,7 +194,7 @@ def markdown(res: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.spec_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.spec_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for spec_bench.json / .md and the trained heads")
     src = p.add_mutually_exclusive_group()
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     say = lambda msg: print(msg, flush=True)  # noqa: E731
     model, tokenizer, source = load_model(args, device, dtype)
-    res: dict = {"environment": environment(argv, "benchmarks.spec_bench"), "model": "tiny random-init Llama" if args.tiny else "SmolLM2-135M",
+    res: dict = {"environment": environment(argv, "servekit.benchmarks.spec_bench"), "model": "tiny random-init Llama" if args.tiny else "SmolLM2-135M",
                  "model_source": source, "dtype": args.dtype, "new_tokens": args.new_tokens}
 
     texts = ts.load_prompts()

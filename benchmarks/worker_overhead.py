@@ -1,15 +1,15 @@
 """Per-batch CPU cost of a TorchServe worker's work outside the model: frame decoding, metrics, tokenizing.
 
-    python -m benchmarks.worker_overhead --out benchmarks/results/worker-overhead-cpu
+    python -m servekit.benchmarks.worker_overhead --out benchmarks/results/worker-overhead-cpu
 
 Runs TorchServe 0.12's own code on real bytes, in this process, without a model:
   - decode: a PREDICT frame of B requests (the headers a locust client sends, bodies from
     benchmarks/payloads/texts.jsonl) read from a real socket pair with `retrieve_msg`, once through
-    TorchServe's reader (one `recv` per field) and once through `handlers.worker_io`'s buffered one;
+    TorchServe's reader (one `recv` per field) and once through `servekit.handlers.worker_io`'s buffered one;
   - metrics: the embedding handler's lines for one batch of B requests (11 per batch, 1 latency
     observation per request) written to a pipe that a thread drains, as the frontend drains a
     worker's stdout: once through `CachingMetric.add_or_update` + `logging` (TorchServe's emitter,
-    what the handler used before) and once through `handlers.metrics.HandlerMetrics`;
+    what the handler used before) and once through `servekit.handlers.metrics.HandlerMetrics`;
   - tokenize: the same B texts with MiniLM's tokenizer on one thread, `encode_batch` (before) and
     `encode_batch_fast` (the runner now: no character offsets).
 Prints a table and writes `worker-overhead.json` into `--out`.
@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-PAYLOADS = ROOT / "benchmarks" / "payloads" / "texts.jsonl"
+from servekit.resources import config_dir, package_dir
+
+PAYLOADS = package_dir("servekit.benchmarks") / "payloads" / "texts.jsonl"
 # What locust's FastHttpSession sends with a JSON body (TorchServe forwards every request header).
 CLIENT_HEADERS = {"Host": "127.0.0.1:8080", "User-Agent": "python/gevent-http-client-1.5.5",
                   "Accept-Encoding": "gzip, deflate", "Content-Type": "application/json",
@@ -73,7 +74,7 @@ def bench_decode(frame: bytes, reps: int, buffered: bool) -> float:
     """Seconds to decode `frame` with TorchServe's retrieve_msg, through its reader or the buffered one."""
     from ts.protocol import otf_message_handler as otf
 
-    from handlers import worker_io
+    from servekit.handlers import worker_io
 
     original = otf._retrieve_buffer
     a, b = socket.socketpair()
@@ -125,9 +126,9 @@ def bench_metrics(batch: int, reps: int, batched: bool) -> float:
     """Seconds to emit one embedding batch's metric lines (`batch` requests)."""
     from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
 
-    from handlers.metrics import KINDS, HandlerMetrics
+    from servekit.handlers.metrics import KINDS, HandlerMetrics
 
-    cache = MetricsCacheYamlImpl(str(ROOT / "config" / "metrics.yaml"))
+    cache = MetricsCacheYamlImpl(str(config_dir() / "metrics.yaml"))
     cache.initialize_cache()
     drain = _Drain()
     lines = [("servekit_batches_total", "counter", 1), ("servekit_requests_total", "counter", batch),
@@ -205,7 +206,7 @@ def run(batches: Sequence[int], reps: int) -> dict[str, Any]:
     import ts
 
     return {"rows": rows, "reps": reps, "date": dt.date.today().isoformat(),
-            "command": "python -m benchmarks.worker_overhead " + " ".join(sys.argv[1:]),
+            "command": "python -m servekit.benchmarks.worker_overhead " + " ".join(sys.argv[1:]),
             "machine": {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "os": platform.platform(),
                         "python": platform.python_version(), "torchserve": ts.__version__,
                         "tokenizers": tokenizers.__version__}}
@@ -222,7 +223,7 @@ def _cpu_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.worker_overhead", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.worker_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="requests per batch (default: 1 16 64)")
     p.add_argument("--reps", type=int, default=200, help="calls per timing round; the best of 5 rounds counts")

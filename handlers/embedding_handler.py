@@ -19,12 +19,12 @@ import numpy as np
 import orjson
 import torch
 
-from handlers.common import RequestError, fail_request, freeze_heap, url_path
-from handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
-from handlers.metrics import HandlerMetrics
-from handlers.worker_io import install_buffered_reads
-from optimizations.embedding import EmbeddingRunner
-from optimizations.plan import parse_plan
+from servekit.handlers.common import RequestError, fail_request, freeze_heap, url_path
+from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
+from servekit.handlers.metrics import HandlerMetrics
+from servekit.handlers.worker_io import install_buffered_reads
+from servekit.optimizations.embedding import EmbeddingRunner
+from servekit.optimizations.plan import parse_plan
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from handlers.common import RequestError, decode_body
+from servekit.handlers.common import RequestError, decode_body
 
 OPENAI_ROUTE = "v1/embeddings"
 OPENAI_KEYS = {"input", "model", "encoding_format", "dimensions", "user"}

@@ -6,7 +6,7 @@ Routes (TorchServe passes the suffix after /predictions/<model>/<version>/ in `u
 Both answer as one JSON, or with "stream": true as server-sent events (`data: {...}` chunks sent
 with TorchServe's intermediate responses, ending with `data: [DONE]`).
 
-The requests TorchServe batches together are generated as one batch (optimizations.generate):
+The requests TorchServe batches together are generated as one batch (servekit.optimizations.generate):
 each row stops on its own (stop token, stop string, max_tokens), a streaming row gets its chunks
 as soon as each decode step ends, and one bad request gets its own 4xx JSON error while the others
 are answered. A row whose stream has ended keeps its HTTP response open until the batch is done
@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from handlers.common import RequestError, decode_body, fail_request, freeze_heap, url_path
-from handlers.metrics import HandlerMetrics
-from handlers.worker_io import install_buffered_reads
-from optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
-from optimizations.generate import (FINISH_STOP, LlamaRunner, LlmPlan, SamplingParams, load_llm_runner,
+from servekit.handlers.common import RequestError, decode_body, fail_request, freeze_heap, url_path
+from servekit.handlers.metrics import HandlerMetrics
+from servekit.handlers.worker_io import install_buffered_reads
+from servekit.optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
+from servekit.optimizations.generate import (FINISH_STOP, LlamaRunner, LlmPlan, SamplingParams, load_llm_runner,
                                     parse_llm_plan)
-from optimizations.plan import PlanError
-from optimizations.speculative import SpecStats, SpeculativeRunner
+from servekit.optimizations.plan import PlanError
+from servekit.optimizations.speculative import SpecStats, SpeculativeRunner
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from contextlib import nullcontext
+from importlib.resources import files
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -18,13 +19,14 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from optimizations.bert import BertEncoder, load_bert, mean_pool_normalize
-from optimizations.buckets import Chunk, plan_chunks
-from optimizations.plan import Plan, PlanError, resolve_for_device
-from optimizations.quantize import quantize
+from servekit.optimizations.bert import BertEncoder, load_bert, mean_pool_normalize
+from servekit.optimizations.buckets import Chunk, plan_chunks
+from servekit.optimizations.plan import Plan, PlanError, resolve_for_device
+from servekit.optimizations.quantize import quantize
 
 log = logging.getLogger(__name__)
-GOLDEN_TEXTS = Path(__file__).parent / "data" / "golden_texts.txt"
+# Package data (importlib.resources): found the same way in a checkout, a wheel and an archive.
+GOLDEN_TEXTS = Path(str(files(__package__))) / "data" / "golden_texts.txt"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

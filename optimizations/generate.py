@@ -1,4 +1,4 @@
-"""Batched generation for ``optimizations.llama``: prefill, CUDA-graph decode, streaming.
+"""Batched generation for ``servekit.optimizations.llama``: prefill, CUDA-graph decode, streaming.
 
 Batching choice: **per-row positions, right padding** (no left padding). Prompts of a batch are
 right-padded to a length bucket; every row's tokens sit at positions ``0..len-1`` of its own KV
@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import Tensor
 
-from optimizations.llama import Transformer
-from optimizations.sampling import FILTER, MODES, SamplingTensors, sample, sampling_mode
+from servekit.optimizations.llama import Transformer
+from servekit.optimizations.sampling import FILTER, MODES, SamplingTensors, sample, sampling_mode
 
 if TYPE_CHECKING:
-    from optimizations.speculative import SpeculativeRunner
+    from servekit.optimizations.speculative import SpeculativeRunner
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -605,7 +605,7 @@ LLM_COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
 
 def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     """Validate the ``servekit:`` mapping of an LLM model-config; errors name the key."""
-    from optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_choice, _check_keys,
+    from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_choice, _check_keys,
                                     _int_list, _positive_int)
 
     raw = _check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
@@ -653,7 +653,7 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
 
 
 def _parse_spec_plan(raw: object, path: str) -> SpecPlan:
-    from optimizations.plan import PlanError, _check_keys, _positive_int
+    from servekit.optimizations.plan import PlanError, _check_keys, _positive_int
 
     raw = _check_keys(path, raw, {"heads", "n_heads", "max_batch"})
     kw: dict[str, object] = {}
@@ -685,8 +685,8 @@ def load_llm_runner(model_dir: str, plan: LlmPlan
     """
     import dataclasses
 
-    from optimizations.llama import load_llama
-    from optimizations.plan import PlanError
+    from servekit.optimizations.llama import load_llama
+    from servekit.optimizations.plan import PlanError
 
     cuda = torch.cuda.is_available()
     if plan.device == "cuda" and not cuda:
@@ -737,8 +737,8 @@ def load_llm_runner(model_dir: str, plan: LlmPlan
 
 def _speculative_runner(runner: LlamaRunner, model_dir: Path, plan: LlmPlan) -> "SpeculativeRunner":
     """Wrap the warmed-up runner with the archive's speculator heads (and warm the verify steps)."""
-    from optimizations.plan import PlanError
-    from optimizations.speculative import SPEC_CONFIG, SpeculativeRunner, load_speculator
+    from servekit.optimizations.plan import PlanError
+    from servekit.optimizations.speculative import SPEC_CONFIG, SpeculativeRunner, load_speculator
 
     sp = plan.speculation
     assert sp is not None

@@ -309,7 +309,7 @@ class Transformer(nn.Module):
         projection of every other position). Attention reads cache slots ``:kv_len`` only (default:
         the whole cache); the caller guarantees every position that matters is below ``kv_len``,
         which saves reading the cache's unused tail. ``blocks``: callables run instead of
-        ``self.layers`` (compiled copies of them, see ``optimizations.generate.RegionalCompiled``).
+        ``self.layers`` (compiled copies of them, see ``servekit.optimizations.generate.RegionalCompiled``).
         """
         return self.output(self.hidden(tokens, input_pos, last_idx, kv_len, blocks)).float()
 

@@ -55,11 +55,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GraphedStep, LlamaRunner, PrefillStep,
+from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GraphedStep, LlamaRunner, PrefillStep,
                                     RegionalCompiled, SamplingParams, SpecPlan, decode_order, pad_prompts,
                                     pick_bucket, prefill_order, warm_steps)
-from optimizations.llama import RMSNorm, Transformer
-from optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
+from servekit.optimizations.llama import RMSNorm, Transformer
+from servekit.optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
 
 SPEC_FORMAT = "servekit-mlp-speculator"
 SPEC_WEIGHTS = "speculator.safetensors"

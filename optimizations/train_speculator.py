@@ -19,9 +19,9 @@
    stored in ``speculator.json`` beside ``speculator.safetensors``.
 
     # SmolLM2-135M on a GPU (a few minutes on an H100):
-    python -m optimizations.train_speculator --model-dir DIR --out DIR/speculator
+    python -m servekit.optimizations.train_speculator --model-dir DIR --out DIR/speculator
     # CPU smoke run on a tiny random-init model (seconds):
-    python -m optimizations.train_speculator --tiny --out /tmp/spec --prompts-limit 24 --new-tokens 24 --steps 40
+    python -m servekit.optimizations.train_speculator --tiny --out /tmp/spec --prompts-limit 24 --new-tokens 24 --steps 40
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Callable
 
@@ -39,12 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from optimizations.generate import LlamaRunner, SamplingParams, generate
-from optimizations.llama import LlamaConfig, Transformer, init_random, load_llama
-from optimizations.speculative import Speculator, SpeculatorConfig, forward_hidden, save_speculator
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llama import LlamaConfig, Transformer, init_random, load_llama
+from servekit.optimizations.speculative import Speculator, SpeculatorConfig, forward_hidden, save_speculator
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "speculator_prompts.txt"
-DEFAULT_TOPICS = Path(__file__).resolve().parent / "data" / "speculator_topics.txt"
+DEFAULT_PROMPTS = Path(str(files(__package__))) / "data" / "speculator_prompts.txt"
+DEFAULT_TOPICS = Path(str(files(__package__))) / "data" / "speculator_topics.txt"
 # Instruction forms for the topic prompts: answers of different shapes (prose, lists, stories,
 # verse, code, letters), so the heads see the base model's styles, not one.
 TOPIC_TEMPLATES = (
@@ -355,7 +356,7 @@ def load_base(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        from optimizations.gguf_weights import convert_gguf_to_safetensors, find_smollm2_gguf
+        from servekit.optimizations.gguf_weights import convert_gguf_to_safetensors, find_smollm2_gguf
 
         gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
         model_dir = convert_gguf_to_safetensors(gguf, Path(args.out) / "base-model", dtype)
@@ -425,7 +426,7 @@ def run_recipe(model: Transformer, tokenizer, args: argparse.Namespace, progress
     return speculator, report
 
 
-def build_parser(prog: str = "python -m optimizations.train_speculator") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m servekit.optimizations.train_speculator") -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for speculator.safetensors + speculator.json")

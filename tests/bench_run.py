@@ -8,8 +8,8 @@ from typing import Any
 
 import yaml
 
-from benchmarks.bench.runner import main
-from benchmarks.server import TorchServe
+from servekit.benchmarks.bench.runner import main
+from servekit.torchserve import TorchServe
 
 
 def remote_target(ts: TorchServe, model_store: Path) -> dict[str, Any]:

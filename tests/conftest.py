@@ -7,8 +7,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from benchmarks.server import TorchServe
-from handlers.archive import build_archive
+from servekit.torchserve import TorchServe
+from servekit.archive import build_archive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,8 +50,8 @@ def smollm2_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """3 speculator heads for SmolLM2 trained by `servekit train-speculator` (~35 s) on the live
     tests' own prompts, so that drafts are accepted often and several tokens per step reach the
     handler."""
-    from optimizations import train_speculator
-    from optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations import train_speculator
+    from servekit.optimizations.gguf_weights import smollm2_archive_files
 
     tmp = tmp_path_factory.mktemp("smollm2-heads")
     (tmp / "prompts.txt").write_text("\n".join(SPEC_PROMPTS) + "\n")
@@ -72,7 +72,7 @@ def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFac
     """A model store holding smollm2.mar: the CPU plan plus speculation with `smollm2_heads`."""
     import yaml
 
-    from optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations.gguf_weights import smollm2_archive_files
 
     tmp = tmp_path_factory.mktemp("smollm2-spec")
     config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())

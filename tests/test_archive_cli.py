@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def archive(*args: str, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "handlers.archive", "smollm2", "--out", str(out), *args],
+    return subprocess.run([sys.executable, "-m", "servekit.archive", "smollm2", "--out", str(out), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -36,11 +36,13 @@ def test_archive_refuses_mismatched_speculator(tmp_path: Path, args: list[str], 
 def test_no_compress_builds_a_stored_mar(tmp_path: Path) -> None:
     import zipfile
 
-    r = subprocess.run([sys.executable, "-m", "handlers.archive", "minilm", "--out", str(tmp_path), "--no-compress"],
+    r = subprocess.run([sys.executable, "-m", "servekit.archive", "minilm", "--out", str(tmp_path), "--no-compress"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     with zipfile.ZipFile(tmp_path / "minilm.mar") as z:
         infos = z.infolist()
         names = {i.filename for i in infos}
-    assert {"MAR-INF/MANIFEST.json", "model.safetensors", "minilm.yaml", "handlers/embedding_handler.py"} <= names
+    assert {"MAR-INF/MANIFEST.json", "model.safetensors", "minilm.yaml", "embedding_handler.py",
+            "servekit/__init__.py", "servekit/handlers/embedding_handler.py", "servekit/optimizations/plan.py"} <= names
+    assert not any(n.startswith(("handlers/", "optimizations/")) for n in names)  # one namespace only
     assert {i.compress_type for i in infos} == {zipfile.ZIP_STORED}

@@ -84,6 +84,6 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
     assert "| host CPU |" in report
     assert (out / "latency_throughput.png").stat().st_size > 10_000
     # models the run registered are gone again; the session's own model is untouched
-    from benchmarks.server import model_ready, model_workers
+    from servekit.torchserve import model_ready, model_workers
     assert not model_workers(ts.management_url, "e2e-servekit")
     assert model_ready(ts.management_url, "minilm")

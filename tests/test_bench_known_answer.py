@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.bench import archives
-from benchmarks.bench.loadgen import LoadGenerator, LoadSpec
-from benchmarks.bench.measure import ServingConfig, measure_point
-from benchmarks.bench.schema import SLA, Load, Measurement, RemoteTarget, Search, Target
-from benchmarks.bench.search import search_capacity
-from benchmarks.bench.server_metrics import scrape
-from benchmarks.bench.stats import percentile, percentile_interval, summarize
-from benchmarks.bench.target import Server
+from servekit.benchmarks.bench import archives
+from servekit.benchmarks.bench.loadgen import LoadGenerator, LoadSpec
+from servekit.benchmarks.bench.measure import ServingConfig, measure_point
+from servekit.benchmarks.bench.schema import SLA, Load, Measurement, RemoteTarget, Search, Target
+from servekit.benchmarks.bench.search import search_capacity
+from servekit.benchmarks.bench.server_metrics import scrape
+from servekit.benchmarks.bench.stats import percentile, percentile_interval, summarize
+from servekit.benchmarks.bench.target import Server
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(400)]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench_run import remote_target, run_sweep
-from benchmarks.bench.stats import LLM_FIELDS
+from servekit.benchmarks.bench.stats import LLM_FIELDS
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(400)]
 
@@ -83,5 +83,5 @@ def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, smollm
     report = (out / "report.md").read_text()
     assert "| TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s | tok/s/seq |" in report
     assert "output tokens/s" in results["answer"][0]
-    from benchmarks.server import model_workers
+    from servekit.torchserve import model_workers
     assert not model_workers(ts.management_url, "e2e-smollm2-spec")

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.bench.measure import FAIL, PASS, judge
-from benchmarks.bench.schema import SLA
-from benchmarks.bench.sse import StreamTally
-from benchmarks.bench.stats import INCOMPLETE_STREAM, LLM_FIELDS, inter_token_ms, llm_summary, summarize
+from servekit.benchmarks.bench.measure import FAIL, PASS, judge
+from servekit.benchmarks.bench.schema import SLA
+from servekit.benchmarks.bench.sse import StreamTally
+from servekit.benchmarks.bench.stats import INCOMPLETE_STREAM, LLM_FIELDS, inter_token_ms, llm_summary, summarize
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "smollm2"}
 

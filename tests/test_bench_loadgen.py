@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from benchmarks.bench.loadgen import LoadGenerator
+from servekit.benchmarks.bench.loadgen import LoadGenerator
 
 
 def test_load_processes_freeze_their_import_heap(tmp_path: Path) -> None:
@@ -27,7 +27,7 @@ def test_host_cpu_counts_the_load_generator_and_the_host() -> None:
     import sys
     import time
 
-    from benchmarks.bench.server_metrics import HostCPU
+    from servekit.benchmarks.bench.server_metrics import HostCPU
 
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.bench.schema import SchemaError, load_config, parse_config
+from servekit.benchmarks.bench.schema import SchemaError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = sorted((ROOT / "benchmarks" / "sweeps").glob("*.yaml"))
@@ -119,7 +119,7 @@ def test_invalid_yaml_file(tmp_path: Path) -> None:
     with pytest.raises(SchemaError, match="not valid YAML"):
         load_config(p)
     p.write_text(yaml.safe_dump(with_("sweep.batch_size", [1, 8, 0])))
-    from benchmarks.bench.runner import main
+    from servekit.benchmarks.bench.runner import main
     assert main([str(p), "--check"]) == 2
 
 
@@ -174,7 +174,7 @@ def test_token_slas_need_a_streamed_sweep(key: str) -> None:
 
 
 def test_streamed_bodies_must_ask_for_a_stream(tmp_path: Path) -> None:
-    from benchmarks.bench.payloads import load_bodies
+    from servekit.benchmarks.bench.payloads import load_bodies
 
     f = tmp_path / "chat.jsonl"
     f.write_text('{"messages": [], "stream": true}\n\n{"messages": []}\n')
@@ -191,7 +191,7 @@ def test_streamed_bodies_must_ask_for_a_stream(tmp_path: Path) -> None:
 
 
 def test_shipped_chat_payloads() -> None:
-    from benchmarks.bench.payloads import load_bodies
+    from servekit.benchmarks.bench.payloads import load_bodies
 
     cfg = parse_config(LLM)
     bodies = [json.loads(b) for b in load_bodies(cfg.payloads, streamed=True)]
@@ -203,7 +203,7 @@ def test_shipped_chat_payloads() -> None:
 
 
 def test_speculator_heads_are_checked_when_the_run_starts(tmp_path: Path) -> None:
-    from benchmarks.bench.runner import check_heads
+    from servekit.benchmarks.bench.runner import check_heads
 
     spec = parse_config(with_("variants.1.speculator", str(tmp_path), LLM)).variants[1]
     with pytest.raises(SchemaError, match=rf"variants\[spec\].speculator: {tmp_path} lacks speculator.json, "
@@ -215,7 +215,7 @@ def test_speculator_heads_are_checked_when_the_run_starts(tmp_path: Path) -> Non
 
 
 def test_inprocess_reads_the_texts_of_every_body_shape(tmp_path: Path) -> None:
-    from benchmarks.bench.inprocess import payload_texts
+    from servekit.benchmarks.bench.inprocess import payload_texts
 
     bodies = tmp_path / "bodies.jsonl"
     bodies.write_text('{"text": "a"}\n{"input": ["b", "c", "d"]}\n["e", "f"]\n\n{"text": ["g"]}\n')

@@ -6,11 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.bench.loadgen import LoadSpec
-from benchmarks.bench.measure import FAIL, PASS, PointResult, ServingConfig, judge
-from benchmarks.bench.schema import SLA, Load, Search
-from benchmarks.bench.search import refine_capacity, search_capacity
-from benchmarks.bench.stats import (constant_schedule, percentile, percentile_interval, poisson_schedule, stability,
+from servekit.benchmarks.bench.loadgen import LoadSpec
+from servekit.benchmarks.bench.measure import FAIL, PASS, PointResult, ServingConfig, judge
+from servekit.benchmarks.bench.schema import SLA, Load, Search
+from servekit.benchmarks.bench.search import refine_capacity, search_capacity
+from servekit.benchmarks.bench.stats import (constant_schedule, percentile, percentile_interval, poisson_schedule, stability,
                                     summarize, window_stats)
 
 
@@ -239,9 +239,9 @@ def _point(mode: str, level: float, rate: float, status: str = PASS, role: str =
 def test_a_baseline_whose_probe_beat_its_search_is_flagged(probe_rps: float, capacity: float, warned: bool) -> None:
     """A closed-loop probe passing at over twice the open-loop capacity means the search hit unstable
     windows: "N x stock" would overstate the margin, and the report says so."""
-    from benchmarks.bench.report import baseline_doubt
-    from benchmarks.bench.runner import ConfigResult
-    from benchmarks.bench.search import SearchResult
+    from servekit.benchmarks.bench.report import baseline_doubt
+    from servekit.benchmarks.bench.runner import ConfigResult
+    from servekit.benchmarks.bench.search import SearchResult
 
     search = SearchResult(best=_point("open", capacity, capacity),
                           probe=_point("closed", 2, probe_rps, role="probe"))
@@ -256,8 +256,8 @@ def test_a_baseline_whose_probe_beat_its_search_is_flagged(probe_rps: float, cap
 
 
 def test_a_saturated_host_is_named_in_the_lag_reason_and_the_answer() -> None:
-    from benchmarks.bench.measure import lag_advice
-    from benchmarks.bench.report import host_note
+    from servekit.benchmarks.bench.measure import lag_advice
+    from servekit.benchmarks.bench.report import host_note
 
     busy = {"cpu_count": 16, "busy_pct": 96.7, "loadgen_cores": 3.1}
     calm = {"cpu_count": 16, "busy_pct": 41.0, "loadgen_cores": 1.2}

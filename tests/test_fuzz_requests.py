@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from handlers.common import MAX_JSON_DEPTH, RequestError, decode_body, url_path
-from handlers.embedding_requests import OPENAI_ROUTE, parse_embedding_request
+from servekit.handlers.common import MAX_JSON_DEPTH, RequestError, decode_body, url_path
+from servekit.handlers.embedding_requests import OPENAI_ROUTE, parse_embedding_request
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DIM, MAX_TEXTS, MAX_CHARS = 384, 8, 200
@@ -52,7 +52,7 @@ def check_error(e: RequestError) -> None:
 def tokenizer():
     from tokenizers import Tokenizer
 
-    from handlers.archive import minilm_weights
+    from servekit.archive import minilm_weights
 
     return Tokenizer.from_file(str(minilm_weights()[0].parent / "tokenizer.json"))
 

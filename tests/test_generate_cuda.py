@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimizations.generate import LlamaRunner, SamplingParams, generate
-from optimizations.llama import LlamaConfig, init_random
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llama import LlamaConfig, init_random
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -43,7 +43,7 @@ def test_compiled_and_captured_decode_equals_eager() -> None:
 
 
 def test_captured_speculative_steps_equal_plain_decoding() -> None:
-    from optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeRunner, generate_speculative
+    from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeRunner, generate_speculative
 
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64),

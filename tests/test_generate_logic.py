@@ -1,4 +1,4 @@
-"""optimizations.generate on a tiny random-init Llama (CPU, eager: the same static-buffer decode
+"""servekit.optimizations.generate on a tiny random-init Llama (CPU, eager: the same static-buffer decode
 path that CUDA graphs replay on GPU)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimizations.generate import (LlamaRunner, SamplingParams, default_kv_buckets, default_prefill_buckets,
+from servekit.optimizations.generate import (LlamaRunner, SamplingParams, default_kv_buckets, default_prefill_buckets,
                                     generate, pad_prompts, pick_bucket)
-from optimizations.llama import LlamaConfig, Transformer, init_random
+from servekit.optimizations.llama import LlamaConfig, Transformer, init_random
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -182,7 +182,7 @@ def _tiny_checkpoint(tmp_path) -> str:
 
     from safetensors.torch import save_file
 
-    from optimizations.llama import ours_to_hf
+    from servekit.optimizations.llama import ours_to_hf
 
     model = init_random(LlamaConfig.tiny(), seed=0)
     save_file({ours_to_hf(k): v.contiguous() for k, v in model.state_dict().items() if k != "output.weight"},
@@ -192,8 +192,8 @@ def _tiny_checkpoint(tmp_path) -> str:
 
 
 def test_llm_plan_errors_name_the_key() -> None:
-    from optimizations.generate import parse_llm_plan
-    from optimizations.plan import PlanError
+    from servekit.optimizations.generate import parse_llm_plan
+    from servekit.optimizations.plan import PlanError
 
     plan = parse_llm_plan({"precision": "bf16", "buckets": {"batch_sizes": [1, 4]}, "limits": {"max_tokens": 100}})
     assert plan.batch_sizes == (1, 4) and plan.limits.default_max_tokens == 100 and plan.label() == "bf16"
@@ -217,9 +217,9 @@ def test_llm_plan_errors_name_the_key() -> None:
 
 
 def test_plan_with_speculation_wraps_the_runner_with_the_archived_heads(tmp_path) -> None:
-    from optimizations.generate import load_llm_runner, parse_llm_plan
-    from optimizations.plan import PlanError
-    from optimizations.speculative import (SpecStats, Speculator, SpeculatorConfig, SpeculativeRunner,
+    from servekit.optimizations.generate import load_llm_runner, parse_llm_plan
+    from servekit.optimizations.plan import PlanError
+    from servekit.optimizations.speculative import (SpecStats, Speculator, SpeculatorConfig, SpeculativeRunner,
                                            generate_speculative, save_speculator)
 
     ckpt = _tiny_checkpoint(tmp_path)
@@ -243,8 +243,8 @@ def test_plan_with_speculation_wraps_the_runner_with_the_archived_heads(tmp_path
 
 
 def test_load_llm_runner_fails_loudly_or_falls_back_as_the_plan_says(tmp_path) -> None:
-    from optimizations.generate import load_llm_runner, parse_llm_plan
-    from optimizations.plan import PlanError
+    from servekit.optimizations.generate import load_llm_runner, parse_llm_plan
+    from servekit.optimizations.plan import PlanError
 
     ckpt = _tiny_checkpoint(tmp_path)
     base = {"device": "cpu", "cuda_graphs": True, "max_seq_len": 64, "limits": {"max_tokens": 32},

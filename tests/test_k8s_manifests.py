@@ -15,8 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from benchmarks import dashboards
-from benchmarks.overlay import write_overlay
+from servekit.deploy import dashboards
+from servekit.deploy.overlay import write_overlay
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -208,13 +208,13 @@ def test_probes():
     models = json.loads(props["models"])
     for probe in ("startupProbe", "readinessProbe"):
         cmd = c[probe]["exec"]["command"]
-        assert cmd[:4] == ["python", "-m", "benchmarks.probe", "ready"]
+        assert cmd[:4] == ["python", "-m", "servekit.probe", "ready"]
         assert cmd[cmd.index("--model") + 1] in models
         assert cmd[cmd.index("--config") + 1] == "/etc/servekit/config.properties"
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "load + compile + capture need minutes"
     assert c["livenessProbe"]["httpGet"] == {"path": "/ping", "port": "inference"}
-    assert c["lifecycle"]["postStart"]["exec"]["command"][:4] == ["python", "-m", "benchmarks.probe", "register"]
+    assert c["lifecycle"]["postStart"]["exec"]["command"][:4] == ["python", "-m", "servekit.probe", "register"]
     assert "torchserve --stop" in " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
     assert pod_spec(docs)["terminationGracePeriodSeconds"] > 5 + 30
 
@@ -389,13 +389,13 @@ def test_benchmark_overlay_rejects_bad_recommendations(tmp_path, bad, message):
 
 def test_benchmark_overlay_command(tmp_path):
     (tmp_path / "rec.json").write_text(json.dumps({"recommendation": RECOMMENDATION, "other": 1}))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.overlay", str(tmp_path / "rec.json"),
+    proc = subprocess.run([sys.executable, "-m", "servekit.deploy.overlay", str(tmp_path / "rec.json"),
                            "--out", str(tmp_path / "ov")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "kubectl apply -k" in proc.stdout
     assert one(kustomize(tmp_path / "ov"), "HorizontalPodAutoscaler")["spec"]["minReplicas"] == 4
     (tmp_path / "bad.json").write_text("[1]")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.overlay", str(tmp_path / "bad.json"),
+    proc = subprocess.run([sys.executable, "-m", "servekit.deploy.overlay", str(tmp_path / "bad.json"),
                            "--out", str(tmp_path / "ov2")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
 

@@ -31,9 +31,9 @@ from typing import Iterator, Sequence
 import pytest
 import yaml
 
-from benchmarks import dashboards
-from benchmarks.overlay import write_overlay
-from benchmarks.server import free_port, free_ports, java_env
+from servekit.deploy import dashboards
+from servekit.deploy.overlay import write_overlay
+from servekit.torchserve import free_port, free_ports, java_env
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -138,7 +138,7 @@ def small_store(tmp_path_factory) -> Path:
     """minilm.mar with the default model-config except fewer warm-up shapes (batches 1-4, sequences
     16-64), so that a load takes seconds rather than a minute on 2 busy cores; the pod spec and
     the handler are the same."""
-    from handlers.archive import build_archive
+    from servekit.archive import build_archive
 
     root = tmp_path_factory.mktemp("small-archive")
     config = yaml.safe_load((ROOT / "config" / "models" / "minilm.yaml").read_text())

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from optimizations.generate import LlamaRunner, SamplingParams, generate
-from optimizations.gguf_weights import find_smollm2_gguf, smollm2_archive_files
-from optimizations.llama import Transformer, load_llama
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.gguf_weights import find_smollm2_gguf, smollm2_archive_files
+from servekit.optimizations.llama import Transformer, load_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -126,7 +126,7 @@ CHATS = [
 
 @pytest.mark.parametrize("messages", CHATS)
 def test_chat_tokenizer_matches_transformers_chat_template(converted: Path, tokenizer, messages) -> None:
-    from optimizations.chat_template import ChatTokenizer
+    from servekit.optimizations.chat_template import ChatTokenizer
 
     ours = ChatTokenizer(converted)
     assert ours.encode_chat(messages) == _chat_ids_of(tokenizer, messages)
@@ -140,7 +140,7 @@ def _chat_ids_of(tokenizer, messages) -> list[int]:
 
 
 def test_incremental_detokenizer_streams_whole_characters_and_honours_stop_strings(converted: Path) -> None:
-    from optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer
+    from servekit.optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer
 
     tok = ChatTokenizer(converted)
     text = "Ünïcödé ✓ 你好 🚀 and the end. STOP here, never this."

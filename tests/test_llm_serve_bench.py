@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.llm_serve_bench import Timing, summarize, variant_config
+from servekit.benchmarks.llm_serve_bench import Timing, summarize, variant_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

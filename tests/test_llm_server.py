@@ -3,7 +3,7 @@ conftest's fixture): the official openai client, streaming and not, text complet
 errors inside a shared batch, the LLM and speculative-decoding metrics.
 
 Expected texts come from the same weights run in-process without speculation (fp32, greedy,
-optimizations.generate), so the server must produce exactly what plain greedy decoding produces
+servekit.optimizations.generate), so the server must produce exactly what plain greedy decoding produces
 while it accepts several drafted tokens per step.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Iterator
 import pytest
 import torch
 
-from benchmarks.server import TorchServe
-from optimizations.chat_template import ChatTokenizer
-from optimizations.generate import LlamaRunner, SamplingParams, generate
-from optimizations.gguf_weights import smollm2_archive_files
-from optimizations.llama import load_llama
+from servekit.torchserve import TorchServe
+from servekit.optimizations.chat_template import ChatTokenizer
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.gguf_weights import smollm2_archive_files
+from servekit.optimizations.llama import load_llama
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.server
@@ -222,7 +222,7 @@ def test_requests_can_opt_out_of_speculation(server: TorchServe, reference) -> N
 
 def test_serving_benchmark_measures_the_live_server(server: TorchServe) -> None:
     """benchmarks/llm_serve_bench's measurement against this server (the GPU figures come from it)."""
-    from benchmarks.llm_serve_bench import measure
+    from servekit.benchmarks.llm_serve_bench import measure
 
     prompts = ["Say hello.", "Name a colour."]
     res = measure(server, prompts, concurrency=[1, 2], rounds=1, max_tokens=8, ttft_requests=1)

@@ -1,8 +1,8 @@
 """Plan parsing, validation errors that name the key, and device rules."""
 import pytest
 
-from optimizations.buckets import padding_ratio, pick_bucket, plan_chunks
-from optimizations.plan import Plan, PlanError, parse_plan, resolve_for_device
+from servekit.optimizations.buckets import padding_ratio, pick_bucket, plan_chunks
+from servekit.optimizations.plan import Plan, PlanError, parse_plan, resolve_for_device
 
 
 def test_defaults_and_label():

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_ready_cold_then_with_compile_cache(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.plan_bench", "ready", "--out", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "servekit.benchmarks.plan_bench", "ready", "--out", str(tmp_path),
                            "--plan", "fp32-compile"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "ready-fp32-compile.json").read_text())

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.probe` against a stand-in management API (the real one: test_k8s_pod_live.py)."""
+"""`python -m servekit.probe` against a stand-in management API (the real one: test_k8s_pod_live.py)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.server import free_port
+from servekit.torchserve import free_port
 from http_double import HttpDouble, JsonHandler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ def api():
 
 
 def probe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.probe", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "servekit.probe", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
 
 
@@ -103,7 +103,7 @@ def test_not_ready_when_unregistered_or_down(api):
 
 def test_probe_imports_nothing_heavy():
     """Kubelet runs it every few seconds: standard library only."""
-    code = ("import sys, time; t = time.perf_counter(); import benchmarks.probe; "
+    code = ("import sys, time; t = time.perf_counter(); import servekit.probe; "
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & "
             "{'torch', 'numpy', 'yaml', 'ts', 'requests', 'niquests', 'handlers', 'optimizations'}); "
             "print(heavy)")
@@ -125,7 +125,7 @@ def test_register_uses_the_models_line(api, tmp_path):
 def test_register_waits_for_the_management_api(tmp_path):
     port = free_port()
     path = config(tmp_path, f"http://127.0.0.1:{port}")
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.probe", "register", "--config", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "servekit.probe", "register", "--config", str(path)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(1.5)

@@ -16,8 +16,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from benchmarks import dashboards
-from benchmarks.server import TorchServe
+from servekit.deploy import dashboards
+from servekit.torchserve import TorchServe
 from test_k8s_pod_live import http, promql, running_prometheus, substitute
 
 pytestmark = pytest.mark.server

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks import dashboards
+from servekit.deploy import dashboards
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "k8s" / "monitoring"

@@ -1,6 +1,6 @@
 """Bad input against the live embedding handler (the session's TorchServe, batch 8 / 50 ms).
 
-Every kind of bad request in `benchmarks.faults.bad_inputs()` is sent at the same instant as three
+Every kind of bad request in `servekit.benchmarks.faults.bad_inputs()` is sent at the same instant as three
 valid requests, so that TorchServe hands them to the handler as one batch. The bad one must get its
 own 4xx (or 413) with a JSON message naming the problem; the valid ones must get the same vectors as
 an in-process reference; the worker must be the same process afterwards.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import requests
 
-from benchmarks.faults import (MAX_REQUEST_SIZE, bad_inputs, check_with_good, good_requests,
+from servekit.benchmarks.faults import (MAX_REQUEST_SIZE, bad_inputs, check_with_good, good_requests,
                                reference_embedder, send_together, vectors, worker_identity)
 
 pytestmark = pytest.mark.server

@@ -1,6 +1,6 @@
 """Faults on a TorchServe of its own: out of memory in inference, a killed worker, a restart.
 
-The archive is test-only (`benchmarks.faults.build_faulty_archive`): the production handler whose
+The archive is test-only (`servekit.benchmarks.faults.build_faulty_archive`): the production handler whose
 inference raises torch.OutOfMemoryError for a batch holding a marker word, with `too_long: reject`
 and small buckets so that a worker (re)starts quickly on CPU. Nothing of it is in the production handler.
 """
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from benchmarks.faults import (OOM_MARKER, build_faulty_archive, check_with_good, faulty_cases,
+from servekit.benchmarks.faults import (OOM_MARKER, build_faulty_archive, check_with_good, faulty_cases,
                                kill_worker_under_load, oom_isolation, reference_embedder, restart_from_store,
                                worker_identity)
-from benchmarks.server import TorchServe
+from servekit.torchserve import TorchServe
 
 pytestmark = pytest.mark.server
 MODEL = "minilm_faulty"

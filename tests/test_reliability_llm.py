@@ -17,11 +17,12 @@ import pytest
 import requests
 import torch
 
-from benchmarks.faults import (OOM_MARKER, VERSION, Answer, BadInput, build_faulty_llm_archive, handler_counter,
+from servekit.benchmarks.faults import (OOM_MARKER, VERSION, Answer, BadInput, build_faulty_llm_archive, handler_counter,
                                send_together, worker_identity)
-from benchmarks.server import TorchServe
-from handlers.archive import ArchiveSpec, build_archive, register_spec
-from optimizations.gguf_weights import smollm2_archive_files
+from servekit.torchserve import TorchServe
+from servekit.archive import LLM, SPECS, ArchiveSpec, build_archive
+from servekit.resources import model_config
+from servekit.optimizations.gguf_weights import smollm2_archive_files
 
 pytestmark = pytest.mark.server
 MODEL = "smollm2"
@@ -189,10 +190,10 @@ SURROGATE = BadInput("lone_surrogate", "JSON escape of an unpaired UTF-16 surrog
 # -- server and helpers --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
-    register_spec(MODEL, ArchiveSpec("handlers/llm_handler.py", "config/models/smollm2-cpu.yaml",
-                                     lambda: smollm2_archive_files(torch.bfloat16)))
+    spec = ArchiveSpec(LLM, SPECS["smollm2"].handler, model_config("smollm2-cpu"),
+                       lambda: smollm2_archive_files(torch.bfloat16))
     store: Path = tmp_path_factory.mktemp("llm_rel_store")
-    build_archive(MODEL, store, compress=False)
+    build_archive(MODEL, store, compress=False, spec=spec)
     with TorchServe(tmp_path_factory.mktemp("ts-llm-rel"), store) as ts:
         # A long batch delay so that requests sent together share a batch.
         ts.register(f"{MODEL}.mar", MODEL, batch_size=4, max_batch_delay_ms=400, workers=1, timeout=240)

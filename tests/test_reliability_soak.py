@@ -1,12 +1,12 @@
 """A short soak (30 s) on the session's TorchServe: no unexpected answer, no restart, stable vectors,
-bounded memory. `python -m benchmarks.soak --minutes 10` is the long version (benchmarks/results)."""
+bounded memory. `python -m servekit.benchmarks.soak --minutes 10` is the long version (benchmarks/results)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from benchmarks.soak import markdown, run_soak
+from servekit.benchmarks.soak import markdown, run_soak
 
 pytestmark = pytest.mark.server
 

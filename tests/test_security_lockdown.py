@@ -24,9 +24,9 @@ import pytest
 import requests
 import yaml
 
-import benchmarks.server as server
-from benchmarks.server import TorchServe, free_port, read_properties
-from handlers.archive import minilm_weights
+import servekit.torchserve as server
+from servekit.torchserve import TorchServe, free_port, read_properties
+from servekit.archive import minilm_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config" / "config.properties"
@@ -240,7 +240,7 @@ def no_unpickling(monkeypatch):
 
 
 def test_loader_ignores_pickles_beside_the_safetensors(tmp_path, no_unpickling):
-    from optimizations.bert import load_bert
+    from servekit.optimizations.bert import load_bert
 
     d, marker = _weights_dir(tmp_path, "real")
     model = load_bert(d)
@@ -249,7 +249,7 @@ def test_loader_ignores_pickles_beside_the_safetensors(tmp_path, no_unpickling):
 
 
 def test_loader_refuses_a_pickle_named_model_safetensors(tmp_path, no_unpickling):
-    from optimizations.bert import load_bert
+    from servekit.optimizations.bert import load_bert
 
     d, marker = _weights_dir(tmp_path, "pickle")
     with pytest.raises(Exception) as info:
@@ -260,7 +260,7 @@ def test_loader_refuses_a_pickle_named_model_safetensors(tmp_path, no_unpickling
 
 
 def test_loader_without_safetensors_fails_instead_of_reading_the_pickle(tmp_path, no_unpickling):
-    from optimizations.bert import load_bert
+    from servekit.optimizations.bert import load_bert
 
     d, marker = _weights_dir(tmp_path, "absent")
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
@@ -270,8 +270,8 @@ def test_loader_without_safetensors_fails_instead_of_reading_the_pickle(tmp_path
 
 def test_the_handler_loader_refuses_a_smuggled_pickle(tmp_path, no_unpickling):
     """The whole load path of the handler (EmbeddingRunner) with the pickle as model.safetensors."""
-    from optimizations.embedding import EmbeddingRunner
-    from optimizations.plan import Plan
+    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.plan import Plan
 
     d, marker = _weights_dir(tmp_path, "pickle")
     with pytest.raises(Exception) as info:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.server import TorchServe, group_alive, model_workers
-from optimizations.embedding import EmbeddingRunner
-from optimizations.plan import parse_plan
+from servekit.torchserve import TorchServe, group_alive, model_workers
+from servekit.optimizations.embedding import EmbeddingRunner
+from servekit.optimizations.plan import parse_plan
 
 pytestmark = pytest.mark.server
 
@@ -91,7 +91,7 @@ def test_warm_worker_exempts_its_heap_from_the_garbage_collector(minilm_server):
 
 
 def test_warm_worker_reads_frames_through_the_buffered_reader(minilm_server):
-    """Every worker swapped TorchServe's one-recv-per-field reader for handlers.worker_io's."""
+    """Every worker swapped TorchServe's one-recv-per-field reader for servekit.handlers.worker_io's."""
     post(f"{minilm_server.inference_url}/predictions/minilm", {"text": "through the buffered reader"})
     installed = [r["buffered_reads"] for r in ready_reports(minilm_server)]
     assert installed and set(installed) == {True}, installed

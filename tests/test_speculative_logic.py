@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from optimizations.generate import LlamaRunner, SamplingParams, generate, pad_prompts
-from optimizations.llama import LlamaConfig, Transformer, init_random
-from optimizations.sampling import SamplingTensors
-from optimizations.speculative import (SPEC_CONFIG, SPEC_WEIGHTS, SpecStats, Speculator, SpeculatorConfig,
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate, pad_prompts
+from servekit.optimizations.llama import LlamaConfig, Transformer, init_random
+from servekit.optimizations.sampling import SamplingTensors
+from servekit.optimizations.speculative import (SPEC_CONFIG, SPEC_WEIGHTS, SpecStats, Speculator, SpeculatorConfig,
                                        SpeculativeRunner, forward_hidden, generate_speculative, load_speculator,
                                        save_speculator, spec_prefill, verify_step)
-from optimizations import train_speculator
+from servekit.optimizations import train_speculator
 
 MAX_SEQ = 96
 K = 4

@@ -1,4 +1,4 @@
-"""handlers.worker_io and handlers.metrics against TorchServe 0.12's own decoder and emitter, on real sockets."""
+"""servekit.handlers.worker_io and servekit.handlers.metrics against TorchServe 0.12's own decoder and emitter, on real sockets."""
 import io
 import json
 import logging
@@ -10,9 +10,9 @@ from ts.metrics.caching_metric import CachingMetric
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.protocol import otf_message_handler as otf
 
-from benchmarks.worker_overhead import predict_frame
-from handlers import worker_io
-from handlers.metrics import HandlerMetrics, metric_line
+from servekit.benchmarks.worker_overhead import predict_frame
+from servekit.handlers import worker_io
+from servekit.handlers.metrics import HandlerMetrics, metric_line
 
 BODIES = [json.dumps({"text": f"request {i} " + "é" * i}).encode() for i in range(20)]
 

@@ -1,5 +1,5 @@
-"""Archive specs the benchmark adds to `handlers.archive` (stock baseline, sleep test handler) and
-building of variant archives: one base model + model-config/plan overrides (+ speculator heads)
+"""The archive specs a sweep can name (the bundled models plus the benchmark's own stock baseline
+and sleep test handler) and building of variant archives: one base model + model-config/plan overrides (+ speculator heads)
 -> one `.mar`."""
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from typing import Any, Callable
 
 import yaml
 
-from handlers.archive import SPECS, ArchiveSpec, build_archive, minilm_weights, register_spec
-
-ROOT = Path(__file__).resolve().parent.parent.parent
+from servekit.archive import OTHER, SPECS, ArchiveSpec, build_archive, handler_file, minilm_weights, plan_parser
+from servekit.resources import package_dir
 
 
 def stock_minilm_weights() -> list[Path]:
@@ -24,16 +23,13 @@ def stock_minilm_weights() -> list[Path]:
     return [d / n for n in names if (d / n).exists()]
 
 
-def _register_specs() -> None:
-    if "minilm-stock" not in SPECS:
-        register_spec("minilm-stock", ArchiveSpec("benchmarks/stock_handler.py", "benchmarks/bench/stock-minilm.yaml",
-                                                  stock_minilm_weights))
-    if "sleep" not in SPECS:
-        register_spec("sleep", ArchiveSpec("benchmarks/test_handlers/sleep_handler.py",
-                                           "benchmarks/test_handlers/sleep.yaml", lambda: []))
-
-
-_register_specs()
+BENCH_SPECS: dict[str, ArchiveSpec] = {
+    **SPECS,
+    "minilm-stock": ArchiveSpec(OTHER, handler_file("servekit.benchmarks.stock_handler"),
+                                package_dir("servekit.benchmarks.bench") / "stock-minilm.yaml", stock_minilm_weights),
+    "sleep": ArchiveSpec(OTHER, handler_file("servekit.benchmarks.test_handlers.sleep_handler"),
+                         package_dir("servekit.benchmarks.test_handlers") / "sleep.yaml", lambda: []),
+}
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -54,9 +50,9 @@ FRONTEND_SWEPT = ("batchSize", "maxBatchDelay", "minWorkers", "maxWorkers")
 
 def variant_config(model: str, config: Path | None, overrides: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
     """The model-config a variant archive is built with (base config + overrides + plan overrides)."""
-    if model not in SPECS:
-        raise ValueError(f"unknown archive model {model!r}; known: {', '.join(sorted(SPECS))}")
-    path = Path(config) if config else ROOT / SPECS[model].config
+    if model not in BENCH_SPECS:
+        raise ValueError(f"unknown archive model {model!r}; known: {', '.join(sorted(BENCH_SPECS))}")
+    path = Path(config) if config else BENCH_SPECS[model].config
     base = yaml.safe_load(path.read_text()) or {}
     merged = deep_merge(base, overrides)
     if plan:
@@ -64,16 +60,9 @@ def variant_config(model: str, config: Path | None, overrides: dict[str, Any], p
     return merged
 
 
-LLM_HANDLER = "handlers/llm_handler.py"
-
-
-def plan_parser(model: str) -> Callable[[Any, str], Any]:
-    """The validator of the `servekit:` section that `model`'s handler reads (raises PlanError)."""
-    if SPECS[model].handler == LLM_HANDLER:
-        from optimizations.generate import parse_llm_plan
-        return parse_llm_plan
-    from optimizations.plan import parse_plan
-    return parse_plan
+def model_plan_parser(model: str) -> Callable[[Any, str], Any] | None:
+    """The validator of the `servekit:` section that `model`'s handler reads, None for none."""
+    return plan_parser(BENCH_SPECS[model].kind)
 
 
 def speculator_stamp(speculator: Path) -> list[Any]:
@@ -98,6 +87,7 @@ def build_variant(model: str, name: str, cfg: dict[str, Any], out_dir: Path, wor
     if mar.exists() and stamp.exists() and stamp.read_text() == digest:
         return mar
     # A benchmark's own archive: uncompressed builds and unpacks in seconds.
-    build_archive(model, Path(out_dir), config=cfg_path, archive_name=name, speculator=speculator, compress=False)
+    build_archive(model, Path(out_dir), config=cfg_path, archive_name=name, speculator=speculator, compress=False,
+                  spec=BENCH_SPECS[model])
     stamp.write_text(digest)
     return mar

@@ -64,9 +64,9 @@ def measure(model: str, model_config: dict[str, Any], bodies_path: Path, batch_s
         return {"skipped": f"in-process reference only for embedding models ({', '.join(EMBEDDING_MODELS)})"}
     import torch
 
-    from handlers.archive import minilm_weights
-    from optimizations.embedding import EmbeddingRunner
-    from optimizations.plan import parse_plan
+    from servekit.archive import minilm_weights
+    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.plan import parse_plan
 
     per_body, mean_texts = payload_texts(bodies_path)
     t0 = time.perf_counter()

@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench.stats import LLM_FIELDS, NFIELDS
+from servekit.benchmarks.bench.stats import LLM_FIELDS, NFIELDS
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,6 @@ class LoadGenerator:
         self.close()
         self.folder.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         for k in range(n):
             d = self.folder / f"w{k}"
             if d.exists():
@@ -72,8 +70,8 @@ class LoadGenerator:
             d.mkdir(parents=True)
             log = open(d / "worker.log", "ab")
             # Own session: Ctrl-C in the terminal reaches the controller only, which stops these.
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.bench.loadgen_worker", str(d)],
-                                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "servekit.benchmarks.bench.loadgen_worker", str(d)],
+                                               cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True))
             log.close()
             self.dirs.append(d)

@@ -1,6 +1,6 @@
 """One load-generator process: locust (gevent) users driving HTTP requests, every request recorded raw.
 
-Started by `benchmarks.bench.loadgen.LoadGenerator`, never by hand. It lives for a whole run and
+Started by `servekit.benchmarks.bench.loadgen.LoadGenerator`, never by hand. It lives for a whole run and
 takes commands through files in its folder, so locust's import (and gevent's monkey patching)
 happens once per process and never touches the controlling process:
 
@@ -17,7 +17,7 @@ constant), each in its own greenlet, and never waits for answers; `intended` is 
 time, so a request delayed by the server or by this process still counts from when it was due.
 
 Streamed requests (`"stream": "sse"`): the answer's server-sent events are read as they arrive
-(benchmarks.bench.sse) and the request ends at `data: [DONE]`; the connection is then closed,
+(servekit.benchmarks.bench.sse) and the request ends at `data: [DONE]`; the connection is then closed,
 since TorchServe holds the rest of the response until the whole batch has finished. The request
 timeout covers the whole stream, not only each read.
 """
@@ -41,9 +41,9 @@ from locust.contrib.fasthttp import FastHttpSession  # noqa: E402
 from locust.env import Environment  # noqa: E402
 from locust.exception import StopUser  # noqa: E402
 
-from benchmarks.bench.sse import StreamTally, read_events  # noqa: E402
-from benchmarks.bench.stats import CONNECTION_ERROR, INCOMPLETE_STREAM  # noqa: E402
-from handlers.common import freeze_heap  # noqa: E402
+from servekit.benchmarks.bench.sse import StreamTally, read_events  # noqa: E402
+from servekit.benchmarks.bench.stats import CONNECTION_ERROR, INCOMPLETE_STREAM  # noqa: E402
+from servekit.handlers.common import freeze_heap  # noqa: E402
 
 POLL_S = 0.02
 FLUSH_S = 0.2
@@ -165,10 +165,10 @@ def open_loop(run: Run) -> None:
     rate = run.spec["rate"]
     horizon = run.spec["max_duration_s"]
     if run.spec["arrival"] == "poisson":
-        from benchmarks.bench.stats import poisson_schedule
+        from servekit.benchmarks.bench.stats import poisson_schedule
         schedule = poisson_schedule(rate, horizon, run.rng)
     else:
-        from benchmarks.bench.stats import constant_schedule
+        from servekit.benchmarks.bench.stats import constant_schedule
         schedule = constant_schedule(rate, horizon, phase=float(run.rng.random()))
     for t in schedule:
         if run.stopping:

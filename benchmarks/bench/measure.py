@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.bench.loadgen import Handle, LoadGenerator, LoadSpec
-from benchmarks.bench.schema import SLA, Measurement
-from benchmarks.bench.server_metrics import GPUSampler, HostCPU, Sample, host_saturation, point_figures
-from benchmarks.bench.stats import FIELDS, LLM_FIELDS, Summary, stability, summarize, window_stats
+from servekit.benchmarks.bench.loadgen import Handle, LoadGenerator, LoadSpec
+from servekit.benchmarks.bench.schema import SLA, Measurement
+from servekit.benchmarks.bench.server_metrics import GPUSampler, HostCPU, Sample, host_saturation, point_figures
+from servekit.benchmarks.bench.stats import FIELDS, LLM_FIELDS, Summary, stability, summarize, window_stats
 
 PASS, FAIL, UNSTABLE, ERROR = "pass", "fail", "unstable", "error"
 

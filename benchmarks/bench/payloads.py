@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.bench.schema import Payloads, SchemaError
+from servekit.benchmarks.bench.schema import Payloads, SchemaError
 
 # A neutral vocabulary for synthetic texts (the shipped file benchmarks/payloads/texts.jsonl is
 # more realistic; this is for quick sweeps with a controlled length mix).

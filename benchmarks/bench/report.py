@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from benchmarks.bench.measure import PointResult
-from benchmarks.bench.server_metrics import host_saturation
-from benchmarks.bench.stats import Summary
+from servekit.benchmarks.bench.measure import PointResult
+from servekit.benchmarks.bench.server_metrics import host_saturation
+from servekit.benchmarks.bench.stats import Summary
 
 if TYPE_CHECKING:
-    from benchmarks.bench.runner import ConfigResult, Run
-    from benchmarks.bench.schema import SLA, BenchConfig
+    from servekit.benchmarks.bench.runner import ConfigResult, Run
+    from servekit.benchmarks.bench.schema import SLA, BenchConfig
 
 
 def _num(x: Any, nd: int = 1) -> str:

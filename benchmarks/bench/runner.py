@@ -27,15 +27,15 @@ try:
 except ImportError:  # a bare GPU machine: plain lines instead of rich's live progress
     Console = None  # type: ignore[assignment,misc]
 
-from benchmarks.bench import archives
-from benchmarks.bench.loadgen import LoadGenerator, LoadGenError, LoadSpec, processes_for
-from benchmarks.bench.measure import ERROR, PointResult, ServingConfig, measure_point
-from benchmarks.bench.payloads import describe, load_bodies, write_bodies
-from benchmarks.bench.schema import BenchConfig, SchemaError, Variant, load_config
-from benchmarks.bench.search import SearchResult, refine_capacity, search_capacity
-from benchmarks.bench.server_metrics import GPUSampler, scrape
-from benchmarks.bench.target import Server
-from benchmarks.server import ServerError
+from servekit.benchmarks.bench import archives
+from servekit.benchmarks.bench.loadgen import LoadGenerator, LoadGenError, LoadSpec, processes_for
+from servekit.benchmarks.bench.measure import ERROR, PointResult, ServingConfig, measure_point
+from servekit.benchmarks.bench.payloads import describe, load_bodies, write_bodies
+from servekit.benchmarks.bench.schema import BenchConfig, SchemaError, Variant, load_config
+from servekit.benchmarks.bench.search import SearchResult, refine_capacity, search_capacity
+from servekit.benchmarks.bench.server_metrics import GPUSampler, scrape
+from servekit.benchmarks.bench.target import Server
+from servekit.torchserve import ServerError
 
 class PlainConsole:
     """The few rich.Console methods used here, as plain prints."""
@@ -121,7 +121,7 @@ class Run:
 
     def record_point(self, p: PointResult) -> None:
         self.points.append(p)
-        from benchmarks.bench.report import point_json
+        from servekit.benchmarks.bench.report import point_json
         with open(self.dir / "points.jsonl", "a") as f:
             f.write(json.dumps(point_json(p, self.versions, self.cfg)) + "\n")
         s = p.summary
@@ -240,7 +240,7 @@ class Run:
     def refine(self, server: Server, gen: LoadGenerator) -> None:
         """Narrow the winner's and the baseline's SLA bracket (load.search.refine): the answer and
         its "N x stock" rest on those two capacities."""
-        from benchmarks.bench.report import analyze
+        from servekit.benchmarks.bench.report import analyze
 
         s = self.cfg.load.search
         if s.refine_precision is None:
@@ -272,8 +272,8 @@ class Run:
     def measure_inprocess(self) -> None:
         """measurement.inprocess_s: the winner's plan timed inside this process, on this machine's
         device, after every model is unregistered (so a local server's workers have freed it)."""
-        from benchmarks.bench import inprocess
-        from benchmarks.bench.report import analyze
+        from servekit.benchmarks.bench import inprocess
+        from servekit.benchmarks.bench.report import analyze
 
         secs = self.cfg.measurement.inprocess_s
         w = analyze(self)["winner"]
@@ -331,14 +331,14 @@ class Run:
         server.unregister()
 
     def write_report(self):
-        from benchmarks.bench.report import write_report
+        from servekit.benchmarks.bench.report import write_report
         return write_report(self)
 
 
 def check_heads(v: Variant) -> None:
     """The variant's speculator folder holds trained heads (checked when the run starts, not at
     load: heads are often trained after the sweep file is written)."""
-    from optimizations.speculative import SPEC_CONFIG, SPEC_WEIGHTS
+    from servekit.optimizations.speculative import SPEC_CONFIG, SPEC_WEIGHTS
 
     missing = [n for n in (SPEC_CONFIG, SPEC_WEIGHTS) if not (v.speculator / n).is_file()]
     if missing:
@@ -349,7 +349,7 @@ def check_heads(v: Variant) -> None:
 def run(cfg: BenchConfig, out_dir: Path, console: Console) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     r = Run(cfg, out_dir, console)
-    from benchmarks.bench.report import sla_text
+    from servekit.benchmarks.bench.report import sla_text
     console.print(f"[bold]servekit bench[/] {cfg.name}: SLA {sla_text(cfg.sla)}; output {out_dir}")
     if cfg.source:
         (out_dir / "bench.yaml").write_text(cfg.source.read_text())

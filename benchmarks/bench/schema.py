@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+from servekit.resources import resolve
+
 
 
 class SchemaError(ValueError):
@@ -107,9 +108,10 @@ def _url(path: str, v: Any) -> str:
 
 
 def _path(path: str, v: Any, base: Path, must_exist: bool = True) -> Path:
+    """A path from the file: relative to `base`, or else the packaged file of that project-relative
+    name (`config/config.properties`, `benchmarks/payloads/texts.jsonl`) for the ones read."""
     p = Path(_str(path, v)).expanduser()
-    if not p.is_absolute():
-        p = (base / p).resolve()
+    p = resolve(p, base).resolve() if must_exist else (p if p.is_absolute() else (base / p).resolve())
     if must_exist and not p.exists():
         raise SchemaError(f"{path}: {p} does not exist")
     return p
@@ -151,7 +153,7 @@ class Axes:
 @dataclass(frozen=True)
 class Variant:
     name: str
-    model: str | None  # archive spec name (handlers.archive.SPECS) to build from
+    model: str | None  # archive spec name (bench.archives.BENCH_SPECS) to build from
     mar: str | None    # or an archive already in the server's model store
     config: Path | None
     overrides: dict[str, Any]
@@ -285,7 +287,7 @@ def _target(raw: Any, base: Path) -> Target:
     if "local" in raw:
         lr = _keys("target.local", raw["local"], {"config", "extra_props"})
         props = _keys("target.local.extra_props", lr.get("extra_props"), set(lr.get("extra_props") or {}))
-        local = LocalTarget(_path("target.local.config", lr.get("config", "config/config.properties"), ROOT),
+        local = LocalTarget(_path("target.local.config", lr.get("config", "config/config.properties"), base),
                             {str(k): str(v) for k, v in props.items()})
     else:
         rr = _keys("target.remote", raw["remote"], {"inference_url", "management_url", "metrics_url", "model_store"},
@@ -317,10 +319,10 @@ def _variants(raw: Any, axes: Axes, base: Path, remote_without_store: bool) -> t
                               "already in the model store)")
         model = mar = None
         if "model" in rv:
-            from benchmarks.bench.archives import SPECS  # registers the benchmark's own specs
+            from servekit.benchmarks.bench.archives import BENCH_SPECS
             model = _str(f"{p}.model", rv["model"])
-            if model not in SPECS:
-                raise SchemaError(f"{p}.model: unknown archive model {model!r} (known: {', '.join(sorted(SPECS))})")
+            if model not in BENCH_SPECS:
+                raise SchemaError(f"{p}.model: unknown archive model {model!r} (known: {', '.join(sorted(BENCH_SPECS))})")
             if remote_without_store:
                 raise SchemaError(f"{p}.model: a remote target needs `target.remote.model_store` to build archives "
                                   "into; or name an existing archive with `mar`")
@@ -330,7 +332,7 @@ def _variants(raw: Any, axes: Axes, base: Path, remote_without_store: bool) -> t
                 if key in rv:
                     raise SchemaError(f"{p}.{key}: only for variants built from `model`")
         overrides = _keys(f"{p}.overrides", rv.get("overrides"), set(rv.get("overrides") or {}))
-        from benchmarks.bench.archives import FRONTEND_SWEPT
+        from servekit.benchmarks.bench.archives import FRONTEND_SWEPT
         for k in overrides:
             if k in FRONTEND_SWEPT:
                 raise SchemaError(f"{p}.overrides.{k}: set by the sweep (workers, batch_size, max_batch_delay_ms), "
@@ -360,16 +362,17 @@ def _check_plan(p: str, model: str, config: Path | None, overrides: dict[str, An
                 speculator: Path | None) -> None:
     """The variant's merged `servekit:` section, validated by the parser its handler uses; and
     speculator heads given exactly when that section asks for speculation."""
-    from benchmarks.bench.archives import plan_parser, variant_config
-    from optimizations.plan import PlanError
+    from servekit.benchmarks.bench.archives import model_plan_parser, variant_config
+    from servekit.optimizations.plan import PlanError
     try:
         merged = variant_config(model, config, overrides, plan)
     except (OSError, yaml.YAMLError) as e:
         raise SchemaError(f"{p}.config: cannot read the model-config: {e}") from None
     section = merged.get("servekit")
-    if section is not None:
+    parser = model_plan_parser(model)
+    if section is not None and parser is not None:
         try:
-            plan_parser(model)(section, f"{p}.plan")
+            parser(section, f"{p}.plan")
         except PlanError as e:
             raise SchemaError(str(e)) from None
     asks = isinstance(section, dict) and section.get("speculation") is not None
@@ -490,8 +493,10 @@ def _sla(raw: Any, streamed: bool) -> SLA:
     return sla
 
 
-def parse_config(raw: Any, base: Path = ROOT, source: Path | None = None) -> BenchConfig:
-    """Validate a parsed benchmark YAML. Relative paths are resolved against `base` (the repo root)."""
+def parse_config(raw: Any, base: Path | None = None, source: Path | None = None) -> BenchConfig:
+    """Validate a parsed benchmark YAML. Relative paths are resolved against `base` (default: the
+    current directory), files read falling back to servekit's packaged ones."""
+    base = Path.cwd() if base is None else base
     raw = _keys("", raw, {"name", "target", "variants", "sweep", "strategy", "request", "payloads", "load", "sla",
                           "measurement", "deploy", "output"}, ("name", "target", "variants", "payloads", "sla"))
     name = _str("name", raw["name"])
@@ -535,4 +540,4 @@ def load_config(path: Path) -> BenchConfig:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise SchemaError(f"{path}: not valid YAML: {e}") from None
-    return parse_config(raw, ROOT, path.resolve())
+    return parse_config(raw, Path.cwd(), path.resolve())

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from benchmarks.bench.loadgen import LoadSpec
-from benchmarks.bench.measure import PointResult
-from benchmarks.bench.schema import Load
+from servekit.benchmarks.bench.loadgen import LoadSpec
+from servekit.benchmarks.bench.measure import PointResult
+from servekit.benchmarks.bench.schema import Load
 
 
 @dataclass

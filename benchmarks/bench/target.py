@@ -11,9 +11,9 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.server import ServerError, TorchServe, http_json, model_workers
+from servekit.torchserve import ServerError, TorchServe, http_json, model_workers
 
-from benchmarks.bench.schema import Target
+from servekit.benchmarks.bench.schema import Target
 
 
 @dataclass

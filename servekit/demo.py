@@ -12,8 +12,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.server import ROOT, TorchServe
-from handlers.archive import build_archive
+from servekit.resources import package_dir
+from servekit.torchserve import TorchServe
+from servekit.archive import build_archive
 
 SENTENCES = [
     "How do I deploy a PyTorch model on Kubernetes?",
@@ -42,7 +43,7 @@ def run(console: Console, run_dir: Path, requests: int) -> None:
     t0 = time.perf_counter()
     with console.status("archiving all-MiniLM-L6-v2 into model_store/minilm.mar ..."):
         mar = build_archive("minilm")
-    console.print(f"[green]archive[/] {mar.relative_to(ROOT)} ({mar.stat().st_size / 2**20:.1f} MiB)")
+    console.print(f"[green]archive[/] {mar} ({mar.stat().st_size / 2**20:.1f} MiB)")
     with TorchServe(run_dir) as ts:
         console.print(f"[green]TorchServe[/] up at {ts.inference_url} (logs: {ts.log_dir})")
         with console.status("loading minilm (workers warm up every shape bucket) ..."):
@@ -87,7 +88,7 @@ def run(console: Console, run_dir: Path, requests: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="servekit demo", description=__doc__)
-    p.add_argument("--run-dir", type=Path, default=ROOT / ".run" / "demo", help="logs and pid file (default: .run/demo)")
+    p.add_argument("--run-dir", type=Path, default=Path(".run/demo"), help="logs and pid file (default: .run/demo)")
     p.add_argument("--requests", type=int, default=200, help="concurrent requests to send (default: 200)")
     p.add_argument("--no-sweep", action="store_true", help="skip the small auto-benchmark sweep at the end")
     args = p.parse_args(argv)
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_sweep:
         return 0
     console.rule("auto-benchmark: which configuration serves most within the SLA? (about 3 minutes)")
-    from benchmarks.bench.runner import main as bench
+    from servekit.benchmarks.bench.runner import main as bench
 
-    return bench([str(ROOT / "benchmarks" / "sweeps" / "minilm-cpu-demo.yaml"),
+    return bench([str(package_dir("servekit.benchmarks") / "sweeps" / "minilm-cpu-demo.yaml"),
                   "--out", str(args.run_dir / "sweep")])

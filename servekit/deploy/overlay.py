@@ -1,6 +1,6 @@
 """From a benchmark's recommendation to a kustomize overlay.
 
-    python -m benchmarks.overlay recommendation.json --out k8s/overlays/minilm-h100
+    python -m servekit.deploy.overlay recommendation.json --out k8s/overlays/minilm-h100
     kubectl apply -k k8s/overlays/minilm-h100
 
 The recommendation is the auto-benchmark's choice for one model on one GPU type:
@@ -30,9 +30,12 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-BASE_CONFIG = ROOT / "k8s" / "base" / "config.properties"
-GPU_OVERLAY = ROOT / "k8s" / "overlays" / "gpu"
+from servekit.resources import resolve
+
+# Project-relative: the folder in the current directory (a checkout, or `servekit init`'s copy),
+# else the packaged manifests.
+BASE_CONFIG = "k8s/base/config.properties"
+GPU_OVERLAY = "k8s/overlays/gpu"
 REQUIRED = {"model": str, "workers": int, "batch_size": int, "max_batch_delay_ms": (int, float),
             "per_pod_capacity_rps": (int, float), "target_rps": (int, float), "warmup_seconds": (int, float)}
 PROBE_PERIOD_S = 10
@@ -90,7 +93,8 @@ def models_line(rec: dict, base_config: Path) -> str:
     return "models=" + json.dumps({rec["model"]: {"1.0": spec}})
 
 
-def config_properties(rec: dict, base_config: Path = BASE_CONFIG) -> str:
+def config_properties(rec: dict, base_config: Path | str = BASE_CONFIG) -> str:
+    base_config = resolve(base_config)
     lines = base_config.read_text().splitlines()
     index = [i for i, line in enumerate(lines) if line.startswith("models=")]
     if len(index) != 1:
@@ -99,8 +103,8 @@ def config_properties(rec: dict, base_config: Path = BASE_CONFIG) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_overlay(recommendation: dict, out_dir: Path, base: Path = GPU_OVERLAY,
-                  base_config: Path = BASE_CONFIG, headroom: float = 0.7, burst: float = 2.0) -> Path:
+def write_overlay(recommendation: dict, out_dir: Path, base: Path | str = GPU_OVERLAY,
+                  base_config: Path | str = BASE_CONFIG, headroom: float = 0.7, burst: float = 2.0) -> Path:
     """Write a kustomize overlay for `recommendation` into `out_dir`; returns the kustomization path.
 
     `base` is the overlay or base it builds on (a folder with a kustomization), `base_config` the
@@ -108,10 +112,11 @@ def write_overlay(recommendation: dict, out_dir: Path, base: Path = GPU_OVERLAY,
     per-pod capacity a pod is planned to run at; `burst` the ratio maxReplicas / minReplicas.
     """
     rec = check(dict(recommendation))
+    base, base_config = resolve(base), resolve(base_config)
     size = sizing(rec, headroom, burst)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    probe = ["python", "-m", "benchmarks.probe", "ready", "--model", rec["model"],
+    probe = ["python", "-m", "servekit.probe", "ready", "--model", rec["model"],
              "--config", "/etc/servekit/config.properties"]
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "servekit"},
@@ -143,7 +148,7 @@ def write_overlay(recommendation: dict, out_dir: Path, base: Path = GPU_OVERLAY,
                                 "files": ["config.properties"]}],
         "patches": [{"path": "deployment-benchmark.yaml"}, {"path": "hpa-benchmark.yaml"}],
     }
-    header = (f"# Written by `python -m benchmarks.overlay` from the benchmark recommendation:\n"
+    header = (f"# Written by `python -m servekit.deploy.overlay` from the benchmark recommendation:\n"
               f"# {json.dumps(rec, sort_keys=True)}\n"
               f"# minReplicas {size['min_replicas']} = ceil(target_rps / (per_pod_capacity_rps x {headroom})), "
               f"maxReplicas {size['max_replicas']}; startupProbe {size['startup_failure_threshold']} x "
@@ -157,12 +162,12 @@ def write_overlay(recommendation: dict, out_dir: Path, base: Path = GPU_OVERLAY,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.overlay", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m servekit.deploy.overlay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recommendation", type=Path,
                         help="JSON file: the recommendation, or an object holding it under 'recommendation'")
     parser.add_argument("--out", type=Path, required=True, help="overlay folder to write")
-    parser.add_argument("--base", type=Path, default=GPU_OVERLAY, help="overlay to build on (default k8s/overlays/gpu)")
+    parser.add_argument("--base", type=Path, default=Path(GPU_OVERLAY), help="overlay to build on (default k8s/overlays/gpu)")
     parser.add_argument("--headroom", type=float, default=0.7,
                         help="fraction of the measured per-pod capacity to plan for (default 0.7)")
     parser.add_argument("--burst", type=float, default=2.0, help="maxReplicas / minReplicas (default 2)")

@@ -1,7 +1,7 @@
 """Grafana dashboards for servekit: built from the panel definitions below, pushed with grafana-client.
 
-    python -m benchmarks.dashboards build            # rewrite k8s/monitoring/dashboards/*.json
-    python -m benchmarks.dashboards push --url https://grafana.example.com --token "$GRAFANA_TOKEN"
+    python -m servekit.deploy.dashboards build            # rewrite k8s/monitoring/dashboards/*.json
+    python -m servekit.deploy.dashboards push --url https://grafana.example.com --token "$GRAFANA_TOKEN"
 
 In a cluster whose Grafana runs the dashboard sidecar (kube-prometheus-stack does), the same JSON
 files are shipped as ConfigMaps labelled grafana_dashboard: "1" by `kubectl apply -k k8s/monitoring`
@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "k8s" / "monitoring" / "dashboards"
+from servekit.resources import k8s_dir
+
+DASHBOARD_DIR = k8s_dir() / "monitoring" / "dashboards"
 
 # Label filters. TorchServe's own per-model counters label the model `model_name`, the handler's
 # metrics `ModelName`; host-level metrics (Requests2XX, QueueTime, GPU*, ...) have no model label.
@@ -291,7 +293,7 @@ def push(url: str, token: str, folder: str = "servekit", files: list[Path] | Non
         board = dict(board, id=None)
         answer = call(f"save dashboard {board['title']!r}", api.dashboard.update_dashboard,
                       {"dashboard": board, "folderUid": folder_uid, "overwrite": True,
-                       "message": "python -m benchmarks.dashboards push"})
+                       "message": "python -m servekit.deploy.dashboards push"})
         urls.append(url.rstrip("/") + answer.get("url", f"/d/{board['uid']}"))
     return urls
 
@@ -299,7 +301,7 @@ def push(url: str, token: str, folder: str = "servekit", files: list[Path] | Non
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.dashboards", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m servekit.deploy.dashboards", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="write the dashboards' JSON files")

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "config" / "config.properties"
+from servekit.resources import config_dir, resolve
+
+DEFAULT_CONFIG = config_dir() / "config.properties"
 
 
 class ServerError(RuntimeError):
@@ -125,7 +126,7 @@ def group_alive(pgid: int) -> list[int]:
 class TorchServe:
     """A local TorchServe process with its own run folder and ports. Use as a context manager."""
 
-    def __init__(self, run_dir: Path, model_store: Path = ROOT / "model_store", ports: Ports | None = None,
+    def __init__(self, run_dir: Path, model_store: Path = Path("model_store"), ports: Ports | None = None,
                  config: Path = DEFAULT_CONFIG, extra_props: dict[str, str] | None = None,
                  models: str | None = None) -> None:
         self.run_dir = Path(run_dir).resolve()
@@ -166,7 +167,8 @@ class TorchServe:
             "model_store": str(self.model_store),
         })
         if "metrics_config" in props and not Path(props["metrics_config"]).is_absolute():
-            props["metrics_config"] = str((ROOT / props["metrics_config"]).resolve())
+            # `config/metrics.yaml`: the current directory's, else servekit's packaged one.
+            props["metrics_config"] = str(resolve(props["metrics_config"]).resolve())
         props.update(self.extra_props)
         path = self.run_dir / "config.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))

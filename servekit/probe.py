@@ -1,7 +1,7 @@
 """Pod lifecycle commands for servekit's Kubernetes Deployment, talking to TorchServe's management API.
 
-    python -m benchmarks.probe ready --model minilm --config /etc/servekit/config.properties
-    python -m benchmarks.probe register --config /etc/servekit/config.properties
+    python -m servekit.probe ready --model minilm --config /etc/servekit/config.properties
+    python -m servekit.probe register --config /etc/servekit/config.properties
 
 Both find the management API at the config's `management_address` (--management overrides it).
 
@@ -11,7 +11,7 @@ has loaded (and while every worker restarts), so readiness asks `GET /models/<na
 workers and batching written there (TorchServe itself would let the archive's model-config win).
 
 Kubelet runs the probe every few seconds: this module imports nothing beyond the standard library
-(no torch; only benchmarks.server's stdlib HTTP helpers) and starts in a few tens of milliseconds.
+(no torch; only servekit.torchserve's stdlib HTTP helpers) and starts in a few tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 import time
 import urllib.parse
 
-# Standard library only (benchmarks.server imports nothing else at module level).
-from benchmarks.server import http_json, read_properties
+# Standard library only (servekit.torchserve imports nothing else at module level).
+from servekit.torchserve import http_json, read_properties
 
 DEFAULT_MANAGEMENT = "http://127.0.0.1:8081"
 
@@ -130,7 +130,7 @@ def register(management: str, config: str, deadline_s: float = 120.0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.probe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m servekit.probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("ready", help="exit 0 iff some worker of the model is READY")

@@ -5,15 +5,15 @@ import argparse
 import signal
 from pathlib import Path
 
-from benchmarks.server import DEFAULT_CONFIG, ROOT, Ports, TorchServe, read_properties
+from servekit.torchserve import DEFAULT_CONFIG, Ports, TorchServe, read_properties
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="servekit serve", description=__doc__)
     p.add_argument("--models", default="minilm=minilm.mar", help="models to load at start (TorchServe --models syntax)")
-    p.add_argument("--model-store", type=Path, default=ROOT / "model_store")
+    p.add_argument("--model-store", type=Path, default=Path("model_store"), help="folder with the archives (default: model_store/)")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config.properties (ports are taken from it)")
-    p.add_argument("--run-dir", type=Path, default=ROOT / ".run" / "serve")
+    p.add_argument("--run-dir", type=Path, default=Path(".run/serve"), help="logs, pid file, resolved config (default: .run/serve)")
     args = p.parse_args(argv)
     props = read_properties(args.config)
     port = lambda key: int(props[key].rsplit(":", 1)[1])  # noqa: E731

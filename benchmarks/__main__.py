@@ -1,5 +1,0 @@
-import sys
-
-from benchmarks.cli import main
-
-sys.exit(main())

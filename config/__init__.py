@@ -1,0 +1,1 @@
+"""Package data: TorchServe config.properties, metrics.yaml and the model-configs in models/."""

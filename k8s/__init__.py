@@ -1,0 +1,1 @@
+"""Package data: Kustomize base, overlays, monitoring (rules, dashboards) and components."""

@@ -1,0 +1,5 @@
+import sys
+
+from servekit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Deploy tools: a Kubernetes overlay from a benchmark recommendation, Grafana dashboards."""
