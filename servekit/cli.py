@@ -6,12 +6,14 @@ import sys
 
 # subcommand -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "init": ("servekit.init", "write config/ and k8s/ into a folder, to edit and use with the plain commands"),
     "archive": ("servekit.archive", "build a self-contained .mar into model_store/"),
     "serve": ("servekit.serve", "start TorchServe with config/ and the archives, in the foreground"),
     "demo": ("servekit.demo", "archive, serve, send real requests, print results, stop"),
     "bench": ("servekit.benchmarks.bench.runner", "SLA-driven auto-benchmark from a YAML sweep: report + recommendation"),
     "train-speculator": ("servekit.optimizations.train_speculator", "train speculative-decoding heads for a Llama model"),
     "dashboards": ("servekit.deploy.dashboards", "build the Grafana dashboards, or push them to a Grafana URL"),
+    "overlay": ("servekit.deploy.overlay", "write a Kubernetes overlay from a benchmark's recommendation.json"),
 }
 
 

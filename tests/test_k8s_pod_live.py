@@ -31,13 +31,12 @@ from typing import Iterator, Sequence
 import pytest
 import yaml
 
-from servekit.deploy import dashboards
+from servekit.deploy import dashboards, rules
 from servekit.deploy.overlay import write_overlay
 from servekit.torchserve import free_port, free_ports, java_env
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
-RULES = K8S / "monitoring" / "rules" / "servekit-alerts.rules.yml"
 ADAPTER = K8S / "monitoring" / "prometheus-adapter" / "config.yaml"
 POD_NAME = "servekit-6f7d9c8b5-k2x4q"
 # Differs from config/models/minilm.yaml (batchSize 8, maxBatchDelay 10): the pod's own must win.
@@ -225,8 +224,10 @@ def running_prometheus(root: Path, target: str, labels: dict[str, str], rule_fil
 def prometheus(pod, tmp_path_factory):
     # What the ServiceMonitor gives Prometheus in a cluster: job = the Service's name, and the
     # namespace and pod labels the rules, dashboards and adapter select on.
+    # The PrometheusRule's groups as the plain rule file a Prometheus server loads.
+    rule_file = rules.write_rule_file(tmp_path_factory.mktemp("rules"), K8S / "monitoring" / "prometheusrule.yaml")
     with running_prometheus(tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{pod.ports['metrics']}",
-                            {"namespace": "servekit", "pod": POD_NAME}, [str(RULES)]) as url:
+                            {"namespace": "servekit", "pod": POD_NAME}, [str(rule_file)]) as url:
         yield url
 
 

@@ -1,21 +1,21 @@
-"""The alert rules pass `promtool check rules` and their `promtool test rules` unit tests; the
-PrometheusRule carries exactly the tested rules; every dashboard and adapter query is valid PromQL."""
+"""The alert rules (the PrometheusRule, written out as a plain rule file) pass `promtool check rules`
+and their `promtool test rules` unit tests; every dashboard and adapter query is valid PromQL."""
 from __future__ import annotations
 
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from servekit.deploy import dashboards
+from servekit.deploy import dashboards, rules
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "k8s" / "monitoring"
-RULES = MONITORING / "rules" / "servekit-alerts.rules.yml"
 RULE_TESTS = MONITORING / "rules" / "servekit-alerts.test.yml"
 ALERTS = {"ServekitLatencyP99AboveSLA", "ServekitHighErrorRate", "ServekitWorkerRestarted",
           "ServekitGPUMemoryNearFull", "ServekitNoReadyWorkers", "ServekitMetricsDown"}
@@ -44,45 +44,69 @@ def run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
-def test_promtool_check_rules(promtool):
-    proc = run([promtool, "check", "rules", str(RULES)])
+@pytest.fixture(scope="module")
+def rule_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The PrometheusRule's groups as a plain rule file, through the command the docs give, with
+    the unit tests beside it."""
+    out = tmp_path_factory.mktemp("rules")
+    proc = subprocess.run([sys.executable, "-m", "servekit.deploy.rules", "--out", str(out),
+                           "--from", str(MONITORING / "prometheusrule.yaml")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    shutil.copy(RULE_TESTS, out / RULE_TESTS.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rule_file(rule_dir: Path) -> Path:
+    return rule_dir / rules.RULE_FILE
+
+
+def test_promtool_check_rules(promtool, rule_file):
+    proc = run([promtool, "check", "rules", str(rule_file)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(ALERTS)} rules found" in proc.stdout
 
 
-def test_promtool_unit_tests_cover_every_alert(promtool):
+def test_promtool_unit_tests_cover_every_alert(promtool, rule_file):
     tests = yaml.safe_load(RULE_TESTS.read_text())
     tested = {case["alertname"] for t in tests["tests"] for case in t["alert_rule_test"] if case["exp_alerts"]}
     silent = {case["alertname"] for t in tests["tests"] for case in t["alert_rule_test"] if not case["exp_alerts"]}
-    rules = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
-    assert rules == ALERTS
+    in_file = {r["alert"] for g in yaml.safe_load(rule_file.read_text())["groups"] for r in g["rules"]}
+    assert in_file == ALERTS
     assert tested == ALERTS, f"alerts never seen firing in a test: {ALERTS - tested}"
     assert silent == ALERTS, f"alerts never checked silent: {ALERTS - silent}"
-    proc = run([promtool, "test", "rules", RULE_TESTS.name], cwd=RULE_TESTS.parent)
+    proc = run([promtool, "test", "rules", RULE_TESTS.name], cwd=rule_file.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout
 
 
-def test_promtool_test_catches_a_broken_threshold(promtool, tmp_path):
+def test_promtool_test_catches_a_broken_threshold(promtool, tmp_path, rule_file):
     """The unit tests would notice a changed rule: move the SLA to 1 s and they fail."""
-    broken = RULES.read_text().replace("> 0.25", "> 1")
-    assert broken != RULES.read_text()
-    (tmp_path / RULES.name).write_text(broken)
+    broken = rule_file.read_text().replace("> 0.25", "> 1")
+    assert broken != rule_file.read_text()
+    (tmp_path / rule_file.name).write_text(broken)
     shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
     proc = run([promtool, "test", "rules", RULE_TESTS.name], cwd=tmp_path)
     assert proc.returncode != 0 and "ServekitLatencyP99AboveSLA" in proc.stdout + proc.stderr
 
 
-def test_prometheusrule_carries_the_tested_rules():
+def test_prometheusrule_carries_the_tested_rules(rule_file):
     rule = yaml.safe_load((MONITORING / "prometheusrule.yaml").read_text())
     assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
-    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"], \
-        "prometheusrule.yaml spec.groups differs from rules/servekit-alerts.rules.yml: copy the groups over"
+    assert rule["spec"]["groups"] == yaml.safe_load(rule_file.read_text())["groups"]
     assert "prometheusrule.yaml" in yaml.safe_load((MONITORING / "kustomization.yaml").read_text())["resources"]
+    assert not list(MONITORING.rglob("*.rules.yml")), "the alerts have one copy: prometheusrule.yaml"
 
 
-def test_every_alert_has_severity_summary_and_description():
-    for group in yaml.safe_load(RULES.read_text())["groups"]:
+def test_rules_command_refuses_a_file_that_is_no_prometheusrule(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "servekit.deploy.rules", "--out", str(tmp_path),
+                           "--from", str(MONITORING / "servicemonitor.yaml")], capture_output=True, text=True)
+    assert proc.returncode == 1 and "not a PrometheusRule" in proc.stderr
+    assert not (tmp_path / rules.RULE_FILE).exists()
+
+
+def test_every_alert_has_severity_summary_and_description(rule_file):
+    for group in yaml.safe_load(rule_file.read_text())["groups"]:
         for rule in group["rules"]:
             assert rule["labels"]["severity"] in {"warning", "critical"}
             assert rule["annotations"]["summary"] and rule["annotations"]["description"]
