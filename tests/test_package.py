@@ -257,3 +257,17 @@ def test_init_writes_editable_configs_outside_the_checkout(outside_venv: dict[st
     assert not list(proj.rglob("__init__.py"))
     again = run_outside(v, v["servekit"], "init", "proj")
     assert again.returncode == 2 and "exist already" in again.stderr
+
+
+def test_nothing_imports_the_folders_by_their_generic_names() -> None:
+    """From a checkout, `handlers`, `optimizations` and `benchmarks` are importable as top-level
+    names too (the current directory is on sys.path): nothing may use them, or it would break in
+    the wheel and load a second copy of a module beside the servekit one."""
+    generic = ("handlers", "optimizations", "benchmarks", "config", "k8s")
+    offenders = []
+    for path in [*module_files().values(), *sorted((ROOT / "tests").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] in generic]
+    assert not offenders, offenders
