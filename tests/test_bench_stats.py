@@ -240,7 +240,7 @@ def test_a_baseline_whose_probe_beat_its_search_is_flagged(probe_rps: float, cap
     """A closed-loop probe passing at over twice the open-loop capacity means the search hit unstable
     windows: "N x stock" would overstate the margin, and the report says so."""
     from servekit.benchmarks.bench.report import baseline_doubt
-    from servekit.benchmarks.bench.runner import ConfigResult
+    from servekit.benchmarks.bench.analysis import ConfigResult
     from servekit.benchmarks.bench.search import SearchResult
 
     search = SearchResult(best=_point("open", capacity, capacity),
@@ -270,3 +270,33 @@ def test_a_saturated_host_is_named_in_the_lag_reason_and_the_answer() -> None:
     assert host_note(point) is None
     point.host = {}
     assert host_note(point) is None
+
+
+def test_analysis_ranks_picks_the_winner_and_the_pareto_front(tmp_path) -> None:
+    """analysis.analyze on known results: the winner is the best non-baseline configuration, the
+    margin is against the baseline's best, and a configuration beaten on both capacity and p99 is
+    off the Pareto front."""
+    from pathlib import Path
+
+    from servekit.benchmarks.bench.analysis import ConfigResult, RunRecord, analyze
+    from servekit.benchmarks.bench.schema import load_config
+    from servekit.benchmarks.bench.search import SearchResult
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "benchmarks/sweeps/minilm-cpu-demo.yaml")
+
+    def result(variant: str, workers: int, rate: float, latency_s: float) -> ConfigResult:
+        summary = summarize(records(np.arange(int(rate * 10)) / rate, latency_s), 0, 10)
+        conf = ServingConfig(variant, workers, 8, 5)
+        best = PointResult(conf, LoadSpec("open", rate), PASS, [], summary)
+        return ConfigResult(conf, status="measured", search=SearchResult(best=best))
+
+    stock, fast, big, slow = (result("stock", 1, 10, 0.005), result("servekit", 1, 100, 0.005),
+                              result("servekit", 2, 150, 0.020), result("servekit", 4, 80, 0.030))
+    failed = ConfigResult(ServingConfig("servekit", 8, 8, 5), status="error", error="boom")
+    a = analyze(RunRecord(cfg, tmp_path, results=[stock, fast, big, slow, failed]))
+    assert a.winner is big and a.baseline is stock and a.base_name == "stock"
+    assert a.ranked == [big, fast, slow, stock]
+    assert a.front == {1, 2}
+    assert a.margin == pytest.approx(15.0)
+    assert analyze(RunRecord(cfg, tmp_path, results=[stock])).winner is stock  # only the baseline passed
+    assert analyze(RunRecord(cfg, tmp_path, results=[failed])).margin is None

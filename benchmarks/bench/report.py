@@ -1,4 +1,5 @@
-"""Run folder outputs: points.jsonl lines, results.json, report.md with plots, the recommendation.
+"""Rendering of a sweep's analysis (analysis.py): results.json, report.md with plots, the
+recommendation files. The run folder:
 
     points.jsonl                    one line per measured point (written as the run goes)
     raw/*.npz                       every request of every point: intended, start, end, status, payload
@@ -14,7 +15,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -22,9 +23,8 @@ from servekit.benchmarks.bench.measure import PointResult
 from servekit.benchmarks.bench.server_metrics import host_saturation
 from servekit.benchmarks.bench.stats import Summary
 
-if TYPE_CHECKING:
-    from servekit.benchmarks.bench.runner import ConfigResult, Run
-    from servekit.benchmarks.bench.schema import SLA, BenchConfig
+from servekit.benchmarks.bench.analysis import (Analysis, ConfigResult, RunRecord, analyze, inprocess_figures,
+                                                 recommendation, sla_dict, sla_text)
 
 
 def _num(x: Any, nd: int = 1) -> str:
@@ -35,23 +35,6 @@ def _num(x: Any, nd: int = 1) -> str:
     if isinstance(x, (int, float)):
         return f"{x:.{nd}f}"
     return str(x)
-
-
-def sla_text(sla: "SLA") -> str:
-    parts = [f"p99 <= {sla.p99_ms:g} ms"]
-    if sla.p50_ms is not None:
-        parts.append(f"p50 <= {sla.p50_ms:g} ms")
-    if sla.ttft_p99_ms is not None:
-        parts.append(f"TTFT p99 <= {sla.ttft_p99_ms:g} ms")
-    if sla.itl_p99_ms is not None:
-        parts.append(f"ITL p99 <= {sla.itl_p99_ms:g} ms")
-    return ", ".join(parts + [f"errors <= {sla.max_error_rate:.1%}"])
-
-
-def sla_dict(sla: "SLA") -> dict[str, Any]:
-    d: dict[str, Any] = {"p99_ms": sla.p99_ms, "p50_ms": sla.p50_ms, "max_error_rate": sla.max_error_rate}
-    d.update({k: getattr(sla, k) for k in ("ttft_p99_ms", "itl_p99_ms") if getattr(sla, k) is not None})
-    return d
 
 
 # Streamed (LLM) sweeps: columns of the report tables.
@@ -86,69 +69,13 @@ def llm_text(s: Summary) -> str:
             f"{m.tokens_per_s:.1f} output tokens/s ({m.tokens_per_s_per_seq:.1f} per sequence)")
 
 
-def point_json(p: PointResult, versions: dict[str, Any], cfg: "BenchConfig") -> dict[str, Any]:
-    llm = {"llm": p.summary.llm.to_dict()} if p.summary is not None and p.summary.llm is not None else {}
-    return {
-        "run": cfg.name,
-        "config": p.config.to_dict(),
-        "load": {"mode": p.load.mode, "level": p.load.level, "arrival": p.load.arrival if p.load.mode == "open" else None},
-        "role": p.role,
-        "status": p.status,
-        "reasons": p.reasons,
-        "stable": p.stable,
-        "spreads": {k: (None if math.isinf(v) else round(v, 4)) for k, v in p.spreads.items()},
-        "segment_s": list(p.segment),
-        "summary": p.summary.to_dict() if p.summary else None,
-        "percentiles_ms": p.summary.to_dict()["p"] if p.summary else None,
-        **llm,
-        "errors": {"count": p.summary.errors, "rate": p.summary.error_rate, "by_status": p.summary.status_counts}
-        if p.summary else None,
-        "warmup": p.warmup.to_dict() if p.warmup else None,
-        "windows": [w.to_dict() for w in p.windows],
-        "server": p.server,
-        "gpu": p.gpu,
-        "host": p.host,
-        "generator": p.generator,
-        "raw_file": p.raw_file,
-        "elapsed_s": round(p.elapsed_s, 2),
-        "sla": sla_dict(cfg.sla),
-        "versions": versions,
-        "gpu_name": (versions.get("gpu") or [None])[0],
-    }
-
-
 @dataclass
 class Answer:
     answered: bool
     lines: list[str] = field(default_factory=list)
 
 
-def pareto(results: list["ConfigResult"]) -> set[int]:
-    """Indices of configs not dominated in (capacity higher, p99 at capacity lower)."""
-    pts = [(i, r.capacity, r.best.p99) for i, r in enumerate(results) if r.best is not None and r.capacity > 0]
-    front = set()
-    for i, cap, p99 in pts:
-        if not any((c2 >= cap and q2 <= p99) and (c2 > cap or q2 < p99) for _, c2, q2 in pts):
-            front.add(i)
-    return front
-
-
-def analyze(run: "Run") -> dict[str, Any]:
-    cfg = run.cfg
-    results = run.results
-    base_name = cfg.baseline.name if cfg.baseline else None
-    measured = [r for r in results if r.status == "measured"]
-    ranked = sorted([r for r in measured if r.capacity > 0],
-                    key=lambda r: (-r.capacity, r.config.workers, r.best.p99))
-    front = pareto(results)
-    baseline = [r for r in results if r.config.variant == base_name]
-    base_best = max(baseline, key=lambda r: r.capacity) if baseline else None
-    contenders = [r for r in ranked if r.config.variant != base_name] or ranked
-    winner = contenders[0] if contenders else None
-    return {"ranked": ranked, "front": front, "baseline": base_best, "winner": winner, "base_name": base_name}
-
-
-def baseline_doubt(b: "ConfigResult") -> str | None:
+def baseline_doubt(b: ConfigResult) -> str | None:
     """Why the stock baseline's capacity understates it, or None. Its closed-loop probe meeting the
     SLA at over twice the arrival rate its open-loop search settled on means that search ran into
     unstable windows, not the server's limit (seen on an H100: probe 160 requests/s, capacity 10),
@@ -171,21 +98,10 @@ def host_note(p: PointResult) -> str | None:
             "(target.remote) measures the server alone")
 
 
-def inprocess_figures(run: "Run", w: "ConfigResult | None") -> dict[str, Any] | None:
-    """The in-process reference (measurement.inprocess_s) with the served share of it, or None."""
-    ip = getattr(run, "inprocess", None)
-    if ip is None or w is None or "texts_per_s" not in ip:
-        return ip  # not asked for, or skipped (it says why)
-    if ip.get("config") != w.config.to_dict():
-        return None  # measured for another configuration
-    served = w.capacity * ip["texts_per_request"]
-    return {**ip, "served_texts_per_s": served, "served_fraction": served / ip["texts_per_s"]}
-
-
-def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
+def answer_lines(run: RunRecord, a: Analysis) -> Answer:
     cfg = run.cfg
     sla = sla_text(cfg.sla)
-    w, b = a["winner"], a["baseline"]
+    w, b = a.winner, a.baseline
     lines: list[str] = []
     answered = True
     if run.interrupted:
@@ -203,14 +119,14 @@ def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
         note = host_note(bp)
         if note:
             lines.append(f"NOTE: {note}.")
-    if a["base_name"] is None:
+    if a.base_name is None:
         lines.append("No stock baseline in this sweep (mark a variant `baseline: true`).")
     elif b is None or b.status != "measured":
         why = b.error if b is not None and b.error else "not measured"
-        lines.append(f"Stock baseline {a['base_name']}: {why}; the margin over stock is unknown.")
+        lines.append(f"Stock baseline {a.base_name}: {why}; the margin over stock is unknown.")
         answered = False
     elif w is b:
-        lines.append(f"The winner is the baseline variant {a['base_name']} itself (no other variant met the SLA).")
+        lines.append(f"The winner is the baseline variant {a.base_name} itself (no other variant met the SLA).")
     elif w is not None:
         if b.capacity > 0:
             lines.append(f"{w.capacity / b.capacity:.1f} x the stock throughput at the same SLA "
@@ -242,44 +158,7 @@ def answer_lines(run: "Run", a: dict[str, Any]) -> Answer:
     return Answer(answered and not run.interrupted, lines)
 
 
-def recommendation(run: "Run", a: dict[str, Any], ready_s: float | None) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    w = a["winner"]
-    if w is None:
-        return None
-    cfg = run.cfg
-    c = w.config
-    per_pod = w.capacity
-    usable = per_pod * cfg.deploy.headroom
-    target = cfg.deploy.target_rps or per_pod
-    replicas = max(1, math.ceil(target / usable)) if usable > 0 else None
-    warm = cfg.deploy.warmup_seconds or (math.ceil(ready_s * 1.5 + 5) if ready_s else None)
-    base = dict(run.variant_configs.get(c.variant, {}))
-    model_cfg = {"minWorkers": c.workers, "maxWorkers": c.workers, "batchSize": c.batch_size,
-                 "maxBatchDelay": c.max_batch_delay_ms}
-    model_cfg.update({k: v for k, v in base.items() if k not in model_cfg})
-    variant = next(v for v in cfg.variants if v.name == c.variant)
-    overlay = {
-        "model": variant.model or Path(variant.mar or c.variant).stem,
-        "variant": c.variant,
-        "mar": run.mars.get(c.variant),
-        "workers": c.workers,
-        "batch_size": c.batch_size,
-        "max_batch_delay_ms": c.max_batch_delay_ms,
-        "per_pod_capacity_rps": round(per_pod, 2),
-        "headroom": cfg.deploy.headroom,
-        "target_rps": round(target, 2),
-        "replicas": replicas,
-        "warmup_seconds": warm,
-        "sla": sla_dict(cfg.sla),
-        "gpu": (run.versions.get("gpu") or [None])[0],
-        "plan": base.get("servekit"),
-    }
-    if w.best.summary.llm is not None:  # what one pod delivers at that load, for capacity planning
-        overlay["llm"] = w.best.summary.llm.to_dict()
-    return model_cfg, overlay
-
-
-def _plots(run: "Run", a: dict[str, Any], out: Path) -> list[tuple[str, str]]:
+def _plots(run: RunRecord, a: Analysis, out: Path) -> list[tuple[str, str]]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,9 +172,9 @@ def _plots(run: "Run", a: dict[str, Any], out: Path) -> list[tuple[str, str]]:
             by_conf.setdefault(p.config, []).append(p)
     if not by_conf:
         return made
-    keep = [r.config for r in a["ranked"][:8]]
-    if a["baseline"] is not None and a["baseline"].config not in keep:
-        keep.append(a["baseline"].config)
+    keep = [r.config for r in a.ranked[:8]]
+    if a.baseline is not None and a.baseline.config not in keep:
+        keep.append(a.baseline.config)
     keep += [c for c in by_conf if c not in keep][: max(0, 10 - len(keep))]
     fig, ax = plt.subplots(figsize=(8, 5))
     top = sla * 4
@@ -305,7 +184,7 @@ def _plots(run: "Run", a: dict[str, Any], out: Path) -> list[tuple[str, str]]:
             continue
         xs = [p.throughput for p in pts]
         ys = [min(p.p99, top) for p in pts]
-        style = "--" if a["baseline"] is not None and conf == a["baseline"].config else "-"
+        style = "--" if a.baseline is not None and conf == a.baseline.config else "-"
         ax.plot(xs, ys, style, marker="o", label=conf.label())
         for p, x, y in zip(pts, xs, ys):
             if not p.passed:
@@ -365,11 +244,11 @@ def _plots(run: "Run", a: dict[str, Any], out: Path) -> list[tuple[str, str]]:
     return made
 
 
-def write_report(run: "Run") -> Answer:
+def write_report(run: RunRecord) -> Answer:
     cfg, out = run.cfg, run.dir
     a = analyze(run)
     ans = answer_lines(run, a)
-    w = a["winner"]
+    w = a.winner
     ready = None
     if w is not None:
         readies = [r.ready_s for r in run.results if r.config.variant == w.config.variant and r.ready_s]
@@ -389,7 +268,7 @@ def write_report(run: "Run") -> Answer:
     except Exception as e:  # a plot must never lose the report
         plots = []
         ans.lines.append(f"(plots failed: {type(e).__name__}: {e})")
-    front = a["front"]
+    front = a.front
     results_json = {
         "name": cfg.name, "started": run.started, "elapsed_s": round(run.elapsed(), 1),
         "partial": run.interrupted, "fatal": run.fatal, "answered": ans.answered, "answer": ans.lines,
@@ -404,12 +283,11 @@ def write_report(run: "Run") -> Answer:
                      "first_failing_load": r.search.first_fail if r.search else None,
                      "search": r.search.bound if r.search else None, "ready_s": r.ready_s,
                      "repeats_rps": r.repeats, "pareto": i in front,
-                     "baseline": r.config.variant == a["base_name"]}
+                     "baseline": r.config.variant == a.base_name}
                     for i, r in enumerate(run.results)],
         "winner": w.config.to_dict() if w else None,
-        "baseline": a["baseline"].config.to_dict() if a["baseline"] else None,
-        "margin_over_baseline": (w.capacity / a["baseline"].capacity
-                                 if w and a["baseline"] and a["baseline"].capacity > 0 else None),
+        "baseline": a.baseline.config.to_dict() if a.baseline else None,
+        "margin_over_baseline": a.margin,
         "recommendation": rec[1] if rec else None,
         "inprocess": inprocess_figures(run, w),
         "payloads": run.payload_info, "versions": run.versions,
@@ -460,16 +338,16 @@ def write_report(run: "Run") -> Answer:
                 "backend ms", "GPU util", "host CPU", "P", "search"]),
           _row(["---"] * (13 + len(extra)))]
     idx = {id(r): i for i, r in enumerate(run.results)}
-    for n, r in enumerate(a["ranked"], 1):
+    for n, r in enumerate(a.ranked, 1):
         bp = r.best
         s = bp.server
-        L.append(_row([str(n), f"{r.config.label()}{' (stock)' if r.config.variant == a['base_name'] else ''}",
+        L.append(_row([str(n), f"{r.config.label()}{' (stock)' if r.config.variant == a.base_name else ''}",
                        f"{r.capacity:.1f}", _num(bp.summary.p["p50"]), _num(bp.summary.p["p99"]),
                        *(llm_cells(bp.summary) if extra else []), bp.load.label(), _num(s.get(per_batch[1]), 2),
                        _num(s.get("ts_queue_mean_ms")), _num(s.get("ts_backend_mean_ms")),
                        _num(bp.gpu.get("util_mean_pct"), 0), _num(bp.host.get("busy_pct"), 0),
                        "P" if idx[id(r)] in front else "", r.search.bound]))
-    other = [r for r in run.results if r not in a["ranked"]]
+    other = [r for r in run.results if r not in a.ranked]
     if other:
         L += ["", "Configurations without a passing load:", ""]
         for r in other:

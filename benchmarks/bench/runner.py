@@ -1,4 +1,4 @@
-"""`servekit bench <yaml>` / `python -m benchmarks bench <yaml>`: the SLA-driven auto-benchmark.
+"""`servekit bench <yaml>` / `python -m servekit bench <yaml>`: the SLA-driven auto-benchmark.
 
 Answers: which serving configuration gives the most throughput while p99 stays within the SLA,
 and by how much does it beat the stock setup? One TorchServe runs for the whole sweep; every
@@ -17,7 +17,6 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,12 @@ try:
 except ImportError:  # a bare GPU machine: plain lines instead of rich's live progress
     Console = None  # type: ignore[assignment,misc]
 
-from servekit.benchmarks.bench import archives
+from servekit.benchmarks.bench import archives, inprocess
+from servekit.benchmarks.bench.analysis import ConfigResult, RunRecord, analyze, point_json, sla_text
 from servekit.benchmarks.bench.loadgen import LoadGenerator, LoadGenError, LoadSpec, processes_for
 from servekit.benchmarks.bench.measure import ERROR, PointResult, ServingConfig, measure_point
 from servekit.benchmarks.bench.payloads import describe, load_bodies, write_bodies
+from servekit.benchmarks.bench.report import Answer, write_report
 from servekit.benchmarks.bench.schema import BenchConfig, SchemaError, Variant, load_config
 from servekit.benchmarks.bench.search import SearchResult, refine_capacity, search_capacity
 from servekit.benchmarks.bench.server_metrics import GPUSampler, scrape
@@ -58,26 +59,6 @@ class PlainConsole:
 EXIT_OK, EXIT_NO_ANSWER, EXIT_SCHEMA, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
-@dataclass
-class ConfigResult:
-    config: ServingConfig
-    status: str = "pending"   # measured, error, skipped
-    error: str | None = None
-    search: SearchResult | None = None
-    ready_s: float | None = None
-    repeats: list[float] = field(default_factory=list)
-
-    @property
-    def capacity(self) -> float:
-        if self.search is None or self.search.best is None:
-            return 0.0
-        return min([self.search.capacity, *self.repeats])
-
-    @property
-    def best(self) -> PointResult | None:
-        return self.search.best if self.search else None
-
-
 def versions() -> dict[str, Any]:
     out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
                            "machine": platform.node(), "cpu_count": __import__("os").cpu_count()}
@@ -90,38 +71,25 @@ def versions() -> dict[str, Any]:
     return out
 
 
-class Run:
+class Run(RunRecord):
+    """A sweep being measured: the record the report reads, plus the server, load and console."""
+
     def __init__(self, cfg: BenchConfig, out_dir: Path, console: Console) -> None:
-        self.cfg = cfg
-        self.dir = out_dir
+        super().__init__(cfg, out_dir, started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         self.console = console
-        self.results: list[ConfigResult] = []
-        self.points: list[PointResult] = []
-        self.t0 = time.monotonic()
-        self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.gpu = GPUSampler()
         self.versions = versions()
         self.versions["gpu"] = self.gpu.names or None
         self.versions["nvidia_driver"] = self.gpu.driver
-        self.interrupted = False
-        self.fatal: str | None = None
-        self.payload_info: dict[str, Any] = {}
-        self.mars: dict[str, str] = {}
-        self.variant_configs: dict[str, dict[str, Any]] = {}
         self.point_seq = 0
-        self.inprocess: dict[str, Any] | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
     def out_of_time(self) -> bool:
         b = self.cfg.measurement.budget_s
         return b is not None and self.elapsed() > b
 
     def record_point(self, p: PointResult) -> None:
         self.points.append(p)
-        from servekit.benchmarks.bench.report import point_json
         with open(self.dir / "points.jsonl", "a") as f:
             f.write(json.dumps(point_json(p, self.versions, self.cfg)) + "\n")
         s = p.summary
@@ -240,13 +208,11 @@ class Run:
     def refine(self, server: Server, gen: LoadGenerator) -> None:
         """Narrow the winner's and the baseline's SLA bracket (load.search.refine): the answer and
         its "N x stock" rest on those two capacities."""
-        from servekit.benchmarks.bench.report import analyze
-
         s = self.cfg.load.search
         if s.refine_precision is None:
             return
         a = analyze(self)  # the configurations the report will call winner and baseline
-        picks = [a["winner"]] + ([a["baseline"]] if a["baseline"] is not a["winner"] else [])
+        picks = [a.winner] + ([a.baseline] if a.baseline is not a.winner else [])
         for c in picks:
             if c is None or c.status != "measured" or c.best is None or c.search.first_fail is None or \
                     (c.search.first_fail - c.capacity) / c.capacity <= s.refine_precision:
@@ -272,11 +238,8 @@ class Run:
     def measure_inprocess(self) -> None:
         """measurement.inprocess_s: the winner's plan timed inside this process, on this machine's
         device, after every model is unregistered (so a local server's workers have freed it)."""
-        from servekit.benchmarks.bench import inprocess
-        from servekit.benchmarks.bench.report import analyze
-
         secs = self.cfg.measurement.inprocess_s
-        w = analyze(self)["winner"]
+        w = analyze(self).winner
         if secs <= 0 or w is None:
             return
         v = next(v for v in self.cfg.variants if v.name == w.config.variant)
@@ -330,8 +293,7 @@ class Run:
             self._one(server, gen, conf, register=k == 0)
         server.unregister()
 
-    def write_report(self):
-        from servekit.benchmarks.bench.report import write_report
+    def write_report(self) -> Answer:
         return write_report(self)
 
 
@@ -349,7 +311,6 @@ def check_heads(v: Variant) -> None:
 def run(cfg: BenchConfig, out_dir: Path, console: Console) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     r = Run(cfg, out_dir, console)
-    from servekit.benchmarks.bench.report import sla_text
     console.print(f"[bold]servekit bench[/] {cfg.name}: SLA {sla_text(cfg.sla)}; output {out_dir}")
     if cfg.source:
         (out_dir / "bench.yaml").write_text(cfg.source.read_text())
