@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
+from servekit.optimizations.device import DTYPES
 from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
 from servekit.optimizations.llama import load_llama
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 VARIANTS = {  # LlamaRunner switches per variant
     "eager": {},
     "graphs": {"cuda_graphs": True},

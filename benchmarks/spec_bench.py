@@ -2,7 +2,7 @@
 
 1. Speculator heads: trained on the spot (``servekit.optimizations.train_speculator``'s recipe, on the
    training split of ``optimizations/data/speculator_prompts.txt``) or loaded with ``--heads-dir``.
-2. One ``LlamaRunner`` (CUDA graphs on GPU) and a ``SpeculativeRunner`` on top of it, warmed up.
+2. One ``LlamaRunner`` (CUDA graphs on GPU) and a ``SpeculativeDecoding`` on top of it, warmed up.
 3. Acceptance per draft position and mean accepted length on the held-out prompts (never seen
    in training), and on as many training prompts, with greedy output compared token by token to
    the plain runner's.
@@ -32,12 +32,11 @@ from pathlib import Path
 import torch
 
 from servekit.benchmarks.llm_inprocess import environment, identical_prefix, sync_device
+from servekit.optimizations.device import DTYPES
 from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
 from servekit.optimizations.llama import LlamaConfig, init_random, load_llama
-from servekit.optimizations.speculative import SpecStats, SpeculativeRunner, generate_speculative, load_speculator, save_speculator
+from servekit.optimizations.speculative import SpecStats, SpeculativeDecoding, generate_speculative, load_speculator, save_speculator
 from servekit.optimizations import train_speculator as ts
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -74,7 +73,7 @@ def timed(device: torch.device, fn) -> tuple[float, object]:
     return time.perf_counter() - t, res
 
 
-def bench_batch(base: LlamaRunner, spec: SpeculativeRunner, prompts: list[list[int]], batch: int, rows: int,
+def bench_batch(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[list[int]], batch: int, rows: int,
                 params: SamplingParams) -> dict:
     """Plain vs speculative over the same groups of prompts; one warm-up group each, excluded."""
     groups = chunks(len(prompts), batch, rows)
@@ -113,7 +112,7 @@ def bench_batch(base: LlamaRunner, spec: SpeculativeRunner, prompts: list[list[i
     return out
 
 
-def acceptance_run(base: LlamaRunner, spec: SpeculativeRunner, prompts: list[list[int]], params: SamplingParams,
+def acceptance_run(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[list[int]], params: SamplingParams,
                    batch: int) -> dict:
     """Speculative vs plain greedy over every prompt: acceptance and token-by-token agreement."""
     stats = SpecStats.empty(spec.n_heads)
@@ -143,7 +142,7 @@ def fp32_exactness(args: argparse.Namespace, heads_dir: Path, prompts: list[list
                    params: SamplingParams, device: torch.device) -> dict:
     model, _, _ = load_model(args, device, torch.float32)
     base = LlamaRunner(model, max_seq_len=args.max_seq_len, batch_buckets=(args.check_batch,))
-    spec = SpeculativeRunner(base, load_speculator(heads_dir, device), max_spec_batch=args.check_batch)
+    spec = SpeculativeDecoding(base, load_speculator(heads_dir, device), max_spec_batch=args.check_batch)
     res = acceptance_run(base, spec, prompts, params, args.check_batch)
     del spec, base, model
     if device.type == "cuda":
@@ -274,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     base = LlamaRunner(model, max_seq_len=args.max_seq_len, batch_buckets=tuple(sorted(set(args.batches + [args.check_batch]))),
                        cuda_graphs=cuda_graphs, compile_prefill=args.compile, compile_decode=args.compile)
-    spec = SpeculativeRunner(base, heads, max_spec_batch=base.max_batch, n_heads=args.serve_heads,
-                             compile_verify=args.compile)
-    phases = spec.warmup()
+    spec = SpeculativeDecoding(base, heads, max_spec_batch=base.max_batch, n_heads=args.serve_heads,
+                               compile_verify=args.compile)
+    phases = spec.warmup(include_base=True)
     res["warmup_s"] = round(time.perf_counter() - t, 2)
     res["warmup_phases_s"] = {k: round(v, 2) for k, v in phases.items()}
     res["runner"] = ("CUDA graphs" if cuda_graphs else "eager") + (" + torch.compile" if args.compile else "")
-    res["plan"] = spec.plan
+    res["plan"] = {**base.plan, "speculative": spec.plan}
     res["check_batch"] = args.check_batch
     stop = tuple(i for i in {model.config.eos_token_id, getattr(tokenizer, "eos_token_id", None)} if i is not None)
     params = SamplingParams(max_tokens=args.new_tokens, stop_token_ids=stop)

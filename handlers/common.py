@@ -137,6 +137,14 @@ def fail_request(context: Any, idx: int, metrics: Any, err: RequestError) -> str
     return err.body()
 
 
+def registered_batch_size(context: Any) -> int:
+    """The batch size TorchServe registered the model with (the register call's or the archive
+    model-config's `batchSize`, whichever TorchServe used): the worker gets it as a system property.
+    The archive's own `batchSize` is not it: the auto-benchmark strips it and registers its own."""
+    value = context.system_properties.get("batch_size")
+    return int(value) if value else int((context.model_yaml_config or {}).get("batchSize", 1))
+
+
 def url_path(context: Any, idx: int) -> str:
     """The path after /predictions/<model>/<version>/ (TorchServe's `url_path` header), '' if none."""
     try:

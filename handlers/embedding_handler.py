@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 import torch
 
-from servekit.handlers.common import RequestError, fail_request, freeze_heap, url_path
+from servekit.handlers.common import RequestError, fail_request, freeze_heap, registered_batch_size, url_path
 from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
@@ -46,7 +46,7 @@ class EmbeddingHandler:
         self.runner = EmbeddingRunner(model_dir, plan)
         self.plan = self.runner.plan
         # The batch size the model was registered with (the management API may override the archive's).
-        self.batch_size = int(props.get("batch_size") or (context.model_yaml_config or {}).get("batchSize", 1))
+        self.batch_size = registered_batch_size(context)
         self.dim = self.runner.dim
         self.metrics = HandlerMetrics(context, self.model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())

@@ -25,14 +25,15 @@ from typing import Any
 
 import torch
 
-from servekit.handlers.common import RequestError, decode_body, fail_request, freeze_heap, url_path
+from servekit.handlers.common import (RequestError, decode_body, fail_request, freeze_heap, registered_batch_size,
+                                      url_path)
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
-from servekit.optimizations.generate import (FINISH_STOP, LlamaRunner, LlmPlan, SamplingParams, load_llm_runner,
-                                    parse_llm_plan)
+from servekit.optimizations.generate import FINISH_STOP, TEMPERATURE_RANGE, LlamaRunner, SamplingParams
+from servekit.optimizations.llm import LlmPlan, load_llm_runner, parse_llm_plan
 from servekit.optimizations.plan import PlanError
-from servekit.optimizations.speculative import SpecStats, SpeculativeRunner
+from servekit.optimizations.speculative import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +165,12 @@ class LlmService:
         if gpu_id is not None and torch.cuda.is_available() and plan.device != "cpu":
             torch.cuda.set_device(int(gpu_id))
         t0 = time.perf_counter()
-        self.runner: LlamaRunner | SpeculativeRunner
+        self.runner: LlamaRunner
         self.plan: LlmPlan
         self.runner, self.plan, downgrades = load_llm_runner(model_dir, plan)
         for msg in downgrades:
             log.warning("plan downgraded (fallback: eager): %s", msg)
-        self.batch_size = int(config.get("batchSize", 1))
+        self.batch_size = registered_batch_size(context)
         if self.batch_size > self.runner.max_batch:
             raise PlanError(f"batchSize {self.batch_size} exceeds servekit.buckets.batch_sizes' largest "
                             f"bucket {self.runner.max_batch}")
@@ -214,9 +215,6 @@ class LlmService:
             if not prompt:
                 raise _bad("'prompt' is empty", "empty_prompt")
         params = self._params(body, chat, len(prompt))
-        err = self.runner.check(prompt, params)
-        if err is not None:  # the runner's own limits, in case the plan's checks above missed one
-            raise _bad(err, "invalid_value")
         speculate = body.get("speculate", True)
         if not isinstance(speculate, bool):
             raise _bad("'speculate' must be true or false", "invalid_type")
@@ -238,7 +236,7 @@ class LlmService:
 
     def _params(self, body: dict, chat: bool, prompt_len: int) -> SamplingParams:
         limits, max_seq = self.plan.limits, self.runner.max_seq_len
-        longest = min(self.runner.prefill_buckets[-1], max_seq - 1)
+        longest = self.runner.max_prompt_len
         if prompt_len > longest:
             raise _bad(f"the prompt has {prompt_len} tokens; this model accepts at most {longest}",
                        "context_length_exceeded")
@@ -257,7 +255,7 @@ class LlmService:
         seed = _integer(body, "seed")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            temperature=_number(body, "temperature", 1.0, *TEMPERATURE_RANGE),
             top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
             top_k=max(top_k or 0, 0),
             seed=None if seed is None else seed % 2**32,
@@ -339,10 +337,8 @@ class Generation:
     def run(self) -> dict[int, str]:
         m, runner = self.s.metrics, self.s.runner
         prompts, params = [r.req.prompt for r in self.rows], [r.req.params for r in self.rows]
-        spec = isinstance(runner, SpeculativeRunner)
-        stream = (runner.stream(prompts, params, [r.req.speculate for r in self.rows]) if spec
-                  else runner.stream(prompts, params))
-        stats = SpecStats.empty(runner.n_heads) if spec else None
+        stream = runner.stream(prompts, params, [r.req.speculate for r in self.rows])
+        stats = SpecStats.empty(runner.speculation.n_heads) if runner.speculation is not None else None
         last = None
         for step in stream:
             now = time.perf_counter()
@@ -356,7 +352,7 @@ class Generation:
                 new = step.tokens[j]
                 if new is None:
                     continue
-                delta, reason = self._push(row, [new] if isinstance(new, int) else new, step.finish_reasons[j])
+                delta, reason = self._push(row, new, step.finish_reasons[j])
                 if row.text.stopped:  # a stop string matched: end the row here
                     stream.cancel(j)
                 if reason is not None:

@@ -21,21 +21,13 @@ from tokenizers import Tokenizer
 
 from servekit.optimizations.bert import BertEncoder, load_bert, mean_pool_normalize
 from servekit.optimizations.buckets import Chunk, plan_chunks
+from servekit.optimizations.device import DTYPES, capability, pick_device
 from servekit.optimizations.plan import Plan, PlanError, resolve_for_device
 from servekit.optimizations.quantize import quantize
 
 log = logging.getLogger(__name__)
 # Package data (importlib.resources): found the same way in a checkout, a wheel and an archive.
 GOLDEN_TEXTS = Path(str(files(__package__))) / "data" / "golden_texts.txt"
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def pick_device(plan: Plan) -> torch.device:
-    if plan.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if plan.device == "cuda" and not torch.cuda.is_available():
-        raise PlanError("servekit.device: cuda requested but no CUDA device is available")
-    return torch.device(plan.device)
 
 
 def _sdpa_context(attention: str):
@@ -71,9 +63,8 @@ class EmbeddingRunner:
 
     def __init__(self, model_dir: Path, plan: Plan, golden_texts: Sequence[str] | None = None) -> None:
         t0 = time.perf_counter()
-        self.device = pick_device(plan)
-        cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
-        self.plan, self.downgrades = resolve_for_device(plan, self.device.type, cap)
+        self.device = pick_device(plan.device)
+        self.plan, self.downgrades = resolve_for_device(plan, self.device.type, capability(self.device))
         for msg in self.downgrades:
             log.warning("plan downgraded (fallback: eager): %s", msg)
         self.buckets = self.plan.buckets

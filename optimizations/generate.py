@@ -34,20 +34,20 @@ import random
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import Tensor
 
+from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llama import Transformer
 from servekit.optimizations.sampling import FILTER, MODES, SamplingTensors, sample, sampling_mode
 
-if TYPE_CHECKING:
-    from servekit.optimizations.speculative import SpeculativeRunner
-
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+# The sampling ranges a request may ask for (OpenAI's), checked once where requests are parsed
+# (handlers/llm_handler.py) and asserted by SamplingParams.error for every other caller.
+TEMPERATURE_RANGE = (0.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,9 @@ class SamplingParams:
         """Why these settings are invalid, or None."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             return f"max_tokens must be a positive integer, got {self.max_tokens!r}"
-        if not 0.0 <= self.temperature <= 100.0:
-            return f"temperature must be in [0, 100], got {self.temperature!r}"
+        lo, hi = TEMPERATURE_RANGE
+        if not lo <= self.temperature <= hi:
+            return f"temperature must be in [{lo:g}, {hi:g}], got {self.temperature!r}"
         if not isinstance(self.top_k, int) or self.top_k < 0:
             return f"top_k must be a non-negative integer, got {self.top_k!r}"
         if not 0.0 < self.top_p <= 1.0:
@@ -78,15 +79,23 @@ class SamplingParams:
 
 @dataclass
 class StepOutput:
-    """New tokens of one generation step, one entry per row of the batch.
+    """New tokens of one generation step, one entry per row of the batch: the one output type of
+    every step strategy.
 
-    ``tokens[i]`` is None once row i has finished. A row's last token carries its finish reason:
-    ``"stop"`` when that token is one of its stop tokens (the stop token itself is reported, do
-    not print it), ``"length"`` when it reached ``max_tokens``.
+    ``tokens[i]`` lists the tokens row i emits in this step (one for a plain decode step, 1..k+1
+    for a speculative one), None once row i has finished. A row's last token carries its finish
+    reason: ``"stop"`` when that token is one of its stop tokens (the stop token itself is
+    reported, do not print it), ``"length"`` when it reached ``max_tokens``.
+
+    ``proposed[j]`` / ``accepted[j]``: how many live rows proposed / had accepted a draft token at
+    position j (0 = first draft) in this step; a draft at j counts as accepted only if the drafts
+    before it were too. Empty for a plain step.
     """
 
-    tokens: list[int | None]
+    tokens: list[list[int] | None]
     finish_reasons: list[str | None]
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -142,14 +151,6 @@ def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor, para
     return sample(logits, params, input_pos[:, -1], mode)
 
 
-def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """Smallest bucket >= n (buckets sorted ascending)."""
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
 def pad_prompts(prompts: list[list[int]], batch: int, length: int, pad_id: int = 0
                 ) -> tuple[Tensor, Tensor, Tensor]:
     """Right-pad prompts into ``(batch, length)`` tokens and positions; ``last_idx`` per row.
@@ -170,9 +171,9 @@ def generate(runner: "LlamaRunner", prompts: list[list[int]], params: list[Sampl
     tokens: list[list[int]] = [[] for _ in prompts]
     reasons: list[str] = [""] * len(prompts)
     for step in runner.stream(prompts, params):
-        for i, (tok, reason) in enumerate(zip(step.tokens, step.finish_reasons)):
-            if tok is not None:
-                tokens[i].append(tok)
+        for i, (toks, reason) in enumerate(zip(step.tokens, step.finish_reasons)):
+            if toks is not None:
+                tokens[i] += toks
             if reason is not None:
                 reasons[i] = reason
     return [Completion(t, r) for t, r in zip(tokens, reasons)]
@@ -368,6 +369,22 @@ class GenerationStream:
         self._done[row] = True
 
 
+class StepStrategy(Protocol):
+    """Another way to decode a batch than one token per step (speculative.py's
+    ``SpeculativeDecoding``), set as ``LlamaRunner.speculation``. It shares the runner's model,
+    KV cache, buckets and prefill, and yields the same ``StepOutput``."""
+
+    n_heads: int  # draft positions per step (the length of StepOutput.proposed)
+
+    def applies(self, params: list[SamplingParams], speculate: list[bool] | None) -> bool:
+        """Whether this batch decodes with the strategy (else the runner's plain steps)."""
+        ...
+
+    def stream(self, prompts: list[list[int]], params: list[SamplingParams],
+               speculate: list[bool] | None) -> GenerationStream:
+        ...
+
+
 class LlamaRunner:
     """Owns the model's KV cache, shape buckets and compiled/captured steps; streams generations.
 
@@ -414,6 +431,7 @@ class LlamaRunner:
         self.prefill_steps = {(b, t, m): PrefillStep(partial(prefill, self._prefill_model), st, m)
                               for (b, t), st in prefill_states.items() for m in MODES}
         self._rng = random.Random()
+        self.speculation: StepStrategy | None = None  # set by llm.load_llm_runner for a speculative plan
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
                      "compile_mode": compile_mode, "cuda_graphs": cuda_graphs, "prefill_graphs": prefill_graphs,
                      "batch_buckets": list(self.batch_buckets),
@@ -424,14 +442,20 @@ class LlamaRunner:
     def max_batch(self) -> int:
         return self.batch_buckets[-1]
 
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt this runner takes: its largest prompt bucket, leaving one token to generate."""
+        return min(self.prefill_buckets[-1], self.max_seq_len - 1)
+
     def check(self, prompt: list[int], params: SamplingParams) -> str | None:
-        """Why this request cannot run (a client error), or None."""
+        """Why this request cannot run, or None. The handler validates requests before they get
+        here (with these same limits); this guards every other caller."""
         if len(prompt) == 0:
             return "the prompt is empty"
         if (err := params.error()) is not None:
             return err
-        if len(prompt) > self.prefill_buckets[-1]:
-            return f"the prompt has {len(prompt)} tokens, more than the {self.prefill_buckets[-1]} this server accepts"
+        if len(prompt) > self.max_prompt_len:
+            return f"the prompt has {len(prompt)} tokens, more than the {self.max_prompt_len} this server accepts"
         if len(prompt) + params.max_tokens > self.max_seq_len:
             return (f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                     f"context of {self.max_seq_len} tokens")
@@ -469,13 +493,22 @@ class LlamaRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> GenerationStream:
+    def stream(self, prompts: list[list[int]], params: list[SamplingParams],
+               speculate: list[bool] | None = None) -> GenerationStream:
         """Validate, run prefill now, and return an iterator of one ``StepOutput`` per step.
 
+        Decodes with the ``speculation`` strategy when there is one and it applies to the batch
+        (``speculate[i] = False`` keeps request i from speculating), else one token per step.
         Not a generator itself, so a bad request raises ``ValueError`` at the call, not at the
         first ``next()``. Iterate to the end (or drop the iterator) before the next call: the
         runner has one KV cache.
         """
+        if self.speculation is not None and self.speculation.applies(params, speculate):
+            return self.speculation.stream(prompts, params, speculate)
+        return self.stream_plain(prompts, params)
+
+    def stream_plain(self, prompts: list[list[int]], params: list[SamplingParams]) -> GenerationStream:
+        """``stream`` with one token per step, whatever the strategy."""
         b = self.prepare(prompts, params, self.batch_buckets)
         with torch.no_grad():
             first = self.run_prefill(self.prefill_steps, b, partial(prefill, self._prefill_model))
@@ -541,7 +574,7 @@ class LlamaRunner:
             toks = host.wait(slot)
             out = StepOutput([None] * n, [None] * n)
             for i in live:
-                out.tokens[i] = toks[i]
+                out.tokens[i] = [toks[i]]
                 generated[i] += 1
                 if toks[i] in stops[i]:
                     out.finish_reasons[i], done[i] = FINISH_STOP, True
@@ -551,207 +584,3 @@ class LlamaRunner:
             if all(done):
                 return
             slot = 1 - slot
-
-
-# --- the plan: a model-config's `servekit:` section for an LLM -> a warmed-up runner -------------
-
-@dataclass(frozen=True)
-class LlmLimits:
-    max_tokens: int = 1024  # the largest max_tokens a request may ask for
-    default_max_tokens: int = 256  # when a request gives none (capped by the context left)
-
-
-@dataclass(frozen=True)
-class SpecPlan:
-    """``servekit.speculation``: speculator heads packed in the archive (optimizations/speculative.py)."""
-
-    heads: str = "speculator"  # folder in the archive holding speculator.json + speculator.safetensors
-    n_heads: int | None = None  # drafts per step (default: every trained head)
-    max_batch: int = 8  # batches with more requests decode without speculation
-
-
-@dataclass(frozen=True)
-class LlmPlan:
-    device: str = "auto"
-    precision: str = "fp32"
-    compile: str = "off"  # off | default | max-autotune-no-cudagraphs: prefill and decode, dynamic shapes
-    cuda_graphs: bool = False  # decode steps captured per (batch, kv length, sampling mode)
-    prefill_graphs: int = 0  # prefill of prompt buckets up to this many tokens from graphs too (0: off)
-    warmup: bool = True
-    fallback: str = "error"  # error | eager: what to do when compile/graphs cannot be applied
-    max_seq_len: int = 2048  # KV cache length: prompt + completion
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    prompt_lens: tuple[int, ...] | None = None  # prefill padding buckets (default: 16, 32, ... max_seq_len)
-    kv_lens: tuple[int, ...] | None = None  # decode attention lengths (default: 256, 512, ... max_seq_len)
-    limits: LlmLimits = field(default_factory=LlmLimits)
-    cpu_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
-    speculation: SpecPlan | None = None  # None: plain decoding
-
-    def label(self) -> str:
-        parts = [self.precision]
-        if self.compile != "off":
-            parts.append(f"compile-{self.compile}")
-        if self.cuda_graphs:
-            parts.append("cudagraphs")
-        if self.prefill_graphs:
-            parts.append(f"prefill-graphs{self.prefill_graphs}")
-        if self.speculation is not None:
-            parts.append(f"spec{self.speculation.n_heads or ''}")
-        return "+".join(parts)
-
-
-LLM_COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
-
-
-def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
-    """Validate the ``servekit:`` mapping of an LLM model-config; errors name the key."""
-    from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_choice, _check_keys,
-                                    _int_list, _positive_int)
-
-    raw = _check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
-                                  "max_seq_len", "buckets", "limits", "cpu_threads", "speculation",
-                                  "prefill_graphs"})
-    kw: dict[str, object] = {}
-    for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
-                         ("fallback", FALLBACKS)):
-        if key in raw:
-            kw[key] = _check_choice(f"{path}.{key}", raw[key], choices)
-    for key in ("cuda_graphs", "warmup"):
-        if key in raw:
-            if not isinstance(raw[key], bool):
-                raise PlanError(f"{path}.{key}: expected true or false, got {raw[key]!r}")
-            kw[key] = raw[key]
-    for key in ("max_seq_len", "cpu_threads"):
-        if raw.get(key) is not None:
-            kw[key] = _positive_int(f"{path}.{key}", raw[key])
-    if raw.get("prefill_graphs") is not None:
-        v = raw["prefill_graphs"]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise PlanError(f"{path}.prefill_graphs: expected a prompt length >= 0 (0: off), got {v!r}")
-        kw["prefill_graphs"] = v
-    max_seq = int(kw.get("max_seq_len", LlmPlan.max_seq_len))  # type: ignore[call-overload]
-    buckets = _check_keys(f"{path}.buckets", raw.get("buckets"), {"batch_sizes", "prompt_lens", "kv_lens"})
-    for key in ("batch_sizes", "prompt_lens", "kv_lens"):
-        if key in buckets:
-            values = _int_list(f"{path}.buckets.{key}", buckets[key])
-            if key != "batch_sizes" and values[-1] > max_seq:
-                raise PlanError(f"{path}.buckets.{key}: {values[-1]} exceeds max_seq_len {max_seq}")
-            kw[key] = values
-    lim = _check_keys(f"{path}.limits", raw.get("limits"), {"max_tokens", "default_max_tokens"})
-    limits = LlmLimits(**{k: _positive_int(f"{path}.limits.{k}", v) for k, v in lim.items()})
-    if "default_max_tokens" not in lim:
-        limits = LlmLimits(limits.max_tokens, min(limits.max_tokens, LlmLimits.default_max_tokens))
-    if limits.max_tokens >= max_seq:
-        raise PlanError(f"{path}.limits.max_tokens: {limits.max_tokens} leaves no room for a prompt in "
-                        f"max_seq_len {max_seq}")
-    if limits.default_max_tokens > limits.max_tokens:
-        raise PlanError(f"{path}.limits.default_max_tokens: {limits.default_max_tokens} exceeds "
-                        f"limits.max_tokens {limits.max_tokens}")
-    if raw.get("speculation") is not None:
-        kw["speculation"] = _parse_spec_plan(raw["speculation"], f"{path}.speculation")
-    return LlmPlan(**kw, limits=limits)  # type: ignore[arg-type]
-
-
-def _parse_spec_plan(raw: object, path: str) -> SpecPlan:
-    from servekit.optimizations.plan import PlanError, _check_keys, _positive_int
-
-    raw = _check_keys(path, raw, {"heads", "n_heads", "max_batch"})
-    kw: dict[str, object] = {}
-    if "heads" in raw:
-        heads = raw["heads"]
-        if not isinstance(heads, str) or not heads or heads.startswith("/") or ".." in Path(heads).parts:
-            raise PlanError(f"{path}.heads: expected a folder inside the archive, got {heads!r}")
-        kw["heads"] = heads
-    if raw.get("n_heads") is not None:
-        kw["n_heads"] = _positive_int(f"{path}.n_heads", raw["n_heads"])
-    if "max_batch" in raw:  # 0 turns speculation off for every batch
-        v = raw["max_batch"]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise PlanError(f"{path}.max_batch: expected an integer >= 0, got {v!r}")
-        kw["max_batch"] = v
-    return SpecPlan(**kw)  # type: ignore[arg-type]
-
-
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def load_llm_runner(model_dir: str, plan: LlmPlan
-                    ) -> tuple["LlamaRunner | SpeculativeRunner", LlmPlan, list[str]]:
-    """Load the converted checkpoint in ``model_dir`` and build (and warm up) the plan's runner:
-    a ``SpeculativeRunner`` around it when the plan has a ``speculation`` section.
-
-    Returns the runner, the effective plan and the downgrades made (only with ``fallback: eager``;
-    otherwise anything the plan asks for that cannot be applied raises ``PlanError``).
-    """
-    import dataclasses
-
-    from servekit.optimizations.llama import load_llama
-    from servekit.optimizations.plan import PlanError
-
-    cuda = torch.cuda.is_available()
-    if plan.device == "cuda" and not cuda:
-        raise PlanError("servekit.device: cuda requested but no CUDA device is available")
-    device = torch.device("cuda" if plan.device == "cuda" or (plan.device == "auto" and cuda) else "cpu")
-    problems: list[tuple[str, dict[str, object]]] = []
-    if plan.cuda_graphs and device.type != "cuda":
-        problems.append(("cuda_graphs needs a CUDA device", {"cuda_graphs": False}))
-    if plan.precision == "fp16" and device.type == "cpu":
-        problems.append(("fp16 on CPU is slow and unsupported by several kernels", {"precision": "fp32"}))
-    if problems and plan.fallback != "eager":
-        raise PlanError("; ".join(m for m, _ in problems) + " (set fallback: eager to serve anyway)")
-    downgrades = [m for m, _ in problems]
-    for _, change in problems:
-        plan = dataclasses.replace(plan, **change)  # type: ignore[arg-type]
-    if plan.cpu_threads and device.type == "cpu":
-        torch.set_num_threads(plan.cpu_threads)
-    model = load_llama(model_dir, device, _DTYPES[plan.precision])
-    if plan.max_seq_len > model.config.max_position_embeddings:
-        raise PlanError(f"servekit.max_seq_len: {plan.max_seq_len} exceeds the model's "
-                        f"{model.config.max_position_embeddings} positions")
-
-    def build(p: LlmPlan) -> LlamaRunner:
-        compiled = p.compile != "off"
-        return LlamaRunner(model, p.max_seq_len, p.batch_sizes, p.prompt_lens, p.kv_lens,
-                           compile_prefill=compiled, compile_decode=compiled, cuda_graphs=p.cuda_graphs,
-                           compile_mode=p.compile if compiled else "default", prefill_graphs=p.prefill_graphs)
-
-    runner = build(plan)
-    if plan.warmup:
-        try:
-            runner.warmup()
-        except Exception as e:
-            if plan.fallback != "eager" or (plan.compile == "off" and not plan.cuda_graphs):
-                raise PlanError(f"warm-up of plan {plan.label()} failed: {type(e).__name__}: {e}") from e
-            downgrades.append(f"warm-up of {plan.label()} failed ({type(e).__name__}: {e}); serving eager")
-            plan = dataclasses.replace(plan, compile="off", cuda_graphs=False)
-            runner = build(plan)
-            runner.warmup()
-    served = _speculative_runner(runner, Path(model_dir), plan) if plan.speculation is not None else runner
-    if device.type == "cuda":
-        # Scratch memory of loading and of every warm-up (plain and speculative) goes back to the
-        # device (graphs keep their own pool): other workers on this GPU may use it, and serving
-        # allocates only what it needs, so a request too large for the device fails alone.
-        torch.cuda.empty_cache()
-    return served, plan, downgrades
-
-
-def _speculative_runner(runner: LlamaRunner, model_dir: Path, plan: LlmPlan) -> "SpeculativeRunner":
-    """Wrap the warmed-up runner with the archive's speculator heads (and warm the verify steps)."""
-    from servekit.optimizations.plan import PlanError
-    from servekit.optimizations.speculative import SPEC_CONFIG, SpeculativeRunner, load_speculator
-
-    sp = plan.speculation
-    assert sp is not None
-    folder = model_dir / sp.heads
-    if not (folder / SPEC_CONFIG).is_file():
-        raise PlanError(f"servekit.speculation.heads: no {SPEC_CONFIG} in the archive folder {sp.heads!r} "
-                        "(build the archive with --speculator DIR)")
-    try:
-        heads = load_speculator(folder)
-        spec = SpeculativeRunner(runner, heads, max_spec_batch=sp.max_batch, n_heads=sp.n_heads,
-                                 compile_verify=plan.compile != "off")
-    except ValueError as e:  # heads for another model, more heads asked for than trained, ...
-        raise PlanError(f"servekit.speculation: {e}") from e
-    if plan.warmup:
-        spec.warmup(include_base=False)
-    return spec

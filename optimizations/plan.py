@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 QUANTIZATIONS = ("none", "int8_weight_only", "int8_dynamic", "int4_weight_only", "float8_dynamic")
@@ -171,8 +171,14 @@ def parse_plan(raw: Any, path: str = "servekit") -> Plan:
     return plan
 
 
-def resolve_for_device(plan: Plan, device_type: str, capability: tuple[int, int] | None) -> tuple[Plan, list[str]]:
-    """Check the plan against the device. Returns the effective plan and the downgrades made.
+# Any plan dataclass with device, precision, cuda_graphs and fallback keys.
+PlanT = TypeVar("PlanT")
+
+
+def resolve_for_device(plan: PlanT, device_type: str, capability: tuple[int, int] | None
+                       ) -> tuple[PlanT, list[str]]:
+    """Check a plan (an embedding `Plan` or an `LlmPlan`: the keys it has) against the device.
+    Returns the effective plan and the downgrades made.
 
     An unsupported choice raises PlanError unless the plan says `fallback: eager`, in which case
     the choice is dropped (and reported) so the model still serves.
@@ -183,13 +189,14 @@ def resolve_for_device(plan: Plan, device_type: str, capability: tuple[int, int]
     if plan.precision == "fp16" and device_type == "cpu":
         problems.append(("fp16 on CPU is slow and unsupported by several kernels; use bf16 or fp32",
                          {"precision": "fp32"}))
-    if plan.quantization == "int4_weight_only" and device_type != "cuda":
+    quantization = getattr(plan, "quantization", "none")
+    if quantization == "int4_weight_only" and device_type != "cuda":
         problems.append(("int4_weight_only needs a CUDA device (torchao tinygemm kernels)",
                          {"quantization": "none"}))
-    if plan.quantization == "float8_dynamic" and (device_type != "cuda" or (capability or (0, 0)) < (8, 9)):
+    if quantization == "float8_dynamic" and (device_type != "cuda" or (capability or (0, 0)) < (8, 9)):
         problems.append((f"float8_dynamic needs compute capability >= 8.9 (device: {device_type}"
                          f"{'' if capability is None else ' %d.%d' % capability})", {"quantization": "none"}))
-    if plan.attention in ("flash", "cudnn") and device_type != "cuda":
+    if getattr(plan, "attention", "auto") in ("flash", "cudnn") and device_type != "cuda":
         problems.append((f"attention: {plan.attention} needs a CUDA device", {"attention": "auto"}))
     if not problems:
         return plan, []

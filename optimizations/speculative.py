@@ -30,7 +30,8 @@ Sampled requests (temperature > 0) do not speculate: in a batch they are forced 
 drafts and their token at each step is sampled from the logits of the first position with the
 same per-(seed, position) noise as the plain runner, so they get exactly the tokens they would get
 without speculation. A batch with no greedy row, a batch larger than ``max_spec_batch``, or
-requests with ``speculate=False`` use the plain ``LlamaRunner`` (or ride along without drafts).
+requests with ``speculate=False`` decode with the runner's plain steps (or ride along without
+drafts). ``SpeculativeDecoding`` is the runner's step strategy (``LlamaRunner.speculation``).
 
 Static shapes: ``verify_step`` always processes k+1 tokens per row, so on CUDA it is captured as one
 ``torch.cuda.CUDAGraph`` per (batch bucket, sampling mode, kv bucket), like the plain decode step;
@@ -55,9 +56,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GraphedStep, LlamaRunner, PrefillStep,
-                                    RegionalCompiled, SamplingParams, SpecPlan, decode_order, pad_prompts,
-                                    pick_bucket, prefill_order, warm_steps)
+from servekit.optimizations.buckets import pick_bucket
+from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GenerationStream, GraphedStep,
+                                             LlamaRunner, PrefillStep, RegionalCompiled, SamplingParams, StepOutput,
+                                             decode_order, pad_prompts, prefill_order, warm_steps)
 from servekit.optimizations.llama import RMSNorm, Transformer
 from servekit.optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
 
@@ -67,7 +69,7 @@ SPEC_CONFIG = "speculator.json"
 # Above this many requests in a batch the runner decodes without speculation. Placeholder until
 # the GPU measurement (benchmarks/spec_bench.py reports the batch size where speculation stops
 # paying); the plan can set it per model.
-DEFAULT_MAX_SPEC_BATCH = SpecPlan.max_batch  # a plan's speculation.max_batch default
+DEFAULT_MAX_SPEC_BATCH = 8  # batches with more requests decode without speculation (a plan's default)
 
 
 # --- the heads ------------------------------------------------------------------------------------
@@ -296,22 +298,6 @@ def verify_step(model: Transformer, speculator: Speculator, token: Tensor, draft
 # --- the runner -----------------------------------------------------------------------------------
 
 @dataclass
-class SpecStepOutput:
-    """New tokens of one step: ``tokens[i]`` is the list row i emits (1..k+1 tokens), None once the
-    row has finished. ``finish_reasons`` as in ``StepOutput`` (the row's last token carries it).
-
-    ``proposed[j]`` / ``accepted[j]``: how many live rows proposed / had accepted a draft token at
-    position j (0 = first draft token) in this step; a draft at j counts as accepted only if the
-    drafts before it were too. Both are zero for steps decoded without speculation.
-    """
-
-    tokens: list[list[int] | None]
-    finish_reasons: list[str | None]
-    proposed: list[int]
-    accepted: list[int]
-
-
-@dataclass
 class SpecStats:
     """Acceptance counters summed over steps (what the handler's metrics export)."""
 
@@ -324,7 +310,7 @@ class SpecStats:
     def empty(cls, n_heads: int) -> "SpecStats":
         return cls([0] * n_heads, [0] * n_heads)
 
-    def add(self, out: SpecStepOutput) -> None:
+    def add(self, out: StepOutput) -> None:
         for j, (p, a) in enumerate(zip(out.proposed, out.accepted)):
             self.proposed[j] += p
             self.accepted[j] += a
@@ -344,27 +330,6 @@ class SpecStats:
         return {"proposed": self.proposed, "accepted": self.accepted, "steps": self.steps, "tokens": self.tokens,
                 "acceptance_rate": [round(r, 4) for r in self.acceptance_rate],
                 "mean_accepted_length": round(self.mean_accepted_length, 4)}
-
-
-class SpecStream:
-    """Iterator of ``SpecStepOutput`` for one batch, from ``SpeculativeRunner.stream``.
-
-    ``cancel(i)`` ends row i early (as ``LlamaRunner.stream``'s result does): no more tokens for
-    it, and it no longer keeps steps running.
-    """
-
-    def __init__(self, steps: Iterator[SpecStepOutput], cancel: Callable[[int], None], speculative: bool) -> None:
-        self._steps, self._cancel = steps, cancel
-        self.speculative = speculative  # False: plain decoding (batch too large, no greedy request, ...)
-
-    def __iter__(self) -> "SpecStream":
-        return self
-
-    def __next__(self) -> SpecStepOutput:
-        return next(self._steps)
-
-    def cancel(self, row: int) -> None:
-        self._cancel(row)
 
 
 class SpecState:
@@ -428,13 +393,14 @@ class _HostRing:
         return self.bufs[slot].tolist()
 
 
-def generate_speculative(runner: "SpeculativeRunner", prompts: list[list[int]], params: list[SamplingParams],
+def generate_speculative(spec: "SpeculativeDecoding", prompts: list[list[int]], params: list[SamplingParams],
                          speculate: list[bool] | None = None) -> tuple[list[Completion], SpecStats]:
-    """Generate to completion (collects ``runner.stream``); also returns the acceptance counters."""
+    """Generate to completion with ``spec`` deciding per batch, as ``spec.base.stream`` does with it
+    as its strategy; also returns the acceptance counters."""
     tokens: list[list[int]] = [[] for _ in prompts]
     reasons: list[str] = [""] * len(prompts)
-    stats = SpecStats.empty(runner.n_heads)
-    for step in runner.stream(prompts, params, speculate):
+    stats = SpecStats.empty(spec.n_heads)
+    for step in spec.stream(prompts, params, speculate):
         stats.add(step)
         for i, (toks, reason) in enumerate(zip(step.tokens, step.finish_reasons)):
             if toks is not None:
@@ -444,12 +410,13 @@ def generate_speculative(runner: "SpeculativeRunner", prompts: list[list[int]], 
     return [Completion(t, r) for t, r in zip(tokens, reasons)], stats
 
 
-class SpeculativeRunner:
-    """Speculative decoding on top of a ``LlamaRunner`` (same model, KV cache, buckets, prefill plan).
+class SpeculativeDecoding:
+    """Speculative decoding as a step strategy of a ``LlamaRunner`` (same model, KV cache, buckets,
+    prefill plan): set it as ``runner.speculation`` and ``runner.stream`` uses it.
 
-    ``stream()`` speculates for greedy requests when the batch has at most ``max_spec_batch``
-    requests; otherwise it streams the plain runner's steps in the same ``SpecStepOutput`` form.
-    ``n_heads`` (default: all trained heads) is how many drafts a step proposes.
+    It applies to batches of at most ``max_spec_batch`` requests with a greedy request among them;
+    ``stream()`` called on another batch streams the runner's plain steps. ``n_heads`` (default:
+    all trained heads) is how many drafts a step proposes.
     """
 
     def __init__(self, base: LlamaRunner, speculator: Speculator, max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH,
@@ -478,13 +445,13 @@ class SpeculativeRunner:
         # The base runner's short prompt buckets prefill from static inputs; so do ours, on its buffers.
         self.prefill_steps = {key: PrefillStep(self._plain_prefill, step.state, key[2])
                               for key, step in base.prefill_steps.items() if key[0] in self.spec_buckets}
-        self.plan = {**base.plan, "speculative": {"n_heads": self.n_heads, "max_spec_batch": self.max_spec_batch,
-                                                   "spec_buckets": list(self.spec_buckets),
-                                                   "compile_verify": compile_verify}}
+        self.plan = {"n_heads": self.n_heads, "max_spec_batch": self.max_spec_batch,
+                     "spec_buckets": list(self.spec_buckets), "compile_verify": compile_verify}
 
     @torch.no_grad()
-    def warmup(self, include_base: bool = True) -> dict[str, float]:
-        """Warm the plain runner (optional), then compile spec prefill and capture every verify step."""
+    def warmup(self, include_base: bool = False) -> dict[str, float]:
+        """Compile spec prefill and capture every verify step (after the runner's own warm-up, or
+        with it first: ``include_base``)."""
         phases = {f"base_{k}": v for k, v in self.base.warmup().items()} if include_base else {}
         t0 = time.perf_counter()
         shapes = [(b, t) for b in self.spec_buckets for t in self.base.prefill_buckets]
@@ -505,24 +472,8 @@ class SpeculativeRunner:
         self.base._sync()
         return {**phases, "spec_prefill_s": t1 - t0, "spec_verify_s": time.perf_counter() - t1}
 
-    @property
-    def max_batch(self) -> int:
-        return self.base.max_batch
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.base.max_seq_len
-
-    @property
-    def prefill_buckets(self) -> tuple[int, ...]:
-        return self.base.prefill_buckets
-
-    def check(self, prompt: list[int], params: SamplingParams) -> str | None:
-        """Why this request cannot run (a client error), or None: the plain runner's rules."""
-        return self.base.check(prompt, params)
-
-    def will_speculate(self, params: list[SamplingParams], speculate: list[bool] | None = None) -> bool:
-        """Whether ``stream`` would take the speculative path for this batch."""
+    def applies(self, params: list[SamplingParams], speculate: list[bool] | None = None) -> bool:
+        """Whether ``stream`` takes the speculative path for this batch."""
         rows = self._spec_rows(params, speculate)
         return 0 < len(params) <= self.max_spec_batch and any(rows)
 
@@ -535,13 +486,13 @@ class SpeculativeRunner:
         return [bool(s) and sp.temperature == 0 for s, sp in zip(speculate, params)]
 
     def stream(self, prompts: list[list[int]], params: list[SamplingParams],
-               speculate: list[bool] | None = None) -> SpecStream:
-        """Validate, prefill now, return an iterator of ``SpecStepOutput`` (see ``LlamaRunner.stream``).
+               speculate: list[bool] | None = None) -> GenerationStream:
+        """Validate, prefill now, return an iterator of ``StepOutput`` (see ``LlamaRunner.stream``).
 
         ``speculate[i] = False`` keeps request i from speculating (sampled requests never do).
         """
-        if not self.will_speculate(params, speculate):
-            return self._plain(prompts, params)
+        if not self.applies(params, speculate):
+            return self.base.stream_plain(prompts, params)
         rows = self._spec_rows(params, speculate)
         b = self.base.prepare(prompts, params, self.spec_buckets)
         spec_rows = torch.tensor([int(r) for r in rows] + [0] * (b.batch - len(rows)), device=self.device)
@@ -552,8 +503,8 @@ class SpeculativeRunner:
             host = _HostRing(b.batch, self.n_heads + 2, self.device)
             host.start(0, torch.cat([first[:, None], torch.zeros_like(draft), torch.zeros_like(first)[:, None]], 1))
         done = [False] * len(prompts)
-        return SpecStream(self._spec_loop(b.batch, b.mode, host, [len(p) for p in prompts], params, rows, done),
-                          lambda i: done.__setitem__(i, True), speculative=True)
+        return GenerationStream(self._spec_loop(b.batch, b.mode, host, [len(p) for p in prompts], params, rows, done),
+                                done)
 
     def _plain_prefill(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor, params: SamplingTensors,
                        mode: str) -> Tensor:
@@ -561,22 +512,15 @@ class SpeculativeRunner:
         first, draft = spec_prefill(self._prefill_model, self.speculator, tokens, input_pos, last_idx, params, mode)
         return torch.cat([first[:, None], draft], dim=1)
 
-    def _plain(self, prompts: list[list[int]], params: list[SamplingParams]) -> SpecStream:
-        steps = self.base.stream(prompts, params)  # validates now
-        zeros = [0] * self.n_heads
-        gen = (SpecStepOutput([None if t is None else [t] for t in s.tokens], s.finish_reasons, zeros, zeros)
-               for s in steps)
-        return SpecStream(gen, getattr(steps, "cancel", lambda i: None), speculative=False)
-
     def _spec_loop(self, batch: int, mode: str, host: _HostRing, lengths: list[int], params: list[SamplingParams],
-                   rows: list[bool], done: list[bool]) -> Iterator[SpecStepOutput]:
+                   rows: list[bool], done: list[bool]) -> Iterator[StepOutput]:
         n, k, max_seq = len(params), self.n_heads, self.base.max_seq_len
         generated = [0] * n
         stops = [set(sp.stop_token_ids) for sp in params]
         fed = list(lengths)  # position of the token the next verify step to be read feeds, per row
         t, slot = 0, 0  # output t: 0 = prefill's first token, t >= 1 = verify step t
         while True:
-            live = [i for i in range(n) if not done[i]]  # done[i] is also set by SpecStream.cancel
+            live = [i for i in range(n) if not done[i]]  # done[i] is also set by GenerationStream.cancel
             if not live:
                 return
             # Launch step t+1 before reading output t when some row may still need tokens after it.
@@ -587,7 +531,7 @@ class SpeculativeRunner:
                 step = self.steps[(batch, mode, pick_bucket(needed, self.base.kv_buckets))]
                 host.start(1 - slot, step.run())
             out_rows = host.wait(slot)
-            out = SpecStepOutput([None] * n, [None] * n, [0] * k, [0] * k)
+            out = StepOutput([None] * n, [None] * n, [0] * k, [0] * k)
             for i in live:
                 acc = out_rows[i][k + 1]
                 if t:
@@ -611,8 +555,3 @@ class SpeculativeRunner:
             if all(done):
                 return
             t, slot = t + 1, 1 - slot
-
-
-__all__ = ["SpeculatorConfig", "Speculator", "SpeculatorStage", "save_speculator", "load_speculator",
-           "forward_hidden", "spec_prefill", "verify_step", "SpecStepOutput", "SpecStats", "SpeculativeRunner",
-           "generate_speculative", "SpecStream", "DEFAULT_MAX_SPEC_BATCH", "SPEC_WEIGHTS", "SPEC_CONFIG"]

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from servekit.optimizations.device import DTYPES
 from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
 from servekit.optimizations.llama import LlamaConfig, Transformer, init_random, load_llama
 from servekit.optimizations.speculative import Speculator, SpeculatorConfig, forward_hidden, save_speculator
@@ -66,7 +67,6 @@ TOPIC_TEMPLATES = (
     "What questions should I ask an expert on {a}?",
     "What is the connection between {a} and {b}?",
 )
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HELD_OUT_EVERY = 10  # prompt i is held out when i % 10 == 9
 
 

@@ -63,7 +63,7 @@ def plan_parser(kind: str) -> Callable[[Any, str], Any] | None:
     """The validator of the `servekit:` section that a kind's handler reads (raises PlanError), or
     None for a handler without a servekit plan."""
     if kind == LLM:
-        from servekit.optimizations.generate import parse_llm_plan
+        from servekit.optimizations.llm import parse_llm_plan
         return parse_llm_plan
     if kind == EMBEDDING:
         from servekit.optimizations.plan import parse_plan
@@ -104,7 +104,7 @@ def speculator_files(config: Path, speculator: Path | None) -> tuple[str, list[P
     for, or None when it asks for none. Errors name what is missing or unused."""
     import yaml
 
-    from servekit.optimizations.generate import SpecPlan
+    from servekit.optimizations.llm import SpecPlan
     from servekit.optimizations.speculative import SPEC_CONFIG, SPEC_WEIGHTS
 
     raw = yaml.safe_load(config.read_text()) or {}

@@ -43,13 +43,13 @@ def test_compiled_and_captured_decode_equals_eager() -> None:
 
 
 def test_captured_speculative_steps_equal_plain_decoding() -> None:
-    from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeRunner, generate_speculative
+    from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
 
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64),
                          kv_buckets=(32, 64), cuda_graphs=True, prefill_graphs=64)
     heads = Speculator(SpeculatorConfig.for_model(model, 3)).reset_parameters(seed=1, random_out=True)
-    spec = SpeculativeRunner(runner, heads, max_spec_batch=4)
+    spec = SpeculativeDecoding(runner, heads, max_spec_batch=4)
     spec.warmup(include_base=True)
     got, stats = generate_speculative(spec, _prompts(), PARAMS)
     assert stats.proposed[0] > 0

@@ -166,8 +166,8 @@ def test_cancelled_rows_stop_reporting_and_stop_the_loop(runner: LlamaRunner) ->
     steps = [next(gen), next(gen)]
     gen.cancel(1)
     steps += list(gen)
-    assert [s.tokens[0] for s in steps] == free[0].tokens
-    assert [s.tokens[1] for s in steps[:2]] == free[1].tokens[:2]
+    assert [s.tokens[0] for s in steps] == [[t] for t in free[0].tokens]  # a plain step emits one token per row
+    assert [s.tokens[1] for s in steps[:2]] == [[t] for t in free[1].tokens[:2]]
     assert all(s.tokens[1] is None and s.finish_reasons[1] is None for s in steps[2:])
     gen = runner.stream(prompts, [SamplingParams(max_tokens=10)] * 2)
     next(gen)
@@ -192,7 +192,7 @@ def _tiny_checkpoint(tmp_path) -> str:
 
 
 def test_llm_plan_errors_name_the_key() -> None:
-    from servekit.optimizations.generate import parse_llm_plan
+    from servekit.optimizations.llm import parse_llm_plan
     from servekit.optimizations.plan import PlanError
 
     plan = parse_llm_plan({"precision": "bf16", "buckets": {"batch_sizes": [1, 4]}, "limits": {"max_tokens": 100}})
@@ -216,10 +216,10 @@ def test_llm_plan_errors_name_the_key() -> None:
     assert spec.label() == "bf16+spec3" and parse_llm_plan({"speculation": None}).speculation is None
 
 
-def test_plan_with_speculation_wraps_the_runner_with_the_archived_heads(tmp_path) -> None:
-    from servekit.optimizations.generate import load_llm_runner, parse_llm_plan
+def test_plan_with_speculation_gives_the_runner_the_archived_heads_as_its_strategy(tmp_path) -> None:
+    from servekit.optimizations.llm import load_llm_runner, parse_llm_plan
     from servekit.optimizations.plan import PlanError
-    from servekit.optimizations.speculative import (SpecStats, Speculator, SpeculatorConfig, SpeculativeRunner,
+    from servekit.optimizations.speculative import (SpecStats, Speculator, SpeculatorConfig, SpeculativeDecoding,
                                            generate_speculative, save_speculator)
 
     ckpt = _tiny_checkpoint(tmp_path)
@@ -232,18 +232,27 @@ def test_plan_with_speculation_wraps_the_runner_with_the_archived_heads(tmp_path
     save_speculator(Speculator(SpeculatorConfig.for_model(model, 3)).reset_parameters(seed=1, random_out=True),
                     tmp_path / "heads")
     runner, plan, _ = load_llm_runner(ckpt, parse_llm_plan(raw))
-    assert isinstance(runner, SpeculativeRunner) and runner.n_heads == 2 and runner.max_spec_batch == 1
-    assert plan.label() == "fp32+spec2" and runner.prefill_buckets == runner.base.prefill_buckets
+    spec = runner.speculation
+    assert isinstance(spec, SpeculativeDecoding) and spec.n_heads == 2 and spec.max_spec_batch == 1
+    assert spec.base is runner and runner.plan["speculative"]["n_heads"] == 2
+    assert plan.label() == "fp32+spec2"
     prompts = _prompts([5])
-    out, stats = generate_speculative(runner, prompts, [SamplingParams(max_tokens=6)])
+    out, stats = generate_speculative(spec, prompts, [SamplingParams(max_tokens=6)])
     assert isinstance(stats, SpecStats) and stats.proposed[0] > 0
     assert out[0].tokens == _greedy_reference(runner.model, prompts[0], 6)
+    # The runner's own stream takes the speculative step for a greedy batch of one, plain steps otherwise.
+    steps = list(runner.stream(prompts, [SamplingParams(max_tokens=6)]))
+    assert [t for s in steps for t in s.tokens[0]] == out[0].tokens and sum(s.proposed[0] for s in steps) > 0
+    two = list(runner.stream(_prompts([5, 6]), [SamplingParams(max_tokens=4)] * 2))
+    assert all(s.proposed == [] and len(s.tokens[0] or [0]) == 1 for s in two)
+    off = list(runner.stream(prompts, [SamplingParams(max_tokens=4)], speculate=[False]))
+    assert all(s.proposed == [] for s in off)
     with pytest.raises(PlanError, match="servekit.speculation: can use 1..3 heads, asked for 5"):
         load_llm_runner(ckpt, parse_llm_plan({**raw, "speculation": {"heads": "heads", "n_heads": 5}}))
 
 
 def test_load_llm_runner_fails_loudly_or_falls_back_as_the_plan_says(tmp_path) -> None:
-    from servekit.optimizations.generate import load_llm_runner, parse_llm_plan
+    from servekit.optimizations.llm import load_llm_runner, parse_llm_plan
     from servekit.optimizations.plan import PlanError
 
     ckpt = _tiny_checkpoint(tmp_path)

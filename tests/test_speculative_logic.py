@@ -14,7 +14,7 @@ from servekit.optimizations.generate import LlamaRunner, SamplingParams, generat
 from servekit.optimizations.llama import LlamaConfig, Transformer, init_random
 from servekit.optimizations.sampling import SamplingTensors
 from servekit.optimizations.speculative import (SPEC_CONFIG, SPEC_WEIGHTS, SpecStats, Speculator, SpeculatorConfig,
-                                       SpeculativeRunner, forward_hidden, generate_speculative, load_speculator,
+                                       SpeculativeDecoding, forward_hidden, generate_speculative, load_speculator,
                                        save_speculator, spec_prefill, verify_step)
 from servekit.optimizations import train_speculator
 
@@ -42,8 +42,8 @@ def random_heads(model: Transformer) -> Speculator:
 
 
 @pytest.fixture(scope="module")
-def spec(base: LlamaRunner, random_heads: Speculator) -> SpeculativeRunner:
-    runner = SpeculativeRunner(base, random_heads, max_spec_batch=4)
+def spec(base: LlamaRunner, random_heads: Speculator) -> SpeculativeDecoding:
+    runner = SpeculativeDecoding(base, random_heads, max_spec_batch=4)
     runner.warmup(include_base=False)
     return runner
 
@@ -104,7 +104,7 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 LENGTHS = [5, 20, 11, 1, 33, 7, 60, 14, 2, 9, 25, 40]
 
 
-def _check_exact(base: LlamaRunner, spec: SpeculativeRunner, prompts: list[list[int]],
+def _check_exact(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[list[int]],
                  params: list[SamplingParams], speculate: list[bool] | None = None) -> SpecStats:
     want = generate(base, prompts, params)
     got, stats = generate_speculative(spec, prompts, params, speculate)
@@ -115,7 +115,7 @@ def _check_exact(base: LlamaRunner, spec: SpeculativeRunner, prompts: list[list[
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4])
-def test_random_heads_are_exact(base: LlamaRunner, spec: SpeculativeRunner, batch: int) -> None:
+def test_random_heads_are_exact(base: LlamaRunner, spec: SpeculativeDecoding, batch: int) -> None:
     prompts = _prompts(LENGTHS, seed=batch)
     for s in range(0, len(prompts), batch):
         group = prompts[s:s + batch]
@@ -129,7 +129,7 @@ def test_prefill_from_static_inputs_is_exact(model: Transformer, base: LlamaRunn
     speculative prefill uses the same buffers; output still equals plain decoding."""
     graphed = LlamaRunner(model, max_seq_len=MAX_SEQ, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
                           kv_buckets=(16, 32, 48, 64), prefill_graphs=16)
-    runner = SpeculativeRunner(graphed, random_heads, max_spec_batch=2)
+    runner = SpeculativeDecoding(graphed, random_heads, max_spec_batch=2)
     assert sorted({k[:2] for k in runner.prefill_steps}) == [(b, t) for b in (1, 2) for t in (8, 16)]
     runner.warmup(include_base=True)
     sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
@@ -141,7 +141,7 @@ def test_prefill_from_static_inputs_is_exact(model: Transformer, base: LlamaRunn
 
 def test_trained_heads_are_exact_and_accept(base: LlamaRunner, trained_dir: Path) -> None:
     heads = load_speculator(trained_dir)
-    runner = SpeculativeRunner(base, heads, max_spec_batch=4)
+    runner = SpeculativeDecoding(base, heads, max_spec_batch=4)
     total = SpecStats.empty(K)
     prompts = _prompts(LENGTHS, seed=7)
     for s in range(0, len(prompts), 4):
@@ -153,7 +153,7 @@ def test_trained_heads_are_exact_and_accept(base: LlamaRunner, trained_dir: Path
     assert total.acceptance_rate == sorted(total.acceptance_rate, reverse=True)
 
 
-def test_stop_tokens_and_context_end_are_exact(base: LlamaRunner, spec: SpeculativeRunner) -> None:
+def test_stop_tokens_and_context_end_are_exact(base: LlamaRunner, spec: SpeculativeDecoding) -> None:
     prompts = _prompts([6, 30, 12, 3], seed=3)
     free = generate(base, prompts, [SamplingParams(max_tokens=40)] * 4)
     # Stop at a token each row produces mid-way; one row runs up to the very end of the cache.
@@ -195,7 +195,7 @@ def test_verify_step_accepts_longest_matching_prefix(model: Transformer, random_
         assert int(accepted) == 0 and int(nxt) == ref[1]
 
 
-def test_acceptance_accounting(spec: SpeculativeRunner) -> None:
+def test_acceptance_accounting(spec: SpeculativeDecoding) -> None:
     prompts = _prompts([5, 20, 11], seed=5)
     params = [SamplingParams(max_tokens=m) for m in (30, 12, 21)]
     steps = list(spec.stream(prompts, params))
@@ -218,21 +218,21 @@ def test_acceptance_accounting(spec: SpeculativeRunner) -> None:
 
 
 def test_batch_size_switch(base: LlamaRunner, random_heads: Speculator) -> None:
-    runner = SpeculativeRunner(base, random_heads, max_spec_batch=2)
+    runner = SpeculativeDecoding(base, random_heads, max_spec_batch=2)
     assert runner.spec_buckets == (1, 2)
     prompts = _prompts([5, 8, 13], seed=9)
     params = [SamplingParams(max_tokens=10)] * 3
-    assert runner.will_speculate(params[:2]) and not runner.will_speculate(params)
+    assert runner.applies(params[:2]) and not runner.applies(params)
     stats = _check_exact(base, runner, prompts, params)  # 3 > 2: plain decoding
     assert stats.proposed == [0] * K and stats.steps == 10
     stats = _check_exact(base, runner, prompts[:2], params[:2])
     assert stats.proposed[0] > 0
-    off = SpeculativeRunner(base, random_heads, max_spec_batch=0)
-    assert off.spec_buckets == () and not off.will_speculate(params[:1])
+    off = SpeculativeDecoding(base, random_heads, max_spec_batch=0)
+    assert off.spec_buckets == () and not off.applies(params[:1])
     assert _check_exact(base, off, prompts[:1], params[:1]).proposed == [0] * K
 
 
-def test_per_request_switch_and_sampled_requests(base: LlamaRunner, spec: SpeculativeRunner) -> None:
+def test_per_request_switch_and_sampled_requests(base: LlamaRunner, spec: SpeculativeDecoding) -> None:
     prompts = _prompts([5, 20, 11, 8], seed=13)
     greedy = SamplingParams(max_tokens=20)
     sampled = SamplingParams(max_tokens=20, temperature=0.8, top_k=40, seed=1234)
@@ -246,12 +246,12 @@ def test_per_request_switch_and_sampled_requests(base: LlamaRunner, spec: Specul
     params = [greedy, sampled, greedy, SamplingParams(max_tokens=20, temperature=1.2, seed=99)]
     _check_exact(base, spec, prompts, params)
     # All sampled: plain decoding.
-    assert not spec.will_speculate([sampled, sampled])
+    assert not spec.applies([sampled, sampled])
     assert _check_exact(base, spec, prompts[:2], [sampled, sampled]).proposed == [0] * K
 
 
-def test_bad_requests_raise_at_call(spec: SpeculativeRunner) -> None:
-    assert spec.check([], SamplingParams()) == "the prompt is empty" and spec.max_batch == 4
+def test_bad_requests_raise_at_call(spec: SpeculativeDecoding) -> None:
+    assert spec.base.check([], SamplingParams()) == "the prompt is empty" and spec.max_spec_batch == 4
     with pytest.raises(ValueError, match="request 1: the prompt is empty"):
         spec.stream([[5, 6], []], [SamplingParams(max_tokens=4)] * 2)
     with pytest.raises(ValueError, match="exceeds the context"):
@@ -261,12 +261,12 @@ def test_bad_requests_raise_at_call(spec: SpeculativeRunner) -> None:
 
 
 def test_fewer_heads_than_trained(base: LlamaRunner, random_heads: Speculator) -> None:
-    runner = SpeculativeRunner(base, random_heads, max_spec_batch=4, n_heads=2)
+    runner = SpeculativeDecoding(base, random_heads, max_spec_batch=4, n_heads=2)
     assert runner.n_heads == 2 and random_heads.n_heads == K
     stats = _check_exact(base, runner, _prompts([7, 19], seed=17), [SamplingParams(max_tokens=25)] * 2)
     assert len(stats.proposed) == 2
     with pytest.raises(ValueError, match="1..4 heads"):
-        SpeculativeRunner(base, random_heads, n_heads=5)
+        SpeculativeDecoding(base, random_heads, n_heads=5)
 
 
 def test_forward_hidden_matches_model_forward(model: Transformer) -> None:
@@ -321,7 +321,7 @@ def test_oracle_drafts_are_accepted_exactly_as_planned(base: LlamaRunner, model:
     refs = [c.tokens for c in generate(base, prompts, [SamplingParams(max_tokens=m + K + 2) for m in max_tokens])]
     plan = lambda row, step: (row + step) % (K + 1)  # noqa: E731  every acceptance length 0..K
     oracle = OracleSpeculator(K, 256, refs, plan)
-    runner = SpeculativeRunner(base, oracle, max_spec_batch=4)
+    runner = SpeculativeDecoding(base, oracle, max_spec_batch=4)
     params = [SamplingParams(max_tokens=m) for m in max_tokens]
     steps = list(runner.stream(prompts, params))
     emitted: list[list[int]] = [[] for _ in prompts]
@@ -380,7 +380,7 @@ def test_compiled_draft_is_exact(model: Transformer, base: LlamaRunner) -> None:
     hidden = torch.randn(2, model.config.dim, generator=torch.Generator().manual_seed(0))
     token = torch.tensor([3, 9])
     eager = heads.draft(model, hidden, token)  # not prepared yet: eager, lm_head rows gathered per call
-    runner = SpeculativeRunner(base, heads, max_spec_batch=2, compile_verify=True)
+    runner = SpeculativeDecoding(base, heads, max_spec_batch=2, compile_verify=True)
     assert heads._draft_fn is not None and heads._draft_head is not None
     assert torch.equal(runner.speculator.draft(model, hidden, token), eager)
     assert eager.shape == (2, K)

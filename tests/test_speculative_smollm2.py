@@ -13,7 +13,7 @@ import torch
 
 from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
 from servekit.optimizations.llama import Transformer
-from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeRunner, generate_speculative
+from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
 from test_speculative_logic import OracleSpeculator
 
 pytest.importorskip("gguf")
@@ -45,7 +45,7 @@ def base(model: Transformer) -> LlamaRunner:
 
 def test_random_heads_exact_on_smollm2(base: LlamaRunner, model: Transformer) -> None:
     heads = Speculator(SpeculatorConfig.for_model(model, K)).reset_parameters(seed=3, random_out=True)
-    runner = SpeculativeRunner(base, heads, max_spec_batch=2)
+    runner = SpeculativeDecoding(base, heads, max_spec_batch=2)
     params = [SamplingParams(max_tokens=20, stop_token_ids=(EOS,))] * 2
     want = generate(base, PROMPTS, params)
     got, stats = generate_speculative(runner, PROMPTS, params)
@@ -57,7 +57,7 @@ def test_scripted_drafts_accepted_as_planned_on_smollm2(base: LlamaRunner) -> No
     max_tokens = [24, 17]
     refs = [c.tokens for c in generate(base, PROMPTS, [SamplingParams(max_tokens=m + K + 2) for m in max_tokens])]
     plan = lambda row, step: (2 * row + step) % (K + 1)  # noqa: E731
-    runner = SpeculativeRunner(base, OracleSpeculator(K, 49152, refs, plan), max_spec_batch=2)
+    runner = SpeculativeDecoding(base, OracleSpeculator(K, 49152, refs, plan), max_spec_batch=2)
     got, stats = generate_speculative(runner, PROMPTS, [SamplingParams(max_tokens=m) for m in max_tokens])
     assert [c.tokens for c in got] == [ref[:m] for ref, m in zip(refs, max_tokens)]
     # Every planned acceptance length occurred, so the longest-prefix rule ran at each length.

@@ -1,0 +1,196 @@
+"""An LLM's plan (the model-config's `servekit:` section) -> a warmed-up runner.
+
+The runner is generate.py's ``LlamaRunner``; with a ``speculation`` section it also gets
+speculative.py's step strategy (speculator heads from the archive), so the handler serves one
+runner whatever the plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from servekit.optimizations.device import DTYPES, capability, pick_device
+from servekit.optimizations.generate import LlamaRunner
+from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_choice, _check_keys,
+                                         _int_list, _positive_int, resolve_for_device)
+from servekit.optimizations.speculative import DEFAULT_MAX_SPEC_BATCH, SPEC_CONFIG, SpeculativeDecoding, load_speculator
+
+
+@dataclass(frozen=True)
+class LlmLimits:
+    max_tokens: int = 1024  # the largest max_tokens a request may ask for
+    default_max_tokens: int = 256  # when a request gives none (capped by the context left)
+
+
+@dataclass(frozen=True)
+class SpecPlan:
+    """``servekit.speculation``: speculator heads packed in the archive (optimizations/speculative.py)."""
+
+    heads: str = "speculator"  # folder in the archive holding speculator.json + speculator.safetensors
+    n_heads: int | None = None  # drafts per step (default: every trained head)
+    max_batch: int = DEFAULT_MAX_SPEC_BATCH  # batches with more requests decode without speculation
+
+
+@dataclass(frozen=True)
+class LlmPlan:
+    device: str = "auto"
+    precision: str = "fp32"
+    compile: str = "off"  # off | default | max-autotune-no-cudagraphs: prefill and decode, dynamic shapes
+    cuda_graphs: bool = False  # decode steps captured per (batch, kv length, sampling mode)
+    prefill_graphs: int = 0  # prefill of prompt buckets up to this many tokens from graphs too (0: off)
+    warmup: bool = True
+    fallback: str = "error"  # error | eager: what to do when compile/graphs cannot be applied
+    max_seq_len: int = 2048  # KV cache length: prompt + completion
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    prompt_lens: tuple[int, ...] | None = None  # prefill padding buckets (default: 16, 32, ... max_seq_len)
+    kv_lens: tuple[int, ...] | None = None  # decode attention lengths (default: 256, 512, ... max_seq_len)
+    limits: LlmLimits = field(default_factory=LlmLimits)
+    cpu_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
+    speculation: SpecPlan | None = None  # None: plain decoding
+
+    def label(self) -> str:
+        parts = [self.precision]
+        if self.compile != "off":
+            parts.append(f"compile-{self.compile}")
+        if self.cuda_graphs:
+            parts.append("cudagraphs")
+        if self.prefill_graphs:
+            parts.append(f"prefill-graphs{self.prefill_graphs}")
+        if self.speculation is not None:
+            parts.append(f"spec{self.speculation.n_heads or ''}")
+        return "+".join(parts)
+
+
+LLM_COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
+
+
+def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
+    """Validate the ``servekit:`` mapping of an LLM model-config; errors name the key."""
+    raw = _check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
+                                  "max_seq_len", "buckets", "limits", "cpu_threads", "speculation",
+                                  "prefill_graphs"})
+    kw: dict[str, object] = {}
+    for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
+                         ("fallback", FALLBACKS)):
+        if key in raw:
+            kw[key] = _check_choice(f"{path}.{key}", raw[key], choices)
+    for key in ("cuda_graphs", "warmup"):
+        if key in raw:
+            if not isinstance(raw[key], bool):
+                raise PlanError(f"{path}.{key}: expected true or false, got {raw[key]!r}")
+            kw[key] = raw[key]
+    for key in ("max_seq_len", "cpu_threads"):
+        if raw.get(key) is not None:
+            kw[key] = _positive_int(f"{path}.{key}", raw[key])
+    if raw.get("prefill_graphs") is not None:
+        v = raw["prefill_graphs"]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise PlanError(f"{path}.prefill_graphs: expected a prompt length >= 0 (0: off), got {v!r}")
+        kw["prefill_graphs"] = v
+    max_seq = int(kw.get("max_seq_len", LlmPlan.max_seq_len))  # type: ignore[call-overload]
+    buckets = _check_keys(f"{path}.buckets", raw.get("buckets"), {"batch_sizes", "prompt_lens", "kv_lens"})
+    for key in ("batch_sizes", "prompt_lens", "kv_lens"):
+        if key in buckets:
+            values = _int_list(f"{path}.buckets.{key}", buckets[key])
+            if key != "batch_sizes" and values[-1] > max_seq:
+                raise PlanError(f"{path}.buckets.{key}: {values[-1]} exceeds max_seq_len {max_seq}")
+            kw[key] = values
+    lim = _check_keys(f"{path}.limits", raw.get("limits"), {"max_tokens", "default_max_tokens"})
+    limits = LlmLimits(**{k: _positive_int(f"{path}.limits.{k}", v) for k, v in lim.items()})
+    if "default_max_tokens" not in lim:
+        limits = LlmLimits(limits.max_tokens, min(limits.max_tokens, LlmLimits.default_max_tokens))
+    if limits.max_tokens >= max_seq:
+        raise PlanError(f"{path}.limits.max_tokens: {limits.max_tokens} leaves no room for a prompt in "
+                        f"max_seq_len {max_seq}")
+    if limits.default_max_tokens > limits.max_tokens:
+        raise PlanError(f"{path}.limits.default_max_tokens: {limits.default_max_tokens} exceeds "
+                        f"limits.max_tokens {limits.max_tokens}")
+    if raw.get("speculation") is not None:
+        kw["speculation"] = _parse_spec_plan(raw["speculation"], f"{path}.speculation")
+    return LlmPlan(**kw, limits=limits)  # type: ignore[arg-type]
+
+
+def _parse_spec_plan(raw: object, path: str) -> SpecPlan:
+    raw = _check_keys(path, raw, {"heads", "n_heads", "max_batch"})
+    kw: dict[str, object] = {}
+    if "heads" in raw:
+        heads = raw["heads"]
+        if not isinstance(heads, str) or not heads or heads.startswith("/") or ".." in Path(heads).parts:
+            raise PlanError(f"{path}.heads: expected a folder inside the archive, got {heads!r}")
+        kw["heads"] = heads
+    if raw.get("n_heads") is not None:
+        kw["n_heads"] = _positive_int(f"{path}.n_heads", raw["n_heads"])
+    if "max_batch" in raw:  # 0 turns speculation off for every batch
+        v = raw["max_batch"]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise PlanError(f"{path}.max_batch: expected an integer >= 0, got {v!r}")
+        kw["max_batch"] = v
+    return SpecPlan(**kw)  # type: ignore[arg-type]
+
+
+def load_llm_runner(model_dir: str, plan: LlmPlan) -> tuple[LlamaRunner, LlmPlan, list[str]]:
+    """Load the converted checkpoint in ``model_dir`` and build (and warm up) the plan's runner,
+    with speculative decoding as its step strategy when the plan has a ``speculation`` section.
+
+    Returns the runner, the effective plan and the downgrades made (only with ``fallback: eager``;
+    otherwise anything the plan asks for that cannot be applied raises ``PlanError``).
+    """
+    from servekit.optimizations.llama import load_llama
+
+    device = pick_device(plan.device)
+    plan, downgrades = resolve_for_device(plan, device.type, capability(device))
+    if plan.cpu_threads and device.type == "cpu":
+        torch.set_num_threads(plan.cpu_threads)
+    model = load_llama(model_dir, device, DTYPES[plan.precision])
+    if plan.max_seq_len > model.config.max_position_embeddings:
+        raise PlanError(f"servekit.max_seq_len: {plan.max_seq_len} exceeds the model's "
+                        f"{model.config.max_position_embeddings} positions")
+
+    def build(p: LlmPlan) -> LlamaRunner:
+        compiled = p.compile != "off"
+        return LlamaRunner(model, p.max_seq_len, p.batch_sizes, p.prompt_lens, p.kv_lens,
+                           compile_prefill=compiled, compile_decode=compiled, cuda_graphs=p.cuda_graphs,
+                           compile_mode=p.compile if compiled else "default", prefill_graphs=p.prefill_graphs)
+
+    runner = build(plan)
+    if plan.warmup:
+        try:
+            runner.warmup()
+        except Exception as e:
+            if plan.fallback != "eager" or (plan.compile == "off" and not plan.cuda_graphs):
+                raise PlanError(f"warm-up of plan {plan.label()} failed: {type(e).__name__}: {e}") from e
+            downgrades.append(f"warm-up of {plan.label()} failed ({type(e).__name__}: {e}); serving eager")
+            plan = dataclasses.replace(plan, compile="off", cuda_graphs=False)
+            runner = build(plan)
+            runner.warmup()
+    if plan.speculation is not None:
+        runner.speculation = _speculation(runner, Path(model_dir), plan)
+        runner.plan["speculative"] = runner.speculation.plan
+    if device.type == "cuda":
+        # Scratch memory of loading and of every warm-up (plain and speculative) goes back to the
+        # device (graphs keep their own pool): other workers on this GPU may use it, and serving
+        # allocates only what it needs, so a request too large for the device fails alone.
+        torch.cuda.empty_cache()
+    return runner, plan, downgrades
+
+
+def _speculation(runner: LlamaRunner, model_dir: Path, plan: LlmPlan) -> SpeculativeDecoding:
+    """The archive's speculator heads as the warmed-up runner's step strategy (verify steps warmed)."""
+    sp = plan.speculation
+    assert sp is not None
+    folder = model_dir / sp.heads
+    if not (folder / SPEC_CONFIG).is_file():
+        raise PlanError(f"servekit.speculation.heads: no {SPEC_CONFIG} in the archive folder {sp.heads!r} "
+                        "(build the archive with --speculator DIR)")
+    try:
+        heads = load_speculator(folder)
+        spec = SpeculativeDecoding(runner, heads, max_spec_batch=sp.max_batch, n_heads=sp.n_heads,
+                                   compile_verify=plan.compile != "off")
+    except ValueError as e:  # heads for another model, more heads asked for than trained, ...
+        raise PlanError(f"servekit.speculation: {e}") from e
+    if plan.warmup:
+        spec.warmup()
+    return spec
