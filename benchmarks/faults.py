@@ -35,7 +35,7 @@ import requests
 import yaml
 
 from servekit.resources import model_config
-from servekit.torchserve import TorchServe, model_workers
+from servekit.torchserve import TorchServe
 
 VERSION = "1.0"
 OOM_MARKER = "xqzoommarker"
@@ -226,7 +226,7 @@ def send_together(calls: list[tuple[str, str, bytes, str | None]], timeout: floa
 
 
 def worker_identity(ts: TorchServe, model: str) -> list[tuple[str, int | None]]:
-    return sorted((str(w.get("id")), w.get("pid")) for w in model_workers(ts.management_url, model))
+    return sorted((str(w.get("id")), w.get("pid")) for w in ts.api.workers(model))
 
 
 def handler_counter(ts: TorchServe, name: str, model: str) -> float:
@@ -458,7 +458,7 @@ def kill_worker_under_load(ts: TorchServe, model: str, concurrency: int = 4, bef
         os.kill(before[0][1], signal.SIGKILL)
         ready_s = None
         while time.monotonic() - t_kill < timeout:
-            after = [w for w in model_workers(ts.management_url, model, 2.0) if w.get("status") == "READY"]
+            after = [w for w in ts.api.workers(model, 2.0) if w.get("status") == "READY"]
             if ready_s is None and after and after[0].get("pid") != before[0][1]:
                 ready_s = time.monotonic() - t_kill
             with load._lock:

@@ -11,7 +11,8 @@ has loaded (and while every worker restarts), so readiness asks `GET /models/<na
 workers and batching written there (TorchServe itself would let the archive's model-config win).
 
 Kubelet runs the probe every few seconds: this module imports nothing beyond the standard library
-(no torch; only servekit.torchserve's stdlib HTTP helpers) and starts in a few tens of milliseconds.
+(no torch; servekit.torchserve's management client is standard library only at import) and starts
+in a few tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -19,35 +20,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-import urllib.parse
 
 # Standard library only (servekit.torchserve imports nothing else at module level).
-from servekit.torchserve import http_json, read_properties
+from servekit.torchserve import ManagementClient, Registration, ServerError, read_properties
 
 DEFAULT_MANAGEMENT = "http://127.0.0.1:8081"
 
 
-def _text(body: object) -> str:
-    return body if isinstance(body, str) else json.dumps(body)
-
-
 def worker_states(management: str, model: str, timeout: float = 3.0) -> list[str]:
-    """Status of every worker of every version of `model`. Raises OSError / ValueError on failure."""
-    status, body = http_json("GET", f"{management}/models/{urllib.parse.quote(model, safe='')}", timeout)
-    if status == 404:
-        raise ValueError(f"model {model!r} is not registered")
-    if status != 200 or not isinstance(body, list):
-        raise ValueError(f"GET /models/{model} answered {status}: {str(body)[:200]}")
-    return [w.get("status", "?") for version in body for w in version.get("workers", [])]
+    """Status of every worker of every version of `model`. Raises ServerError on failure."""
+    described = ManagementClient(management).describe(model, timeout)
+    if described is None:
+        raise ServerError(f"model {model!r} is not registered")
+    return [w.get("status", "?") for version in described for w in version.get("workers", [])]
 
 
 def ready(management: str, model: str, timeout: float = 3.0) -> tuple[bool, str]:
     try:
         states = worker_states(management, model, timeout)
-    except OSError as e:
-        return False, f"management API at {management} not answering: {e}"
-    except ValueError as e:
+    except ServerError as e:
         return False, str(e)
     if "READY" in states:
         return True, f"{model}: {states.count('READY')}/{len(states)} workers READY"
@@ -64,10 +55,9 @@ def management_url(explicit: str | None, config: str | None) -> str:
     return DEFAULT_MANAGEMENT
 
 
-def registrations(props: dict[str, str]) -> list[dict[str, str]]:
-    """Management API parameters for each model of the `models` property (TorchServe's format:
-    {"name": {"version": {"marName", "minWorkers", "maxWorkers", "batchSize", "maxBatchDelay",
-    "responseTimeout"}}})."""
+def registrations(props: dict[str, str]) -> list[Registration]:
+    """The models of the `models` property (TorchServe's format: {"name": {"version": {"marName",
+    "minWorkers", "maxWorkers", "batchSize", "maxBatchDelay", "responseTimeout", "startupTimeout"}}})."""
     if "models" not in props:
         raise ValueError("the config has no `models` line: nothing to register")
     try:
@@ -81,51 +71,26 @@ def registrations(props: dict[str, str]) -> list[dict[str, str]]:
                                    "responseTimeout", "startupTimeout"}
             if unknown or "marName" not in spec:
                 raise ValueError(f"models[{name!r}][{version!r}]: needs marName; unknown keys {sorted(unknown)}")
-            params = {"url": spec["marName"], "model_name": name, "synchronous": "false",
-                      "initial_workers": str(spec.get("minWorkers", 1))}
-            for key, api_key in (("batchSize", "batch_size"), ("maxBatchDelay", "max_batch_delay"),
-                                 ("responseTimeout", "response_timeout"), ("startupTimeout", "startup_timeout")):
-                if key in spec:
-                    params[api_key] = str(spec[key])
-            params["min_worker"] = str(spec.get("minWorkers", 1))
-            params["max_worker"] = str(spec.get("maxWorkers", spec.get("minWorkers", 1)))
-            out.append(params)
+            out.append(Registration(spec["marName"], name, int(spec.get("minWorkers", 1)), spec.get("batchSize"),
+                                    spec.get("maxBatchDelay"), spec.get("responseTimeout"),
+                                    spec.get("startupTimeout")))
     return out
 
 
 def register(management: str, config: str, deadline_s: float = 120.0) -> str:
-    """Register every model of `config` (waiting for the management API to come up), then set its
-    worker count. Models already registered (a container restart keeps nothing, but a second run
-    of the hook would) are only scaled. Returns a summary; raises RuntimeError on failure."""
+    """Register every model of `config` (waiting for the management API to come up) with the
+    workers and batching written there; a model registered already (a second run of the hook) is
+    only scaled. Does not wait for the workers: the readiness probe does. Returns a summary;
+    raises ServerError on failure."""
     regs = registrations(read_properties(config))
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            http_json("GET", f"{management}/models", 3)
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"management API at {management} did not answer within {deadline_s:.0f}s: {e}")
-            time.sleep(0.5)
+    client = ManagementClient(management)
+    client.wait_reachable(deadline_s)
     done = []
-    for params in regs:
-        workers = {"min_worker": params.pop("min_worker"), "max_worker": params.pop("max_worker"),
-                   "synchronous": "false"}
-        name = params["model_name"]
-        status, body = http_json("POST", f"{management}/models?{urllib.parse.urlencode(params)}", 30)
-        body = _text(body)
-        if status >= 300 and not (status == 409 or "already registered" in body):
-            raise RuntimeError(f"registering {name} ({params['url']}) failed with {status}: {body.strip()[:300]}")
-        # The archive's model-config may set minWorkers/maxWorkers, which win over initial_workers:
-        # set the count explicitly.
-        status, body = http_json("PUT", f"{management}/models/{urllib.parse.quote(name, safe='')}?"
-                                 f"{urllib.parse.urlencode(workers)}", 30)
-        body = _text(body)
-        if status >= 300:
-            raise RuntimeError(f"setting {name}'s workers to {workers['min_worker']} failed with {status}: "
-                               f"{body.strip()[:300]}")
-        done.append(f"{name}: batch_size={params.get('batch_size', '-')} max_batch_delay="
-                    f"{params.get('max_batch_delay', '-')} workers={workers['min_worker']}")
+    for reg in regs:
+        client.register(reg, if_exists="keep", wait=False)
+        done.append(f"{reg.model}: batch_size={reg.batch_size if reg.batch_size is not None else '-'} "
+                    f"max_batch_delay={reg.max_batch_delay_ms if reg.max_batch_delay_ms is not None else '-'} "
+                    f"workers={reg.workers}")
     return "registered " + "; ".join(done)
 
 
@@ -156,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     try:
         print(register(management, args.config, args.deadline))
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, ServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,4 +1,5 @@
-"""TorchServe server adapter: start/stop a local TorchServe, register models, wait for readiness.
+"""The TorchServe client: start/stop a local TorchServe, and its management API (register, scale,
+unregister, describe, wait-ready) for local and remote servers alike.
 
 All TorchServe-specific process handling lives here. A server gets its own run folder (logs, pid
 file, resolved config) and its own ports, so several can run side by side and none leaks.
@@ -17,7 +18,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from servekit.resources import config_dir, resolve
 
@@ -93,20 +94,160 @@ def http_json(method: str, url: str, timeout: float = 30.0) -> tuple[int, Any]:
         return status, body.decode("utf-8", "replace")
 
 
-def model_workers(management_url: str, model: str, timeout: float = 5.0) -> list[dict[str, Any]]:
-    """Workers of every version of `model` as the management API describes them ([] if unknown)."""
-    try:
-        status, body = http_json("GET", f"{management_url}/models/{urllib.parse.quote(model)}", timeout)
-    except OSError:
-        return []
-    if status != 200 or not isinstance(body, list):
-        return []
-    return [w for version in body for w in version.get("workers", [])]
+@dataclass(frozen=True)
+class Registration:
+    """One model to register from the model store. None: the archive's model-config (or
+    TorchServe's default) decides."""
+
+    mar: str
+    model: str
+    workers: int = 1
+    batch_size: int | None = None
+    max_batch_delay_ms: int | None = None
+    response_timeout_s: int | None = None
+    startup_timeout_s: int | None = None
+
+    def params(self) -> dict[str, str]:
+        out = {"url": self.mar, "model_name": self.model, "initial_workers": str(self.workers), "synchronous": "false"}
+        for key, value in (("batch_size", self.batch_size), ("max_batch_delay", self.max_batch_delay_ms),
+                           ("response_timeout", self.response_timeout_s), ("startup_timeout", self.startup_timeout_s)):
+            if value is not None:
+                out[key] = str(value)
+        return out
 
 
-def model_ready(management_url: str, model: str) -> bool:
-    """True once a worker of `model` is READY (TorchServe's /ping is healthy long before that)."""
-    return any(w.get("status") == "READY" for w in model_workers(management_url, model))
+# What register() does when the model name is taken (TorchServe answers 409).
+IF_EXISTS = ("error", "replace", "keep")
+
+
+class ManagementClient:
+    """TorchServe's management API: the one client the CLI, the pod probe, the benchmark and the
+    reliability scripts use. Standard library only (the probe imports it every few seconds).
+
+    TorchServe 0.12's precedence, as seen here: the register call's batch_size/max_batch_delay win
+    over the archive's model-config, its minWorkers/maxWorkers win over the call's
+    initial_workers. So register() sets the worker count explicitly after registering and then
+    compares what TorchServe describes with what was asked.
+    """
+
+    def __init__(self, url: str, alive: Callable[[], None] | None = None,
+                 log_tail: Callable[[], str] | None = None, poll_s: float = 0.25) -> None:
+        self.url = url.rstrip("/")
+        self._alive = alive or (lambda: None)  # raises ServerError when a local server has exited
+        self._log_tail = log_tail or (lambda: "")
+        self.poll_s = poll_s
+
+    def _call(self, method: str, path: str, timeout: float = 60.0) -> tuple[int, Any]:
+        try:
+            return http_json(method, f"{self.url}{path}", timeout)
+        except OSError as e:
+            raise ServerError(f"management API {self.url} unreachable: {e}") from None
+
+    @staticmethod
+    def _model(model: str) -> str:
+        return urllib.parse.quote(model, safe="")
+
+    def wait_reachable(self, timeout: float = 120.0) -> None:
+        """Block until GET /models answers 200 (the frontend is up)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._alive()
+            try:
+                status, body = http_json("GET", f"{self.url}/models", 3)
+                if status == 200:
+                    return
+                last = f"GET /models answered {status}: {str(body)[:200]}"
+            except OSError as e:
+                last = str(e)
+            if time.monotonic() > deadline:
+                raise ServerError(f"management API at {self.url} did not answer within {timeout:.0f}s: {last}")
+            time.sleep(self.poll_s)
+
+    def describe(self, model: str, timeout: float = 10.0) -> list[dict[str, Any]] | None:
+        """GET /models/<model>: one entry per version, None when the model is not registered."""
+        status, body = self._call("GET", f"/models/{self._model(model)}", timeout)
+        if status == 404:
+            return None
+        if status != 200 or not isinstance(body, list):
+            raise ServerError(f"GET /models/{model} answered {status}: {str(body)[:200]}")
+        return body
+
+    def workers(self, model: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+        return [w for version in self.describe(model, timeout) or [] for w in version.get("workers", [])]
+
+    def register(self, reg: Registration, if_exists: str = "error", wait: bool = True,
+                 timeout: float = 600.0) -> float:
+        """Register `reg`, set its worker count, (with `wait`) block until exactly that many workers
+        are READY, and check that TorchServe serves the batch settings asked for. Returns seconds
+        from the call until ready. `if_exists`: what a taken name does: "error" raises, "replace"
+        unregisters the old model first (left over from an interrupted run), "keep" scales it."""
+        if if_exists not in IF_EXISTS:
+            raise ValueError(f"if_exists must be one of {IF_EXISTS}, got {if_exists!r}")
+        t0 = time.monotonic()
+        query = urllib.parse.urlencode(reg.params())
+        status, body = self._call("POST", f"/models?{query}")
+        taken = status == 409 or "already registered" in str(body)
+        if taken and if_exists == "replace":
+            self.unregister(reg.model)
+            status, body = self._call("POST", f"/models?{query}")
+        elif taken and if_exists == "keep":
+            status = 200
+        if status >= 300:
+            raise ServerError(f"registering {reg.mar} as {reg.model} failed ({status}): {str(body).strip()[:300]}")
+        self.scale(reg.model, reg.workers, wait=wait, timeout=timeout)
+        self.check_settings(reg)
+        return time.monotonic() - t0
+
+    def check_settings(self, reg: Registration) -> None:
+        """Raise ServerError when TorchServe serves other batch settings than `reg` asks for."""
+        described = self.describe(reg.model) or [{}]
+        asked = {"batchSize": reg.batch_size, "maxBatchDelay": reg.max_batch_delay_ms}
+        wrong = {k: (v, described[0].get(k)) for k, v in asked.items() if v is not None and described[0].get(k) != v}
+        if wrong:
+            raise ServerError(f"{reg.model}: asked for " + ", ".join(f"{k}={v[0]}" for k, v in wrong.items())
+                              + " but TorchServe serves " + ", ".join(f"{k}={v[1]}" for k, v in wrong.items())
+                              + f"; the archive {reg.mar}'s model-config sets them: remove those keys from it")
+
+    def scale(self, model: str, workers: int, wait: bool = True, timeout: float = 600.0) -> float:
+        """Set `model`'s worker count; with `wait`, block until `workers` are READY and any extra
+        ones are gone (so a measurement sees exactly that many). Returns the seconds waited."""
+        t0 = time.monotonic()
+        q = urllib.parse.urlencode({"min_worker": workers, "max_worker": workers, "synchronous": "false"})
+        status, body = self._call("PUT", f"/models/{self._model(model)}?{q}")
+        if status >= 300:
+            raise ServerError(f"setting {model}'s workers to {workers} failed ({status}): {str(body).strip()[:300]}")
+        if wait:
+            self.wait_ready(model, workers, timeout)
+            deadline = time.monotonic() + 60
+            while len(self.workers(model)) > workers and time.monotonic() < deadline:
+                time.sleep(self.poll_s)
+        return time.monotonic() - t0
+
+    def unregister(self, model: str, timeout: float = 120.0) -> None:
+        """Unregister `model` (an unknown one is fine) and wait until its workers are gone."""
+        status, body = self._call("DELETE", f"/models/{self._model(model)}", timeout)
+        if status >= 300 and status != 404:
+            raise ServerError(f"unregistering {model} failed ({status}): {str(body).strip()[:300]}")
+        deadline = time.monotonic() + 60
+        while self.workers(model) and time.monotonic() < deadline:
+            time.sleep(self.poll_s)
+
+    def wait_ready(self, model: str, workers: int = 1, timeout: float = 600.0) -> float:
+        """Block until `workers` workers of `model` are READY; returns the seconds waited. On
+        timeout the error lists the workers' states and the model log's last lines."""
+        t0 = time.monotonic()
+        while True:
+            self._alive()
+            try:
+                states = [w.get("status", "?") for w in self.workers(model)]
+            except ServerError:
+                states = []
+            if states.count("READY") >= workers:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise ServerError(f"{model}: {workers} READY worker(s) not reached within {timeout:.0f}s "
+                                  f"(workers: {', '.join(sorted(states)) or 'none'})\n{self._log_tail()}")
+            time.sleep(self.poll_s)
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -248,43 +389,28 @@ class TorchServe:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # -- management API ------------------------------------------------------------------------
-    def register(self, mar: str, model_name: str | None = None, batch_size: int | None = None,
-                 max_batch_delay_ms: int | None = None, workers: int = 1, timeout: float = 600.0) -> None:
-        """Register an archive from the model store and wait until a worker is READY."""
-        params = {"url": mar, "initial_workers": str(workers), "synchronous": "false"}
-        if model_name:
-            params["model_name"] = model_name
-        if batch_size is not None:
-            params["batch_size"] = str(batch_size)
-        if max_batch_delay_ms is not None:
-            params["max_batch_delay"] = str(max_batch_delay_ms)
-        status, body = http_json("POST", f"{self.management_url}/models?{urllib.parse.urlencode(params)}", timeout)
-        if status >= 300:
-            raise ServerError(f"registering {mar} failed ({status}): {body}")
-        self.wait_ready(model_name or Path(mar).stem, timeout, workers)
+    # -- management API: the one client -----------------------------------------------------------
+    @property
+    def api(self) -> ManagementClient:
+        return ManagementClient(self.management_url, self._check_alive,
+                                lambda: self.tail_log("model_log.log", 40))
 
-    def scale(self, model: str, workers: int, timeout: float = 600.0) -> None:
-        q = urllib.parse.urlencode({"min_worker": workers, "max_worker": workers, "synchronous": "false"})
-        status, body = http_json("PUT", f"{self.management_url}/models/{model}?{q}", timeout)
-        if status >= 300:
-            raise ServerError(f"scaling {model} to {workers} workers failed ({status}): {body}")
-        self.wait_ready(model, timeout, workers)
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ServerError(f"TorchServe exited ({self.proc.returncode}):\n{self.tail_log()}")
+
+    def register(self, mar: str, model_name: str | None = None, batch_size: int | None = None,
+                 max_batch_delay_ms: int | None = None, workers: int = 1, timeout: float = 600.0) -> float:
+        """Register an archive from the model store and wait until its workers are READY."""
+        reg = Registration(mar, model_name or Path(mar).stem, workers, batch_size, max_batch_delay_ms)
+        return self.api.register(reg, timeout=timeout)
+
+    def scale(self, model: str, workers: int, timeout: float = 600.0) -> float:
+        return self.api.scale(model, workers, timeout=timeout)
 
     def unregister(self, model: str, timeout: float = 120.0) -> None:
-        status, body = http_json("DELETE", f"{self.management_url}/models/{model}", timeout)
-        if status >= 300 and status != 404:
-            raise ServerError(f"unregistering {model} failed ({status}): {body}")
+        self.api.unregister(model, timeout)
 
     def wait_ready(self, model: str, timeout: float = 600.0, workers: int = 1) -> float:
         """Block until `workers` workers of `model` are READY; returns the seconds waited."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise ServerError(f"TorchServe exited while loading {model}:\n{self.tail_log()}")
-            ready = [w for w in model_workers(self.management_url, model) if w.get("status") == "READY"]
-            if len(ready) >= workers:
-                return time.monotonic() - t0
-            time.sleep(0.5)
-        raise ServerError(f"{model}: {workers} READY worker(s) not reached within {timeout:.0f}s; last model log lines:\n"
-                          + self.tail_log("model_log.log"))
+        return self.api.wait_ready(model, workers, timeout)

@@ -84,6 +84,5 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
     assert "| host CPU |" in report
     assert (out / "latency_throughput.png").stat().st_size > 10_000
     # models the run registered are gone again; the session's own model is untouched
-    from servekit.torchserve import model_ready, model_workers
-    assert not model_workers(ts.management_url, "e2e-servekit")
-    assert model_ready(ts.management_url, "minilm")
+    assert ts.api.describe("e2e-servekit") is None
+    assert "READY" in [w["status"] for w in ts.api.workers("minilm")]

@@ -83,5 +83,4 @@ def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, smollm
     report = (out / "report.md").read_text()
     assert "| TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s | tok/s/seq |" in report
     assert "output tokens/s" in results["answer"][0]
-    from servekit.torchserve import model_workers
-    assert not model_workers(ts.management_url, "e2e-smollm2-spec")
+    assert ts.api.describe("e2e-smollm2-spec") is None

@@ -17,10 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class FakeManagement(HttpDouble):
-    """Answers GET /models/<name> from `self.models`, records POST/PUT calls."""
+    """Answers GET /models/<name> from `self.models` (worker states) and the batch settings it was
+    registered with, records POST/PUT calls."""
 
     def __init__(self, port: int = 0) -> None:
         self.models: dict[str, list[str]] = {}
+        self.settings: dict[str, dict] = {}
         self.calls: list[tuple[str, str, dict]] = []
         self.fail_register: tuple[int, str] | None = None
         outer = self
@@ -35,7 +37,8 @@ class FakeManagement(HttpDouble):
                     return self.reply(404, {"code": 404, "type": "ModelNotFoundException",
                                             "message": f"Model not found: {name}"})
                 workers = [{"id": str(9000 + i), "status": s} for i, s in enumerate(outer.models[name])]
-                self.reply(200, [{"modelName": name, "modelVersion": "1.0", "workers": workers}])
+                self.reply(200, [{"modelName": name, "modelVersion": "1.0", "workers": workers,
+                                  **outer.settings.get(name, {})}])
 
             def do_POST(self):
                 url = urllib.parse.urlparse(self.path)
@@ -44,6 +47,9 @@ class FakeManagement(HttpDouble):
                 if outer.fail_register:
                     return self.reply(outer.fail_register[0], {"message": outer.fail_register[1]})
                 outer.models.setdefault(params["model_name"], ["UNLOADING"])
+                outer.settings[params["model_name"]] = {
+                    key: int(params[p]) for key, p in (("batchSize", "batch_size"), ("maxBatchDelay", "max_batch_delay"))
+                    if p in params}
                 self.reply(200, {"status": "Model registered"})
 
             def do_PUT(self):
@@ -98,7 +104,7 @@ def test_not_ready_when_unregistered_or_down(api):
     assert proc.returncode == 1 and "not registered" in proc.stderr
     closed = f"http://127.0.0.1:{free_port()}"
     proc = probe("ready", "--model", "minilm", "--management", closed)
-    assert proc.returncode == 1 and "not answering" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "unreachable" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_probe_imports_nothing_heavy():
@@ -146,7 +152,7 @@ def test_register_waits_for_the_management_api(tmp_path):
 def test_register_reports_failures_without_traceback(api, tmp_path):
     api.fail_register = (500, "Failed to load model")
     proc = probe("register", "--config", str(config(tmp_path, api.url)))
-    assert proc.returncode == 1 and "registering minilm (minilm.mar) failed with 500" in proc.stderr
+    assert proc.returncode == 1 and "registering minilm.mar as minilm failed (500)" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = probe("register", "--config", str(config(tmp_path, api.url, {"m": {"1.0": {"batchSize": 1}}})))
     assert proc.returncode == 1 and "needs marName" in proc.stderr

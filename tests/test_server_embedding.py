@@ -14,7 +14,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from servekit.torchserve import TorchServe, group_alive, model_workers
+from servekit.torchserve import TorchServe, group_alive
 from servekit.optimizations.embedding import EmbeddingRunner
 from servekit.optimizations.plan import parse_plan
 
@@ -134,7 +134,7 @@ def test_bad_requests_in_a_batch_fail_alone(minilm_server, reference):
         assert status == 200 and close(body["embeddings"], reference([g["text"]]))
     for (status, body), (_, want) in zip(results[5:], bad):
         assert status == want and body["error"]["message"] and body["error"]["type"]
-    workers = model_workers(minilm_server.management_url, "minilm")
+    workers = minilm_server.api.workers("minilm")
     assert [w["status"] for w in workers] == ["READY"]
 
 

@@ -1,0 +1,85 @@
+"""The one management-API client (servekit.torchserve.ManagementClient) against a real TorchServe:
+what a taken model name does, the model-config precedence, scaling to exactly N workers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from servekit.archive import build_archive
+from servekit.benchmarks.bench.archives import BENCH_SPECS
+from servekit.torchserve import ManagementClient, Registration, ServerError, TorchServe
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def sleep_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two archives of the sleep test handler (no model weights: seconds to build and load):
+    `sleep.mar` as shipped, `sleep2.mar` whose model-config asks for 2 workers and batch 4."""
+    store = tmp_path_factory.mktemp("client_store")
+    spec = BENCH_SPECS["sleep"]
+    build_archive("sleep", store, compress=False, spec=spec)
+    cfg = yaml.safe_load(spec.config.read_text())
+    cfg.update({"minWorkers": 2, "maxWorkers": 2, "batchSize": 4, "maxBatchDelay": 7})
+    path = store.parent / "sleep2.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    build_archive("sleep", store, config=path, archive_name="sleep2", compress=False, spec=spec)
+    return store
+
+
+@pytest.fixture(scope="module")
+def server(sleep_store: Path, tmp_path_factory: pytest.TempPathFactory):
+    with TorchServe(tmp_path_factory.mktemp("client_run"), sleep_store) as ts:
+        yield ts
+
+
+def states(api: ManagementClient, model: str) -> list[str]:
+    return sorted(w["status"] for w in api.workers(model))
+
+
+def test_a_taken_name_errors_is_kept_or_is_replaced_as_asked(server: TorchServe) -> None:
+    api = server.api
+    api.register(Registration("sleep.mar", "s1", batch_size=2, max_batch_delay_ms=3), timeout=120)
+    with pytest.raises(ServerError, match=r"registering sleep.mar as s1 failed \(409\)"):
+        api.register(Registration("sleep.mar", "s1"), timeout=120)
+    api.register(Registration("sleep.mar", "s1", batch_size=2, max_batch_delay_ms=3), if_exists="keep", timeout=120)
+    assert states(api, "s1") == ["READY"]
+    api.register(Registration("sleep.mar", "s1", batch_size=8, max_batch_delay_ms=9), if_exists="replace",
+                 timeout=120)
+    (described,) = api.describe("s1")
+    assert (described["batchSize"], described["maxBatchDelay"]) == (8, 9)
+    api.unregister("s1")
+    assert api.describe("s1") is None
+    api.unregister("s1")  # unknown: nothing to do, no error
+    with pytest.raises(ValueError, match="if_exists"):
+        api.register(Registration("sleep.mar", "s1"), if_exists="overwrite")
+
+
+def test_the_asked_settings_are_the_served_ones(server: TorchServe) -> None:
+    """The archive asks for 2 workers and batch 4 / 7 ms: the call's batch settings win (TorchServe
+    0.12), the archive's worker count would win over initial_workers, so register() sets it; and a
+    mismatch between what is asked and what is served is an error naming the model-config."""
+    api = server.api
+    api.register(Registration("sleep2.mar", "s2", workers=1, batch_size=3, max_batch_delay_ms=11), timeout=120)
+    (described,) = api.describe("s2")
+    assert (described["batchSize"], described["maxBatchDelay"]) == (3, 11)
+    assert states(api, "s2") == ["READY"]  # one worker, as asked, not the archive's two
+    with pytest.raises(ServerError, match=r"asked for batchSize=5 but TorchServe serves batchSize=3.*model-config"):
+        api.check_settings(Registration("sleep2.mar", "s2", batch_size=5))
+    api.scale("s2", 2, timeout=120)
+    assert states(api, "s2") == ["READY", "READY"]
+    api.scale("s2", 1, timeout=120)  # returns once the extra worker is gone
+    assert states(api, "s2") == ["READY"]
+    api.unregister("s2")
+
+
+def test_wait_ready_names_the_worker_states_on_timeout(server: TorchServe) -> None:
+    api = server.api
+    api.register(Registration("sleep.mar", "s3"), wait=False)
+    with pytest.raises(ServerError, match=r"s3: 5 READY worker\(s\) not reached within 0s \(workers: "):
+        api.wait_ready("s3", workers=5, timeout=0)
+    api.unregister("s3")
+    with pytest.raises(ServerError, match="unreachable"):
+        ManagementClient("http://127.0.0.1:9").describe("s3")
