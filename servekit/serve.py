@@ -5,16 +5,24 @@ import argparse
 import signal
 from pathlib import Path
 
-from servekit.torchserve import DEFAULT_CONFIG, Ports, TorchServe, read_properties
+from servekit.resources import resolve
+from servekit.torchserve import Ports, TorchServe, read_properties
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="servekit serve", description=__doc__)
     p.add_argument("--models", default="minilm=minilm.mar", help="models to load at start (TorchServe --models syntax)")
-    p.add_argument("--model-store", type=Path, default=Path("model_store"), help="folder with the archives (default: model_store/)")
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config.properties (ports are taken from it)")
-    p.add_argument("--run-dir", type=Path, default=Path(".run/serve"), help="logs, pid file, resolved config (default: .run/serve)")
+    p.add_argument("--model-store", type=Path, default=Path("model_store"),
+                   help="folder with the archives (default: model_store/)")
+    p.add_argument("--config", type=Path, default=Path("config/config.properties"),
+                   help="config.properties, ports taken from it (default: ./config/config.properties, else "
+                        "servekit's packaged one)")
+    p.add_argument("--run-dir", type=Path, default=Path(".run/serve"),
+                   help="logs, pid file, resolved config (default: .run/serve)")
     args = p.parse_args(argv)
+    args.config = resolve(args.config)
+    if not args.config.is_file():
+        p.error(f"--config {args.config}: no such file")
     props = read_properties(args.config)
     port = lambda key: int(props[key].rsplit(":", 1)[1])  # noqa: E731
     ports = Ports(port("inference_address"), port("management_address"), port("metrics_address"),
