@@ -288,8 +288,9 @@ def test_built_archive_holds_no_pickle(model_store):
         pickled = [n for n in names if n.rsplit(".", 1)[-1] in ("bin", "pt", "pth", "pkl", "pickle", "ckpt")
                    or n.endswith("data.pkl")]
         assert not pickled, pickled
-        assert not [n for n in names if n.endswith(".py") and not n.startswith(("handlers/", "optimizations/"))
-                    and n != "embedding_handler.py"], names
+        packaged = ("servekit/handlers/", "servekit/optimizations/")
+        assert not [n for n in names if n.endswith(".py") and not n.startswith(packaged)
+                    and n not in ("servekit/__init__.py", "embedding_handler.py")], names
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------------
