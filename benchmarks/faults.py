@@ -34,8 +34,8 @@ import numpy as np
 import requests
 import yaml
 
-from servekit.resources import model_config
-from servekit.torchserve import TorchServe
+from servekit.resources import config_dir, model_config
+from servekit.torchserve import TorchServe, read_properties
 
 VERSION = "1.0"
 OOM_MARKER = "xqzoommarker"
@@ -103,7 +103,9 @@ class BadInput:
 
 
 OPENAI = "/predictions/{model}/{version}/v1/embeddings"
-MAX_REQUEST_SIZE = 6_553_500   # TorchServe's default max_request_size (bytes)
+# config.properties' max_request_size: bodies up to it reach the handler (its JSON 413s), beyond it
+# TorchServe answers an empty 413 itself.
+MAX_REQUEST_SIZE = int(read_properties(config_dir() / "config.properties").get("max_request_size", 6_553_500))
 
 
 def _j(value: Any) -> bytes:
@@ -167,7 +169,11 @@ def bad_inputs() -> list[BadInput]:
         B("wrong_dimensions", "dimensions other than the model's", _j({"input": "a", "dimensions": 12}), 400,
           "'dimensions' must be 384", path=OPENAI),
         B("bool_dimensions", "boolean where an integer is expected", _j({"input": "a", "dimensions": True}), 400,
-          "'dimensions' must be 384", path=OPENAI),
+          "'dimensions' must be an integer", path=OPENAI),
+        B("huge_int_dimensions", "dimensions an integer of 5,000 digits (beyond Python's int parsing limit)",
+          b'{"input": "a", "dimensions": ' + b"9" * 5000 + b"}", 400, "invalid JSON value", path=OPENAI),
+        B("huge_dimensions", "dimensions 10**30", _j({"input": "a", "dimensions": 10**30}), 400,
+          "'dimensions' must be between 1 and", path=OPENAI),
         B("bad_encoding_format", "unknown encoding_format", _j({"input": "a", "encoding_format": "int8"}), 400,
           "'encoding_format' must be", path=OPENAI),
         B("nested_100", "JSON nested 100 levels", b'{"text": ' + b"[" * 100 + b"]" * 100 + b"}", 400,

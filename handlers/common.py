@@ -59,7 +59,10 @@ def decode_body(request: dict[str, Any]) -> Any:
     """The request's body as a Python value: parsed JSON, or text.
 
     TorchServe hands over JSON bodies already parsed (when sent as application/json), text bodies as
-    str and anything else as bytes; a JSON body it failed to parse arrives as bytes too.
+    str and anything else as bytes; a JSON body it failed to parse arrives as bytes too. A text or
+    bytes body that starts with `{` or `[` is parsed as JSON whatever its content type (what
+    `requests.post(url, data=json.dumps(...))` sends is text/plain): a text to embed that starts
+    with one of them goes in a JSON body instead.
     """
     body = request.get("body")
     if body is None:
@@ -74,31 +77,100 @@ def decode_body(request: dict[str, Any]) -> Any:
         raise RequestError(400, "invalid_request_error", "empty request body (a form-encoded body, as curl -d sends "
                            "without -H 'Content-Type: application/json', arrives empty)", "empty_body")
     if body is None or (isinstance(body, (str, bytes, bytearray)) and len(body) == 0):
-        raise RequestError(400, "invalid_request_error", "empty request body", "empty_body")
+        # TorchServe does not pass the HTTP method: a GET or DELETE on a POST route looks like this.
+        raise RequestError(400, "invalid_request_error", "empty request body: this route takes a POST with a "
+                           "JSON body", "empty_body")
     if isinstance(body, (bytes, bytearray)):
         try:
-            text = bytes(body).decode("utf-8")
+            body = bytes(body).decode("utf-8")
         except UnicodeDecodeError as e:
             raise RequestError(400, "invalid_request_error", f"body is not valid UTF-8 (byte {e.start})",
                                "invalid_utf8") from None
-        stripped = text.lstrip()
-        if stripped[:1] in ("{", "["):
-            try:
-                body = json.loads(text, parse_constant=_reject_constant)
-            except RecursionError:
-                raise RequestError(400, "invalid_request_error", "JSON body is nested too deeply",
-                                   "json_too_deep") from None
-            except json.JSONDecodeError as e:
-                raise RequestError(400, "invalid_request_error", f"malformed JSON: {e.msg} at line {e.lineno} "
-                                   f"column {e.colno}", "invalid_json") from None
-        else:
-            body = text
+    if isinstance(body, str) and body.lstrip()[:1] in ("{", "["):
+        body = _parse_json(body)
     if isinstance(body, (dict, list)):
         if _depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             raise RequestError(400, "invalid_request_error", f"JSON body is nested deeper than {MAX_JSON_DEPTH} levels",
                                "json_too_deep")
         _check_values(body)
     return body
+
+
+def _parse_json(text: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise RequestError(400, "invalid_request_error", "JSON body is nested too deeply", "json_too_deep") from None
+    except json.JSONDecodeError as e:
+        raise RequestError(400, "invalid_request_error", f"malformed JSON: {e.msg} at line {e.lineno} "
+                           f"column {e.colno} (a body starting with '{{' or '[' is read as JSON; send a text that "
+                           "starts with one in a JSON body)", "invalid_json") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits (Python's int parsing limit)
+        raise RequestError(400, "invalid_request_error", f"invalid JSON value: {e}", "invalid_number") from None
+
+
+def without_nulls(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI treats a field set to null as absent: so do we (SDK objects dumped with model_dump()
+    carry many)."""
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def int_field(body: dict[str, Any], key: str, lo: int, hi: int, default: int | None = None) -> int | None:
+    """An integer field in [lo, hi] (absent or null: `default`): the one range check of every
+    integer a request carries, so that no out-of-range number reaches a tokenizer or the sampler."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise RequestError(400, "invalid_request_error", f"'{key}' must be an integer, got {type(v).__name__}",
+                           "invalid_type")
+    if not lo <= v <= hi:
+        shown = v if abs(v) < 10**12 else f"{str(v)[:8]}... ({len(str(abs(v)))} digits)"
+        raise RequestError(400, "invalid_request_error", f"'{key}' must be between {lo} and {hi}, got {shown}",
+                           "invalid_value")
+    return v
+
+
+def number_field(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
+                 lo_open: bool = False) -> float:
+    """A number field in [lo, hi] (or (lo, hi]); absent or null: `default`."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise RequestError(400, "invalid_request_error", f"'{key}' must be a number, got {type(v).__name__}",
+                           "invalid_type")
+    if v < lo or v > hi or (lo_open and v == lo):
+        shown = v if isinstance(v, float) or abs(v) < 10**12 else f"{str(v)[:8]}... ({len(str(abs(v)))} digits)"
+        raise RequestError(400, "invalid_request_error",
+                           f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {shown}", "invalid_value")
+    return float(v)
+
+
+MODELS_ROUTE = "v1/models"
+
+
+def models_answer(route: str, model_name: str, created: int) -> str | None:
+    """The OpenAI models API for the one model this worker serves: `v1/models` lists it,
+    `v1/models/<id>` retrieves it (404 for another id). None for every other route. Any method
+    (TorchServe does not pass it; the SDK sends GET)."""
+    if route != MODELS_ROUTE and not route.startswith(MODELS_ROUTE + "/"):
+        return None
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "servekit"}
+    if route == MODELS_ROUTE:
+        return json.dumps({"object": "list", "data": [card]})
+    wanted = route[len(MODELS_ROUTE) + 1:]
+    if wanted != model_name:
+        raise RequestError(404, "invalid_request_error", f"the model '{wanted}' does not exist here; this endpoint "
+                           f"serves '{model_name}'", "model_not_found")
+    return json.dumps(card)
+
+
+def bad_request(e: Exception) -> RequestError:
+    """A request that failed parsing or validation in a way no check foresaw: still that request's
+    own 400, never its batch-mates' failure."""
+    return RequestError(400, "invalid_request_error", f"invalid request ({type(e).__name__}: {str(e)[:200]})",
+                        "invalid_request")
 
 
 def _check_values(value: Any) -> None:

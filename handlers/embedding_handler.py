@@ -19,7 +19,8 @@ import numpy as np
 import orjson
 import torch
 
-from servekit.handlers.common import RequestError, fail_request, freeze_heap, registered_batch_size, url_path
+from servekit.handlers.common import (RequestError, bad_request, fail_request, freeze_heap, models_answer,
+                                      registered_batch_size, url_path)
 from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
@@ -34,6 +35,7 @@ class EmbeddingHandler:
         props = context.system_properties
         model_dir = Path(props["model_dir"])
         self.model_name = context.manifest["model"]["modelName"]
+        self.created = int(time.time())
         plan = parse_plan((context.model_yaml_config or {}).get("servekit"))
         gpu_id = props.get("gpu_id")
         if gpu_id is not None and torch.cuda.is_available() and plan.device != "cpu":
@@ -68,11 +70,20 @@ class EmbeddingHandler:
         answers: list[str | None] = [None] * len(data)
         requests: dict[int, EmbeddingRequest] = {}
         for i, raw in enumerate(data):
+            route = url_path(context, i)
             try:
-                requests[i] = parse_embedding_request(raw, url_path(context, i), self.dim,
+                models = models_answer(route, self.model_name, self.created)
+                if models is not None:
+                    answers[i] = models
+                    context.set_response_content_type(i, "application/json")
+                    continue
+                requests[i] = parse_embedding_request(raw, route, self.dim,
                                                       limits.max_texts_per_request, limits.max_chars_per_text)
             except RequestError as e:
                 answers[i] = fail_request(context, i, self.metrics, e)
+            except Exception as e:  # a request no check foresaw: its own 400, the batch goes on
+                log.exception("request %d of the batch failed parsing", i)
+                answers[i] = fail_request(context, i, self.metrics, bad_request(e))
         # Tokenize every text of the batch in one call, then drop requests whose texts are too long.
         ids, cut = self.runner.tokenize([t for r in requests.values() for t in r.texts])
         spans: dict[int, tuple[int, int]] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from servekit.handlers.common import RequestError, decode_body
+from servekit.handlers.common import RequestError, decode_body, int_field, without_nulls
 
 OPENAI_ROUTE = "v1/embeddings"
 OPENAI_KEYS = {"input", "model", "encoding_format", "dimensions", "user"}
@@ -54,6 +54,7 @@ def parse_embedding_request(request: dict[str, Any], route: str, dim: int, max_t
     if route == OPENAI_ROUTE:
         if not isinstance(body, dict):
             raise _bad(f"body must be a JSON object with 'input', got {type(body).__name__}", "invalid_type")
+        body = without_nulls(body)
         unknown = sorted(set(body) - OPENAI_KEYS)
         if unknown:
             raise _bad(f"unknown field '{unknown[0]}'", "unknown_field")
@@ -62,9 +63,9 @@ def parse_embedding_request(request: dict[str, Any], route: str, dim: int, max_t
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise _bad(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "invalid_value")
-        dims = body.get("dimensions")
-        if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims != dim):
-            raise _bad(f"'dimensions' must be {dim} for this model, got {dims!r}", "invalid_value")
+        dims = int_field(body, "dimensions", 1, 2**31 - 1)
+        if dims is not None and dims != dim:
+            raise _bad(f"'dimensions' must be {dim} for this model, got {dims}", "invalid_value")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _bad("'model' must be a string", "invalid_type")

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from servekit.handlers.common import (RequestError, decode_body, fail_request, freeze_heap, registered_batch_size,
-                                      url_path)
+from servekit.handlers.common import (RequestError, bad_request, decode_body, fail_request, freeze_heap, int_field,
+                                      models_answer, number_field, registered_batch_size, url_path, without_nulls)
+from servekit import __version__
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
@@ -38,12 +39,23 @@ from servekit.optimizations.speculative import SpecStats
 log = logging.getLogger(__name__)
 
 CHAT_ROUTE, COMPLETIONS_ROUTE = "v1/chat/completions", "v1/completions"
+# OpenAI request fields, all accepted when null (= absent). Those with no effect here are accepted
+# with any value: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls` (meaningful
+# only with tools); the rest are checked below, and those whose semantics are not implemented get a
+# 400 naming them unless they hold their no-op value.
 COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stream_options", "stop",
-               "n", "user", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "speculate"}
-CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format"}
+               "n", "user", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias",
+               "speculate", "metadata", "store", "service_tier", "suffix", "echo", "best_of"}
+CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
+                           "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction",
+                           "reasoning_effort", "web_search_options"}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
 ROLES = {"system", "developer", "user", "assistant"}
+# Message fields the SDK's own response objects carry (`message.model_dump()`): accepted when null
+# or empty, since a multi-turn conversation sends the assistant's message back as it came.
+MESSAGE_KEYS = {"role", "content", "name", "refusal", "annotations", "audio", "function_call", "tool_calls"}
 MAX_STOP_STRINGS = 4
+SEED_RANGE = (-2**63, 2**64 - 1)  # OpenAI's seed is a 64-bit integer; it is reduced mod 2**32
 
 
 @dataclass
@@ -60,24 +72,6 @@ class LlmRequest:
 
 def _bad(message: str, code: str = "invalid_request") -> RequestError:
     return RequestError(400, "invalid_request_error", message, code)
-
-
-def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise _bad(f"'{key}' must be a number, got {type(v).__name__}", "invalid_type")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise _bad(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", "invalid_value")
-    return float(v)
-
-
-def _integer(body: dict, key: str) -> int | None:
-    v = body.get(key)
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-        raise _bad(f"'{key}' must be an integer, got {type(v).__name__}", "invalid_type")
-    return v
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -104,9 +98,15 @@ def _messages(value: Any) -> list[dict[str, str]]:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise _bad(f"'messages[{i}]' must be an object, got {type(m).__name__}", "invalid_type")
-        unknown = sorted(set(m) - {"role", "content", "name"})
+        m = {k: v for k, v in without_nulls(m).items() if v != []}  # null and [] (annotations, tool_calls): absent
+        unknown = sorted(set(m) - MESSAGE_KEYS)
         if unknown:
             raise _bad(f"'messages[{i}].{unknown[0]}' is not supported", "unknown_field")
+        for key in ("audio", "function_call", "tool_calls"):
+            if key in m:
+                raise _bad(f"'messages[{i}].{key}' is not supported (no tools or audio here)", "unsupported_value")
+        if m.get("role") == "assistant" and "content" not in m and isinstance(m.get("refusal"), str):
+            m["content"] = m["refusal"]
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"'messages[{i}].role' must be one of {', '.join(sorted(ROLES))}, got {role!r}", "invalid_value")
@@ -130,23 +130,34 @@ def _stop(value: Any) -> list[str]:
 
 
 def _unsupported(body: dict) -> None:
-    """Fields we accept only at their no-op value, rather than silently ignoring them."""
-    if body.get("n") not in (None, 1):
+    """Fields whose semantics are not implemented: accepted only at their no-op value (nulls are
+    gone already), each other value a 400 naming the field rather than silently ignored."""
+    if int_field(body, "n", 1, 128, 1) != 1:
         raise _bad("'n' must be 1 (one choice per request)", "unsupported_value")
     for key in ("presence_penalty", "frequency_penalty"):
-        v = body.get(key)
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v != 0):
+        if number_field(body, key, 0.0, -2.0, 2.0) != 0:
             raise _bad(f"'{key}' is not supported (only 0)", "unsupported_value")
     if body.get("logprobs") not in (None, False, 0):
         raise _bad("'logprobs' is not supported", "unsupported_value")
-    if body.get("logit_bias") not in (None, {}):
-        raise _bad("'logit_bias' is not supported", "unsupported_value")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("'response_format' must be {\"type\": \"text\"}", "unsupported_value")
-    for key in ("model", "user"):
-        if body.get(key) is not None and not isinstance(body[key], str):
+    if int_field(body, "top_logprobs", 0, 20, 0):
+        raise _bad("'top_logprobs' is not supported (only 0)", "unsupported_value")
+    noop = {"logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "functions": [],
+            "tool_choice": "none", "function_call": "none", "modalities": ["text"], "suffix": "", "echo": False,
+            "best_of": 1}
+    for key, value in noop.items():
+        if key in body and body[key] != value:
+            raise _bad(f"'{key}' is not supported (only {json.dumps(value)})", "unsupported_value")
+    for key in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+        if key in body:
+            raise _bad(f"'{key}' is not supported", "unsupported_value")
+    for key in ("model", "user", "service_tier"):
+        if key in body and not isinstance(body[key], str):
             raise _bad(f"'{key}' must be a string", "invalid_type")
+    if "metadata" in body and not isinstance(body["metadata"], dict):
+        raise _bad("'metadata' must be an object", "invalid_type")
+    for key in ("store", "parallel_tool_calls"):
+        if key in body and not isinstance(body[key], bool):
+            raise _bad(f"'{key}' must be true or false", "invalid_type")
 
 
 class LlmService:
@@ -159,6 +170,7 @@ class LlmService:
         props = context.system_properties
         model_dir = props["model_dir"]
         self.model_name = context.manifest["model"]["modelName"]
+        self.created = int(time.time())
         config = context.model_yaml_config or {}
         plan = parse_llm_plan(config.get("servekit"))
         gpu_id = props.get("gpu_id")
@@ -180,6 +192,8 @@ class LlmService:
         self.stop_ids = tuple(sorted({t for t in (eos, end_of_text) if t is not None}))
         self.metrics = HandlerMetrics(context, self.model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
+        # OpenAI's system_fingerprint names the backend configuration: servekit's version and plan.
+        self.fingerprint = f"servekit-{__version__}-{self.plan.label()}"
         install_buffered_reads()
         log.info("servekit LLM plan %s ready in %.1f s (gc_frozen_objects %d): %s", self.plan.label(),
                  time.perf_counter() - t0, freeze_heap(), json.dumps(self.runner.plan))
@@ -194,6 +208,7 @@ class LlmService:
         body = decode_body(raw)
         if not isinstance(body, dict):
             raise _bad(f"body must be a JSON object, got {type(body).__name__}", "invalid_type")
+        body = without_nulls(body)
         unknown = sorted(set(body) - (CHAT_KEYS if chat else COMPLETION_KEYS))
         if unknown:
             raise _bad(f"unknown field '{unknown[0]}'", "unknown_field")
@@ -241,22 +256,18 @@ class LlmService:
             raise _bad(f"the prompt has {prompt_len} tokens; this model accepts at most {longest}",
                        "context_length_exceeded")
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _integer(body, key)
+        max_tokens = int_field(body, key, 1, limits.max_tokens)
         if max_tokens is None:
             max_tokens = min(limits.default_max_tokens, max_seq - prompt_len)
-        elif not 1 <= max_tokens <= limits.max_tokens:
-            raise _bad(f"'{key}' must be between 1 and {limits.max_tokens}, got {max_tokens}", "invalid_value")
         elif prompt_len + max_tokens > max_seq:
             raise _bad(f"the prompt ({prompt_len} tokens) plus '{key}' ({max_tokens}) exceeds the context of "
                        f"{max_seq} tokens", "context_length_exceeded")
-        top_k = _integer(body, "top_k")
-        if top_k is not None and top_k < -1:
-            raise _bad(f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", "invalid_value")
-        seed = _integer(body, "seed")
+        top_k = int_field(body, "top_k", -1, 2**31 - 1)  # -1 and 0: off; above the vocabulary: all of it
+        seed = int_field(body, "seed", *SEED_RANGE)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0, *TEMPERATURE_RANGE),
-            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            temperature=number_field(body, "temperature", 1.0, *TEMPERATURE_RANGE),
+            top_p=number_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
             top_k=max(top_k or 0, 0),
             seed=None if seed is None else seed % 2**32,
             stop_token_ids=self.stop_ids)
@@ -267,10 +278,19 @@ class LlmService:
         answers: list[str | None] = [None] * len(data)
         requests: dict[int, LlmRequest] = {}
         for i, raw in enumerate(data):
+            route = url_path(context, i)
             try:
-                requests[i] = self.parse(raw, url_path(context, i))
+                models = models_answer(route, self.model_name, self.created)
+                if models is not None:
+                    answers[i] = models
+                    context.set_response_content_type(i, "application/json")
+                    continue
+                requests[i] = self.parse(raw, route)
             except RequestError as e:
                 answers[i] = fail_request(context, i, self.metrics, e)
+            except Exception as e:  # a request no check foresaw: its own 400, the batch goes on
+                log.exception("request %d of the batch failed parsing", i)
+                answers[i] = fail_request(context, i, self.metrics, bad_request(e))
         idx = list(requests)
         for start in range(0, len(idx), self.runner.max_batch):  # batchSize <= max bucket: one chunk
             chunk = {i: requests[i] for i in idx[start:start + self.runner.max_batch]}
@@ -409,7 +429,9 @@ class Generation:
         events = []
         model = row.req.model or self.s.model_name
         head = {"id": row.id, "object": "chat.completion.chunk" if row.req.chat else "text_completion",
-                "created": self.created, "model": model}
+                "created": self.created, "model": model, "system_fingerprint": self.s.fingerprint}
+        if row.req.include_usage:  # the spec: null on every chunk but the last, which carries it
+            head["usage"] = None
         if row.req.chat:
             if not row.started:
                 events.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -441,7 +463,8 @@ class Generation:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": row.finish}
             obj = "text_completion"
         return json.dumps({"id": row.id, "object": obj, "created": self.created, "model": model,
-                           "choices": [choice], "usage": self._usage(row)}, ensure_ascii=False)
+                           "system_fingerprint": self.s.fingerprint, "choices": [choice], "usage": self._usage(row)},
+                          ensure_ascii=False)
 
 
 _service = LlmService()

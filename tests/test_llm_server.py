@@ -143,7 +143,7 @@ def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchSe
     tok, complete = reference
     want, _ = complete(tok.encode_chat(MESSAGES), 8)
     good = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}
-    bodies = [good, {"messages": [], "max_tokens": 8}, {**good, "max_tokens": 100_000}, {**good, "best_of": 2}]
+    bodies = [good, {"messages": [], "max_tokens": 8}, {**good, "max_tokens": 100_000}, {**good, "frobnicate": 2}]
     before = metric_sum(server, "servekit_batches_total")
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda b: post(server, "v1/chat/completions", b), bodies))
@@ -237,3 +237,41 @@ def test_serving_benchmark_measures_the_live_server(server: TorchServe) -> None:
         assert 1e3 / level["itl_ms_p99"] * 0.99 <= level["tok_per_s_per_seq_p50"] <= 1e3 / level["itl_ms_p50"] * 1.01
         assert 0 < level["tok_per_s_total"] <= level["completion_tokens"] / (level["ttft_ms_p50"] / 1e3)
     assert set(res["texts"]) == {"Say hello."} and res["texts"]["Say hello."]
+
+
+def test_openai_sdk_multi_turn_with_its_own_message_objects(client, reference) -> None:
+    """The SDK's assistant message sent back as it came (`model_dump()`: refusal, annotations, audio,
+    function_call, tool_calls all null), with null and no-op fields the SDK and its users send."""
+    tok, complete = reference
+    first = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0,
+                                           tools=None, tool_choice=None, metadata={"team": "search"}, store=False,
+                                           user="u-1", parallel_tool_calls=None)
+    assert first.system_fingerprint and first.system_fingerprint.startswith("servekit-")
+    turn = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call", "tool_calls"} <= set(turn)
+    follow_up = {"role": "user", "content": "And of Italy?"}
+    second = client.chat.completions.create(model="smollm2", messages=[*MESSAGES, turn, follow_up],
+                                            max_tokens=8, temperature=0)
+    plain = [*MESSAGES, {"role": "assistant", "content": first.choices[0].message.content}, follow_up]
+    assert second.choices[0].message.content == complete(tok.encode_chat(plain), 8)[0]
+
+
+def test_openai_models_api(client) -> None:
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert client.models.retrieve("smollm2").owned_by == "servekit"
+    with pytest.raises(openai.NotFoundError, match="serves 'smollm2'"):
+        client.models.retrieve("gpt-4o")
+
+
+def test_stream_chunks_carry_usage_null_until_the_last(server: TorchServe) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{server.inference_url}/predictions/smollm2/1.0/v1/chat/completions",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(c["system_fingerprint"].startswith("servekit-") for c in chunks)

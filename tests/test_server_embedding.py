@@ -171,3 +171,36 @@ def test_clean_shutdown_leaves_no_process(model_store, tmp_path):
     ts.stop()
     assert group_alive(group) == []
     assert not (tmp_path / "torchserve.pid").exists()
+
+
+def test_json_sent_as_text_plain_is_read_as_json(minilm_server):
+    """What `requests.post(url, data=json.dumps(body))` sends (text/plain) is the JSON body, not a
+    text to embed; a plain text still embeds as itself."""
+    url = f"{minilm_server.inference_url}/predictions/minilm"
+    _, as_json = post(url, {"text": "a cat sat on the mat"})
+    status, as_text = post(url, json.dumps({"text": "a cat sat on the mat"}).encode(), "text/plain")
+    assert status == 200 and np.allclose(as_text["embeddings"], as_json["embeddings"], atol=1e-6)
+    _, literal = post(url, b"a cat sat on the mat", "text/plain")
+    assert np.allclose(literal["embeddings"], as_json["embeddings"], atol=1e-6)
+    status, body = post(url, b"{not json", "text/plain")
+    assert status == 400 and "read as JSON" in body["error"]["message"]
+
+
+def test_openai_models_api_and_readable_oversize_errors(minilm_server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{minilm_server.inference_url}/predictions/minilm/1.0/v1", api_key="unused",
+                           max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["minilm"]
+    assert client.models.retrieve("minilm").id == "minilm"
+    # A 10 MB body (beyond TorchServe's default 6.5 MB limit) reaches the handler: its own JSON 413.
+    req = urllib.request.Request(f"{minilm_server.inference_url}/predictions/minilm/1.0/v1/embeddings",
+                                 data=json.dumps({"input": ["word " * 2_000_000]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=120)
+    assert info.value.code == 413 and info.value.headers.get("Content-Type", "").startswith("application/json")
+    assert json.loads(info.value.read())["error"]["code"] == "input_too_long"
+    # A number no parser should choke on the batch for: that request's own 400.
+    status, body = post(f"{minilm_server.inference_url}/predictions/minilm/1.0/v1/embeddings",
+                        b'{"input": "x", "dimensions": ' + b"9" * 5000 + b"}")
+    assert status == 400 and body["error"]["code"] == "invalid_number"
