@@ -17,6 +17,7 @@ one class, which TorchServe's class entry point does not allow).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -60,9 +61,11 @@ SEED_RANGE = (-2**63, 2**64 - 1)  # OpenAI's seed is a 64-bit integer; it is red
 
 @dataclass
 class LlmRequest:
+    """One valid request: its choices, each a (prompt, sampling) row of the batch. Choice k of
+    prompt p is row p * n + k (OpenAI's order for a list of prompts with `n`)."""
     chat: bool
-    prompt: list[int]
-    params: SamplingParams
+    choices: list[tuple[list[int], SamplingParams]]
+    prompt_tokens: int  # each prompt counted once, whatever n
     stream: bool
     include_usage: bool
     stop: list[str]
@@ -132,8 +135,6 @@ def _stop(value: Any) -> list[str]:
 def _unsupported(body: dict) -> None:
     """Fields whose semantics are not implemented: accepted only at their no-op value (nulls are
     gone already), each other value a 400 naming the field rather than silently ignored."""
-    if int_field(body, "n", 1, 128, 1) != 1:
-        raise _bad("'n' must be 1 (one choice per request)", "unsupported_value")
     for key in ("presence_penalty", "frequency_penalty"):
         if number_field(body, key, 0.0, -2.0, 2.0) != 0:
             raise _bad(f"'{key}' is not supported (only 0)", "unsupported_value")
@@ -220,21 +221,31 @@ class LlmService:
                 prompt = self.tokenizer.encode_chat(_messages(body["messages"]))
             except TemplateError as e:
                 raise _bad(str(e), "invalid_messages") from None
+            prompts = [prompt]
         else:
-            text = body.get("prompt")
-            if isinstance(text, list) and len(text) == 1:
-                text = text[0]
-            if not isinstance(text, str):
-                raise _bad("'prompt' must be a string (or a list of one string)", "invalid_type")
-            prompt = self.tokenizer.encode(text)
-            if not prompt:
-                raise _bad("'prompt' is empty", "empty_prompt")
-        params = self._params(body, chat, len(prompt))
+            texts = body.get("prompt")
+            texts = [texts] if isinstance(texts, str) else texts
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+                raise _bad("'prompt' must be a string or a non-empty list of strings", "invalid_type")
+            prompts = [self.tokenizer.encode(t) for t in texts]
+            if not all(prompts):
+                raise _bad("'prompt' is empty" if len(prompts) == 1 else
+                           f"'prompt[{[bool(p) for p in prompts].index(False)}]' is empty", "empty_prompt")
+        n = int_field(body, "n", 1, self.runner.max_batch, 1)
+        if len(prompts) * n > self.runner.max_batch:
+            raise _bad(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} choices; at most "
+                       f"{self.runner.max_batch} per request", "too_many_choices")
+        choices = []
+        for prompt in prompts:
+            params = self._params(body, chat, len(prompt))
+            for k in range(n):  # a seeded request's choices differ: choice k samples with seed + k
+                seed = None if params.seed is None else (params.seed + k) % 2**32
+                choices.append((prompt, dataclasses.replace(params, seed=seed)))
         speculate = body.get("speculate", True)
         if not isinstance(speculate, bool):
             raise _bad("'speculate' must be true or false", "invalid_type")
-        return LlmRequest(chat, prompt, params, *self._stream_flags(body), _stop(body.get("stop")), body.get("model"),
-                          speculate)
+        return LlmRequest(chat, choices, sum(len(p) for p in prompts), *self._stream_flags(body),
+                          _stop(body.get("stop")), body.get("model"), speculate)
 
     def _stream_flags(self, body: dict) -> tuple[bool, bool]:
         stream = body.get("stream")
@@ -275,7 +286,7 @@ class LlmService:
     # -- the batch -----------------------------------------------------------------------------
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         t0 = time.perf_counter()
-        answers: list[str | None] = [None] * len(data)
+        answers: dict[int, str] = {}
         requests: dict[int, LlmRequest] = {}
         for i, raw in enumerate(data):
             route = url_path(context, i)
@@ -291,17 +302,20 @@ class LlmService:
             except Exception as e:  # a request no check foresaw: its own 400, the batch goes on
                 log.exception("request %d of the batch failed parsing", i)
                 answers[i] = fail_request(context, i, self.metrics, bad_request(e))
-        idx = list(requests)
-        for start in range(0, len(idx), self.runner.max_batch):  # batchSize <= max bucket: one chunk
-            chunk = {i: requests[i] for i in idx[start:start + self.runner.max_batch]}
-            for i, answer in self._generate(chunk, context, t0).items():
-                answers[i] = answer
+        # Requests go to the runner in chunks of at most max_batch rows (choices), in arrival order.
+        chunk: dict[int, LlmRequest] = {}
+        for i, req in requests.items():
+            if chunk and sum(len(r.choices) for r in chunk.values()) + len(req.choices) > self.runner.max_batch:
+                answers.update(self._generate(chunk, context, t0))
+                chunk = {}
+            chunk[i] = req
+        if chunk:
+            answers.update(self._generate(chunk, context, t0))
         self.metrics.emit("servekit_batches_total", "counter", 1)
         self.metrics.emit("servekit_requests_total", "counter", len(data))
         self.metrics.emit("servekit_batch_fill_ratio", "histogram", min(1.0, len(data) / max(1, self.batch_size)),
                           "Ratio")
-        return [a if a is not None else "" for a in answers]
-
+        return [answers.get(i, "") for i in range(len(data))]
 
     def _generate(self, chunk: dict[int, LlmRequest], context: Any, t0: float) -> dict[int, str]:
         """Answers of one batch. If generation fails (out of memory, ...), the requests that have not
@@ -332,7 +346,8 @@ def _device_error(e: Exception) -> RequestError:
 
 @dataclass
 class _Row:
-    idx: int
+    idx: int  # the request's index in TorchServe's batch
+    choice: int  # its choice index in the answer
     req: LlmRequest
     text: IncrementalDetokenizer
     id: str
@@ -351,12 +366,15 @@ class Generation:
         self.rows = []
         for i, req in requests.items():
             rid = (context.get_request_id(i) or str(i)) if hasattr(context, "get_request_id") else str(i)
-            self.rows.append(_Row(i, req, IncrementalDetokenizer(service.tokenizer, req.stop),
-                                  f"{'chatcmpl' if req.chat else 'cmpl'}-{rid}"))
+            for k in range(len(req.choices)):
+                self.rows.append(_Row(i, k, req, IncrementalDetokenizer(service.tokenizer, req.stop),
+                                      f"{'chatcmpl' if req.chat else 'cmpl'}-{rid}"))
+        self.done: set[int] = set()  # requests whose stream has ended ([DONE] sent)
 
     def run(self) -> dict[int, str]:
         m, runner = self.s.metrics, self.s.runner
-        prompts, params = [r.req.prompt for r in self.rows], [r.req.params for r in self.rows]
+        prompts = [r.req.choices[r.choice][0] for r in self.rows]
+        params = [r.req.choices[r.choice][1] for r in self.rows]
         stream = runner.stream(prompts, params, [r.req.speculate for r in self.rows])
         stats = SpecStats.empty(runner.speculation.n_heads) if runner.speculation is not None else None
         last = None
@@ -380,18 +398,22 @@ class Generation:
                     m.emit("servekit_request_latency_seconds", "histogram", now - self.t0, "Seconds")
                 if row.req.stream:
                     if delta or reason is not None:
-                        chunks[row.idx] = self._sse(row, delta, reason)
+                        chunks[row.idx] = chunks.get(row.idx, "") + self._sse(row, delta, reason)
                 else:
                     row.pieces.append(delta)
+            for i in list(chunks):
+                if i not in self.done and all(r.finish is not None for r in self.rows if r.idx == i):
+                    chunks[i] += self._sse_end(i)
             if chunks:
                 self._send(chunks)
-        m.emit("servekit_llm_prompt_tokens_total", "counter", sum(len(r.req.prompt) for r in self.rows))
+        m.emit("servekit_llm_prompt_tokens_total", "counter",
+               sum(r.req.prompt_tokens for r in self.rows if r.choice == 0))
         m.emit("servekit_llm_completion_tokens_total", "counter", sum(r.tokens for r in self.rows))
         if stats is not None and stats.proposed[0]:  # once per batch: 2 metric lines per draft position
             for pos, (proposed, accepted) in enumerate(zip(stats.proposed, stats.accepted)):
                 m.emit("servekit_spec_proposed_total", "counter", proposed, Position=str(pos))
                 m.emit("servekit_spec_accepted_total", "counter", accepted, Position=str(pos))
-        return {r.idx: ("" if r.req.stream else self._answer(r)) for r in self.rows}
+        return {r.idx: ("" if r.req.stream else self._answer(r.idx)) for r in self.rows if r.choice == 0}
 
     def _push(self, row: _Row, tokens: list[int], reason: str | None) -> tuple[str, str | None]:
         """Detokenize a row's new tokens (one, or several from a speculative step); the last one
@@ -421,50 +443,60 @@ class Generation:
         ids = {i: self.context.request_ids[i] for i in chunks}
         send_intermediate_predict_response(chunks, ids, "Intermediate Prediction success", 200, self.context)
 
-    def _usage(self, row: _Row) -> dict[str, int]:
-        p = len(row.req.prompt)
-        return {"prompt_tokens": p, "completion_tokens": row.tokens, "total_tokens": p + row.tokens}
+    def _usage(self, idx: int) -> dict[str, int]:
+        rows = [r for r in self.rows if r.idx == idx]
+        p, c = rows[0].req.prompt_tokens, sum(r.tokens for r in rows)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _head(self, row: _Row, obj: str) -> dict[str, Any]:
+        return {"id": row.id, "object": obj, "created": self.created, "model": row.req.model or self.s.model_name,
+                "system_fingerprint": self.s.fingerprint}
 
     def _sse(self, row: _Row, delta: str, reason: str | None) -> str:
         events = []
-        model = row.req.model or self.s.model_name
-        head = {"id": row.id, "object": "chat.completion.chunk" if row.req.chat else "text_completion",
-                "created": self.created, "model": model, "system_fingerprint": self.s.fingerprint}
+        head = self._head(row, "chat.completion.chunk" if row.req.chat else "text_completion")
         if row.req.include_usage:  # the spec: null on every chunk but the last, which carries it
             head["usage"] = None
         if row.req.chat:
             if not row.started:
-                events.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                events.append({**head, "choices": [{"index": row.choice, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
             if delta:
-                events.append({**head, "choices": [{"index": 0, "delta": {"content": delta}, "logprobs": None,
+                events.append({**head, "choices": [{"index": row.choice, "delta": {"content": delta}, "logprobs": None,
                                                     "finish_reason": None}]})
             if reason is not None:
-                events.append({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                events.append({**head, "choices": [{"index": row.choice, "delta": {}, "logprobs": None,
                                                     "finish_reason": reason}]})
         else:
-            events.append({**head, "choices": [{"index": 0, "text": delta, "logprobs": None,
+            events.append({**head, "choices": [{"index": row.choice, "text": delta, "logprobs": None,
                                                 "finish_reason": reason}]})
         row.started = True
-        if reason is not None and row.req.include_usage:
-            events.append({**head, "choices": [], "usage": self._usage(row)})
-        out = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events)
-        return out + ("data: [DONE]\n\n" if reason is not None else "")
+        return "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events)
 
-    def _answer(self, row: _Row) -> str:
-        self.context.set_response_content_type(row.idx, "application/json")
-        text = "".join(row.pieces)
-        model = row.req.model or self.s.model_name
-        if row.req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": row.finish}
-            obj = "chat.completion"
+    def _sse_end(self, idx: int) -> str:
+        """The end of request `idx`'s stream, once all its choices have finished: the usage chunk
+        (with include_usage) and [DONE]."""
+        self.done.add(idx)
+        row = next(r for r in self.rows if r.idx == idx)
+        end = ""
+        if row.req.include_usage:
+            usage = {**self._head(row, "chat.completion.chunk" if row.req.chat else "text_completion"),
+                     "choices": [], "usage": self._usage(idx)}
+            end = f"data: {json.dumps(usage, ensure_ascii=False)}\n\n"
+        return end + "data: [DONE]\n\n"
+
+    def _answer(self, idx: int) -> str:
+        self.context.set_response_content_type(idx, "application/json")
+        rows = [r for r in self.rows if r.idx == idx]
+        req = rows[0].req
+        if req.chat:
+            choices = [{"index": r.choice, "message": {"role": "assistant", "content": "".join(r.pieces)},
+                        "logprobs": None, "finish_reason": r.finish} for r in rows]
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": row.finish}
-            obj = "text_completion"
-        return json.dumps({"id": row.id, "object": obj, "created": self.created, "model": model,
-                           "system_fingerprint": self.s.fingerprint, "choices": [choice], "usage": self._usage(row)},
-                          ensure_ascii=False)
+            choices = [{"index": r.choice, "text": "".join(r.pieces), "logprobs": None, "finish_reason": r.finish}
+                       for r in rows]
+        return json.dumps({**self._head(rows[0], "chat.completion" if req.chat else "text_completion"),
+                           "choices": choices, "usage": self._usage(idx)}, ensure_ascii=False)
 
 
 _service = LlmService()

@@ -161,7 +161,8 @@ def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchSe
     ("v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "invalid_type"),
     ("v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, 400, "invalid_type"),
-    ("v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "unsupported_value"),
+    ("v1/chat/completions", {"messages": MESSAGES, "n": 0}, 400, "invalid_value"),
+    ("v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, 400, "too_many_choices"),
     ("v1/completions", {"prompt": ""}, 400, "empty_prompt"),
     ("v1/completions", {"prompt": "x", "speculate": "yes"}, 400, "invalid_type"),
     ("v1/embeddings", {"input": "x"}, 404, "unknown_route"),
@@ -275,3 +276,27 @@ def test_stream_chunks_carry_usage_null_until_the_last(server: TorchServe) -> No
     assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
     assert all(c["system_fingerprint"].startswith("servekit-") for c in chunks)
+
+
+def test_n_choices_and_lists_of_prompts(client, reference) -> None:
+    """`n` choices of a seeded request: choice k is what the request alone gives with seed + k; a
+    list of prompts: one choice per prompt, each the prompt's own greedy completion."""
+    tok, complete = reference
+    sampled = dict(model="smollm2", messages=MESSAGES, max_tokens=10, temperature=1.0, seed=11)
+    both = client.chat.completions.create(n=2, **sampled)
+    assert [c.index for c in both.choices] == [0, 1]
+    alone = [client.chat.completions.create(**{**sampled, "seed": 11 + k}).choices[0].message.content
+             for k in (0, 1)]
+    assert [c.message.content for c in both.choices] == alone
+    assert both.usage.prompt_tokens == len(tok.encode_chat(MESSAGES))  # the prompt counts once, whatever n
+    prompts = ["The capital of France is", "One, two, three,"]
+    listed = client.completions.create(model="smollm2", prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in listed.choices] == [0, 1]
+    assert [c.text for c in listed.choices] == [complete(tok.encode(p), 6)[0] for p in prompts]
+    assert listed.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    chunks = list(client.chat.completions.create(n=2, stream=True, **{**sampled, "seed": 11}))
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert [texts[0], texts[1]] == alone
