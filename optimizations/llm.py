@@ -14,8 +14,8 @@ import torch
 
 from servekit.optimizations.device import DTYPES, capability, pick_device
 from servekit.optimizations.generate import LlamaRunner
-from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_choice, _check_keys,
-                                         _int_list, _positive_int, resolve_for_device)
+from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_bools, _check_choice,
+                                         _check_keys, _int_list, _positive_int, resolve_for_device)
 from servekit.optimizations.speculative import DEFAULT_MAX_SPEC_BATCH, SPEC_CONFIG, SpeculativeDecoding, load_speculator
 
 
@@ -77,11 +77,7 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
                          ("fallback", FALLBACKS)):
         if key in raw:
             kw[key] = _check_choice(f"{path}.{key}", raw[key], choices)
-    for key in ("cuda_graphs", "warmup"):
-        if key in raw:
-            if not isinstance(raw[key], bool):
-                raise PlanError(f"{path}.{key}: expected true or false, got {raw[key]!r}")
-            kw[key] = raw[key]
+    kw.update(_check_bools(path, raw, ("cuda_graphs", "warmup")))
     for key in ("max_seq_len", "cpu_threads"):
         if raw.get(key) is not None:
             kw[key] = _positive_int(f"{path}.{key}", raw[key])

@@ -133,11 +133,7 @@ def parse_plan(raw: Any, path: str = "servekit") -> Plan:
             choices = {"device": DEVICES, "precision": PRECISIONS, "quantization": QUANTIZATIONS,
                        "compile": COMPILE_MODES, "attention": ATTENTION, "fallback": FALLBACKS}[key]
             kw[key] = _check_choice(f"{path}.{key}", raw[key], choices)
-    for key in ("cuda_graphs", "warmup"):
-        if key in raw:
-            if not isinstance(raw[key], bool):
-                raise PlanError(f"{path}.{key}: expected true or false, got {raw[key]!r}")
-            kw[key] = raw[key]
+    kw.update(_check_bools(path, raw, ("cuda_graphs", "warmup")))
     if raw.get("compile_cache") is not None:
         if not isinstance(raw["compile_cache"], str) or not raw["compile_cache"]:
             raise PlanError(f"{path}.compile_cache: expected a directory path")
@@ -173,6 +169,17 @@ def parse_plan(raw: Any, path: str = "servekit") -> Plan:
 
 # Any plan dataclass with device, precision, cuda_graphs and fallback keys.
 PlanT = TypeVar("PlanT")
+
+
+def _check_bools(path: str, raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, bool]:
+    """The given boolean keys of a plan mapping that are present; PlanError naming a non-boolean one."""
+    out = {}
+    for key in keys:
+        if key in raw:
+            if not isinstance(raw[key], bool):
+                raise PlanError(f"{path}.{key}: expected true or false, got {raw[key]!r}")
+            out[key] = raw[key]
+    return out
 
 
 def resolve_for_device(plan: PlanT, device_type: str, capability: tuple[int, int] | None
