@@ -137,7 +137,7 @@ def bad_inputs() -> list[BadInput]:
         B("blank_string", "whitespace-only string in a list", _j({"text": ["ok", "   "]}), 400, "empty string"),
         B("empty_body", "empty body", b"", 400, "empty request body"),
         B("null_body", "JSON null body", b"null", 400, "empty request body"),
-        B("huge_list", "10 000 texts in one request", _j({"input": ["a"] * 10_000}), 413, "at most 64",
+        B("huge_list", "10 000 texts in one request", _j({"input": ["a"] * 10_000}), 413, "at most 2048",
           path=OPENAI),
         B("text_too_long", "one text of 100 001 characters", _j({"text": "a" * 100_001}), 413,
           "the limit is 100000"),

@@ -44,7 +44,7 @@ class Buckets:
 
 @dataclass(frozen=True)
 class Limits:
-    max_texts_per_request: int = 64
+    max_texts_per_request: int = 2048  # OpenAI's own limit for an embeddings input list
     max_chars_per_text: int = 100_000
     too_long: str = "truncate"  # inputs over the largest seq bucket: truncate, or 413 for that request
 

@@ -204,3 +204,17 @@ def test_openai_models_api_and_readable_oversize_errors(minilm_server):
     status, body = post(f"{minilm_server.inference_url}/predictions/minilm/1.0/v1/embeddings",
                         b'{"input": "x", "dimensions": ' + b"9" * 5000 + b"}")
     assert status == 400 and body["error"]["code"] == "invalid_number"
+
+
+def test_an_openai_sized_input_list_is_one_request(minilm_server, reference):
+    """`client.embeddings.create(input=[...300 texts...])`: one request, split into the plan's
+    batch buckets inside the server, every vector the in-process one, in order."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{minilm_server.inference_url}/predictions/minilm/1.0/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    texts = [f"document {i}: " + "serving models " * (i % 7 + 1) for i in range(300)]
+    got = client.embeddings.create(model="minilm", input=texts)
+    assert [d.index for d in got.data] == list(range(300))
+    assert np.allclose(np.array([d.embedding for d in got.data]), reference(texts).numpy(), atol=1e-4)
+    status, body = post(f"{minilm_server.inference_url}/predictions/minilm/1.0/v1/embeddings", {"input": ["a"] * 2049})
+    assert status == 413 and "at most 2048" in body["error"]["message"]
