@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Bodies nested deeper than this are refused before any recursion can hurt the worker.
 MAX_JSON_DEPTH = 32
@@ -125,10 +129,14 @@ def int_field(body: dict[str, Any], key: str, lo: int, hi: int, default: int | N
         raise RequestError(400, "invalid_request_error", f"'{key}' must be an integer, got {type(v).__name__}",
                            "invalid_type")
     if not lo <= v <= hi:
-        shown = v if abs(v) < 10**12 else f"{str(v)[:8]}... ({len(str(abs(v)))} digits)"
-        raise RequestError(400, "invalid_request_error", f"'{key}' must be between {lo} and {hi}, got {shown}",
+        raise RequestError(400, "invalid_request_error", f"'{key}' must be between {lo} and {hi}, got {_shown(v)}",
                            "invalid_value")
     return v
+
+
+def _shown(v: int | float) -> str:
+    """A number for an error message: a huge integer by its first digits and length."""
+    return str(v) if isinstance(v, float) or abs(v) < 10**12 else f"{str(v)[:8]}... ({len(str(abs(v)))} digits)"
 
 
 def number_field(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
@@ -141,9 +149,8 @@ def number_field(body: dict[str, Any], key: str, default: float, lo: float, hi: 
         raise RequestError(400, "invalid_request_error", f"'{key}' must be a number, got {type(v).__name__}",
                            "invalid_type")
     if v < lo or v > hi or (lo_open and v == lo):
-        shown = v if isinstance(v, float) or abs(v) < 10**12 else f"{str(v)[:8]}... ({len(str(abs(v)))} digits)"
         raise RequestError(400, "invalid_request_error",
-                           f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {shown}", "invalid_value")
+                           f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {_shown(v)}", "invalid_value")
     return float(v)
 
 
@@ -166,11 +173,30 @@ def models_answer(route: str, model_name: str, created: int) -> str | None:
     return json.dumps(card)
 
 
-def bad_request(e: Exception) -> RequestError:
-    """A request that failed parsing or validation in a way no check foresaw: still that request's
-    own 400, never its batch-mates' failure."""
-    return RequestError(400, "invalid_request_error", f"invalid request ({type(e).__name__}: {str(e)[:200]})",
-                        "invalid_request")
+def parse_each(data: list[dict[str, Any]], context: Any, metrics: Any, model_name: str, created: int,
+               parse: Callable[[dict[str, Any], str], T]) -> tuple[dict[int, T], dict[int, str]]:
+    """Each request of a batch on its own: the models API answered here, the others parsed by
+    `parse(raw, route)`. Returns the valid requests and the answers given already (models API, each
+    failed request's own 4xx: whatever went wrong, never its batch-mates' failure)."""
+    requests: dict[int, T] = {}
+    answers: dict[int, str] = {}
+    for i, raw in enumerate(data):
+        route = url_path(context, i)
+        try:
+            models = models_answer(route, model_name, created)
+            if models is not None:
+                answers[i] = models
+                context.set_response_content_type(i, "application/json")
+                continue
+            requests[i] = parse(raw, route)
+        except RequestError as e:
+            answers[i] = fail_request(context, i, metrics, e)
+        except Exception as e:  # a request no check foresaw: still its own 400
+            log.exception("request %d of the batch failed parsing", i)
+            answers[i] = fail_request(context, i, metrics, RequestError(
+                400, "invalid_request_error", f"invalid request ({type(e).__name__}: {str(e)[:200]})",
+                "invalid_request"))
+    return requests, answers
 
 
 def _check_values(value: Any) -> None:

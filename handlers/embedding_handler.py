@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,7 @@ import numpy as np
 import orjson
 import torch
 
-from servekit.handlers.common import (RequestError, bad_request, fail_request, freeze_heap, models_answer,
-                                      registered_batch_size, url_path)
+from servekit.handlers.common import RequestError, fail_request, freeze_heap, parse_each, registered_batch_size
 from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
@@ -67,23 +67,10 @@ class EmbeddingHandler:
     def _handle(self, data: list[dict[str, Any]], context: Any) -> list[str | bytes]:
         t0 = time.perf_counter()
         limits = self.plan.limits
-        answers: list[str | None] = [None] * len(data)
-        requests: dict[int, EmbeddingRequest] = {}
-        for i, raw in enumerate(data):
-            route = url_path(context, i)
-            try:
-                models = models_answer(route, self.model_name, self.created)
-                if models is not None:
-                    answers[i] = models
-                    context.set_response_content_type(i, "application/json")
-                    continue
-                requests[i] = parse_embedding_request(raw, route, self.dim,
-                                                      limits.max_texts_per_request, limits.max_chars_per_text)
-            except RequestError as e:
-                answers[i] = fail_request(context, i, self.metrics, e)
-            except Exception as e:  # a request no check foresaw: its own 400, the batch goes on
-                log.exception("request %d of the batch failed parsing", i)
-                answers[i] = fail_request(context, i, self.metrics, bad_request(e))
+        parse = partial(parse_embedding_request, dim=self.dim, max_texts=limits.max_texts_per_request,
+                        max_chars=limits.max_chars_per_text)
+        requests, given = parse_each(data, context, self.metrics, self.model_name, self.created, parse)
+        answers: list[str | None] = [given.get(i) for i in range(len(data))]
         # Tokenize every text of the batch in one call, then drop requests whose texts are too long.
         ids, cut = self.runner.tokenize([t for r in requests.values() for t in r.texts])
         spans: dict[int, tuple[int, int]] = {}

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from servekit.handlers.common import (RequestError, bad_request, decode_body, fail_request, freeze_heap, int_field,
-                                      models_answer, number_field, registered_batch_size, url_path, without_nulls)
+from servekit.handlers.common import (RequestError, decode_body, fail_request, freeze_heap, int_field, number_field,
+                                      parse_each, registered_batch_size, without_nulls)
 from servekit import __version__
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
@@ -286,22 +286,7 @@ class LlmService:
     # -- the batch -----------------------------------------------------------------------------
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         t0 = time.perf_counter()
-        answers: dict[int, str] = {}
-        requests: dict[int, LlmRequest] = {}
-        for i, raw in enumerate(data):
-            route = url_path(context, i)
-            try:
-                models = models_answer(route, self.model_name, self.created)
-                if models is not None:
-                    answers[i] = models
-                    context.set_response_content_type(i, "application/json")
-                    continue
-                requests[i] = self.parse(raw, route)
-            except RequestError as e:
-                answers[i] = fail_request(context, i, self.metrics, e)
-            except Exception as e:  # a request no check foresaw: its own 400, the batch goes on
-                log.exception("request %d of the batch failed parsing", i)
-                answers[i] = fail_request(context, i, self.metrics, bad_request(e))
+        requests, answers = parse_each(data, context, self.metrics, self.model_name, self.created, self.parse)
         # Requests go to the runner in chunks of at most max_batch rows (choices), in arrival order.
         chunk: dict[int, LlmRequest] = {}
         for i, req in requests.items():
@@ -363,12 +348,13 @@ class Generation:
     def __init__(self, service: LlmService, requests: dict[int, LlmRequest], context: Any, t0: float) -> None:
         self.s, self.context, self.t0 = service, context, t0
         self.created = int(time.time())
-        self.rows = []
+        self.rows: list[_Row] = []  # the batch's rows, in the runner's order
+        self.by_request: dict[int, list[_Row]] = {}  # a request's rows, by choice index
         for i, req in requests.items():
             rid = (context.get_request_id(i) or str(i)) if hasattr(context, "get_request_id") else str(i)
-            for k in range(len(req.choices)):
-                self.rows.append(_Row(i, k, req, IncrementalDetokenizer(service.tokenizer, req.stop),
-                                      f"{'chatcmpl' if req.chat else 'cmpl'}-{rid}"))
+            self.by_request[i] = [_Row(i, k, req, IncrementalDetokenizer(service.tokenizer, req.stop),
+                                       f"{'chatcmpl' if req.chat else 'cmpl'}-{rid}") for k in range(len(req.choices))]
+            self.rows += self.by_request[i]
         self.done: set[int] = set()  # requests whose stream has ended ([DONE] sent)
 
     def run(self) -> dict[int, str]:
@@ -402,18 +388,18 @@ class Generation:
                 else:
                     row.pieces.append(delta)
             for i in list(chunks):
-                if i not in self.done and all(r.finish is not None for r in self.rows if r.idx == i):
+                if i not in self.done and all(r.finish is not None for r in self.by_request[i]):
                     chunks[i] += self._sse_end(i)
             if chunks:
                 self._send(chunks)
         m.emit("servekit_llm_prompt_tokens_total", "counter",
-               sum(r.req.prompt_tokens for r in self.rows if r.choice == 0))
+               sum(rows[0].req.prompt_tokens for rows in self.by_request.values()))
         m.emit("servekit_llm_completion_tokens_total", "counter", sum(r.tokens for r in self.rows))
         if stats is not None and stats.proposed[0]:  # once per batch: 2 metric lines per draft position
             for pos, (proposed, accepted) in enumerate(zip(stats.proposed, stats.accepted)):
                 m.emit("servekit_spec_proposed_total", "counter", proposed, Position=str(pos))
                 m.emit("servekit_spec_accepted_total", "counter", accepted, Position=str(pos))
-        return {r.idx: ("" if r.req.stream else self._answer(r.idx)) for r in self.rows if r.choice == 0}
+        return {i: ("" if rows[0].req.stream else self._answer(i)) for i, rows in self.by_request.items()}
 
     def _push(self, row: _Row, tokens: list[int], reason: str | None) -> tuple[str, str | None]:
         """Detokenize a row's new tokens (one, or several from a speculative step); the last one
@@ -444,7 +430,7 @@ class Generation:
         send_intermediate_predict_response(chunks, ids, "Intermediate Prediction success", 200, self.context)
 
     def _usage(self, idx: int) -> dict[str, int]:
-        rows = [r for r in self.rows if r.idx == idx]
+        rows = self.by_request[idx]
         p, c = rows[0].req.prompt_tokens, sum(r.tokens for r in rows)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -477,7 +463,7 @@ class Generation:
         """The end of request `idx`'s stream, once all its choices have finished: the usage chunk
         (with include_usage) and [DONE]."""
         self.done.add(idx)
-        row = next(r for r in self.rows if r.idx == idx)
+        row = self.by_request[idx][0]
         end = ""
         if row.req.include_usage:
             usage = {**self._head(row, "chat.completion.chunk" if row.req.chat else "text_completion"),
@@ -487,7 +473,7 @@ class Generation:
 
     def _answer(self, idx: int) -> str:
         self.context.set_response_content_type(idx, "application/json")
-        rows = [r for r in self.rows if r.idx == idx]
+        rows = self.by_request[idx]
         req = rows[0].req
         if req.chat:
             choices = [{"index": r.choice, "message": {"role": "assistant", "content": "".join(r.pieces)},

@@ -34,7 +34,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import Tensor
@@ -168,9 +168,14 @@ def pad_prompts(prompts: list[list[int]], batch: int, length: int, pad_id: int =
 
 def generate(runner: "LlamaRunner", prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
     """Generate to completion for a batch of token-id prompts (collects ``runner.stream``)."""
-    tokens: list[list[int]] = [[] for _ in prompts]
-    reasons: list[str] = [""] * len(prompts)
-    for step in runner.stream(prompts, params):
+    return collect(runner.stream(prompts, params), len(prompts))
+
+
+def collect(steps: Iterable[StepOutput], rows: int) -> list[Completion]:
+    """Every row's tokens and finish reason from a whole stream of steps (any step strategy)."""
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    reasons: list[str] = [""] * rows
+    for step in steps:
         for i, (toks, reason) in enumerate(zip(step.tokens, step.finish_reasons)):
             if toks is not None:
                 tokens[i] += toks

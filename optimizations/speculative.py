@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GenerationStream, GraphedStep,
                                              LlamaRunner, PrefillStep, RegionalCompiled, SamplingParams, StepOutput,
-                                             decode_order, pad_prompts, prefill_order, warm_steps)
+                                             collect, decode_order, pad_prompts, prefill_order, warm_steps)
 from servekit.optimizations.llama import RMSNorm, Transformer
 from servekit.optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
 
@@ -397,17 +397,14 @@ def generate_speculative(spec: "SpeculativeDecoding", prompts: list[list[int]], 
                          speculate: list[bool] | None = None) -> tuple[list[Completion], SpecStats]:
     """Generate to completion with ``spec`` deciding per batch, as ``spec.base.stream`` does with it
     as its strategy; also returns the acceptance counters."""
-    tokens: list[list[int]] = [[] for _ in prompts]
-    reasons: list[str] = [""] * len(prompts)
     stats = SpecStats.empty(spec.n_heads)
-    for step in spec.stream(prompts, params, speculate):
-        stats.add(step)
-        for i, (toks, reason) in enumerate(zip(step.tokens, step.finish_reasons)):
-            if toks is not None:
-                tokens[i] += toks
-            if reason is not None:
-                reasons[i] = reason
-    return [Completion(t, r) for t, r in zip(tokens, reasons)], stats
+
+    def counted(steps: Iterator[StepOutput]) -> Iterator[StepOutput]:
+        for step in steps:
+            stats.add(step)
+            yield step
+
+    return collect(counted(spec.stream(prompts, params, speculate)), len(prompts)), stats
 
 
 class SpeculativeDecoding:

@@ -80,9 +80,10 @@ def read_properties(path: Path) -> dict[str, str]:
     return props
 
 
-def http_json(method: str, url: str, timeout: float = 30.0) -> tuple[int, Any]:
+def http_json(method: str, url: str, timeout: float = 30.0,
+              headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """One HTTP call; returns (status, parsed JSON or text). Connection errors raise OSError."""
-    req = urllib.request.Request(url, method=method)
+    req = urllib.request.Request(url, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, body = resp.status, resp.read()

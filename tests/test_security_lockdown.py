@@ -130,22 +130,15 @@ def test_token_authorization_when_enabled(model_store, tmp_path):
         except (OSError, ValueError):
             return {}
 
+    send = server.http_json  # the real call, before the patch below
+
     def http_json_with_key(method: str, url: str, timeout: float = 30.0):
         # The adapter polls /ping and the management API without a key; add TorchServe's key here.
         k = keys()
         if not k:
             raise OSError("key file not written yet")
         which = "management" if url.startswith(ts.management_url) else "inference"
-        req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {k[which]['key']}"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                status, body = resp.status, resp.read()
-        except urllib.error.HTTPError as e:
-            status, body = e.code, e.read()
-        try:
-            return status, json.loads(body)
-        except ValueError:
-            return status, body.decode("utf-8", "replace")
+        return send(method, url, timeout, headers={"Authorization": f"Bearer {k[which]['key']}"})
 
     ts = TorchServe(run, model_store, extra_props={"disable_token_authorization": "false"})
     with mock.patch.object(server, "http_json", http_json_with_key):

@@ -112,7 +112,7 @@ def write_overlay(recommendation: dict, out_dir: Path, base: Path | str = GPU_OV
     per-pod capacity a pod is planned to run at; `burst` the ratio maxReplicas / minReplicas.
     """
     rec = check(dict(recommendation))
-    base, base_config = resolve(base), resolve(base_config)
+    base = resolve(base)
     size = sizing(rec, headroom, burst)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
