@@ -32,7 +32,9 @@ from servekit import __version__
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
-from servekit.optimizations.generate import FINISH_STOP, TEMPERATURE_RANGE, LlamaRunner, SamplingParams
+from servekit.optimizations.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, LlamaRunner,
+                                             SamplingParams, TokenLogprob)
+from servekit.optimizations.sampling import TOP_LOGPROBS
 from servekit.optimizations.llm import LlmPlan, load_llm_runner, parse_llm_plan
 from servekit.optimizations.plan import PlanError
 from servekit.optimizations.speculative import SpecStats
@@ -57,6 +59,7 @@ ROLES = {"system", "developer", "user", "assistant"}
 MESSAGE_KEYS = {"role", "content", "name", "refusal", "annotations", "audio", "function_call", "tool_calls"}
 MAX_STOP_STRINGS = 4
 SEED_RANGE = (-2**63, 2**64 - 1)  # OpenAI's seed is a 64-bit integer; it is reduced mod 2**32
+COMPLETION_LOGPROBS_MAX = 5  # /v1/completions' integer `logprobs` (OpenAI's limit); chat allows TOP_LOGPROBS
 
 
 @dataclass
@@ -132,16 +135,26 @@ def _stop(value: Any) -> list[str]:
     return stops
 
 
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top alternatives to report per token, or None for no logprobs. Chat: `logprobs`
+    true/false and `top_logprobs` 0..20 (only with logprobs, as OpenAI says); completions: the
+    legacy integer `logprobs` 0..5."""
+    if not chat:
+        if "top_logprobs" in body:
+            raise _bad("'top_logprobs' is a chat field; /v1/completions takes an integer 'logprobs'", "unknown_field")
+        return int_field(body, "logprobs", 0, COMPLETION_LOGPROBS_MAX)
+    wanted = body.get("logprobs", False)
+    if not isinstance(wanted, bool):
+        raise _bad("'logprobs' must be true or false", "invalid_type")
+    top = int_field(body, "top_logprobs", 0, TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise _bad("'top_logprobs' needs \"logprobs\": true", "invalid_value")
+    return (top or 0) if wanted else None
+
+
 def _unsupported(body: dict) -> None:
     """Fields whose semantics are not implemented: accepted only at their no-op value (nulls are
     gone already), each other value a 400 naming the field rather than silently ignored."""
-    for key in ("presence_penalty", "frequency_penalty"):
-        if number_field(body, key, 0.0, -2.0, 2.0) != 0:
-            raise _bad(f"'{key}' is not supported (only 0)", "unsupported_value")
-    if body.get("logprobs") not in (None, False, 0):
-        raise _bad("'logprobs' is not supported", "unsupported_value")
-    if int_field(body, "top_logprobs", 0, 20, 0):
-        raise _bad("'top_logprobs' is not supported (only 0)", "unsupported_value")
     noop = {"logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "functions": [],
             "tool_choice": "none", "function_call": "none", "modalities": ["text"], "suffix": "", "echo": False,
             "best_of": 1}
@@ -281,7 +294,10 @@ class LlmService:
             top_p=number_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
             top_k=max(top_k or 0, 0),
             seed=None if seed is None else seed % 2**32,
-            stop_token_ids=self.stop_ids)
+            stop_token_ids=self.stop_ids,
+            presence_penalty=number_field(body, "presence_penalty", 0.0, *PENALTY_RANGE),
+            frequency_penalty=number_field(body, "frequency_penalty", 0.0, *PENALTY_RANGE),
+            logprobs=_logprobs(body, chat))
 
     # -- the batch -----------------------------------------------------------------------------
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
@@ -340,6 +356,9 @@ class _Row:
     tokens: int = 0
     finish: str | None = None
     started: bool = False
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # all of them (a JSON answer)
+    pending: list[dict[str, Any]] = field(default_factory=list)  # not sent yet (a stream)
+    offset: int = 0  # characters of the tokens' texts so far: the legacy text_offset
 
 
 class Generation:
@@ -376,7 +395,7 @@ class Generation:
                 new = step.tokens[j]
                 if new is None:
                     continue
-                delta, reason = self._push(row, new, step.finish_reasons[j])
+                delta, reason = self._push(row, new, step.finish_reasons[j], step.logprobs[j] if step.logprobs else None)
                 if row.text.stopped:  # a stop string matched: end the row here
                     stream.cancel(j)
                 if reason is not None:
@@ -401,10 +420,12 @@ class Generation:
                 m.emit("servekit_spec_accepted_total", "counter", accepted, Position=str(pos))
         return {i: ("" if rows[0].req.stream else self._answer(i)) for i, rows in self.by_request.items()}
 
-    def _push(self, row: _Row, tokens: list[int], reason: str | None) -> tuple[str, str | None]:
+    def _push(self, row: _Row, tokens: list[int], reason: str | None,
+              logprobs: list[TokenLogprob] | None) -> tuple[str, str | None]:
         """Detokenize a row's new tokens (one, or several from a speculative step); the last one
         carries `reason`. Returns the text to send and the finish reason (a stop string ends the
-        row at once: later tokens of the same step are dropped)."""
+        row at once: later tokens of the same step are dropped). Logprobs are kept for every token
+        that is part of the text (not for a stop token)."""
         delta = ""
         for n, tok in enumerate(tokens):
             if row.tokens == 0:
@@ -414,12 +435,40 @@ class Generation:
             last = n == len(tokens) - 1
             if not (last and reason == FINISH_STOP):  # never print the stop token
                 delta += row.text.push(tok)
+                if logprobs is not None:
+                    entry = self._logprob_entry(row, tok, logprobs[n])
+                    row.logprobs.append(entry)
+                    row.pending.append(entry)
             if row.text.stopped:
                 reason = FINISH_STOP
                 break
         if reason is not None:
             delta += row.text.finish()
         return delta, reason
+
+    def _logprob_entry(self, row: _Row, token: int, lp: TokenLogprob) -> dict[str, Any]:
+        """One token's logprobs, in the chat API's shape (`content[]` items) with the legacy
+        completions fields alongside (`_text_offset`, `_top`), folded by `_logprobs_field`."""
+        tok = self.s.tokenizer
+        text = tok.token_text(token)
+        entry = {"token": text, "logprob": lp.logprob, "bytes": list(tok.token_bytes(token)),
+                 "top_logprobs": [{"token": tok.token_text(t), "logprob": v, "bytes": list(tok.token_bytes(t))}
+                                  for t, v in lp.top]}
+        if not row.req.chat:
+            entry["_text_offset"] = row.offset
+        row.offset += len(text)
+        return entry
+
+    def _logprobs_field(self, row: _Row, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """A choice's `logprobs`: null unless asked for; chat's {content, refusal}, or the legacy
+        completions shape {tokens, token_logprobs, top_logprobs, text_offset}."""
+        if row.req.choices[row.choice][1].logprobs is None:
+            return None
+        if row.req.chat:
+            return {"content": entries, "refusal": None}
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": [e["_text_offset"] for e in entries]}
 
     def _send(self, chunks: dict[int, str]) -> None:
         from ts.handler_utils.utils import send_intermediate_predict_response
@@ -443,18 +492,23 @@ class Generation:
         head = self._head(row, "chat.completion.chunk" if row.req.chat else "text_completion")
         if row.req.include_usage:  # the spec: null on every chunk but the last, which carries it
             head["usage"] = None
+        # The tokens of this chunk's text: its logprobs (a token whose text is held back, e.g. by a
+        # possible stop string, goes with the chunk that carries it, or with the last one).
+        logprobs = self._logprobs_field(row, row.pending) if delta or reason is not None else None
+        if delta or reason is not None:
+            row.pending = []
         if row.req.chat:
             if not row.started:
                 events.append({**head, "choices": [{"index": row.choice, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
-            if delta:
-                events.append({**head, "choices": [{"index": row.choice, "delta": {"content": delta}, "logprobs": None,
-                                                    "finish_reason": None}]})
+            if delta or (reason is not None and logprobs and logprobs["content"]):
+                events.append({**head, "choices": [{"index": row.choice, "delta": {"content": delta},
+                                                    "logprobs": logprobs, "finish_reason": None}]})
             if reason is not None:
                 events.append({**head, "choices": [{"index": row.choice, "delta": {}, "logprobs": None,
                                                     "finish_reason": reason}]})
         else:
-            events.append({**head, "choices": [{"index": row.choice, "text": delta, "logprobs": None,
+            events.append({**head, "choices": [{"index": row.choice, "text": delta, "logprobs": logprobs,
                                                 "finish_reason": reason}]})
         row.started = True
         return "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events)
@@ -477,10 +531,10 @@ class Generation:
         req = rows[0].req
         if req.chat:
             choices = [{"index": r.choice, "message": {"role": "assistant", "content": "".join(r.pieces)},
-                        "logprobs": None, "finish_reason": r.finish} for r in rows]
+                        "logprobs": self._logprobs_field(r, r.logprobs), "finish_reason": r.finish} for r in rows]
         else:
-            choices = [{"index": r.choice, "text": "".join(r.pieces), "logprobs": None, "finish_reason": r.finish}
-                       for r in rows]
+            choices = [{"index": r.choice, "text": "".join(r.pieces), "logprobs": self._logprobs_field(r, r.logprobs),
+                        "finish_reason": r.finish} for r in rows]
         return json.dumps({**self._head(rows[0], "chat.completion" if req.chat else "text_completion"),
                            "choices": choices, "usage": self._usage(idx)}, ensure_ascii=False)
 

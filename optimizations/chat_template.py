@@ -11,10 +11,12 @@ up) nor depends on the transformers version installed next to TorchServe.
 from __future__ import annotations
 
 import json
+import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 
 class TemplateError(ValueError):
@@ -66,6 +68,37 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs ``bytes``): a token may hold part of a
+        UTF-8 character, which its decoded text cannot show."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel):
+            table = _byte_level_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        elif (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:  # sentencepiece's <0xNN> byte tokens
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()  # sentencepiece marks a leading space with U+2581
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text for logprobs; bytes that are not whole UTF-8 characters show as U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): printable Latin-1 bytes stand for themselves, the other
+    bytes for the code points from 256 up, in byte order. Maps each character back to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    extra = (b for b in range(256) if b not in printable)
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(extra)}
+    return {c: b for b, c in chars.items()}
 
 
 def _token_text(value: Any) -> str | None:

@@ -41,13 +41,15 @@ from torch import Tensor
 
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llama import Transformer
-from servekit.optimizations.sampling import FILTER, MODES, SamplingTensors, sample, sampling_mode
+from servekit.optimizations.sampling import (FILTER, FULL, MODES, TOP_LOGPROBS, SamplingTensors, sample, sample_full,
+                                             sampling_mode)
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 # The sampling ranges a request may ask for (OpenAI's), checked once where requests are parsed
 # (handlers/llm_handler.py) and asserted by SamplingParams.error for every other caller.
 TEMPERATURE_RANGE = (0.0, 2.0)
+PENALTY_RANGE = (-2.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,14 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # report each token's logprob and this many top alternatives (None: off)
+
+    @property
+    def full(self) -> bool:
+        """Needs the FULL sampling mode (penalties or logprobs): uncaptured steps, no speculation."""
+        return self.logprobs is not None or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def error(self) -> str | None:
         """Why these settings are invalid, or None."""
@@ -74,7 +84,22 @@ class SamplingParams:
             return f"top_p must be in (0, 1], got {self.top_p!r}"
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             return f"seed must be a non-negative integer, got {self.seed!r}"
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not lo <= getattr(self, name) <= hi:
+                return f"{name} must be in [{lo:g}, {hi:g}], got {getattr(self, name)!r}"
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= TOP_LOGPROBS):
+            return f"logprobs must be an integer in [0, {TOP_LOGPROBS}], got {self.logprobs!r}"
         return None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability and the row's top alternatives (token id, logprob), most
+    likely first, as many as the request asked for."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -90,18 +115,22 @@ class StepOutput:
     ``proposed[j]`` / ``accepted[j]``: how many live rows proposed / had accepted a draft token at
     position j (0 = first draft) in this step; a draft at j counts as accepted only if the drafts
     before it were too. Empty for a plain step.
+
+    ``logprobs[i]``: one ``TokenLogprob`` per token of ``tokens[i]`` when row i asked for logprobs.
     """
 
     tokens: list[list[int] | None]
     finish_reasons: list[str | None]
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
 
 
 @dataclass
 class Completion:
     tokens: list[int]  # every sampled token, a final stop token included
     finish_reason: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked for
 
 
 # --- the model calls: plain functions, compiled or captured by the runner -------------------------
@@ -134,21 +163,43 @@ class RegionalCompiled:
 
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last_idx: Tensor,
             params: SamplingTensors, mode: str = FILTER) -> Tensor:
-    """Run right-padded prompts ``(B, T)`` at positions ``0..T-1``; sample each row's first new token."""
+    """Run right-padded prompts ``(B, T)`` at positions ``0..T-1``; sample each row's first new token
+    (FULL mode: ``sample_full``'s rows; nothing is generated yet, so no penalty applies)."""
     # Positions start at 0, so attention needs cache slots :T only.
     logits = model(tokens, input_pos, last_idx, kv_len=tokens.shape[1])
     position = input_pos.gather(1, last_idx[:, None]).squeeze(1)
+    if mode == FULL:
+        return sample_full(logits, params, position, None)
     return sample(logits, params, position, mode)
 
 
 def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor, params: SamplingTensors,
-                     mode: str = FILTER, kv_len: int | None = None) -> Tensor:
-    """One token per row: tokens, input_pos ``(B, 1)`` -> next tokens ``(B,)``.
+                     mode: str = FILTER, kv_len: int | None = None, counts: Tensor | None = None) -> Tensor:
+    """One token per row: tokens, input_pos ``(B, 1)`` -> next tokens ``(B,)`` (FULL mode:
+    ``sample_full``'s rows, penalised by ``counts``).
 
     Every live row's position must be below ``kv_len`` (default: the whole cache).
     """
     logits = model(tokens, input_pos, kv_len=kv_len)[:, -1]
+    if mode == FULL:
+        return sample_full(logits, params, input_pos[:, -1], counts)
     return sample(logits, params, input_pos[:, -1], mode)
+
+
+def token_ids(out: Tensor, mode: str) -> Tensor:
+    """The sampled ids ``(B,)`` of a prefill or decode output of ``mode``."""
+    return out[:, 0].long() if mode == FULL else out
+
+
+def read_row(row: list, mode: str, logprobs: int | None) -> tuple[int, TokenLogprob | None]:
+    """One row of a step's host copy: its token and, when the request asked, its logprobs."""
+    if mode != FULL:
+        return row, None
+    token = int(row[0])
+    if logprobs is None:
+        return token, None
+    ids, values = row[2:2 + TOP_LOGPROBS], row[2 + TOP_LOGPROBS:]
+    return token, TokenLogprob(row[1], tuple((int(t), v) for t, v in zip(ids[:logprobs], values[:logprobs])))
 
 
 def pad_prompts(prompts: list[list[int]], batch: int, length: int, pad_id: int = 0
@@ -173,15 +224,16 @@ def generate(runner: "LlamaRunner", prompts: list[list[int]], params: list[Sampl
 
 def collect(steps: Iterable[StepOutput], rows: int) -> list[Completion]:
     """Every row's tokens and finish reason from a whole stream of steps (any step strategy)."""
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    reasons: list[str] = [""] * rows
+    out = [Completion([], "") for _ in range(rows)]
     for step in steps:
         for i, (toks, reason) in enumerate(zip(step.tokens, step.finish_reasons)):
             if toks is not None:
-                tokens[i] += toks
+                out[i].tokens += toks
+            if step.logprobs and step.logprobs[i] is not None:
+                out[i].logprobs += step.logprobs[i]
             if reason is not None:
-                reasons[i] = reason
-    return [Completion(t, r) for t, r in zip(tokens, reasons)]
+                out[i].finish_reason = reason
+    return out
 
 
 # --- the runner: buckets, warm-up / capture, the streaming loop ----------------------------------
@@ -189,15 +241,19 @@ def collect(steps: Iterable[StepOutput], rows: int) -> list[Completion]:
 class DecodeState:
     """Static decode inputs of one batch bucket, shared by its graphs (every mode and kv length)."""
 
-    def __init__(self, batch: int, device: torch.device) -> None:
+    def __init__(self, batch: int, device: torch.device, vocab_size: int) -> None:
         self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.input_pos = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
+        # Times each token was generated so far, per row: the penalties' input (FULL mode only).
+        self.counts = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
 
-    def load(self, first_tokens: Tensor, positions: Tensor, params: SamplingTensors) -> None:
+    def load(self, first_tokens: Tensor, positions: Tensor, params: SamplingTensors, count: bool = False) -> None:
         self.tokens.copy_(first_tokens[:, None])
         self.input_pos.copy_(positions[:, None])
         self.params.copy_(params)
+        if count:
+            self.counts.zero_().scatter_add_(1, first_tokens[:, None], torch.ones_like(self.counts[:, :1]))
 
 
 class GraphedStep:
@@ -248,11 +304,14 @@ class DecodeStep(GraphedStep):
     @torch.no_grad()
     def _body(self) -> Tensor:
         st = self.state
-        nxt = decode_one_token(self.forward, st.tokens, st.input_pos, st.params, self.mode, self.kv_len)
+        out = decode_one_token(self.forward, st.tokens, st.input_pos, st.params, self.mode, self.kv_len, st.counts)
+        nxt = token_ids(out, self.mode)
+        if self.mode == FULL:
+            st.counts.scatter_add_(1, nxt[:, None], torch.ones_like(st.counts[:, :1]))
         st.tokens.copy_(nxt[:, None])
         # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
         st.input_pos.add_(1).clamp_(max=self.model.max_seq_len - 1)
-        return nxt
+        return out
 
 
 @dataclass
@@ -321,12 +380,13 @@ def warm_steps(steps: dict[tuple, GraphedStep], order: Callable[[tuple], tuple],
             steps[key].run()
 
 
-class _HostCopies:
-    """Two host buffers for step outputs: copy step t+1 while the host reads step t."""
+class HostCopies:
+    """Two (pinned, on CUDA) host buffers for step outputs of one shape: copy step t+1 while the
+    host reads step t."""
 
-    def __init__(self, batch: int, device: torch.device) -> None:
+    def __init__(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.int64) -> None:
         self.cuda = device.type == "cuda"
-        self.bufs = [torch.zeros(batch, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self.bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.cuda) for _ in range(2)]
         self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
 
     def start(self, slot: int, t: Tensor) -> None:
@@ -334,7 +394,7 @@ class _HostCopies:
         if self.cuda:
             self.events[slot].record()
 
-    def wait(self, slot: int) -> list[int]:
+    def wait(self, slot: int) -> list:
         if self.cuda:
             self.events[slot].synchronize()
         return self.bufs[slot].tolist()
@@ -426,9 +486,10 @@ class LlamaRunner:
         compiled = RegionalCompiled(model, compile_mode) if compile_prefill or compile_decode else None
         self.compiled_model = compiled
         self._prefill_model = compiled if compile_prefill else model
-        self.states = {b: DecodeState(b, self.device) for b in self.batch_buckets}
+        self.states = {b: DecodeState(b, self.device, model.config.vocab_size) for b in self.batch_buckets}
+        # FULL steps are built like the others and never captured (warmup skips them).
         self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, compiled if compile_decode else None)
-                      for b in self.batch_buckets for m in MODES for kv in self.kv_buckets}
+                      for b in self.batch_buckets for m in MODES + (FULL,) for kv in self.kv_buckets}
         # Prompt buckets up to `prefill_graphs` tokens prefill from static inputs (captured on CUDA);
         # longer prompts are compute-bound and run as plain calls.
         short = [t for t in self.prefill_buckets if t <= prefill_graphs]
@@ -490,7 +551,8 @@ class LlamaRunner:
         warm_steps(self.prefill_steps, prefill_order, pool, lambda k: k[2] == FILTER)
         self._sync()
         t2 = time.perf_counter()
-        warm_steps(self.steps, decode_order, pool, lambda k: k[1:] == (FILTER, self.kv_buckets[-1]))
+        captured = {k: step for k, step in self.steps.items() if k[1] in MODES}
+        warm_steps(captured, decode_order, pool, lambda k: k[1:] == (FILTER, self.kv_buckets[-1]))
         self._sync()
         return {"prefill_s": t1 - t0, "prefill_graphs_s": t2 - t1, "decode_s": time.perf_counter() - t2}
 
@@ -517,8 +579,8 @@ class LlamaRunner:
         b = self.prepare(prompts, params, self.batch_buckets)
         with torch.no_grad():
             first = self.run_prefill(self.prefill_steps, b, partial(prefill, self._prefill_model))
-            self.states[b.batch].load(first, b.positions, b.sampling)
-        host = _HostCopies(b.batch, self.device)
+            self.states[b.batch].load(token_ids(first, b.mode), b.positions, b.sampling, count=b.mode == FULL)
+        host = HostCopies(tuple(first.shape), self.device, first.dtype)
         host.start(0, first)
         done = [False] * len(prompts)
         return GenerationStream(self._decode_loop(b.batch, b.mode, host, [len(p) for p in prompts], params, done),
@@ -543,10 +605,12 @@ class LlamaRunner:
         top_k = [sp.top_k for sp in params] + [0] * pad_rows
         top_p = [float(sp.top_p) for sp in params] + [1.0] * pad_rows
         seeds = [sp.seed if sp.seed is not None else self._rng.getrandbits(32) for sp in params] + [0] * pad_rows
+        presence = [float(sp.presence_penalty) for sp in params] + [0.0] * pad_rows
+        frequency = [float(sp.frequency_penalty) for sp in params] + [0.0] * pad_rows
         positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
         return PreparedBatch(batch, length, tokens, input_pos, last_idx,
-                             SamplingTensors.build(temperature, top_k, top_p, seeds, self.device),
-                             sampling_mode(temperature, top_k, top_p), positions)
+                             SamplingTensors.build(temperature, top_k, top_p, seeds, self.device, presence, frequency),
+                             sampling_mode(temperature, top_k, top_p, any(sp.full for sp in params)), positions)
 
     @staticmethod
     def run_prefill(steps: dict[tuple[int, int, str], GraphedStep], b: "PreparedBatch",
@@ -560,7 +624,7 @@ class LlamaRunner:
         step.state.load(b.tokens, b.input_pos, b.last_idx, b.sampling)
         return step.run()
 
-    def _decode_loop(self, batch: int, mode: str, host: _HostCopies, lengths: list[int],
+    def _decode_loop(self, batch: int, mode: str, host: HostCopies, lengths: list[int],
                      params: list[SamplingParams], done: list[bool]) -> Iterator[StepOutput]:
         n = len(params)
         generated = [0] * n
@@ -576,12 +640,15 @@ class LlamaRunner:
                 step = self.steps[(batch, mode, pick_bucket(needed, self.kv_buckets))]
                 host.start(1 - slot, step.run())
                 launched += 1
-            toks = host.wait(slot)
-            out = StepOutput([None] * n, [None] * n)
+            rows = host.wait(slot)
+            out = StepOutput([None] * n, [None] * n, logprobs=[None] * n)
             for i in live:
-                out.tokens[i] = [toks[i]]
+                tok, logprob = read_row(rows[i], mode, params[i].logprobs)
+                out.tokens[i] = [tok]
+                if logprob is not None:
+                    out.logprobs[i] = [logprob]
                 generated[i] += 1
-                if toks[i] in stops[i]:
+                if tok in stops[i]:
                     out.finish_reasons[i], done[i] = FINISH_STOP, True
                 elif generated[i] >= params[i].max_tokens:
                     out.finish_reasons[i], done[i] = FINISH_LENGTH, True

@@ -11,6 +11,11 @@ Sampling then is the Gumbel-max trick: ``argmax(logits / T + Gumbel)`` is a draw
 ``softmax(logits / T)``.
 
 Order of the filters follows transformers' defaults: temperature, then top-k, then top-p.
+Presence and frequency penalties (OpenAI's) come first, on the raw logits, from per-row counts of
+the tokens generated so far (the prompt's tokens are not counted, as in vLLM).
+
+Log probabilities are reported from the raw logits (before penalties and temperature: vLLM's
+default ``raw_logprobs``), for the sampled token and the row's top alternatives.
 """
 
 from __future__ import annotations
@@ -30,14 +35,20 @@ class SamplingTensors(NamedTuple):
     top_k: Tensor  # int64; 0 means off
     top_p: Tensor  # float32; 1.0 means off
     seed: Tensor  # int64 in [0, 2**32)
+    presence: Tensor  # float32; presence penalty, 0 means off
+    frequency: Tensor  # float32; frequency penalty, 0 means off
 
     @classmethod
     def build(cls, temperature: list[float], top_k: list[int], top_p: list[float], seed: list[int],
-              device: torch.device | str = "cpu") -> "SamplingTensors":
+              device: torch.device | str = "cpu", presence: list[float] | None = None,
+              frequency: list[float] | None = None) -> "SamplingTensors":
+        zeros = [0.0] * len(temperature)
         return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
                    torch.tensor(top_k, dtype=torch.int64, device=device),
                    torch.tensor(top_p, dtype=torch.float32, device=device),
-                   torch.tensor([s & _M32 for s in seed], dtype=torch.int64, device=device))
+                   torch.tensor([s & _M32 for s in seed], dtype=torch.int64, device=device),
+                   torch.tensor(presence or zeros, dtype=torch.float32, device=device),
+                   torch.tensor(frequency or zeros, dtype=torch.float32, device=device))
 
     def copy_(self, other: "SamplingTensors") -> None:
         for dst, src in zip(self, other):
@@ -84,13 +95,18 @@ def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 # What a batch needs, decided on the host from the requests (no device sync): greedy-only batches
-# skip the noise, and batches without top-k/top-p skip the vocabulary sort. Each mode is its own
-# captured graph.
-GREEDY, SAMPLE, FILTER = "greedy", "sample", "filter"
+# skip the noise, and batches without top-k/top-p skip the vocabulary sort. Each of MODES is its own
+# captured graph. FULL (penalties and log probabilities on top of FILTER) is for the batches whose
+# requests ask for them; its steps run uncaptured, so the common modes' graphs stay as lean as
+# before and no extra graphs are captured for a rarely used feature.
+GREEDY, SAMPLE, FILTER, FULL = "greedy", "sample", "filter", "full"
 MODES = (GREEDY, SAMPLE, FILTER)
+TOP_LOGPROBS = 20  # alternatives a FULL step reports per row (OpenAI's top_logprobs maximum)
 
 
-def sampling_mode(temperature: list[float], top_k: list[int], top_p: list[float]) -> str:
+def sampling_mode(temperature: list[float], top_k: list[int], top_p: list[float], full: bool = False) -> str:
+    if full:
+        return FULL
     if all(t == 0 for t in temperature):
         return GREEDY
     if any(t > 0 and (k > 0 or p < 1.0) for t, k, p in zip(temperature, top_k, top_p)):
@@ -112,3 +128,21 @@ def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str 
     gumbel = -torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(params.temperature > 0, sampled, greedy)
+
+
+def apply_penalties(logits: Tensor, counts: Tensor, params: SamplingTensors) -> Tensor:
+    """OpenAI's presence/frequency penalties: ``logit[v] -= count[v] * frequency + (count[v] > 0) * presence``,
+    with ``counts`` ``(B, V)`` the times each token was generated so far in the row."""
+    return logits - counts * params.frequency[:, None] - (counts > 0).float() * params.presence[:, None]
+
+
+def sample_full(logits: Tensor, params: SamplingTensors, position: Tensor, counts: Tensor | None) -> Tensor:
+    """FULL mode: penalties (when ``counts`` is given), then FILTER sampling; returns one float64 row
+    per batch row: ``[token, its logprob, TOP_LOGPROBS top token ids..., their logprobs...]``
+    (token ids are exact in float64), logprobs from the raw logits."""
+    penalized = logits if counts is None else apply_penalties(logits, counts, params)
+    ids = sample(penalized, params, position, FILTER)
+    logprobs = logits.log_softmax(dim=-1)
+    top = logprobs.topk(min(TOP_LOGPROBS, logits.shape[-1]), dim=-1)
+    return torch.cat([ids[:, None].double(), logprobs.gather(1, ids[:, None]).double(),
+                      top.indices.double(), top.values.double()], dim=1)

@@ -58,8 +58,8 @@ from torch import Tensor, nn
 
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GenerationStream, GraphedStep,
-                                             LlamaRunner, PrefillStep, RegionalCompiled, SamplingParams, StepOutput,
-                                             collect, decode_order, pad_prompts, prefill_order, warm_steps)
+                                             HostCopies, LlamaRunner, PrefillStep, RegionalCompiled, SamplingParams,
+                                             StepOutput, collect, decode_order, pad_prompts, prefill_order, warm_steps)
 from servekit.optimizations.llama import RMSNorm, Transformer
 from servekit.optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
 
@@ -374,25 +374,6 @@ class VerifyStep(GraphedStep):
         return torch.cat([base, accepted[:, None]], dim=1)
 
 
-class _HostRing:
-    """Two pinned host buffers ``(B, k+2)``: copy step t+1 while the host reads step t."""
-
-    def __init__(self, batch: int, width: int, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.bufs = [torch.zeros(batch, width, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
-        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
-
-    def start(self, slot: int, t: Tensor) -> None:
-        self.bufs[slot].copy_(t, non_blocking=self.cuda)
-        if self.cuda:
-            self.events[slot].record()
-
-    def wait(self, slot: int) -> list[list[int]]:
-        if self.cuda:
-            self.events[slot].synchronize()
-        return self.bufs[slot].tolist()
-
-
 def generate_speculative(spec: "SpeculativeDecoding", prompts: list[list[int]], params: list[SamplingParams],
                          speculate: list[bool] | None = None) -> tuple[list[Completion], SpecStats]:
     """Generate to completion with ``spec`` deciding per batch, as ``spec.base.stream`` does with it
@@ -472,7 +453,8 @@ class SpeculativeDecoding:
     def applies(self, params: list[SamplingParams], speculate: list[bool] | None = None) -> bool:
         """Whether ``stream`` takes the speculative path for this batch."""
         rows = self._spec_rows(params, speculate)
-        return 0 < len(params) <= self.max_spec_batch and any(rows)
+        # Penalties and logprobs are plain steps' features (FULL mode): such a batch does not speculate.
+        return 0 < len(params) <= self.max_spec_batch and any(rows) and not any(sp.full for sp in params)
 
     @staticmethod
     def _spec_rows(params: list[SamplingParams], speculate: list[bool] | None) -> list[bool]:
@@ -497,7 +479,7 @@ class SpeculativeDecoding:
             out = self.base.run_prefill(self.prefill_steps, b, self._plain_prefill)
             first, draft = out[:, 0], out[:, 1:]
             self.states[b.batch].load(first, draft, b.positions, spec_rows, b.sampling)
-            host = _HostRing(b.batch, self.n_heads + 2, self.device)
+            host = HostCopies((b.batch, self.n_heads + 2), self.device)
             host.start(0, torch.cat([first[:, None], torch.zeros_like(draft), torch.zeros_like(first)[:, None]], 1))
         done = [False] * len(prompts)
         return GenerationStream(self._spec_loop(b.batch, b.mode, host, [len(p) for p in prompts], params, rows, done),
@@ -509,7 +491,7 @@ class SpeculativeDecoding:
         first, draft = spec_prefill(self._prefill_model, self.speculator, tokens, input_pos, last_idx, params, mode)
         return torch.cat([first[:, None], draft], dim=1)
 
-    def _spec_loop(self, batch: int, mode: str, host: _HostRing, lengths: list[int], params: list[SamplingParams],
+    def _spec_loop(self, batch: int, mode: str, host: HostCopies, lengths: list[int], params: list[SamplingParams],
                    rows: list[bool], done: list[bool]) -> Iterator[StepOutput]:
         n, k, max_seq = len(params), self.n_heads, self.base.max_seq_len
         generated = [0] * n

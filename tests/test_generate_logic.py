@@ -309,3 +309,64 @@ def test_compiled_blocks_match_eager_with_four_graphs(model: Transformer, runner
         ps = params[:len(prompts)]
         assert [c.tokens for c in generate(compiled, prompts, ps)] == [c.tokens for c in generate(runner, prompts, ps)]
     assert 1 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+
+
+def _penalized_reference(model: Transformer, prompt: list[int], n: int, presence: float, frequency: float
+                         ) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy with OpenAI's penalties over the generated tokens, by recomputing the full sequence;
+    also each step's raw log-softmax (what logprobs report)."""
+    seq, out, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1]
+            logprobs.append(logits.log_softmax(-1))
+            counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=logits.shape[-1]).float()
+            tok = int((logits - counts * frequency - (counts > 0).float() * presence).argmax())
+            seq.append(tok)
+            out.append(tok)
+    return out, logprobs
+
+
+def test_penalties_match_a_recomputed_reference_and_change_greedy_output(runner: LlamaRunner,
+                                                                         model: Transformer) -> None:
+    prompts = _prompts([7, 19], seed=5)
+    params = [SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5),
+              SamplingParams(max_tokens=16, frequency_penalty=2.0)]
+    out = generate(runner, prompts, params)
+    for p, sp, c in zip(prompts, params, out):
+        expected, _ = _penalized_reference(model, p, 16, sp.presence_penalty, sp.frequency_penalty)
+        assert c.tokens == expected
+    plain = _greedy_reference(model, prompts[1], 16)
+    assert out[1].tokens != plain  # the penalty did something on this prompt
+    assert len(set(out[1].tokens)) > len(set(plain))  # fewer repeats
+
+
+def test_logprobs_report_the_raw_distribution_and_leave_tokens_unchanged(runner: LlamaRunner,
+                                                                         model: Transformer) -> None:
+    prompts = _prompts([6, 13, 4], seed=6)
+    params = [SamplingParams(max_tokens=9, logprobs=3), SamplingParams(max_tokens=9),
+              SamplingParams(max_tokens=9, logprobs=0, temperature=0.8, seed=3)]
+    out = generate(runner, prompts, params)
+    plain = generate(runner, prompts, [SamplingParams(max_tokens=9), SamplingParams(max_tokens=9),
+                                       SamplingParams(max_tokens=9, temperature=0.8, seed=3)])
+    assert [c.tokens for c in out] == [c.tokens for c in plain]  # the FULL mode samples the same tokens
+    assert out[1].logprobs == []  # a batch-mate that did not ask gets none
+    for i in (0, 2):
+        assert len(out[i].logprobs) == len(out[i].tokens) == 9
+        seq = prompts[i]
+        with torch.no_grad():
+            for tok, lp in zip(out[i].tokens, out[i].logprobs):
+                ref = model(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1].log_softmax(-1)
+                assert lp.logprob == pytest.approx(float(ref[tok]), abs=1e-4)
+                top = ref.topk(params[i].logprobs)
+                assert [t for t, _ in lp.top] == top.indices.tolist()
+                assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+                seq = seq + [tok]
+    assert all(lp.logprob == pytest.approx(lp.top[0][1]) for lp in out[0].logprobs)  # greedy: the top token
+
+
+def test_penalty_and_logprob_ranges_are_checked() -> None:
+    assert "presence_penalty" in SamplingParams(presence_penalty=2.5).error()
+    assert "frequency_penalty" in SamplingParams(frequency_penalty=-3).error()
+    assert "logprobs" in SamplingParams(logprobs=21).error()
+    assert SamplingParams(logprobs=20, presence_penalty=-2, frequency_penalty=2).error() is None

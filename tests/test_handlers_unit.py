@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mock_context import batch, mock_context, status
 from servekit.resources import model_config
@@ -91,3 +93,61 @@ def test_llm_handler_answers_a_mixed_batch_and_reads_the_registered_batch_size(l
     assert "ErrorType:invalid_value" in lines
     service.handle(batch(ctx, [("v1/completions", {"prompt": "Hi", "max_tokens": 2})] * 2), ctx)
     assert "[METRICS]servekit_batch_fill_ratio.Ratio:0.5|" in capsys.readouterr().out  # 2 of 4
+
+
+# -- property tests of the LLM request parser: every field of both routes, any JSON value -----------
+_texts = st.text(st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), max_size=30)
+_numbers = (st.integers() | st.integers(min_value=10**20, max_value=10**400) | st.integers(max_value=-10**20)
+            | st.floats(allow_nan=True, allow_infinity=True))
+_scalars = st.none() | st.booleans() | _numbers | _texts
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
+                       | st.dictionaries(st.sampled_from(["role", "content", "type", "text", "include_usage"]) | _texts,
+                                         inner, max_size=4), max_leaves=20)
+# As deep as TorchServe's own json.loads still parses (deeper bodies reach the handler as bytes,
+# which the decode_body fuzz tests cover).
+_deep = st.integers(min_value=1, max_value=900).map(lambda n: json.loads("[" * n + "]" * n))
+
+
+def _llm_field_bodies():
+    from servekit.handlers.llm_handler import CHAT_KEYS, COMPLETION_KEYS
+
+    chat = st.tuples(st.just("v1/chat/completions"), st.sampled_from(sorted(CHAT_KEYS)), _values | _deep)
+    text = st.tuples(st.just("v1/completions"), st.sampled_from(sorted(COMPLETION_KEYS)), _values | _deep)
+    return chat | text
+
+
+VALID = {"v1/chat/completions": {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2,
+                                 "temperature": 0},
+         "v1/completions": {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}}
+
+
+@given(case=_llm_field_bodies())
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+def test_llm_parser_takes_any_value_in_any_field(llm, case) -> None:
+    """A fuzzed value in one field of an otherwise valid body: the parser gives a request the
+    runner can run, or the request's own 4xx (RequestError) -- never another exception."""
+    from servekit.handlers.common import RequestError
+
+    service, _ = llm
+    route, key, value = case
+    try:
+        req = service.parse({"body": {**VALID[route], key: value}}, route)
+    except RequestError as e:
+        assert 400 <= e.status < 500 and json.loads(e.body())["error"]["message"]
+        return
+    for prompt, params in req.choices:
+        assert service.runner.check(prompt, params) is None
+
+
+@given(case=_llm_field_bodies())
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+def test_llm_batch_mates_keep_their_answers_whatever_one_request_holds(llm, case) -> None:
+    service, ctx = llm
+    route, key, value = case
+    mate = ("v1/completions", VALID["v1/completions"])
+    solo = json.loads(service.handle(batch(ctx, [mate]), ctx)[0])["choices"][0]["text"]
+    out = service.handle(batch(ctx, [mate, (route, {**VALID[route], key: value}), mate]), ctx)
+    assert status(ctx, 0) == status(ctx, 2) == 200 and status(ctx, 1) < 500
+    assert [json.loads(out[i])["choices"][0]["text"] for i in (0, 2)] == [solo, solo]

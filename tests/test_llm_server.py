@@ -14,14 +14,14 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
 
 from servekit.torchserve import TorchServe
 from servekit.optimizations.chat_template import ChatTokenizer
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.generate import Completion, LlamaRunner, SamplingParams, generate
 from servekit.optimizations.gguf_weights import smollm2_archive_files
 from servekit.optimizations.llama import load_llama
 
@@ -45,8 +45,8 @@ def server(smollm2_spec_store: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="module")
-def reference(weights_dir: Path):
-    """Greedy completion of prompt ids, in-process, with the archive's weights and the server's plan."""
+def reference_runner(weights_dir: Path):
+    """The archive's weights in-process with the server's plan: (tokenizer, generate(ids, **sampling))."""
     tok = ChatTokenizer(weights_dir)
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -54,13 +54,24 @@ def reference(weights_dir: Path):
                          prefill_buckets=(32, 64, 128, 256, 512, 1024), kv_buckets=(256, 512, 1024))
     stops = (tok.eos_token_id, tok.token_id("<|endoftext|>"))
 
+    def run(ids: list[int], max_tokens: int, **sampling: Any) -> Completion:
+        return generate(runner, [ids], [SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, **sampling)])[0]
+
+    yield tok, run
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_runner):
+    """Greedy completion of prompt ids: (text, tokens)."""
+    tok, run = reference_runner
+
     def complete(ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
-        out = generate(runner, [ids], [SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)])[0]
+        out = run(ids, max_tokens)
         tokens = out.tokens[:-1] if out.finish_reason == "stop" else out.tokens
         return tok.decode(tokens), out.tokens
 
-    yield tok, complete
-    torch.set_num_threads(old)
+    return tok, complete
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +311,55 @@ def test_n_choices_and_lists_of_prompts(client, reference) -> None:
         for c in ch.choices:
             texts[c.index] += c.delta.content or ""
     assert [texts[0], texts[1]] == alone
+
+
+def test_openai_logprobs_chat_streamed_and_text_completions(client, reference_runner) -> None:
+    """`logprobs`/`top_logprobs` through the SDK: each text token's logprob and its top alternatives,
+    as the in-process runner reports them; the tokens' texts make up the answer."""
+    tok, run = reference_runner
+    want = run(tok.encode_chat(MESSAGES), 10, logprobs=3)
+    reported = want.logprobs[:len(want.tokens) - (want.finish_reason == "stop")]  # a stop token is not text
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=10, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert len(content) == len(reported)
+    for got, ref in zip(content, reported):
+        assert got.logprob == pytest.approx(ref.logprob, abs=2e-3)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([v for _, v in ref.top], abs=2e-3)
+        assert [t.token for t in got.top_logprobs] == [tok.token_text(t) for t, _ in ref.top]
+        assert bytes(got.bytes) == got.token.encode()
+    streamed = [t for ch in client.chat.completions.create(
+        model="smollm2", messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+        if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=10, temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == r.choices[0].message.content  # logprobs change no token
+
+    prompt = "The three primary colors are"
+    c = client.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert all(len(alts) == 2 and max(alts.values()) == pytest.approx(v) for alts, v in
+               zip(lp.top_logprobs, lp.token_logprobs))  # greedy: the chosen token is the most likely
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+
+
+def test_logprobs_with_n_choices(client) -> None:
+    both = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=6, temperature=1.0,
+                                          seed=5, n=2, logprobs=True)
+    for choice in both.choices:
+        assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+        assert all(t.logprob <= 0 and t.top_logprobs == [] for t in choice.logprobs.content)
+
+
+def test_presence_and_frequency_penalties_match_the_runner(client, reference_runner) -> None:
+    tok, run = reference_runner
+    messages = [{"role": "user", "content": "Write the word cat ten times."}]
+    want = run(tok.encode_chat(messages), 24, presence_penalty=0.8, frequency_penalty=1.5)
+    tokens = want.tokens[:-1] if want.finish_reason == "stop" else want.tokens
+    r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0,
+                                       presence_penalty=0.8, frequency_penalty=1.5)
+    assert r.choices[0].message.content == tok.decode(tokens)
+    assert r.usage.completion_tokens == len(want.tokens)

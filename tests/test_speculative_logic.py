@@ -248,6 +248,12 @@ def test_per_request_switch_and_sampled_requests(base: LlamaRunner, spec: Specul
     # All sampled: plain decoding.
     assert not spec.applies([sampled, sampled])
     assert _check_exact(base, spec, prompts[:2], [sampled, sampled]).proposed == [0] * K
+    # Logprobs or penalties anywhere in the batch: plain (FULL) steps, logprobs reported.
+    with_logprobs = SamplingParams(max_tokens=20, logprobs=2)
+    assert not spec.applies([greedy, with_logprobs])
+    got, stats = generate_speculative(spec, prompts[:2], [greedy, with_logprobs])
+    assert stats.proposed == [0] * K and len(got[1].logprobs) == 20
+    assert [c.tokens for c in got] == [c.tokens for c in generate(base, prompts[:2], [greedy] * 2)]
 
 
 def test_bad_requests_raise_at_call(spec: SpeculativeDecoding) -> None:
