@@ -5,6 +5,7 @@
 # Steps: tests  the CUDA-only tests (captured and compiled steps, speculative verify graphs vs eager)
 #        spec   SmolLM2 speculator heads trained briefly and measured in-process (into /opt/gpucheck)
 #        serve  SmolLM2 through TorchServe with and without the heads of `spec`
+#        openai the openai SDK's models / multi-turn / logprobs / n / penalties on the GPU plan
 set -uo pipefail
 out=${OUT_DIR:-${OUT:-gpu-out}}
 work=/opt/gpucheck
@@ -21,6 +22,8 @@ for step in "$@"; do
     serve) timeout 560 python3 -m servekit.benchmarks.llm_serve_bench --out "$work/serve" \
              --speculator "$work/spec/heads" --concurrency 1 4 --rounds 1 --max-tokens 128 2>&1 | tail -30 \
              | tee "$out/serve.log"; cp "$work"/serve/llm_serve_bench.* "$out/" 2>/dev/null ;;
+    openai) timeout 560 python3 -m servekit.benchmarks.openai_check --out "$out/openai" 2>&1 | tail -15 \
+              | tee "$out/openai.log" ;;
     *) echo "unknown step: $step (see the header of $0)" >&2; exit 2 ;;
   esac
 done

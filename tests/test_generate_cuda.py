@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.generate import Completion, LlamaRunner, SamplingParams, generate
 from servekit.optimizations.llama import LlamaConfig, init_random
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -20,12 +20,16 @@ PARAMS = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=12, temperatu
           SamplingParams(max_tokens=30, temperature=1.0, seed=4)]
 
 
-def _run(**switches: bool | int) -> list[list[int]]:
+def _completions(params: list[SamplingParams], **switches: bool | int) -> list[Completion]:
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64),
                          kv_buckets=(32, 64), **switches)
     runner.warmup()
-    return [c.tokens for c in generate(runner, _prompts(), PARAMS)]
+    return generate(runner, _prompts(), params)
+
+
+def _run(**switches: bool | int) -> list[list[int]]:
+    return [c.tokens for c in _completions(PARAMS, **switches)]
 
 
 def test_cuda_graph_decode_equals_eager() -> None:
@@ -54,3 +58,17 @@ def test_captured_speculative_steps_equal_plain_decoding() -> None:
     got, stats = generate_speculative(spec, _prompts(), PARAMS)
     assert stats.proposed[0] > 0
     assert [c.tokens for c in got] == _run()
+
+
+def test_logprobs_and_penalties_with_graphs_and_compile_equal_eager() -> None:
+    """A FULL-mode batch (uncaptured steps on a runner whose other steps are graphs, compiled
+    blocks) gives eager's tokens, logprobs and penalised choices."""
+    params = [SamplingParams(max_tokens=20, logprobs=3, presence_penalty=0.5),
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, logprobs=0),
+              SamplingParams(max_tokens=20, frequency_penalty=1.0)]
+    got = _completions(params, compile_prefill=True, compile_decode=True, cuda_graphs=True, prefill_graphs=64)
+    want = _completions(params)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert len(got[0].logprobs) == 20 and got[2].logprobs == []
+    for g, w in zip(got[0].logprobs + got[1].logprobs, want[0].logprobs + want[1].logprobs):
+        assert abs(g.logprob - w.logprob) < 1e-3 and [t for t, _ in g.top] == [t for t, _ in w.top]
