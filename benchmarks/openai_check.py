@@ -53,18 +53,21 @@ def _checks(client: Any, max_tokens: int) -> dict[str, Callable[[], str]]:
         kw = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, logprobs=True, top_logprobs=5)
         r = client.chat.completions.create(**kw)
         content = r.choices[0].logprobs.content
-        assert "".join(t.token for t in content) == r.choices[0].message.content
-        assert all(t.logprob <= 0 and len(t.top_logprobs) == 5 for t in content)
+        text = r.choices[0].message.content
+        joined = b"".join(bytes(t.bytes) for t in content).decode()
+        assert joined == text, f"tokens' bytes make {joined!r}, the answer is {text!r}"
+        assert all(t.logprob <= 0 and len(t.top_logprobs) == 5 for t in content), "a logprob > 0 or not 5 top"
         assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-6 for t in content), "greedy is not the top token"
         streamed = [t for ch in client.chat.completions.create(**kw, stream=True)
                     if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
-        assert [t.token for t in streamed] == [t.token for t in content]
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 1e-3
+        assert [t.token for t in streamed] == [t.token for t in content], "streamed tokens differ"
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 1e-3, "streamed logprobs differ"
         plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
-        assert plain.choices[0].message.content == r.choices[0].message.content, "logprobs changed the tokens"
+        assert plain.choices[0].message.content == text, f"without logprobs: {plain.choices[0].message.content!r}"
         c = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=8,
                                       temperature=0, logprobs=3).choices[0]
-        assert "".join(c.logprobs.tokens) == c.text and all(len(a) == 3 for a in c.logprobs.top_logprobs)
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs), "completions: tokens vs token_logprobs"
+        assert all(len(a) == 3 for a in c.logprobs.top_logprobs), "completions: not 3 alternatives per token"
         return f"{len(content)} tokens, first {content[0].token!r} {content[0].logprob:.4f}; completions ok"
 
     def n_choices() -> str:

@@ -16,8 +16,9 @@ plan compiles: ``RegionalCompiled``, the transformer block compiled once with dy
 reused by every layer, shared by prefill and decode; dynamo keeps 4 graphs whatever the buckets:
 prefill and decode, each for batch 1 and batch > 1) and captures one ``torch.cuda.CUDAGraph`` per
 (batch bucket, kv bucket, sampling mode:
-greedy / sample / top-k-top-p, chosen on the host from the requests) for the decode step,
-sampling included. The default GPU plan (batch 1..8, kv 256..2048) makes 48 graphs in one pool.
+greedy / sample / top-k-top-p / full (penalties and logprobs), chosen on the host from the
+requests) for the decode step, sampling included. The default GPU plan (batch 1..8, kv 256..2048)
+makes 64 graphs in one pool.
 We capture graphs ourselves rather than through ``mode="reduce-overhead"``: the graph's input and
 output tensors are ours, each step copies its output to the host before the next replay, and
 nothing outside holds a graph output that a replay could overwrite (the failure seen with
@@ -41,8 +42,8 @@ from torch import Tensor
 
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llama import Transformer
-from servekit.optimizations.sampling import (FILTER, FULL, MODES, TOP_LOGPROBS, SamplingTensors, sample, sample_full,
-                                             sampling_mode)
+from servekit.optimizations.sampling import (FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, sample,
+                                             sample_full, sampling_mode)
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -487,15 +488,14 @@ class LlamaRunner:
         self.compiled_model = compiled
         self._prefill_model = compiled if compile_prefill else model
         self.states = {b: DecodeState(b, self.device, model.config.vocab_size) for b in self.batch_buckets}
-        # FULL steps are built like the others and never captured (warmup skips them).
         self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, compiled if compile_decode else None)
-                      for b in self.batch_buckets for m in MODES + (FULL,) for kv in self.kv_buckets}
+                      for b in self.batch_buckets for m in PLAIN_MODES for kv in self.kv_buckets}
         # Prompt buckets up to `prefill_graphs` tokens prefill from static inputs (captured on CUDA);
         # longer prompts are compute-bound and run as plain calls.
         short = [t for t in self.prefill_buckets if t <= prefill_graphs]
         prefill_states = {(b, t): PrefillState(b, t, self.device) for b in self.batch_buckets for t in short}
         self.prefill_steps = {(b, t, m): PrefillStep(partial(prefill, self._prefill_model), st, m)
-                              for (b, t), st in prefill_states.items() for m in MODES}
+                              for (b, t), st in prefill_states.items() for m in PLAIN_MODES}
         self._rng = random.Random()
         self.speculation: StepStrategy | None = None  # set by llm.load_llm_runner for a speculative plan
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
@@ -548,11 +548,10 @@ class LlamaRunner:
                        torch.zeros(b, dtype=torch.int64, device=self.device),
                        SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        warm_steps(self.prefill_steps, prefill_order, pool, lambda k: k[2] == FILTER)
+        warm_steps(self.prefill_steps, prefill_order, pool, lambda k: k[2] in (FILTER, FULL))
         self._sync()
         t2 = time.perf_counter()
-        captured = {k: step for k, step in self.steps.items() if k[1] in MODES}
-        warm_steps(captured, decode_order, pool, lambda k: k[1:] == (FILTER, self.kv_buckets[-1]))
+        warm_steps(self.steps, decode_order, pool, lambda k: k[1] in (FILTER, FULL) and k[2] == self.kv_buckets[-1])
         self._sync()
         return {"prefill_s": t1 - t0, "prefill_graphs_s": t2 - t1, "decode_s": time.perf_counter() - t2}
 

@@ -95,12 +95,13 @@ def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 # What a batch needs, decided on the host from the requests (no device sync): greedy-only batches
-# skip the noise, and batches without top-k/top-p skip the vocabulary sort. Each of MODES is its own
+# skip the noise, and batches without top-k/top-p skip the vocabulary sort. Each mode is its own
 # captured graph. FULL (penalties and log probabilities on top of FILTER) is for the batches whose
-# requests ask for them; its steps run uncaptured, so the common modes' graphs stay as lean as
-# before and no extra graphs are captured for a rarely used feature.
+# requests ask for them, so the common modes' graphs stay as lean as before. Plain decoding has
+# every mode (PLAIN_MODES); speculative steps have MODES (a FULL batch does not speculate).
 GREEDY, SAMPLE, FILTER, FULL = "greedy", "sample", "filter", "full"
 MODES = (GREEDY, SAMPLE, FILTER)
+PLAIN_MODES = MODES + (FULL,)
 TOP_LOGPROBS = 20  # alternatives a FULL step reports per row (OpenAI's top_logprobs maximum)
 
 
