@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer, decoders
+from tokenizers import Tokenizer
 
 
 class TemplateError(ValueError):
@@ -47,6 +47,7 @@ class ChatTokenizer:
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self.template = env.from_string(template)
         self.eos_token_id = self.token_id(self.special["eos_token"])
+        self.byte_level = is_byte_level(self.tokenizer)
 
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self.tokenizer.token_to_id(text)
@@ -75,7 +76,7 @@ class ChatTokenizer:
         piece = self.tokenizer.id_to_token(token_id)
         if piece is None:
             return b""
-        if isinstance(self.tokenizer.decoder, decoders.ByteLevel):
+        if self.byte_level:
             table = _byte_level_decoder()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
@@ -89,6 +90,13 @@ class ChatTokenizer:
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def is_byte_level(tokenizer: Tokenizer) -> bool:
+    """Whether tokens are spelled in byte-level BPE's alphabet: a ByteLevel decoder, alone or inside
+    a Sequence (how transformers versions save the same tokenizer differs)."""
+    spec = json.loads(tokenizer.to_str())
+    return '"ByteLevel"' in json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
 
 
 @lru_cache(maxsize=1)

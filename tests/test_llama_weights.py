@@ -160,3 +160,23 @@ def test_incremental_detokenizer_streams_whole_characters_and_honours_stop_strin
     # Special tokens (the chat markers) never reach the text.
     det = IncrementalDetokenizer(tok)
     assert "".join(det.push(i) for i in tok.encode("<|im_start|>assistant\nHi<|im_end|>")) + det.finish() == "assistant\nHi"
+
+
+def test_token_bytes_spell_the_text_whatever_the_decoder_wrapping(converted: Path) -> None:
+    """Logprobs' `bytes`: a token's own bytes (part of a UTF-8 character included), for the
+    tokenizer as saved and with its ByteLevel decoder wrapped in a Sequence (as other transformers
+    versions save it)."""
+    from tokenizers import decoders
+
+    from servekit.optimizations.chat_template import ChatTokenizer, is_byte_level
+
+    text = "Rhône, 日本語 ✓ and <|im_end|>"
+    for wrap in (False, True):
+        tok = ChatTokenizer(converted)
+        if wrap:
+            tok.tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
+            tok.byte_level = is_byte_level(tok.tokenizer)
+        assert tok.byte_level
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids).decode() == text
+        assert any("\ufffd" in tok.token_text(i) for i in ids)  # a token holding part of a character
