@@ -154,8 +154,8 @@ class RegionalCompiled:
         return getattr(self._model, name)
 
     def __call__(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
-                 kv_len: int | None = None) -> Tensor:
-        return self._model(tokens, input_pos, last_idx, kv_len, blocks=self._blocks)
+                 kv_len: int | None = None, rows: Tensor | None = None) -> Tensor:
+        return self._model(tokens, input_pos, last_idx, kv_len, blocks=self._blocks, rows=rows)
 
     def hidden(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
                kv_len: int | None = None) -> Tensor:
@@ -163,11 +163,12 @@ class RegionalCompiled:
 
 
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last_idx: Tensor,
-            params: SamplingTensors, mode: str = FILTER) -> Tensor:
+            params: SamplingTensors, mode: str = FILTER, rows: Tensor | None = None) -> Tensor:
     """Run right-padded prompts ``(B, T)`` at positions ``0..T-1``; sample each row's first new token
-    (FULL mode: ``sample_full``'s rows; nothing is generated yet, so no penalty applies)."""
+    (FULL mode: ``sample_full``'s rows; nothing is generated yet, so no penalty applies). ``rows``:
+    the cache rows to fill (default ``0..B-1``)."""
     # Positions start at 0, so attention needs cache slots :T only.
-    logits = model(tokens, input_pos, last_idx, kv_len=tokens.shape[1])
+    logits = model(tokens, input_pos, last_idx, kv_len=tokens.shape[1], rows=rows)
     position = input_pos.gather(1, last_idx[:, None]).squeeze(1)
     if mode == FULL:
         return sample_full(logits, params, position, None)
@@ -240,7 +241,9 @@ def collect(steps: Iterable[StepOutput], rows: int) -> list[Completion]:
 # --- the runner: buckets, warm-up / capture, the streaming loop ----------------------------------
 
 class DecodeState:
-    """Static decode inputs of one batch bucket, shared by its graphs (every mode and kv length)."""
+    """Static decode inputs, one row per cache row, shared by the decode graphs (every mode and kv
+    length). Each batch bucket's graphs use ``view(b)``: its first b rows, the same memory, so a
+    row keeps its state when the running batch moves to another bucket (continuous batching)."""
 
     def __init__(self, batch: int, device: torch.device, vocab_size: int) -> None:
         self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
@@ -248,6 +251,24 @@ class DecodeState:
         self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
         # Times each token was generated so far, per row: the penalties' input (FULL mode only).
         self.counts = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
+
+    def view(self, batch: int) -> "DecodeState":
+        """The first ``batch`` rows, sharing memory with this state."""
+        out = object.__new__(DecodeState)
+        out.tokens, out.input_pos, out.counts = self.tokens[:batch], self.input_pos[:batch], self.counts[:batch]
+        out.params = SamplingTensors(*(t[:batch] for t in self.params))
+        return out
+
+    def load_rows(self, rows: Tensor, first_tokens: Tensor, positions: Tensor, params: SamplingTensors) -> None:
+        """Start requests in the given rows (continuous batching): their first token, position and
+        sampling parameters; their penalty counts restart from the first token."""
+        self.tokens.index_copy_(0, rows, first_tokens[:, None])
+        self.input_pos.index_copy_(0, rows, positions[:, None])
+        for dst, src in zip(self.params, params):
+            dst.index_copy_(0, rows, src)
+        counts = torch.zeros(len(rows), self.counts.shape[1], dtype=self.counts.dtype, device=self.counts.device)
+        counts.scatter_add_(1, first_tokens[:, None], torch.ones_like(counts[:, :1]))
+        self.counts.index_copy_(0, rows, counts)
 
     def load(self, first_tokens: Tensor, positions: Tensor, params: SamplingTensors, count: bool = False) -> None:
         self.tokens.copy_(first_tokens[:, None])
@@ -382,13 +403,21 @@ def warm_steps(steps: dict[tuple, GraphedStep], order: Callable[[tuple], tuple],
 
 
 class HostCopies:
-    """Two (pinned, on CUDA) host buffers for step outputs of one shape: copy step t+1 while the
-    host reads step t."""
+    """``count`` (pinned, on CUDA) host buffers for step outputs of one shape: copy step t+1 while
+    the host reads step t."""
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.int64) -> None:
+    def __init__(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.int64,
+                 count: int = 2) -> None:
         self.cuda = device.type == "cuda"
-        self.bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.cuda) for _ in range(2)]
-        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+        self.bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.cuda) for _ in range(count)]
+        self.events = [torch.cuda.Event() for _ in range(count)] if self.cuda else []
+        self.next = 0  # the buffer the next ``start_next`` fills
+
+    def start_next(self, t: Tensor) -> int:
+        """Start copying into the next buffer of the ring; returns its index for ``wait``."""
+        slot, self.next = self.next, (self.next + 1) % len(self.bufs)
+        self.start(slot, t)
+        return slot
 
     def start(self, slot: int, t: Tensor) -> None:
         self.bufs[slot].copy_(t, non_blocking=self.cuda)
@@ -487,7 +516,8 @@ class LlamaRunner:
         compiled = RegionalCompiled(model, compile_mode) if compile_prefill or compile_decode else None
         self.compiled_model = compiled
         self._prefill_model = compiled if compile_prefill else model
-        self.states = {b: DecodeState(b, self.device, model.config.vocab_size) for b in self.batch_buckets}
+        self.state = DecodeState(self.batch_buckets[-1], self.device, model.config.vocab_size)
+        self.states = {b: self.state.view(b) for b in self.batch_buckets}
         self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, compiled if compile_decode else None)
                       for b in self.batch_buckets for m in PLAIN_MODES for kv in self.kv_buckets}
         # Prompt buckets up to `prefill_graphs` tokens prefill from static inputs (captured on CUDA);

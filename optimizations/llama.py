@@ -125,12 +125,19 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, kv_len: int,
+               rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Write k/v ``(B, H, T, D)`` at per-row positions ``input_pos`` ``(B, T)``.
 
-        Returns cache rows ``:B``, slots ``:kv_len`` (what attention reads).
+        Returns cache rows ``:B`` (or the cache rows ``rows`` ``(B,)``: a prefill into given slots
+        while other rows decode), slots ``:kv_len`` (what attention reads).
         """
         b, h, t, d = k.shape
+        if rows is not None:
+            index = (rows[:, None, None], torch.arange(h, device=k.device)[None, :, None], input_pos[:, None, :])
+            self.k_cache.index_put_(index, k)
+            self.v_cache.index_put_(index, v)
+            return self.k_cache[rows, :, :kv_len], self.v_cache[rows, :, :kv_len]
         idx = input_pos[:, None, :, None].expand(b, h, t, d)
         k_out = self.k_cache[:b]
         v_out = self.v_cache[:b]
@@ -195,7 +202,8 @@ class Attention(nn.Module):
         q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
         return q, k, v
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+                rows: Tensor | None = None) -> Tensor:
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
@@ -204,7 +212,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is None:
             raise RuntimeError("call Transformer.setup_caches() before forward()")
-        k, v = self.kv_cache.update(input_pos, k, v, mask.shape[-1])
+        k, v = self.kv_cache.update(input_pos, k, v, mask.shape[-1], rows)
         # GQA without copying the cache: fold each kv head's query group into the query-length
         # axis, (B, n_kv, group*T, D), and repeat the (B, T, S) mask to match.
         group = self.n_heads // self.n_kv_heads
@@ -253,8 +261,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+                rows: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos, rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -292,7 +301,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             # One spare slot that attention never reads: a kv_len equal to the buffer length would
             # make the sliced cache contiguous, and torch.compile would specialize (compile twice) on it.
-            layer.attention.kv_cache = KVCache(max_batch_size, self.config.n_kv_heads, max_seq_len + 1,
+            # One spare row too: where padding rows of a prefill into given rows write (``rows``).
+            layer.attention.kv_cache = KVCache(max_batch_size + 1, self.config.n_kv_heads, max_seq_len + 1,
                                                self.config.head_dim, w.dtype, w.device)
         cos, sin = rope_tables(self.config.head_dim, max_seq_len, self.config.rope_base, w.device)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -301,7 +311,8 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
     def forward(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
-                kv_len: int | None = None, blocks: Sequence[Callable[..., Tensor]] | None = None) -> Tensor:
+                kv_len: int | None = None, blocks: Sequence[Callable[..., Tensor]] | None = None,
+                rows: Tensor | None = None) -> Tensor:
         """tokens, input_pos: ``(B, T)`` int64 with per-row positions.
 
         Returns fp32 logits ``(B, T, V)``, or ``(B, V)`` at column ``last_idx[b]`` of each row when
@@ -310,11 +321,19 @@ class Transformer(nn.Module):
         the whole cache); the caller guarantees every position that matters is below ``kv_len``,
         which saves reading the cache's unused tail. ``blocks``: callables run instead of
         ``self.layers`` (compiled copies of them, see ``servekit.optimizations.generate.RegionalCompiled``).
+        ``rows`` ``(B,)``: the cache rows the batch's rows use (default ``0..B-1``); a prefill into
+        free slots of a running batch passes them (``max_batch_size`` is the spare row).
         """
-        return self.output(self.hidden(tokens, input_pos, last_idx, kv_len, blocks)).float()
+        return self.output(self.hidden(tokens, input_pos, last_idx, kv_len, blocks, rows)).float()
+
+    @property
+    def spare_row(self) -> int:
+        """A cache row no request uses: padding rows of a prefill into given rows write there."""
+        return self.max_batch_size
 
     def hidden(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
-               kv_len: int | None = None, blocks: Sequence[Callable[..., Tensor]] | None = None) -> Tensor:
+               kv_len: int | None = None, blocks: Sequence[Callable[..., Tensor]] | None = None,
+               rows: Tensor | None = None) -> Tensor:
         """``forward`` without the vocab projection: the final normed hidden state ``(B, T, dim)``
         (``(B, dim)`` with ``last_idx``), in the model's dtype. Writes the KV cache like ``forward``."""
         if tokens.shape[0] > self.max_batch_size:
@@ -326,7 +345,7 @@ class Transformer(nn.Module):
         kv_len = self.max_seq_len if kv_len is None else kv_len
         mask = self.cache_positions[None, None, :kv_len] <= input_pos[:, :, None]
         for layer in self.layers if blocks is None else blocks:
-            x = layer(x, cos, sin, mask, input_pos)
+            x = layer(x, cos, sin, mask, input_pos, rows)
         if last_idx is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_idx]
         return self.norm(x)

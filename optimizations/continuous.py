@@ -1,0 +1,223 @@
+"""Continuous batching on ``LlamaRunner``: requests join the running batch between decode steps and
+leave it the moment they finish, instead of a batch running until its last row ends.
+
+Slots: the runner's KV cache rows ``0..max_num_seqs-1``. A request gets the lowest free slot; its
+prompt is prefilled straight into that cache row (``Transformer.forward(rows=...)``) while the
+other rows keep their state, and from then on it is one row of the decode steps. Every decode step
+runs the runner's step (a CUDA graph on GPU) of the smallest batch bucket that covers the highest
+busy slot; free slots below it decode garbage that nobody reads, as padding rows always did. A
+row's state (token, position, sampling parameters, penalty counts) lives in the runner's one
+``DecodeState`` whose bucket views share memory, so changing bucket moves nothing.
+
+Each row computes exactly what it computes alone (its own cache row, its own positions, noise
+keyed by its own seed and position), so greedy output does not depend on who else is running.
+
+Pipelining as in ``LlamaRunner.stream``: each ``step()`` launches decode step t+1 before it reads
+step t, so the device never waits for the host's bookkeeping; a row that finished at step t has one
+wasted token computed in step t+1, which is dropped. Admission (prefill) is queued on the same
+stream after the step in flight, so it never races with it.
+
+Speculative decoding stays with static batching (``LlamaRunner.stream``) for now.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+from servekit.optimizations.buckets import pick_bucket
+from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
+                                             TokenLogprob, prefill, read_row, token_ids)
+from servekit.optimizations.sampling import SamplingTensors, sampling_mode
+
+FINISH_ERROR = "error"
+
+
+@dataclass
+class SeqUpdate:
+    """What one request got from one ``step()``: new tokens (the last one carries the finish
+    reason, a stop token included as in ``StepOutput``), their logprobs when asked for, or an
+    error that ended the request (``finish_reason == "error"``)."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: Exception | None = None
+
+
+@dataclass
+class _Seq:
+    key: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    stops: frozenset[int]
+    slot: int = -1
+    launched: int = 0  # tokens asked of the device so far (the prefill's first one included)
+    generated: int = 0  # tokens reported
+    done: bool = False
+
+
+@dataclass
+class _Pending:
+    host: HostCopies
+    slot: int
+    mode: str
+    seqs: list[tuple[int, _Seq]]  # (row of the output, request)
+
+
+class ContinuousBatcher:
+    """The scheduler: ``add()`` / ``cancel()`` requests at any time, ``step()`` to advance.
+
+    Not thread-safe: one thread drives it (the LLM handler's engine thread). FIFO admission up to
+    ``max_num_seqs`` running requests; the rest wait in order.
+    """
+
+    def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None) -> None:
+        self.r = runner
+        self.max_num_seqs = max_num_seqs or runner.max_batch
+        if not 1 <= self.max_num_seqs <= runner.max_batch:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be between 1 and the largest batch "
+                             f"bucket {runner.max_batch}")
+        self.slots: list[_Seq | None] = [None] * self.max_num_seqs
+        self.waiting: collections.deque[_Seq] = collections.deque()
+        self.by_key: dict[Hashable, _Seq] = {}
+        # A launched output not read yet: its host copy, the sampling mode, and (output row, request) pairs.
+        self._inflight: _Pending | None = None
+        self._hosts: dict[tuple, HostCopies] = {}
+
+    # -- requests ------------------------------------------------------------------------------
+    def add(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
+        """Queue a request; ``ValueError`` (naming the problem) if the runner cannot run it."""
+        if key in self.by_key:
+            raise ValueError(f"request {key!r} is already running")
+        if (err := self.r.check(prompt, params)) is not None:
+            raise ValueError(err)
+        seq = _Seq(key, list(prompt), params, frozenset(params.stop_token_ids))
+        self.by_key[key] = seq
+        self.waiting.append(seq)
+
+    def cancel(self, key: Hashable) -> None:
+        """End a request now (client gone, stop string matched): its slot is free at once."""
+        seq = self.by_key.pop(key, None)
+        if seq is None:
+            return
+        if seq.slot < 0:
+            self.waiting.remove(seq)
+        self._finish(seq)
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.running > 0 or self._inflight is not None
+
+    # -- one iteration -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> dict[Hashable, SeqUpdate]:
+        """Admit waiting requests into free slots (prefill), launch the next decode step, read the
+        previous one. Returns the new tokens of every request that got some."""
+        updates: dict[Hashable, SeqUpdate] = {}
+        admitted = self._admit(updates)
+        launched = self._launch()
+        if self._inflight is not None:
+            self._read(self._inflight, updates)
+        if admitted is not None:
+            self._read(admitted, updates)
+        self._inflight = launched
+        return updates
+
+    def _host(self, out: torch.Tensor) -> tuple[HostCopies, int]:
+        """Start copying ``out`` to the host; returns where it lands. At most three copies are
+        outstanding (the step in flight, an admission's first tokens, the step just launched), so
+        a ring of four buffers per shape never overwrites one before it is read."""
+        key = (tuple(out.shape), out.dtype)
+        if key not in self._hosts:
+            self._hosts[key] = HostCopies(tuple(out.shape), self.r.device, out.dtype, count=4)
+        host = self._hosts[key]
+        return host, host.start_next(out)
+
+    def _admit(self, updates: dict[Hashable, SeqUpdate]) -> _Pending | None:
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        n = min(len(free), len(self.waiting))
+        if n == 0:
+            return None
+        seqs = [self.waiting.popleft() for _ in range(n)]
+        rows_list = free[:n]
+        try:
+            b = self.r.prepare([s.prompt for s in seqs], [s.params for s in seqs], self.r.batch_buckets)
+            rows = torch.tensor(rows_list + [self.r.model.spare_row] * (b.batch - n), device=self.r.device)
+            out = prefill(self.r._prefill_model, b.tokens, b.input_pos, b.last_idx, b.sampling, b.mode, rows)
+            live = rows[:n]
+            self.r.state.load_rows(live, token_ids(out, b.mode)[:n], b.positions[:n],
+                                   SamplingTensors(*(t[:n] for t in b.sampling)))
+        except Exception as e:  # e.g. out of memory on a long prompt: these requests fail, the others run on
+            for s in seqs:
+                self.by_key.pop(s.key, None)
+                s.done = True
+                updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
+            return None
+        for s, row in zip(seqs, rows_list):
+            s.slot, s.launched = row, 1
+            self.slots[row] = s
+        host, slot = self._host(out)
+        return _Pending(host, slot, b.mode, list(enumerate(seqs)))  # prefill output row i: admitted request i
+
+    def _launch(self) -> _Pending | None:
+        active = [s for s in self.slots if s is not None and not s.done]
+        # Only rows that may still need a token after the launched ones: the last read finishes the rest.
+        if not any(s.launched < s.params.max_tokens for s in active):
+            return None
+        batch = pick_bucket(max(s.slot for s in active) + 1, self.r.batch_buckets)
+        mode = _mode([s.params for s in active])
+        # This step writes position len(prompt) + launched - 1 of each row: attend to one past it.
+        needed = min(max(len(s.prompt) + s.launched for s in active), self.r.max_seq_len)
+        out = self.r.steps[(batch, mode, pick_bucket(needed, self.r.kv_buckets))].run()
+        for s in active:
+            s.launched += 1
+        host, slot = self._host(out)
+        return _Pending(host, slot, mode, [(s.slot, s) for s in active])  # decode output row = slot
+
+    def _read(self, pending: _Pending, updates: dict[Hashable, SeqUpdate]) -> None:
+        rows = pending.host.wait(pending.slot)
+        for row, s in pending.seqs:
+            if s.done:  # finished or cancelled since the launch: its token is dropped
+                continue
+            tok, logprob = read_row(rows[row], pending.mode, s.params.logprobs)
+            u = updates.setdefault(s.key, SeqUpdate())
+            u.tokens.append(tok)
+            if logprob is not None:
+                u.logprobs.append(logprob)
+            s.generated += 1
+            if tok in s.stops:
+                u.finish_reason = FINISH_STOP
+            elif s.generated >= s.params.max_tokens:
+                u.finish_reason = FINISH_LENGTH
+            if u.finish_reason is not None:
+                self.by_key.pop(s.key, None)
+                self._finish(s)
+
+    def _finish(self, seq: _Seq) -> None:
+        seq.done = True
+        if seq.slot >= 0 and self.slots[seq.slot] is seq:
+            self.slots[seq.slot] = None
+
+    def fail_all(self, error: Exception) -> dict[Hashable, SeqUpdate]:
+        """End every request with ``error`` (a decode step failed: it cannot be pinned on one row)."""
+        out = {key: SeqUpdate(finish_reason=FINISH_ERROR, error=error) for key in self.by_key}
+        for seq in list(self.by_key.values()):
+            self._finish(seq)
+        self.by_key.clear()
+        self.waiting.clear()
+        self._inflight = None
+        return out
+
+
+def _mode(params: list[SamplingParams]) -> str:
+    """The one sampling mode that serves every running row (the runner's modes, as for a batch)."""
+    return sampling_mode([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                         any(p.full for p in params))
+

@@ -1,0 +1,165 @@
+"""Continuous batching (servekit.optimizations.continuous) on a tiny random Llama, CPU: requests
+join and leave a running batch, and every request still gets exactly its solo output."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servekit.optimizations.continuous import ContinuousBatcher, SeqUpdate
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llama import LlamaConfig, Transformer, init_random
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return init_random(LlamaConfig.tiny(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def runner(model: Transformer) -> LlamaRunner:
+    return LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _solo(runner: LlamaRunner, prompt: list[int], params: SamplingParams):
+    return generate(runner, [prompt], [params])[0]
+
+
+class Recorder:
+    """Drives a batcher and keeps every request's tokens, finish reason, logprobs and the step at
+    which each token arrived."""
+
+    def __init__(self, batcher: ContinuousBatcher) -> None:
+        self.b, self.steps = batcher, 0
+        self.tokens: dict[str, list[int]] = {}
+        self.first_step: dict[str, int] = {}
+        self.finish: dict[str, str] = {}
+        self.logprobs: dict[str, list] = {}
+
+    def add(self, key: str, prompt: list[int], params: SamplingParams) -> None:
+        self.b.add(key, prompt, params)
+        self.tokens[key], self.logprobs[key] = [], []
+
+    def step(self) -> dict[str, SeqUpdate]:
+        updates = self.b.step()
+        self.steps += 1
+        for key, u in updates.items():
+            if u.tokens and key not in self.first_step:
+                self.first_step[key] = self.steps
+            self.tokens[key] += u.tokens
+            self.logprobs[key] += u.logprobs
+            if u.finish_reason is not None:
+                self.finish[key] = u.finish_reason
+        return updates
+
+    def run(self, limit: int = 500) -> None:
+        while self.b.has_work and limit:
+            self.step()
+            limit -= 1
+        assert not self.b.has_work
+
+
+def test_requests_joining_mid_generation_get_their_solo_output(runner: LlamaRunner) -> None:
+    rec = Recorder(ContinuousBatcher(runner))
+    cases = {"a": (_prompt(20, 1), SamplingParams(max_tokens=40)),
+             "b": (_prompt(5, 2), SamplingParams(max_tokens=12, temperature=0.9, top_k=30, seed=7)),
+             "c": (_prompt(33, 3), SamplingParams(max_tokens=25, temperature=1.1, top_p=0.8, seed=8)),
+             "d": (_prompt(9, 4), SamplingParams(max_tokens=30, presence_penalty=1.0, logprobs=2))}
+    rec.add("a", *cases["a"])
+    for _ in range(5):
+        rec.step()
+    rec.add("b", *cases["b"])
+    rec.add("c", *cases["c"])
+    for _ in range(3):
+        rec.step()
+    rec.add("d", *cases["d"])  # joins a batch of 3: the bucket grows to 4
+    rec.run()
+    for key, (prompt, params) in cases.items():
+        want = _solo(runner, prompt, params)
+        assert rec.tokens[key] == want.tokens, key
+        assert rec.finish[key] == want.finish_reason
+    want_d = _solo(runner, *cases["d"])
+    assert len(rec.logprobs["d"]) == len(want_d.logprobs) == 30
+    for got, want in zip(rec.logprobs["d"], want_d.logprobs):
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+
+
+def test_a_short_request_behind_a_long_one_starts_within_steps(runner: LlamaRunner) -> None:
+    rec = Recorder(ContinuousBatcher(runner))
+    rec.add("long", _prompt(30, 5), SamplingParams(max_tokens=80))
+    for _ in range(10):
+        rec.step()
+    rec.add("short", _prompt(6, 6), SamplingParams(max_tokens=4))
+    added_at = rec.steps
+    while "short" not in rec.finish:
+        rec.step()
+    assert rec.first_step["short"] == added_at + 1  # its prefill runs in the very next step
+    assert rec.steps - added_at <= 6  # and it ends while the long one still runs
+    assert "long" not in rec.finish
+    rec.run()
+    assert len(rec.tokens["long"]) == 80
+
+
+def test_admission_is_fifo_up_to_max_num_seqs_and_a_cancel_frees_the_slot_at_once(runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(runner, max_num_seqs=2)
+    rec = Recorder(batcher)
+    for key, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4)):
+        rec.add(key, _prompt(8, seed), SamplingParams(max_tokens=60))
+    for _ in range(3):
+        rec.step()
+    assert batcher.running == 2 and set(rec.first_step) == {"a", "b"}  # c and d wait, in order
+    batcher.cancel("a")
+    assert batcher.running == 1
+    rec.step()
+    assert "c" in rec.first_step and "d" not in rec.first_step
+    n = len(rec.tokens["a"])
+    rec.run()
+    assert len(rec.tokens["a"]) == n  # nothing more for a cancelled request
+    assert rec.tokens["c"] == _solo(runner, _prompt(8, 3), SamplingParams(max_tokens=60)).tokens
+
+
+def test_bad_requests_are_refused_at_add_and_the_rest_runs(runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(runner)
+    rec = Recorder(batcher)
+    rec.add("ok", _prompt(8, 1), SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        batcher.add("long", _prompt(64, 2), SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        batcher.add("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match="already running"):
+        batcher.add("ok", _prompt(8, 1), SamplingParams())
+    rec.run()
+    assert rec.finish["ok"] == "length" and len(rec.tokens["ok"]) == 5
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        ContinuousBatcher(runner, max_num_seqs=8)
+
+
+def test_a_failed_prefill_ends_only_the_requests_it_admitted(runner: LlamaRunner, monkeypatch) -> None:
+    """An out-of-memory prefill (a real one needs a GPU: simulated here by a prefill that raises for
+    a marker prompt) ends the requests it was admitting; the running one goes on unharmed."""
+    import servekit.optimizations.continuous as continuous
+
+    real = continuous.prefill
+    marker = _prompt(12, 9)
+
+    def failing(model, tokens, *args, **kw):
+        if tokens[0, :len(marker)].tolist() == marker:
+            raise torch.OutOfMemoryError("simulated")
+        return real(model, tokens, *args, **kw)
+
+    monkeypatch.setattr(continuous, "prefill", failing)
+    rec = Recorder(ContinuousBatcher(runner))
+    rec.add("run", _prompt(7, 1), SamplingParams(max_tokens=20))
+    for _ in range(3):
+        rec.step()
+    rec.add("oom", marker, SamplingParams(max_tokens=5))
+    updates = rec.step()
+    assert updates["oom"].finish_reason == "error" and isinstance(updates["oom"].error, torch.OutOfMemoryError)
+    rec.run()
+    assert rec.tokens["run"] == _solo(runner, _prompt(7, 1), SamplingParams(max_tokens=20)).tokens
