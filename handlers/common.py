@@ -6,7 +6,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Collection, TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -174,13 +174,17 @@ def models_answer(route: str, model_name: str, created: int) -> str | None:
 
 
 def parse_each(data: list[dict[str, Any]], context: Any, metrics: Any, model_name: str, created: int,
-               parse: Callable[[dict[str, Any], str], T]) -> tuple[dict[int, T], dict[int, str]]:
+               parse: Callable[[dict[str, Any], str], T],
+               skip: Collection[int] = ()) -> tuple[dict[int, T], dict[int, str]]:
     """Each request of a batch on its own: the models API answered here, the others parsed by
     `parse(raw, route)`. Returns the valid requests and the answers given already (models API, each
-    failed request's own 4xx: whatever went wrong, never its batch-mates' failure)."""
+    failed request's own 4xx: whatever went wrong, never its batch-mates' failure). Indices in
+    `skip` are left alone (continuous batching: requests already running, sent without a body)."""
     requests: dict[int, T] = {}
     answers: dict[int, str] = {}
     for i, raw in enumerate(data):
+        if i in skip:
+            continue
         route = url_path(context, i)
         try:
             models = models_answer(route, model_name, created)

@@ -29,6 +29,7 @@ import torch
 from servekit.handlers.common import (RequestError, decode_body, fail_request, freeze_heap, int_field, number_field,
                                       parse_each, registered_batch_size, without_nulls)
 from servekit import __version__
+from servekit.handlers.llm_continuous import ContinuousFrontend
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
@@ -208,6 +209,13 @@ class LlmService:
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
         # OpenAI's system_fingerprint names the backend configuration: servekit's version and plan.
         self.fingerprint = f"servekit-{__version__}-{self.plan.label()}"
+        # continuousBatching (TorchServe's own key): requests join the running batch, at most
+        # batchSize at a time (handlers/llm_continuous.py); otherwise each batch runs to its end.
+        self.continuous: ContinuousFrontend | None = None
+        if config.get("continuousBatching"):
+            if self.runner.speculation is not None:
+                log.warning("continuous batching decodes without speculation (the heads serve static batching)")
+            self.continuous = ContinuousFrontend(self, Generation, _device_error)
         install_buffered_reads()
         log.info("servekit LLM plan %s ready in %.1f s (gc_frozen_objects %d): %s", self.plan.label(),
                  time.perf_counter() - t0, freeze_heap(), json.dumps(self.runner.plan))
@@ -301,6 +309,8 @@ class LlmService:
 
     # -- the batch -----------------------------------------------------------------------------
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
+        if self.continuous is not None:
+            return self.continuous.handle(data, context)
         t0 = time.perf_counter()
         requests, answers = parse_each(data, context, self.metrics, self.model_name, self.created, self.parse)
         # Requests go to the runner in chunks of at most max_batch rows (choices), in arrival order.
@@ -418,6 +428,9 @@ class Generation:
             for pos, (proposed, accepted) in enumerate(zip(stats.proposed, stats.accepted)):
                 m.emit("servekit_spec_proposed_total", "counter", proposed, Position=str(pos))
                 m.emit("servekit_spec_accepted_total", "counter", accepted, Position=str(pos))
+        for i, rows in self.by_request.items():
+            if not rows[0].req.stream:
+                self.context.set_response_content_type(i, "application/json")
         return {i: ("" if rows[0].req.stream else self._answer(i)) for i, rows in self.by_request.items()}
 
     def _push(self, row: _Row, tokens: list[int], reason: str | None,
@@ -526,7 +539,6 @@ class Generation:
         return end + "data: [DONE]\n\n"
 
     def _answer(self, idx: int) -> str:
-        self.context.set_response_content_type(idx, "application/json")
         rows = self.by_request[idx]
         req = rows[0].req
         if req.chat:

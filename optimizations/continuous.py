@@ -22,8 +22,10 @@ Speculative decoding stays with static batching (``LlamaRunner.stream``) for now
 from __future__ import annotations
 
 import collections
+import logging
+import threading
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Collection, Hashable
 
 import torch
 
@@ -31,6 +33,8 @@ from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
                                              TokenLogprob, prefill, read_row, token_ids)
 from servekit.optimizations.sampling import SamplingTensors, sampling_mode
+
+log = logging.getLogger(__name__)
 
 FINISH_ERROR = "error"
 
@@ -221,3 +225,75 @@ def _mode(params: list[SamplingParams]) -> str:
     return sampling_mode([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
                          any(p.full for p in params))
 
+
+
+class EngineThread:
+    """A ``ContinuousBatcher`` driven by its own thread, so that decode steps run back to back while
+    the serving side (the TorchServe handler) takes requests in and answers out at its own pace.
+
+    ``submit`` / ``cancel`` from any thread; ``take`` waits for and returns the updates of given
+    requests. Only the engine thread touches the batcher and the device.
+    """
+
+    def __init__(self, batcher: ContinuousBatcher, device: torch.device | None = None) -> None:
+        self.batcher = batcher
+        self._commands: collections.deque[tuple] = collections.deque()
+        self._cond = threading.Condition()
+        self._updates: dict[Hashable, SeqUpdate] = {}
+        self._wake = threading.Event()
+        self.running = self.waiting = 0  # as of the last step: for metrics
+        self._thread = threading.Thread(target=self._loop, args=(device,), name="servekit-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
+        self._commands.append(("add", key, prompt, params))
+        self._wake.set()
+
+    def cancel(self, key: Hashable) -> None:
+        self._commands.append(("cancel", key))
+        self._wake.set()
+
+    def take(self, keys: Collection[Hashable], timeout: float) -> dict[Hashable, SeqUpdate]:
+        """The updates of ``keys`` collected so far, waiting up to ``timeout`` s for the first one."""
+        with self._cond:
+            self._cond.wait_for(lambda: any(k in self._updates for k in keys), timeout)
+            return {k: self._updates.pop(k) for k in keys if k in self._updates}
+
+    def _loop(self, device: torch.device | None) -> None:
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
+        b = self.batcher
+        while True:
+            if not b.has_work and not self._commands:
+                self._wake.wait()
+            self._wake.clear()
+            updates: dict[Hashable, SeqUpdate] = {}
+            while self._commands:
+                cmd = self._commands.popleft()
+                if cmd[0] == "cancel":
+                    b.cancel(cmd[1])
+                    continue
+                try:
+                    b.add(*cmd[1:])
+                except ValueError as e:  # the caller validated: a bug or a race, the request's own error
+                    updates[cmd[1]] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
+            if b.has_work:
+                try:
+                    updates.update(b.step())
+                except Exception as e:  # a decode step failed (e.g. out of memory): it cannot be pinned on one row
+                    log.exception("decode step failed; ending the %d running requests", b.running)
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    updates.update(b.fail_all(e))
+            self.running, self.waiting = b.running, len(b.waiting)
+            if updates:
+                with self._cond:
+                    for key, u in updates.items():
+                        have = self._updates.get(key)
+                        if have is None:
+                            self._updates[key] = u
+                        else:
+                            have.tokens += u.tokens
+                            have.logprobs += u.logprobs
+                            have.finish_reason, have.error = u.finish_reason or have.finish_reason, u.error or have.error
+                    self._cond.notify_all()

@@ -1,0 +1,174 @@
+"""Live TorchServe with SmolLM2 under continuous batching (`continuousBatching: true`, CPU plan):
+requests join the running generation, each gets its solo greedy text, a short request is not
+stuck behind a long one, a client that goes away frees its slot, bad requests get their own 4xx."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import yaml
+
+from servekit.archive import LLM, SPECS, ArchiveSpec, build_archive
+from servekit.optimizations.chat_template import ChatTokenizer
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.gguf_weights import smollm2_archive_files
+from servekit.optimizations.llama import load_llama
+from servekit.resources import model_config
+from servekit.torchserve import TorchServe
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.server
+
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    tmp = tmp_path_factory.mktemp("llm-cb")
+    config = yaml.safe_load(model_config("smollm2-cpu").read_text())
+    config.update({"continuousBatching": True, "batchSize": BATCH, "maxBatchDelay": 1})
+    (tmp / "cb.yaml").write_text(yaml.safe_dump(config))
+    spec = ArchiveSpec(LLM, SPECS["smollm2"].handler, tmp / "cb.yaml", lambda: smollm2_archive_files(torch.bfloat16))
+    build_archive("smollm2", tmp / "store", compress=False, spec=spec)
+    with TorchServe(tmp / "ts", tmp / "store") as ts:
+        ts.register("smollm2.mar", "smollm2", batch_size=BATCH, max_batch_delay_ms=1, workers=1, timeout=240)
+        yield ts
+
+
+@pytest.fixture(scope="module")
+def reference():
+    weights = smollm2_archive_files(torch.bfloat16)[0].parent
+    tok = ChatTokenizer(weights)
+    runner = LlamaRunner(load_llama(weights, "cpu", torch.float32), max_seq_len=1024, batch_buckets=(1,),
+                         prefill_buckets=(32, 64, 128, 256, 512, 1024), kv_buckets=(256, 512, 1024))
+    stops = (tok.eos_token_id, tok.token_id("<|endoftext|>"))
+
+    def complete(messages: list[dict], max_tokens: int) -> str:
+        out = generate(runner, [tok.encode_chat(messages)],
+                       [SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)])[0]
+        return tok.decode(out.tokens[:-1] if out.finish_reason == "stop" else out.tokens)
+
+    return complete
+
+
+@pytest.fixture(scope="module")
+def client(server: TorchServe):
+    return openai.OpenAI(base_url=f"{server.inference_url}/predictions/smollm2/1.0/v1", api_key="unused",
+                         max_retries=0, timeout=300)
+
+
+def _msgs(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_concurrent_requests_joining_at_different_times_get_their_solo_texts(client, reference) -> None:
+    cases = [("Write a short poem about rivers.", 48, True), ("What is 2 + 2?", 12, False),
+             ("Name the planets of the solar system.", 40, True), ("Say hello.", 6, False),
+             ("List three colors.", 20, True), ("Why is the sky blue?", 30, False)]
+    results: dict[int, str] = {}
+
+    def one(i: int, text: str, n: int, stream: bool) -> None:
+        time.sleep(0.3 * i)  # arrivals spread over the others' generation
+        kw = dict(model="smollm2", messages=_msgs(text), max_tokens=n, temperature=0)
+        if stream:
+            results[i] = "".join(c.choices[0].delta.content or "" for c in
+                                 client.chat.completions.create(stream=True, **kw) if c.choices)
+        else:
+            results[i] = client.chat.completions.create(**kw).choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(i, *c)) for i, c in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [results.get(i) for i in range(len(cases))] == [reference(_msgs(t), n) for t, n, _ in cases]
+
+
+def test_a_short_request_is_not_stuck_behind_a_long_one(client) -> None:
+    """Static batching answered the short request after the long one ended; continuous batching
+    admits it at the next decode step."""
+    long_done: list[float] = []
+    t0 = time.perf_counter()
+
+    def long() -> None:
+        for _ in client.chat.completions.create(model="smollm2", messages=_msgs("Tell a long story about a dragon."),
+                                                max_tokens=300, temperature=0, stream=True):
+            pass
+        long_done.append(time.perf_counter() - t0)
+
+    thread = threading.Thread(target=long)
+    thread.start()
+    time.sleep(2.0)  # the long one is decoding
+    t1 = time.perf_counter()
+    first = None
+    for c in client.chat.completions.create(model="smollm2", messages=_msgs("Say hi."), max_tokens=4, temperature=0,
+                                            stream=True):
+        if first is None and c.choices and c.choices[0].delta.content:
+            first = time.perf_counter() - t1
+    short_total = time.perf_counter() - t1
+    thread.join(300)
+    assert first is not None and long_done
+    assert t1 - t0 + short_total < long_done[0] - 1.0  # the short one ended well before the long one
+    assert first < 2.0, f"first token after {first:.2f} s"
+
+
+def _raw_stream(server: TorchServe, text: str, max_tokens: int) -> socket.socket:
+    body = json.dumps({"messages": _msgs(text), "max_tokens": max_tokens, "temperature": 0, "stream": True})
+    host, port = server.inference_url.split("//")[1].split(":")
+    s = socket.create_connection((host, int(port)), timeout=60)
+    s.sendall((f"POST /predictions/smollm2/1.0/v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    return s
+
+
+def _metric(server: TorchServe, name: str) -> float:
+    text = urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_client_that_disconnects_frees_its_slot(server: TorchServe, client) -> None:
+    """BATCH streams of 400 tokens fill every slot; their clients go away after a few chunks. A
+    request sent afterwards is answered at once instead of after 400 more tokens of each."""
+    socks = [_raw_stream(server, f"Count from 1 to 1000, stream {i}.", 400) for i in range(BATCH)]
+    for s in socks:
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += s.recv(4096)
+    for s in socks:
+        s.close()
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model="smollm2", messages=_msgs("Say hi."), max_tokens=4, temperature=0)
+    took = time.perf_counter() - t0
+    assert r.choices[0].message.content
+    # 4 x 400 tokens at a few ms each on CPU would take tens of seconds; freed slots: a few seconds.
+    assert took < 8.0, f"took {took:.1f} s"
+    deadline = time.monotonic() + 15
+    while _metric(server, "servekit_llm_running_seqs") != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(server, "servekit_llm_running_seqs") == 0
+
+
+def test_bad_requests_logprobs_and_n_under_continuous_batching(server: TorchServe, client) -> None:
+    req = urllib.request.Request(f"{server.inference_url}/predictions/smollm2/1.0/v1/chat/completions",
+                                 data=json.dumps({"messages": _msgs("hi"), "temperature": 3}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400 and "'temperature' must be in" in json.loads(e.value.read())["error"]["message"]
+    r = client.chat.completions.create(model="smollm2", messages=_msgs("Name a fruit."), max_tokens=6,
+                                       temperature=1.0, seed=3, n=2, logprobs=True, top_logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert b"".join(bytes(t.bytes) for t in c.logprobs.content).decode() == c.message.content
+    alone = client.chat.completions.create(model="smollm2", messages=_msgs("Name a fruit."), max_tokens=6,
+                                           temperature=1.0, seed=4)
+    assert alone.choices[0].message.content == r.choices[1].message.content  # choice k: seed + k
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
