@@ -194,7 +194,7 @@ class LlmService:
         t0 = time.perf_counter()
         self.runner: LlamaRunner
         self.plan: LlmPlan
-        self.runner, self.plan, downgrades = load_llm_runner(model_dir, plan)
+        self.runner, self.plan, downgrades = load_llm_runner(model_dir, plan, bool(config.get("continuousBatching")))
         for msg in downgrades:
             log.warning("plan downgraded (fallback: eager): %s", msg)
         self.batch_size = registered_batch_size(context)
@@ -213,7 +213,7 @@ class LlmService:
         # batchSize at a time (handlers/llm_continuous.py); otherwise each batch runs to its end.
         self.continuous: ContinuousFrontend | None = None
         if config.get("continuousBatching"):
-            if self.runner.speculation is not None:
+            if self.plan.speculation is not None:
                 log.warning("continuous batching decodes without speculation (the heads serve static batching)")
             self.continuous = ContinuousFrontend(self, Generation, _device_error)
         install_buffered_reads()

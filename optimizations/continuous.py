@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Collection, Hashable
 
@@ -79,6 +80,8 @@ class ContinuousBatcher:
     """
 
     def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None) -> None:
+        if runner.prefill_steps and not runner.slot_prefill:
+            raise ValueError("the runner's captured prefill fills rows 0..B-1: build it with slot_prefill=True")
         self.r = runner
         self.max_num_seqs = max_num_seqs or runner.max_batch
         if not 1 <= self.max_num_seqs <= runner.max_batch:
@@ -154,7 +157,7 @@ class ContinuousBatcher:
         try:
             b = self.r.prepare([s.prompt for s in seqs], [s.params for s in seqs], self.r.batch_buckets)
             rows = torch.tensor(rows_list + [self.r.model.spare_row] * (b.batch - n), device=self.r.device)
-            out = prefill(self.r._prefill_model, b.tokens, b.input_pos, b.last_idx, b.sampling, b.mode, rows)
+            out = self.r.run_prefill(self.r.prefill_steps, b, partial(prefill, self.r._prefill_model), rows)
             live = rows[:n]
             self.r.state.load_rows(live, token_ids(out, b.mode)[:n], b.positions[:n],
                                    SamplingTensors(*(t[:n] for t in b.sampling)))

@@ -353,17 +353,23 @@ class PreparedBatch:
 class PrefillState:
     """Static prefill inputs of one (batch bucket, prompt bucket), shared by its graphs (every mode)."""
 
-    def __init__(self, batch: int, length: int, device: torch.device) -> None:
+    def __init__(self, batch: int, length: int, device: torch.device, slots: bool = False) -> None:
         self.tokens = torch.zeros(batch, length, dtype=torch.int64, device=device)
         self.input_pos = torch.zeros(batch, length, dtype=torch.int64, device=device)
         self.last_idx = torch.zeros(batch, dtype=torch.int64, device=device)
         self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
+        # The cache rows to fill, for a prefill into free slots of a running batch (continuous batching).
+        self.rows = torch.arange(batch, device=device) if slots else None
 
-    def load(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor, params: SamplingTensors) -> None:
+    def load(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor, params: SamplingTensors,
+             rows: Tensor | None = None) -> None:
         self.tokens.copy_(tokens)
         self.input_pos.copy_(input_pos)
         self.last_idx.copy_(last_idx)
         self.params.copy_(params)
+        if rows is not None:
+            assert self.rows is not None, "this prefill state fills rows 0..B-1"
+            self.rows.copy_(rows)
 
 
 class PrefillStep(GraphedStep):
@@ -379,6 +385,8 @@ class PrefillStep(GraphedStep):
     @torch.no_grad()
     def _body(self) -> Tensor:
         st = self.state
+        if st.rows is not None:
+            return self.fn(st.tokens, st.input_pos, st.last_idx, st.params, self.mode, rows=st.rows)
         return self.fn(st.tokens, st.input_pos, st.last_idx, st.params, self.mode)
 
 
@@ -490,7 +498,8 @@ class LlamaRunner:
     def __init__(self, model: Transformer, max_seq_len: int, batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16),
                  prefill_buckets: tuple[int, ...] | None = None, kv_buckets: tuple[int, ...] | None = None,
                  compile_prefill: bool = False, compile_decode: bool = False, cuda_graphs: bool = False,
-                 compile_mode: str = "default", pad_id: int = 0, prefill_graphs: int = 0) -> None:
+                 compile_mode: str = "default", pad_id: int = 0, prefill_graphs: int = 0,
+                 slot_prefill: bool = False) -> None:
         self.model = model.eval()
         model.fuse_projections()  # fewer, larger matmuls: decode steps are bound by kernel launches
         self.device = model.tok_embeddings.weight.device
@@ -523,7 +532,10 @@ class LlamaRunner:
         # Prompt buckets up to `prefill_graphs` tokens prefill from static inputs (captured on CUDA);
         # longer prompts are compute-bound and run as plain calls.
         short = [t for t in self.prefill_buckets if t <= prefill_graphs]
-        prefill_states = {(b, t): PrefillState(b, t, self.device) for b in self.batch_buckets for t in short}
+        # slot_prefill: the static prefill inputs carry the cache rows to fill (continuous batching).
+        self.slot_prefill = slot_prefill
+        prefill_states = {(b, t): PrefillState(b, t, self.device, slot_prefill)
+                          for b in self.batch_buckets for t in short}
         self.prefill_steps = {(b, t, m): PrefillStep(partial(prefill, self._prefill_model), st, m)
                               for (b, t), st in prefill_states.items() for m in PLAIN_MODES}
         self._rng = random.Random()
@@ -570,7 +582,8 @@ class LlamaRunner:
         for b, t in shapes if self.compile_prefill else shapes[:1]:
             params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
             tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.pad_id] * t], b, t))
-            prefill(self._prefill_model, tokens, input_pos, last_idx, params, FILTER)
+            rows = torch.arange(b, device=self.device) if self.slot_prefill else None
+            prefill(self._prefill_model, tokens, input_pos, last_idx, params, FILTER, rows)
         self._sync()
         t1 = time.perf_counter()
         for b, state in self.states.items():
@@ -643,14 +656,16 @@ class LlamaRunner:
 
     @staticmethod
     def run_prefill(steps: dict[tuple[int, int, str], GraphedStep], b: "PreparedBatch",
-                    plain: Callable[..., Tensor]) -> Tensor:
+                    plain: Callable[..., Tensor], rows: Tensor | None = None) -> Tensor:
         """Prefill from the static-input step of the batch's shape when there is one (a graph's
         output: the caller copies it before any replay), else ``plain(tokens, input_pos, last_idx,
-        sampling, mode)``."""
+        sampling, mode)``. ``rows``: the cache rows to fill (a runner built with ``slot_prefill``)."""
         step = steps.get((b.batch, b.length, b.mode))
         if step is None:
+            if rows is not None:
+                return plain(b.tokens, b.input_pos, b.last_idx, b.sampling, b.mode, rows=rows)
             return plain(b.tokens, b.input_pos, b.last_idx, b.sampling, b.mode)
-        step.state.load(b.tokens, b.input_pos, b.last_idx, b.sampling)
+        step.state.load(b.tokens, b.input_pos, b.last_idx, b.sampling, rows)
         return step.run()
 
     def _decode_loop(self, batch: int, mode: str, host: HostCopies, lengths: list[int],

@@ -127,9 +127,10 @@ def _parse_spec_plan(raw: object, path: str) -> SpecPlan:
     return SpecPlan(**kw)  # type: ignore[arg-type]
 
 
-def load_llm_runner(model_dir: str, plan: LlmPlan) -> tuple[LlamaRunner, LlmPlan, list[str]]:
+def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> tuple[LlamaRunner, LlmPlan, list[str]]:
     """Load the converted checkpoint in ``model_dir`` and build (and warm up) the plan's runner,
-    with speculative decoding as its step strategy when the plan has a ``speculation`` section.
+    with speculative decoding as its step strategy when the plan has a ``speculation`` section
+    (not with ``continuous``: a runner for continuous batching, whose prefills fill given slots).
 
     Returns the runner, the effective plan and the downgrades made (only with ``fallback: eager``;
     otherwise anything the plan asks for that cannot be applied raises ``PlanError``).
@@ -149,7 +150,8 @@ def load_llm_runner(model_dir: str, plan: LlmPlan) -> tuple[LlamaRunner, LlmPlan
         compiled = p.compile != "off"
         return LlamaRunner(model, p.max_seq_len, p.batch_sizes, p.prompt_lens, p.kv_lens,
                            compile_prefill=compiled, compile_decode=compiled, cuda_graphs=p.cuda_graphs,
-                           compile_mode=p.compile if compiled else "default", prefill_graphs=p.prefill_graphs)
+                           compile_mode=p.compile if compiled else "default", prefill_graphs=p.prefill_graphs,
+                           slot_prefill=continuous)
 
     runner = build(plan)
     if plan.warmup:
@@ -162,7 +164,7 @@ def load_llm_runner(model_dir: str, plan: LlmPlan) -> tuple[LlamaRunner, LlmPlan
             plan = dataclasses.replace(plan, compile="off", cuda_graphs=False)
             runner = build(plan)
             runner.warmup()
-    if plan.speculation is not None:
+    if plan.speculation is not None and not continuous:
         runner.speculation = _speculation(runner, Path(model_dir), plan)
         runner.plan["speculative"] = runner.speculation.plan
     if device.type == "cuda":

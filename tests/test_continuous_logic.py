@@ -90,6 +90,27 @@ def test_requests_joining_mid_generation_get_their_solo_output(runner: LlamaRunn
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
 
 
+def test_prefill_from_static_inputs_into_slots(model: Transformer, runner: LlamaRunner) -> None:
+    """The captured-prefill path (static inputs, eager on CPU) fills the slots it is given."""
+    with pytest.raises(ValueError, match="slot_prefill"):
+        ContinuousBatcher(LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
+                                      prefill_graphs=64))
+    slots = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
+                        prefill_graphs=64, slot_prefill=True)
+    slots.warmup()
+    rec = Recorder(ContinuousBatcher(slots))
+    cases = {k: (_prompt(n, seed), SamplingParams(max_tokens=m)) for k, n, seed, m in
+             (("a", 12, 1, 30), ("b", 40, 2, 10), ("c", 3, 3, 20))}
+    rec.add("a", *cases["a"])
+    rec.step()
+    rec.step()
+    rec.add("b", *cases["b"])
+    rec.add("c", *cases["c"])
+    rec.run()
+    for key, (prompt, params) in cases.items():
+        assert rec.tokens[key] == _solo(runner, prompt, params).tokens, key
+
+
 def test_a_short_request_behind_a_long_one_starts_within_steps(runner: LlamaRunner) -> None:
     rec = Recorder(ContinuousBatcher(runner))
     rec.add("long", _prompt(30, 5), SamplingParams(max_tokens=80))

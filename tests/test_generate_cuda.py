@@ -72,3 +72,27 @@ def test_logprobs_and_penalties_with_graphs_and_compile_equal_eager() -> None:
     assert len(got[0].logprobs) == 20 and got[2].logprobs == []
     for g, w in zip(got[0].logprobs + got[1].logprobs, want[0].logprobs + want[1].logprobs):
         assert abs(g.logprob - w.logprob) < 1e-3 and [t for t, _ in g.top] == [t for t, _ in w.top]
+
+
+def test_continuous_batching_with_graphs_and_compile_equals_solo_eager() -> None:
+    """Requests joining a running batch on a compiled, captured runner (prefill captured into
+    slots) get what each gets alone from the eager runner."""
+    from servekit.optimizations.continuous import ContinuousBatcher
+
+    model = init_random(LlamaConfig.tiny(), seed=0).cuda()
+    runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64), kv_buckets=(32, 64),
+                         compile_prefill=True, compile_decode=True, cuda_graphs=True, prefill_graphs=64,
+                         slot_prefill=True)
+    runner.warmup()
+    batcher = ContinuousBatcher(runner)
+    prompts, tokens = _prompts(), {i: [] for i in range(3)}
+    batcher.add(0, prompts[0], PARAMS[0])
+    for _ in range(4):
+        for key, u in batcher.step().items():
+            tokens[key] += u.tokens
+    batcher.add(1, prompts[1], PARAMS[1])
+    batcher.add(2, prompts[2], PARAMS[2])
+    while batcher.has_work:
+        for key, u in batcher.step().items():
+            tokens[key] += u.tokens
+    assert [tokens[i] for i in range(3)] == _run()

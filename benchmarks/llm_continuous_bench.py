@@ -1,0 +1,137 @@
+"""Static vs continuous batching of SmolLM2 through TorchServe: time to first token under load.
+
+For each variant -- the base model-config as it is (``static``: a batch runs until its last row
+ends) and with ``continuousBatching: true`` (``continuous``: requests join the running batch) --
+with ``batchSize`` and the plan's largest batch bucket set to ``--max-num-seqs``, the script builds
+the archive, starts its own TorchServe and measures streamed greedy chat completions:
+
+1. batch 1: ``--solo`` requests one after another (TTFT, tokens/s per sequence);
+2. head of line: a ``--long-tokens`` request, then 100 ms later a 16-token one (its TTFT);
+3. ``--concurrency`` requests of ``--max-tokens`` sent at the same instant (TTFT p50/p99/max, ITL,
+   total tokens/s), ``--rounds`` times.
+
+Prompts are the held-out part of the speculator prompt file (not the ones any plan was tuned on).
+
+    python3 -m servekit.benchmarks.llm_continuous_bench --out benchmarks/results/llm-continuous-h100
+    python -m servekit.benchmarks.llm_continuous_bench --out /tmp/cb --config config/models/smollm2-cpu.yaml \\
+        --max-num-seqs 4 --concurrency 4 --max-tokens 16 --long-tokens 64 --solo 1 --rounds 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from servekit.benchmarks.llm_serve_bench import MODEL, stream_chat, summarize, together
+from servekit.benchmarks.llm_inprocess import environment
+from servekit.resources import model_config
+from servekit.torchserve import TorchServe
+
+
+def variant_config(base: Path, continuous: bool, max_num_seqs: int) -> dict[str, Any]:
+    cfg = yaml.safe_load(base.read_text())
+    cfg.update({"batchSize": max_num_seqs, "continuousBatching": continuous})
+    buckets = cfg["servekit"].setdefault("buckets", {})
+    sizes = [b for b in buckets.get("batch_sizes", [1]) if b < max_num_seqs]
+    while sizes and sizes[-1] * 2 < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    buckets["batch_sizes"] = sizes + [max_num_seqs]
+    return cfg
+
+
+def head_of_line(url: str, prompts: list[str], long_tokens: int) -> dict[str, Any]:
+    """A short request sent 100 ms after a long one: its TTFT, and the long one's."""
+    out: dict[str, Any] = {}
+
+    def long() -> None:
+        out["long"] = stream_chat(url, prompts[0], long_tokens)
+
+    thread = threading.Thread(target=long)
+    thread.start()
+    time.sleep(0.1)
+    short = stream_chat(url, prompts[1], 16)
+    thread.join()
+    return {"short_ttft_ms": None if short.ttft_s is None else round(short.ttft_s * 1e3, 1),
+            "short_total_ms": None if short.last_s is None else round(short.last_s * 1e3, 1),
+            "long_tokens": out["long"].tokens,
+            "long_total_ms": None if out["long"].last_s is None else round(out["long"].last_s * 1e3, 1)}
+
+
+def run_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace, prompts: list[str], work: Path
+                ) -> dict[str, Any]:
+    from servekit.archive import build_archive
+
+    config = work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    store = work / f"store-{name}"
+    build_archive(MODEL, store, config=config, compress=False)
+    with TorchServe(work / f"run-{name}", store) as ts:
+        t0 = time.perf_counter()
+        ts.register(f"{MODEL}.mar", MODEL, timeout=args.ready_timeout)
+        ready_s = round(time.perf_counter() - t0, 1)
+        print(f"== {name}: worker READY after {ready_s} s", flush=True)
+        url = f"{ts.inference_url}/predictions/{MODEL}/1.0/v1/chat/completions"
+        stream_chat(url, prompts[0], 8)  # first request after start: not measured
+        solo = [stream_chat(url, prompts[i % len(prompts)], args.max_tokens) for i in range(args.solo)]
+        res: dict[str, Any] = {"variant": name, "ready_s": ready_s, "batch1": summarize(solo, sum(
+            t.last_s or 0 for t in solo))}
+        print(f"  batch 1: {json.dumps(res['batch1'])}", flush=True)
+        res["head_of_line"] = head_of_line(url, prompts, args.long_tokens)
+        print(f"  head of line: {json.dumps(res['head_of_line'])}", flush=True)
+        timings, wall = [], 0.0
+        for k in range(args.rounds):
+            batch = [prompts[(k * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
+            got, w = together(url, batch, args.max_tokens)
+            timings += got
+            wall += w
+        res["concurrent"] = {"concurrency": args.concurrency, **summarize(timings, wall),
+                             "ttft_ms_max": round(max((t.ttft_s or 0) for t in timings) * 1e3, 1)}
+        print(f"  c={args.concurrency}: {json.dumps(res['concurrent'])}", flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.llm_continuous_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="folder for llm_continuous_bench.json")
+    p.add_argument("--config", type=Path, default=model_config("smollm2"), help="base model-config")
+    p.add_argument("--variants", nargs="+", choices=("static", "continuous"), default=["static", "continuous"])
+    p.add_argument("--max-num-seqs", type=int, default=32, help="batchSize: requests running at once")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--long-tokens", type=int, default=512)
+    p.add_argument("--solo", type=int, default=5, help="batch-1 requests")
+    p.add_argument("--ready-timeout", type=float, default=1800.0)
+    args = p.parse_args(argv)
+    if not args.config.is_file():
+        p.error(f"--config {args.config}: no such file")
+    if min(args.max_num_seqs, args.concurrency, args.rounds, args.solo) < 1 or args.max_tokens < 2:
+        p.error("--max-num-seqs, --concurrency, --rounds and --solo must be >= 1, --max-tokens >= 2")
+    from servekit.optimizations.train_speculator import load_prompts, split_prompts
+
+    prompts = split_prompts(load_prompts())[1]
+    args.out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"environment": environment(argv, "servekit.benchmarks.llm_continuous_bench"),
+                           "args": {k: str(v) for k, v in vars(args).items()}, "variants": []}
+    with tempfile.TemporaryDirectory(prefix="servekit-cb-bench-") as tmp:
+        for name in args.variants:
+            cfg = variant_config(args.config, name == "continuous", args.max_num_seqs)
+            try:
+                res["variants"].append(run_variant(name, cfg, args, prompts, Path(tmp)))
+            except Exception as e:  # one variant failing must not lose the other's figures
+                res["variants"].append({"variant": name, "error": f"{type(e).__name__}: {e}"})
+            (args.out / "llm_continuous_bench.json").write_text(json.dumps(res, indent=1))
+    return 0 if all("error" not in v for v in res["variants"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
