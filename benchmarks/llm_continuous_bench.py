@@ -7,8 +7,9 @@ the archive, starts its own TorchServe and measures streamed greedy chat complet
 
 1. batch 1: ``--solo`` requests one after another (TTFT, tokens/s per sequence);
 2. head of line: a ``--long-tokens`` request, then 100 ms later a 16-token one (its TTFT);
-3. ``--concurrency`` requests of ``--max-tokens`` sent at the same instant (TTFT p50/p99/max, ITL,
-   total tokens/s), ``--rounds`` times.
+3. ``--concurrency`` concurrent streams: as many clients, each sending ``--rounds`` requests of
+   ``--max-tokens`` one after another (closed loop: a stream's next request follows its last at
+   once), all starting at the same instant (TTFT p50/p99/max, ITL, total tokens/s over the run).
 
 Prompts are the held-out part of the speculator prompt file (not the ones any plan was tuned on).
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from servekit.benchmarks.llm_serve_bench import MODEL, stream_chat, summarize, together
+from servekit.benchmarks.llm_serve_bench import MODEL, Timing, stream_chat, summarize
 from servekit.benchmarks.llm_inprocess import environment
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
@@ -64,6 +65,26 @@ def head_of_line(url: str, prompts: list[str], long_tokens: int) -> dict[str, An
             "long_total_ms": None if out["long"].last_s is None else round(out["long"].last_s * 1e3, 1)}
 
 
+def closed_loop(url: str, prompts: list[str], streams: int, per_stream: int, max_tokens: int
+                ) -> tuple[list[Timing], float]:
+    """``streams`` clients starting together, each sending ``per_stream`` requests back to back."""
+    out: list[list[Timing]] = [[] for _ in range(streams)]
+    barrier = threading.Barrier(streams)
+
+    def client(i: int) -> None:
+        barrier.wait()
+        for k in range(per_stream):
+            out[i].append(stream_chat(url, prompts[(k * streams + i) % len(prompts)], max_tokens))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [t for ts in out for t in ts], time.perf_counter() - t0
+
+
 def run_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace, prompts: list[str], work: Path
                 ) -> dict[str, Any]:
     from servekit.archive import build_archive
@@ -85,12 +106,7 @@ def run_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace, prompt
         print(f"  batch 1: {json.dumps(res['batch1'])}", flush=True)
         res["head_of_line"] = head_of_line(url, prompts, args.long_tokens)
         print(f"  head of line: {json.dumps(res['head_of_line'])}", flush=True)
-        timings, wall = [], 0.0
-        for k in range(args.rounds):
-            batch = [prompts[(k * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
-            got, w = together(url, batch, args.max_tokens)
-            timings += got
-            wall += w
+        timings, wall = closed_loop(url, prompts, args.concurrency, args.rounds, args.max_tokens)
         res["concurrent"] = {"concurrency": args.concurrency, **summarize(timings, wall),
                              "ttft_ms_max": round(max((t.ttft_s or 0) for t in timings) * 1e3, 1)}
         print(f"  c={args.concurrency}: {json.dumps(res['concurrent'])}", flush=True)
@@ -106,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", choices=("static", "continuous"), default=["static", "continuous"])
     p.add_argument("--max-num-seqs", type=int, default=32, help="batchSize: requests running at once")
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4, help="requests per concurrent stream")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--long-tokens", type=int, default=512)
     p.add_argument("--solo", type=int, default=5, help="batch-1 requests")

@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 # sends the next call at once, so this only bounds how late a newly queued request is seen when no
 # running request produces anything (never, while any decodes: a step takes milliseconds).
 WAIT_S = 0.05
+# Each handler call costs the worker Python time per request in it (TorchServe's message decoding
+# and response encoding, formatting): with many requests running, a call per decode step would
+# slow the steps down. A call then gathers tokens for up to this long per running request (capped),
+# which sets how often chunks go out, not how fast tokens are made; a new request's first token
+# is sent at once.
+PACE_PER_REQUEST_S, MAX_PACE_S = 0.00025, 0.008
 
 
 @dataclass
@@ -39,6 +45,7 @@ class _Live:
     gen: Any  # llm_handler.Generation of this one request
     error: RequestError | None = None
     answered: bool = False  # a chunk (the response head with it) went out already
+    last: float = 0.0  # when the last tokens arrived
 
 
 class ContinuousFrontend:
@@ -52,6 +59,7 @@ class ContinuousFrontend:
         batcher = ContinuousBatcher(service.runner, service.batch_size)
         self.engine = EngineThread(batcher, service.runner.device)
         self.live: dict[str, _Live] = {}
+        self._last_return = time.perf_counter()
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         t0 = time.perf_counter()
@@ -72,6 +80,12 @@ class ContinuousFrontend:
                 self.engine.submit((ids[i], k), prompt, params)
         keys = [(rid, k) for rid in present if rid in self.live for k in range(len(self.live[rid].req.choices))]
         updates = self.engine.take(keys, 0 if answers or not keys else WAIT_S)
+        first_token = any(self.live[rid].gen.rows[k].tokens == 0 for rid, k in updates)
+        rest = self._last_return + min(MAX_PACE_S, PACE_PER_REQUEST_S * len(keys)) - time.perf_counter()
+        if updates and not first_token and not answers and rest > 0:
+            time.sleep(rest)
+            for key, u in self.engine.take(keys, 0).items():
+                updates[key] = u if key not in updates else updates[key].merge(u)
         out = [answers.get(i, "") for i in range(len(data))]
         # TorchServe 0.12 loses a response whose first part is marked as its last (it never sends
         # the HTTP head): a request answered in one go is marked neither way (None: a plain full
@@ -93,6 +107,7 @@ class ContinuousFrontend:
         m.emit("servekit_llm_waiting_seqs", "gauge", self.engine.waiting)
         if requests:
             m.emit("servekit_requests_total", "counter", len(requests) + len(answers))
+        self._last_return = time.perf_counter()
         return out
 
     def _answer(self, i: int, live: _Live, updates: dict, context: Any) -> tuple[str, bool]:
@@ -106,6 +121,11 @@ class ContinuousFrontend:
                 live.error = live.error or self._engine_error(u.error)
                 row.finish = FINISH_ERROR
                 continue
+            now = time.perf_counter()
+            if row.tokens and u.tokens:  # inter-token latency: this call's tokens share the time since the last
+                self.s.metrics.emit("servekit_llm_itl_seconds", "histogram", (now - live.last) / len(u.tokens),
+                                    "Seconds", times=len(u.tokens))
+            live.last = now
             delta, reason = gen._push(row, u.tokens, u.finish_reason, u.logprobs or None)
             if row.text.stopped and u.finish_reason is None:
                 self.engine.cancel((rid, k))  # a stop string matched: end the row here

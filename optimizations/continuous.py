@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 from functools import partial
 from dataclasses import dataclass, field
@@ -50,6 +51,14 @@ class SeqUpdate:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: Exception | None = None
+
+    def merge(self, later: "SeqUpdate") -> "SeqUpdate":
+        """This update followed by ``later`` (in place)."""
+        self.tokens += later.tokens
+        self.logprobs += later.logprobs
+        self.finish_reason = later.finish_reason or self.finish_reason
+        self.error = later.error or self.error
+        return self
 
 
 @dataclass
@@ -93,6 +102,7 @@ class ContinuousBatcher:
         # A launched output not read yet: its host copy, the sampling mode, and (output row, request) pairs.
         self._inflight: _Pending | None = None
         self._hosts: dict[tuple, HostCopies] = {}
+        self._alone = 0  # admissions left to prefill one request at a time (after a failed batch prefill)
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
@@ -149,9 +159,10 @@ class ContinuousBatcher:
 
     def _admit(self, updates: dict[Hashable, SeqUpdate]) -> _Pending | None:
         free = [i for i, s in enumerate(self.slots) if s is None]
-        n = min(len(free), len(self.waiting))
+        n = min(len(free), len(self.waiting), 1 if self._alone else len(free))
         if n == 0:
             return None
+        self._alone = max(0, self._alone - 1)
         seqs = [self.waiting.popleft() for _ in range(n)]
         rows_list = free[:n]
         try:
@@ -161,7 +172,11 @@ class ContinuousBatcher:
             live = rows[:n]
             self.r.state.load_rows(live, token_ids(out, b.mode)[:n], b.positions[:n],
                                    SamplingTensors(*(t[:n] for t in b.sampling)))
-        except Exception as e:  # e.g. out of memory on a long prompt: these requests fail, the others run on
+        except Exception as e:  # e.g. out of memory on a long prompt: that request fails, the others run on
+            if n > 1:  # which one? each of them is prefilled alone next, so only the culprit fails
+                self.waiting.extendleft(reversed(seqs))
+                self._alone = n
+                return None
             for s in seqs:
                 self.by_key.pop(s.key, None)
                 s.done = True
@@ -245,6 +260,10 @@ class EngineThread:
         self._updates: dict[Hashable, SeqUpdate] = {}
         self._wake = threading.Event()
         self.running = self.waiting = 0  # as of the last step: for metrics
+        # The serving thread formats answers (detokenizing, JSON) while this one steps the model:
+        # with Python's default 5 ms GIL switch interval a busy serving thread could hold this one
+        # back for more than a decode step; 0.5 ms keeps its wait well under one step.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self._thread = threading.Thread(target=self._loop, args=(device,), name="servekit-engine", daemon=True)
         self._thread.start()
 
@@ -293,10 +312,5 @@ class EngineThread:
                 with self._cond:
                     for key, u in updates.items():
                         have = self._updates.get(key)
-                        if have is None:
-                            self._updates[key] = u
-                        else:
-                            have.tokens += u.tokens
-                            have.logprobs += u.logprobs
-                            have.finish_reason, have.error = u.finish_reason or have.finish_reason, u.error or have.error
+                        self._updates[key] = u if have is None else have.merge(u)
                     self._cond.notify_all()

@@ -77,6 +77,7 @@ def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFac
     tmp = tmp_path_factory.mktemp("smollm2-spec")
     config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())
     config["servekit"]["speculation"] = {"heads": "speculator", "n_heads": 3, "max_batch": 4}
+    config["continuousBatching"] = False  # speculation serves static batching
     (tmp / "smollm2-cpu-spec.yaml").write_text(yaml.safe_dump(config))
     store = tmp / "store"
     build_archive("smollm2", store, config=tmp / "smollm2-cpu-spec.yaml",

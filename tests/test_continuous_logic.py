@@ -180,7 +180,11 @@ def test_a_failed_prefill_ends_only_the_requests_it_admitted(runner: LlamaRunner
     for _ in range(3):
         rec.step()
     rec.add("oom", marker, SamplingParams(max_tokens=5))
+    rec.add("mate", _prompt(5, 2), SamplingParams(max_tokens=6))  # admitted in the same prefill
+    updates = rec.step()  # the batch prefill fails: both go back, to be prefilled alone
+    assert "oom" not in updates and "mate" not in updates
     updates = rec.step()
     assert updates["oom"].finish_reason == "error" and isinstance(updates["oom"].error, torch.OutOfMemoryError)
     rec.run()
     assert rec.tokens["run"] == _solo(runner, _prompt(7, 1), SamplingParams(max_tokens=20)).tokens
+    assert rec.tokens["mate"] == _solo(runner, _prompt(5, 2), SamplingParams(max_tokens=6)).tokens

@@ -66,6 +66,7 @@ def llm(one_thread):
                                                            "kv_lens": [256]}})
     cfg["servekit"]["limits"] = {"max_tokens": 64}
     cfg["batchSize"] = 1  # what the auto-benchmark strips: the handler must not read it
+    cfg["continuousBatching"] = False  # a static batch per call (continuous: tests/test_llm_continuous_server.py)
     ctx = mock_context(smollm2_archive_files(torch.bfloat16)[0].parent, cfg, batch_size=4, model_name="smollm2")
     service = LlmService()
     service.initialize(ctx)

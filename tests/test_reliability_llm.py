@@ -27,7 +27,6 @@ from servekit.optimizations.gguf_weights import smollm2_archive_files
 pytestmark = pytest.mark.server
 MODEL = "smollm2"
 FAULTY = "smollm2_faulty"
-ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/predictions/{model}/{version}/v1/chat/completions"
 TEXT = "/predictions/{model}/{version}/v1/completions"
 MAX_TOKENS = 4
@@ -215,9 +214,22 @@ SURROGATE = BadInput("lone_surrogate", "JSON escape of an unpaired UTF-16 surrog
 
 # -- server and helpers --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
-    spec = ArchiveSpec(LLM, SPECS["smollm2"].handler, model_config("smollm2-cpu"),
-                       lambda: smollm2_archive_files(torch.bfloat16))
+def static_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CPU model-config with static batching: the matrix sends each bad request together with
+    three valid ones and checks that the four shared one handler batch (continuous batching's own
+    per-request errors: tests/test_llm_continuous_server.py)."""
+    import yaml
+
+    config = yaml.safe_load(model_config("smollm2-cpu").read_text())
+    config["continuousBatching"] = False
+    path = tmp_path_factory.mktemp("llm-rel-config") / "smollm2-cpu-static.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, static_config: Path) -> Iterator[TorchServe]:
+    spec = ArchiveSpec(LLM, SPECS["smollm2"].handler, static_config, lambda: smollm2_archive_files(torch.bfloat16))
     store: Path = tmp_path_factory.mktemp("llm_rel_store")
     build_archive(MODEL, store, compress=False, spec=spec)
     with TorchServe(tmp_path_factory.mktemp("ts-llm-rel"), store) as ts:
@@ -313,12 +325,12 @@ def test_worker_kept_after_the_matrix(server, worker):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_out_of_memory_fails_alone_and_the_worker_stays(server, alone, tmp_path_factory):
+def test_out_of_memory_fails_alone_and_the_worker_stays(server, alone, tmp_path_factory, static_config):
     """A test-only archive (benchmarks/faults.py) whose generation raises torch.OutOfMemoryError for
     a batch holding a marker word: the handler generates the batch's requests again one by one, so
     the marker request alone gets 507 and its three batch-mates their normal answers."""
     work = tmp_path_factory.mktemp("llm-oom")
-    build_faulty_llm_archive(server.model_store, work, ROOT / "config/models/smollm2-cpu.yaml", FAULTY)
+    build_faulty_llm_archive(server.model_store, work, static_config, FAULTY)
     server.register(f"{FAULTY}.mar", FAULTY, batch_size=4, max_batch_delay_ms=400, workers=1, timeout=240)
     before = worker_identity(server, FAULTY)
     oom = BadInput("out_of_memory", "generation raises torch.OutOfMemoryError (marker word in the prompt)",
