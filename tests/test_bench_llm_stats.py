@@ -11,7 +11,8 @@ import pytest
 from servekit.benchmarks.bench.measure import FAIL, PASS, judge
 from servekit.benchmarks.bench.schema import SLA
 from servekit.benchmarks.bench.sse import StreamTally
-from servekit.benchmarks.bench.stats import INCOMPLETE_STREAM, LLM_FIELDS, inter_token_ms, llm_summary, summarize
+from servekit.benchmarks.bench.stats import (INCOMPLETE_STREAM, LLM_FIELDS, goodput, inter_token_ms, llm_summary,
+                                             summarize)
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "smollm2"}
 
@@ -87,6 +88,14 @@ def llm_records() -> np.ndarray:
         [2.0, 2.1, 2.6, 200, 2, 2.4, 2.4, 1],     # TTFT 400 ms from the intended time; one token: no ITL
         [3.0, 3.0, 3.4, 503, 3, np.nan, np.nan, 0],  # failed
     ])
+
+
+def test_goodput_counts_requests_within_both_bounds() -> None:
+    r = llm_records()  # TTFT 200 / 500 / 400 ms, ITL 100 / 80 / none, one failure
+    assert goodput(r, 4.0, None, None) == pytest.approx(3 / 4)
+    assert goodput(r, 4.0, 450.0, None) == pytest.approx(2 / 4)   # the 500 ms TTFT misses
+    assert goodput(r, 4.0, 450.0, 90.0) == pytest.approx(1 / 4)   # and the 100 ms ITL; one token has no ITL
+    assert goodput(r, 2.0, 1000.0, 1000.0) == pytest.approx(3 / 2)
 
 
 def test_llm_summary_arithmetic() -> None:

@@ -16,7 +16,8 @@ import numpy as np
 from servekit.benchmarks.bench.loadgen import Handle, LoadGenerator, LoadSpec
 from servekit.benchmarks.bench.schema import SLA, Measurement
 from servekit.benchmarks.bench.server_metrics import GPUSampler, HostCPU, Sample, host_saturation, point_figures
-from servekit.benchmarks.bench.stats import FIELDS, LLM_FIELDS, Summary, stability, summarize, window_stats
+from servekit.benchmarks.bench.stats import (FIELDS, LLM_FIELDS, Summary, goodput, in_span, stability, summarize,
+                                             window_stats)
 
 PASS, FAIL, UNSTABLE, ERROR = "pass", "fail", "unstable", "error"
 
@@ -175,6 +176,9 @@ def measure_point(gen: LoadGenerator, config: ServingConfig, load: LoadSpec, pro
     first = len(windows) - n if stable else 0
     seg = (warm + first * win, warm + len(windows) * win)
     summary = summarize(records, *seg)
+    if summary.llm is not None and (sla.ttft_p99_ms is not None or sla.itl_p99_ms is not None):
+        summary.llm.goodput_rps = goodput(in_span(records, *seg), seg[1] - seg[0], sla.ttft_p99_ms,
+                                          sla.itl_p99_ms)
     status, reasons = judge(summary, stable, sla)
     if early and status != FAIL:
         status, reasons = FAIL, [early]

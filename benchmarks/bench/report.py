@@ -38,7 +38,7 @@ def _num(x: Any, nd: int = 1) -> str:
 
 
 # Streamed (LLM) sweeps: columns of the report tables.
-LLM_COLUMNS = ("TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s", "tok/s/seq")
+LLM_COLUMNS = ("TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s", "tok/s/seq", "goodput req/s")
 
 
 def llm_cells(s: Summary) -> list[str]:
@@ -47,13 +47,15 @@ def llm_cells(s: Summary) -> list[str]:
     if m is None:
         return ["-"] * len(LLM_COLUMNS)
     return [_num(m.ttft_ms["p50"]), _num(m.ttft_ms["p99"]), _num(m.itl_ms["p50"], 2), _num(m.itl_ms["p99"], 2),
-            _num(m.tokens_per_s), _num(m.tokens_per_s_per_seq)]
+            _num(m.tokens_per_s), _num(m.tokens_per_s_per_seq),
+            "-" if m.goodput_rps is None else _num(m.goodput_rps, 2)]
 
 
 LLM_NOTE = (" TTFT: time to the first token, from the intended send time. ITL: a request's mean time per token "
             "after the first, (last - first) / (tokens - 1); the percentiles are over requests. tok/s: completion "
             "tokens of successful requests per second, all together; tok/s/seq: 1000 / median ITL, the speed one "
-            "sequence decodes at. Failed requests count as infinitely slow in the TTFT and ITL percentiles.")
+            "sequence decodes at. Failed requests count as infinitely slow in the TTFT and ITL percentiles. goodput: "
+            "requests per second that each met the SLA's TTFT and ITL bounds (as vLLM's --goodput).")
 
 
 def _row(cells: list[str]) -> str:
@@ -66,7 +68,8 @@ def llm_text(s: Summary) -> str:
     if m is None:
         return ""
     return (f", TTFT p99 {m.ttft_ms['p99']:.1f} ms, ITL p99 {m.itl_ms['p99']:.2f} ms, "
-            f"{m.tokens_per_s:.1f} output tokens/s ({m.tokens_per_s_per_seq:.1f} per sequence)")
+            f"{m.tokens_per_s:.1f} output tokens/s ({m.tokens_per_s_per_seq:.1f} per sequence)"
+            + ("" if m.goodput_rps is None else f", goodput {m.goodput_rps:.2f} requests/s"))
 
 
 @dataclass

@@ -79,6 +79,7 @@ class LlmSummary:
     completion_tokens: int
     completion_tokens_mean: float
     itl_requests: int              # successful requests with 2+ tokens: the ITL population
+    goodput_rps: float | None = None  # requests/s that met the SLA's TTFT and ITL bounds each (see `goodput`)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: ({q: _clean(x) for q, x in v.items()} if isinstance(v, dict) else _clean(v))
@@ -117,6 +118,21 @@ def llm_summary(r: np.ndarray, duration: float) -> LlmSummary:
         completion_tokens_mean=float(tokens.mean()) if tokens.size else float("nan"),
         itl_requests=int(itl_ok.size),
     )
+
+
+def goodput(r: np.ndarray, duration: float, ttft_ms: float | None, itl_ms: float | None) -> float:
+    """Requests per second that each met ``ttft_ms`` (from the intended send time) and ``itl_ms``
+    (their mean time per token after the first; one-token answers have none to miss), as
+    ``vllm bench serve --goodput`` counts: the load a server carries within the latency a user
+    sees, rather than a percentile over everything it was sent."""
+    ok = ok_mask(r[:, 3])
+    good = ok.copy()
+    if ttft_ms is not None:
+        good &= (r[:, 5] - r[:, 0]) * 1000.0 <= ttft_ms
+    if itl_ms is not None:
+        itl = inter_token_ms(r[:, 5], r[:, 6], r[:, 7])
+        good &= np.isnan(itl) | (itl <= itl_ms)
+    return float(good.sum() / duration) if duration > 0 else float("nan")
 
 
 @dataclass
@@ -159,7 +175,7 @@ def pkey(q: float) -> str:
 
 def summarize(records: np.ndarray, t0: float, t1: float) -> Summary:
     """Summary of the requests whose intended time lies in [t0, t1)."""
-    r = _select(records, t0, t1)
+    r = in_span(records, t0, t1)
     duration = t1 - t0
     status = r[:, 3]
     ok = ok_mask(status)
@@ -186,7 +202,7 @@ def summarize(records: np.ndarray, t0: float, t1: float) -> Summary:
     )
 
 
-def _select(records: np.ndarray, t0: float, t1: float) -> np.ndarray:
+def in_span(records: np.ndarray, t0: float, t1: float) -> np.ndarray:
     """The records whose intended time lies in [t0, t1), keeping the column count when empty."""
     if not records.size:
         return records.reshape(0, records.shape[1] if records.ndim == 2 else NFIELDS)
@@ -234,7 +250,7 @@ class WindowStats:
 
 
 def window_stats(records: np.ndarray, t0: float, t1: float) -> WindowStats:
-    r = _select(records, t0, t1)
+    r = in_span(records, t0, t1)
     d = t1 - t0
     ok = ok_mask(r[:, 3])
     lat = np.where(ok, (r[:, 2] - r[:, 0]) * 1000.0, np.inf)
