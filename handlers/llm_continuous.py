@@ -36,6 +36,7 @@ WAIT_S = 0.05
 # which sets how often chunks go out, not how fast tokens are made; a new request's first token
 # is sent at once.
 PACE_PER_REQUEST_S, MAX_PACE_S = 0.00025, 0.008
+GAUGE_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -56,10 +57,10 @@ class ContinuousFrontend:
         """``service``: the ``LlmService``; ``generation(service, {0: request}, context, t0)``: its
         ``Generation``; ``device_error``: how a failed generation is answered."""
         self.s, self._generation, self._device_error = service, generation, device_error
-        batcher = ContinuousBatcher(service.runner, service.batch_size)
+        batcher = ContinuousBatcher(service.runner, service.batch_size, service.plan.prefill_chunk)
         self.engine = EngineThread(batcher, service.runner.device)
         self.live: dict[str, _Live] = {}
-        self._last_return = time.perf_counter()
+        self._last_return = self._gauges_at = time.perf_counter()
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
         t0 = time.perf_counter()
@@ -103,8 +104,12 @@ class ContinuousFrontend:
                 stop[i], live.answered = False, True
         context.stopping_criteria = [lambda _, s=s: s for s in stop]
         m = self.s.metrics
-        m.emit("servekit_llm_running_seqs", "gauge", self.engine.running)
-        m.emit("servekit_llm_waiting_seqs", "gauge", self.engine.waiting)
+        if time.perf_counter() - self._gauges_at >= GAUGE_INTERVAL_S or not self.live:
+            # Calls come every few ms: gauges once a second (and when the last request ends) keep
+            # the metric lines the frontend parses from growing with the call rate.
+            m.emit("servekit_llm_running_seqs", "gauge", self.engine.running)
+            m.emit("servekit_llm_waiting_seqs", "gauge", self.engine.waiting)
+            self._gauges_at = time.perf_counter()
         if requests:
             m.emit("servekit_requests_total", "counter", len(requests) + len(answers))
         self._last_return = time.perf_counter()

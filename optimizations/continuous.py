@@ -68,7 +68,8 @@ class _Seq:
     params: SamplingParams
     stops: frozenset[int]
     slot: int = -1
-    launched: int = 0  # tokens asked of the device so far (the prefill's first one included)
+    prefilled: int = 0  # prompt tokens in the cache so far (a long prompt goes in chunks)
+    launched: int = 0  # tokens asked of the device so far (the prefill's first one included); 0: not decoding yet
     generated: int = 0  # tokens reported
     done: bool = False
 
@@ -88,7 +89,7 @@ class ContinuousBatcher:
     ``max_num_seqs`` running requests; the rest wait in order.
     """
 
-    def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None) -> None:
+    def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None, prefill_chunk: int = 512) -> None:
         if runner.prefill_steps and not runner.slot_prefill:
             raise ValueError("the runner's captured prefill fills rows 0..B-1: build it with slot_prefill=True")
         self.r = runner
@@ -103,6 +104,12 @@ class ContinuousBatcher:
         self._inflight: _Pending | None = None
         self._hosts: dict[tuple, HostCopies] = {}
         self._alone = 0  # admissions left to prefill one request at a time (after a failed batch prefill)
+        # Prompts longer than this go into the cache one chunk per step, so that a long prompt holds
+        # the running rows back by one chunk's prefill per step, not by its whole prefill.
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.chunking: collections.deque[_Seq] = collections.deque()
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
@@ -139,11 +146,13 @@ class ContinuousBatcher:
         previous one. Returns the new tokens of every request that got some."""
         updates: dict[Hashable, SeqUpdate] = {}
         admitted = self._admit(updates)
+        chunked = self._prefill_chunk(updates)
         launched = self._launch()
         if self._inflight is not None:
             self._read(self._inflight, updates)
-        if admitted is not None:
-            self._read(admitted, updates)
+        for pending in (admitted, chunked):
+            if pending is not None:
+                self._read(pending, updates)
         self._inflight = launched
         return updates
 
@@ -164,6 +173,17 @@ class ContinuousBatcher:
             return None
         self._alone = max(0, self._alone - 1)
         seqs = [self.waiting.popleft() for _ in range(n)]
+        for s in [s for s in seqs if len(s.prompt) > self.prefill_chunk]:  # in chunks, from the next step on
+            seqs.remove(s)
+            s.slot = free.pop(0)
+            self.slots[s.slot] = s
+            # Until its prompt is in, the row is idle inside the decode batch: park its position at
+            # the cache's last slot, whose garbage the request overwrites before it could read it.
+            self.r.state.input_pos[s.slot] = self.r.max_seq_len - 1
+            self.chunking.append(s)
+        n = len(seqs)
+        if n == 0:
+            return None
         rows_list = free[:n]
         try:
             b = self.r.prepare([s.prompt for s in seqs], [s.params for s in seqs], self.r.batch_buckets)
@@ -188,8 +208,40 @@ class ContinuousBatcher:
         host, slot = self._host(out)
         return _Pending(host, slot, b.mode, list(enumerate(seqs)))  # prefill output row i: admitted request i
 
+    def _prefill_chunk(self, updates: dict[Hashable, SeqUpdate]) -> _Pending | None:
+        """The next chunk of the oldest long prompt; its last chunk samples the first token and
+        starts the request decoding, like an admission."""
+        while self.chunking and self.chunking[0].done:  # cancelled meanwhile
+            self.chunking.popleft()
+        if not self.chunking:
+            return None
+        s = self.chunking[0]
+        start, end = s.prefilled, min(s.prefilled + self.prefill_chunk, len(s.prompt))
+        dev = self.r.device
+        try:
+            b = self.r.prepare([s.prompt[start:end]], [s.params], (1,))  # the chunk's sampling tensors and mode
+            out = prefill(self.r._prefill_model, torch.tensor([s.prompt[start:end]], device=dev),
+                          torch.arange(start, end, device=dev)[None], torch.tensor([end - start - 1], device=dev),
+                          b.sampling, b.mode, torch.tensor([s.slot], device=dev), kv_len=end)
+            if end == len(s.prompt):
+                self.r.state.load_rows(torch.tensor([s.slot], device=dev), token_ids(out, b.mode)[:1],
+                                       torch.tensor([end], device=dev), b.sampling)
+        except Exception as e:  # this request fails, the others run on
+            self.chunking.popleft()
+            self.by_key.pop(s.key, None)
+            self._finish(s)
+            updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
+            return None
+        s.prefilled = end
+        if end < len(s.prompt):
+            return None
+        self.chunking.popleft()
+        s.launched = 1
+        host, slot = self._host(out)
+        return _Pending(host, slot, b.mode, [(0, s)])
+
     def _launch(self) -> _Pending | None:
-        active = [s for s in self.slots if s is not None and not s.done]
+        active = [s for s in self.slots if s is not None and not s.done and s.launched > 0]
         # Only rows that may still need a token after the launched ones: the last read finishes the rest.
         if not any(s.launched < s.params.max_tokens for s in active):
             return None

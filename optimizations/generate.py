@@ -163,12 +163,14 @@ class RegionalCompiled:
 
 
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last_idx: Tensor,
-            params: SamplingTensors, mode: str = FILTER, rows: Tensor | None = None) -> Tensor:
+            params: SamplingTensors, mode: str = FILTER, rows: Tensor | None = None,
+            kv_len: int | None = None) -> Tensor:
     """Run right-padded prompts ``(B, T)`` at positions ``0..T-1``; sample each row's first new token
     (FULL mode: ``sample_full``'s rows; nothing is generated yet, so no penalty applies). ``rows``:
-    the cache rows to fill (default ``0..B-1``)."""
+    the cache rows to fill (default ``0..B-1``). ``kv_len``: for a later chunk of a prompt (its
+    positions start past 0), the cache slots attention reads, one past its last position."""
     # Positions start at 0, so attention needs cache slots :T only.
-    logits = model(tokens, input_pos, last_idx, kv_len=tokens.shape[1], rows=rows)
+    logits = model(tokens, input_pos, last_idx, kv_len=kv_len or tokens.shape[1], rows=rows)
     position = input_pos.gather(1, last_idx[:, None]).squeeze(1)
     if mode == FULL:
         return sample_full(logits, params, position, None)

@@ -50,6 +50,7 @@ class LlmPlan:
     limits: LlmLimits = field(default_factory=LlmLimits)
     cpu_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
     speculation: SpecPlan | None = None  # None: plain decoding
+    prefill_chunk: int = 512  # continuous batching: longer prompts go into the cache this many tokens per step
 
     def label(self) -> str:
         parts = [self.precision]
@@ -71,14 +72,14 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     """Validate the ``servekit:`` mapping of an LLM model-config; errors name the key."""
     raw = _check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
                                   "max_seq_len", "buckets", "limits", "cpu_threads", "speculation",
-                                  "prefill_graphs"})
+                                  "prefill_graphs", "prefill_chunk"})
     kw: dict[str, object] = {}
     for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
                          ("fallback", FALLBACKS)):
         if key in raw:
             kw[key] = _check_choice(f"{path}.{key}", raw[key], choices)
     kw.update(_check_bools(path, raw, ("cuda_graphs", "warmup")))
-    for key in ("max_seq_len", "cpu_threads"):
+    for key in ("max_seq_len", "cpu_threads", "prefill_chunk"):
         if raw.get(key) is not None:
             kw[key] = _positive_int(f"{path}.{key}", raw[key])
     if raw.get("prefill_graphs") is not None:

@@ -188,3 +188,36 @@ def test_a_failed_prefill_ends_only_the_requests_it_admitted(runner: LlamaRunner
     rec.run()
     assert rec.tokens["run"] == _solo(runner, _prompt(7, 1), SamplingParams(max_tokens=20)).tokens
     assert rec.tokens["mate"] == _solo(runner, _prompt(5, 2), SamplingParams(max_tokens=6)).tokens
+
+
+def test_long_prompts_go_in_chunks_while_the_others_keep_decoding(runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(runner, prefill_chunk=16)
+    rec = Recorder(batcher)
+    cases = {"run": (_prompt(6, 1), SamplingParams(max_tokens=30)),
+             "long": (_prompt(60, 2), SamplingParams(max_tokens=8, temperature=0.7, seed=5)),
+             "full": (_prompt(50, 3), SamplingParams(max_tokens=6, logprobs=1, frequency_penalty=0.5))}
+    rec.add("run", *cases["run"])
+    rec.step()
+    rec.add("long", *cases["long"])
+    rec.add("full", *cases["full"])
+    before = len(rec.tokens["run"])
+    for _ in range(4):  # 60 tokens in chunks of 16: the long prompt is in after its 4th chunk
+        updates = rec.step()
+        assert len(updates["run"].tokens) == 1  # the running request got its token every step
+    assert len(rec.tokens["run"]) == before + 4 and rec.first_step["long"] == rec.steps
+    rec.run()
+    for key, (prompt, params) in cases.items():
+        assert rec.tokens[key] == _solo(runner, prompt, params).tokens, key
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        ContinuousBatcher(runner, prefill_chunk=0)
+
+
+def test_a_request_cancelled_while_its_prompt_goes_in_frees_its_slot(runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(runner, max_num_seqs=1, prefill_chunk=8)
+    rec = Recorder(batcher)
+    rec.add("long", _prompt(40, 4), SamplingParams(max_tokens=5))
+    rec.add("next", _prompt(5, 5), SamplingParams(max_tokens=5))
+    rec.step()
+    batcher.cancel("long")
+    rec.run()
+    assert rec.tokens["long"] == [] and rec.tokens["next"] == _solo(runner, _prompt(5, 5), SamplingParams(max_tokens=5)).tokens

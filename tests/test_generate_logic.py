@@ -208,7 +208,8 @@ def test_llm_plan_errors_name_the_key() -> None:
                      ({"speculation": {"n_heads": 0}}, "servekit.speculation.n_heads"),
                      ({"speculation": {"max_batch": -1}}, "servekit.speculation.max_batch"),
                      ({"speculation": {"heads": "../outside"}}, "servekit.speculation.heads"),
-                     ({"speculation": "on"}, "servekit.speculation: expected a mapping")]:
+                     ({"speculation": "on"}, "servekit.speculation: expected a mapping"),
+                     ({"prefill_chunk": 0}, "servekit.prefill_chunk")]:
         with pytest.raises(PlanError, match=msg):
             parse_llm_plan(raw)
     spec = parse_llm_plan({"precision": "bf16", "speculation": {"n_heads": 3, "max_batch": 4}})
