@@ -7,6 +7,8 @@ the archive, starts its own TorchServe and measures streamed greedy chat complet
 
 1. batch 1: ``--solo`` requests one after another (TTFT, tokens/s per sequence);
 2. head of line: a ``--long-tokens`` request, then 100 ms later a 16-token one (its TTFT);
+   long prompt: while 4 streams decode, a request with a ~``--long-prompt``-token prompt arrives:
+   the longest gap between the running streams' chunks while it goes in (prefill_chunk bounds it);
 3. ``--concurrency`` concurrent streams: as many clients, each sending ``--rounds`` requests of
    ``--max-tokens`` one after another (closed loop: a stream's next request follows its last at
    once), all starting at the same instant (TTFT p50/p99/max, ITL, total tokens/s over the run).
@@ -85,6 +87,44 @@ def closed_loop(url: str, prompts: list[str], streams: int, per_stream: int, max
     return [t for ts in out for t in ts], time.perf_counter() - t0
 
 
+def chunk_gaps(url: str, prompt: str, max_tokens: int, t_from: float, t_to: float, out: list[float],
+               t0: float) -> None:
+    """Stream one request; append the gaps (ms) between its chunks that end within [t_from, t_to]
+    (seconds after ``t0``)."""
+    import requests
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    last = None
+    with requests.post(url, json=body, stream=True, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                now = time.perf_counter() - t0
+                if last is not None and t_from <= now <= t_to:
+                    out.append((now - last) * 1e3)
+                last = now
+
+
+def long_prompt_stall(url: str, prompts: list[str], long_prompt_tokens: int) -> dict[str, Any]:
+    """Four streams decode; 1 s in, a request with a long prompt arrives. The running streams'
+    longest gap between chunks in the 2 s after it, and the long request's TTFT."""
+    gaps: list[float] = []
+    t0 = time.perf_counter()
+    streams = [threading.Thread(target=chunk_gaps, args=(url, prompts[i], 1000, 1.0, 3.0, gaps, t0))
+               for i in range(4)]
+    for t in streams:
+        t.start()
+    time.sleep(1.0)
+    long = stream_chat(url, " ".join(["Summarise this text."] + ["The river flows to the sea."] *
+                                     (long_prompt_tokens // 7)), 8)
+    for t in streams:
+        t.join()
+    return {"long_prompt_tokens": long.prompt_tokens,
+            "long_ttft_ms": None if long.ttft_s is None else round(long.ttft_s * 1e3, 1),
+            "running_max_gap_ms": round(max(gaps), 2) if gaps else None,
+            "running_p50_gap_ms": round(sorted(gaps)[len(gaps) // 2], 2) if gaps else None}
+
+
 def run_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace, prompts: list[str], work: Path
                 ) -> dict[str, Any]:
     from servekit.archive import build_archive
@@ -106,6 +146,8 @@ def run_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace, prompt
         print(f"  batch 1: {json.dumps(res['batch1'])}", flush=True)
         res["head_of_line"] = head_of_line(url, prompts, args.long_tokens)
         print(f"  head of line: {json.dumps(res['head_of_line'])}", flush=True)
+        res["long_prompt"] = long_prompt_stall(url, prompts, args.long_prompt)
+        print(f"  long prompt: {json.dumps(res['long_prompt'])}", flush=True)
         timings, wall = closed_loop(url, prompts, args.concurrency, args.rounds, args.max_tokens)
         res["concurrent"] = {"concurrency": args.concurrency, **summarize(timings, wall),
                              "ttft_ms_max": round(max((t.ttft_s or 0) for t in timings) * 1e3, 1)}
@@ -125,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="requests per concurrent stream")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--long-tokens", type=int, default=512)
+    p.add_argument("--long-prompt", type=int, default=1800, help="prompt tokens of the long-prompt check")
     p.add_argument("--solo", type=int, default=5, help="batch-1 requests")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
