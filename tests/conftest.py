@@ -84,3 +84,11 @@ def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFac
                   weights=smollm2_archive_files(torch.bfloat16), speculator=smollm2_heads,
                   compress=False)  # uncompressed: 3 s instead of 25 s
     return store
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A tiny random-init Llama (servekit.optimizations.llama), the same weights every time."""
+    from servekit.optimizations.llama import LlamaConfig, init_random
+
+    return init_random(LlamaConfig.tiny(), seed=0)

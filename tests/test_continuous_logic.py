@@ -7,19 +7,14 @@ import torch
 
 from servekit.optimizations.continuous import ContinuousBatcher, SeqUpdate
 from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-from servekit.optimizations.llama import LlamaConfig, Transformer, init_random
+from servekit.optimizations.llama import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
-def model() -> Transformer:
-    return init_random(LlamaConfig.tiny(), seed=0)
-
-
-@pytest.fixture(scope="module")
-def runner(model: Transformer) -> LlamaRunner:
-    return LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64))
+def runner(tiny_llama: Transformer) -> LlamaRunner:
+    return LlamaRunner(tiny_llama, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64))
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -90,7 +85,8 @@ def test_requests_joining_mid_generation_get_their_solo_output(runner: LlamaRunn
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
 
 
-def test_prefill_from_static_inputs_into_slots(model: Transformer, runner: LlamaRunner) -> None:
+def test_prefill_from_static_inputs_into_slots(tiny_llama: Transformer, runner: LlamaRunner) -> None:
+    model = tiny_llama
     """The captured-prefill path (static inputs, eager on CPU) fills the slots it is given."""
     with pytest.raises(ValueError, match="slot_prefill"):
         ContinuousBatcher(LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
