@@ -58,6 +58,7 @@ class ContinuousFrontend:
         ``Generation``; ``device_error``: how a failed generation is answered."""
         self.s, self._generation, self._device_error = service, generation, device_error
         batcher = ContinuousBatcher(service.runner, service.batch_size, service.plan.prefill_chunk)
+        log.info("continuous batching: long-prompt chunks warmed up in %.1f s", batcher.warmup())
         self.engine = EngineThread(batcher, service.runner.device)
         self.live: dict[str, _Live] = {}
         self._last_return = self._gauges_at = time.perf_counter()

@@ -217,3 +217,15 @@ def test_a_request_cancelled_while_its_prompt_goes_in_frees_its_slot(runner: Lla
     batcher.cancel("long")
     rec.run()
     assert rec.tokens["long"] == [] and rec.tokens["next"] == _solo(runner, _prompt(5, 5), SamplingParams(max_tokens=5)).tokens
+
+
+def test_warmup_runs_long_prompts_on_compiled_runners_only(tiny_llama: Transformer, runner: LlamaRunner) -> None:
+    assert ContinuousBatcher(runner, prefill_chunk=16).warmup() == 0.0  # eager: nothing to compile
+    compiled = LlamaRunner(tiny_llama, max_seq_len=128, batch_buckets=(1, 2), prefill_buckets=(16, 64),
+                           compile_prefill=True, compile_decode=True)
+    batcher = ContinuousBatcher(compiled, prefill_chunk=16)
+    assert batcher.warmup() > 0 and not batcher.has_work and batcher.running == 0
+    rec = Recorder(batcher)
+    rec.add("a", _prompt(40, 1), SamplingParams(max_tokens=6))
+    rec.run()
+    assert rec.tokens["a"] == _solo(runner, _prompt(40, 1), SamplingParams(max_tokens=6)).tokens
