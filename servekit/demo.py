@@ -99,5 +99,27 @@ def main(argv: list[str] | None = None) -> int:
     console.rule("auto-benchmark: which configuration serves most within the SLA? (about 3 minutes)")
     from servekit.benchmarks.bench.runner import main as bench
 
-    return bench([str(package_dir("servekit.benchmarks") / "sweeps" / "minilm-cpu-demo.yaml"),
-                  "--out", str(args.run_dir / "sweep")])
+    status = bench([str(package_dir("servekit.benchmarks") / "sweeps" / "minilm-cpu-demo.yaml"),
+                    "--out", str(args.run_dir / "sweep")])
+    sentence = cpu_verdict(args.run_dir / "sweep" / "results.json")
+    if sentence:
+        console.print(f"\n{sentence}")
+    return status
+
+
+# servekit's GPU figures against stock TorchServe for the same model (README, "The embedding service").
+GPU_FIGURES = "13,000 against 110 requests/s within p99 50 ms on an H100"
+
+
+def cpu_verdict(results: Path) -> str | None:
+    """One plain sentence when servekit did not beat stock in the CPU demo sweep: what the
+    comparison shows and where servekit's plans pay. None when it won or no margin was measured."""
+    try:
+        margin = json.loads(results.read_text()).get("margin_over_baseline")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(margin, (int, float)) or margin >= 1.0:
+        return None
+    return (f"On this CPU servekit served {margin:.1f} x stock's capacity: both run the same fp32 model on the "
+            "same cores one request or one small batch at a time, and what servekit's plans add (fp16/bf16, "
+            f"torch.compile, CUDA graphs, large batches) pays on a GPU, where this comparison measured {GPU_FIGURES}.")
