@@ -358,23 +358,24 @@ class EngineThread:
                 self._wake.wait()
             self._wake.clear()
             updates: dict[Hashable, SeqUpdate] = {}
-            while self._commands:
-                cmd = self._commands.popleft()
-                if cmd[0] == "cancel":
-                    b.cancel(cmd[1])
-                    continue
-                try:
-                    b.add(*cmd[1:])
-                except ValueError as e:  # the caller validated: a bug or a race, the request's own error
-                    updates[cmd[1]] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
-            if b.has_work:
-                try:
+            try:
+                while self._commands:
+                    cmd = self._commands.popleft()
+                    if cmd[0] == "cancel":
+                        b.cancel(cmd[1])
+                        continue
+                    try:
+                        b.add(*cmd[1:])
+                    except ValueError as e:  # the caller validated: a bug or a race, the request's own error
+                        updates[cmd[1]] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
+                if b.has_work:
                     updates.update(b.step())
-                except Exception as e:  # a decode step failed (e.g. out of memory): it cannot be pinned on one row
-                    log.exception("decode step failed; ending the %d running requests", b.running)
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
-                    updates.update(b.fail_all(e))
+            except Exception as e:  # a decode step failed (e.g. out of memory): it cannot be pinned on one row;
+                # the thread lives on, so that no request waits for an engine that is gone
+                log.exception("decode step failed; ending the %d running requests", b.running)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                updates.update(b.fail_all(e))
             self.running, self.waiting = b.running, len(b.waiting)
             if updates:
                 with self._cond:

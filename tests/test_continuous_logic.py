@@ -229,3 +229,43 @@ def test_warmup_runs_long_prompts_on_compiled_runners_only(tiny_llama: Transform
     rec.add("a", _prompt(40, 1), SamplingParams(max_tokens=6))
     rec.run()
     assert rec.tokens["a"] == _solo(runner, _prompt(40, 1), SamplingParams(max_tokens=6)).tokens
+
+
+def _collect(engine, keys: list, timeout: float = 60.0) -> dict:
+    import time
+
+    got = {k: SeqUpdate() for k in keys}
+    deadline = time.monotonic() + timeout
+    while any(got[k].finish_reason is None for k in keys) and time.monotonic() < deadline:
+        for k, u in engine.take(keys, 1.0).items():
+            got[k].merge(u)
+    return got
+
+
+def test_the_engine_thread_serves_requests_and_survives_a_failed_step(runner: LlamaRunner) -> None:
+    from servekit.optimizations.continuous import EngineThread
+
+    batcher = ContinuousBatcher(runner)
+    engine = EngineThread(batcher)
+    engine.submit("a", _prompt(9, 1), SamplingParams(max_tokens=12))
+    engine.submit("b", _prompt(4, 2), SamplingParams(max_tokens=7, temperature=0.9, seed=3))
+    engine.submit("bad", [], SamplingParams())  # refused by the runner: that request's own error
+    got = _collect(engine, ["a", "b", "bad"])
+    assert got["a"].tokens == _solo(runner, _prompt(9, 1), SamplingParams(max_tokens=12)).tokens
+    assert got["b"].tokens == _solo(runner, _prompt(4, 2), SamplingParams(max_tokens=7, temperature=0.9, seed=3)).tokens
+    assert got["bad"].finish_reason == "error" and "empty" in str(got["bad"].error)
+
+    real, calls = batcher.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return real()
+
+    batcher.step = failing_once
+    engine.submit("c", _prompt(8, 3), SamplingParams(max_tokens=20))
+    got = _collect(engine, ["c"])
+    assert got["c"].finish_reason == "error" and "device lost" in str(got["c"].error)
+    engine.submit("d", _prompt(8, 4), SamplingParams(max_tokens=5))  # the thread lives on
+    assert _collect(engine, ["d"])["d"].tokens == _solo(runner, _prompt(8, 4), SamplingParams(max_tokens=5)).tokens
