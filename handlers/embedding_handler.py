@@ -34,7 +34,7 @@ class EmbeddingHandler:
     def initialize(self, context: Any) -> None:
         props = context.system_properties
         model_dir = Path(props["model_dir"])
-        self.model_name = context.manifest["model"]["modelName"]
+        self.model_name = context.model_name  # the registered name: the one clients use in URLs
         self.created = int(time.time())
         plan = parse_plan((context.model_yaml_config or {}).get("servekit"))
         gpu_id = props.get("gpu_id")

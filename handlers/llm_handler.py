@@ -184,7 +184,7 @@ class LlmService:
     def initialize(self, context: Any) -> None:
         props = context.system_properties
         model_dir = props["model_dir"]
-        self.model_name = context.manifest["model"]["modelName"]
+        self.model_name = context.model_name  # the registered name: the one clients use in URLs
         self.created = int(time.time())
         config = context.model_yaml_config or {}
         plan = parse_llm_plan(config.get("servekit"))

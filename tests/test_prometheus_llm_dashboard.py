@@ -1,7 +1,8 @@
-"""The LLM dashboard on live data: TorchServe serves the SmolLM2 archive (CPU plan with speculative
-decoding) with the LLM handler, a real Prometheus scrapes its metrics port every second while a few
-chat completions (streaming and not) are served, and every panel query of servekit-llm.json must
-return data.
+"""The LLM dashboard on live data: TorchServe serves SmolLM2 twice, the CPU plan with speculative
+decoding under static batching and the shipped CPU plan under continuous batching, a real
+Prometheus scrapes its metrics port every second while a few chat completions (streaming and not)
+go to each, and every panel query of servekit-llm.json must return data: the panels of either
+batching mode get their data from the model that serves in that mode.
 
 Skipped, with the reason: GPU-only panels on a machine without a CUDA GPU.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Iterator
@@ -16,13 +19,17 @@ from typing import Iterator
 import pytest
 import torch
 
+from servekit.archive import build_archive
 from servekit.deploy import dashboards
+from servekit.optimizations.gguf_weights import smollm2_archive_files
+from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 from test_k8s_pod_live import http, promql, running_prometheus, substitute
 
 pytestmark = pytest.mark.server
 
-MODEL = "smollm2"
+MODEL, CONTINUOUS = "smollm2", "smollm2-continuous"
+MODELS = (MODEL, CONTINUOUS)
 NAMESPACE, POD = "servekit", "servekit-llm-7c9d5f6b8-x2v4p"
 BOARD = dashboards.dashboards()["servekit-llm.json"]
 QUERIES = [(p["title"], t.get("legendFormat", ""), t["expr"]) for p in BOARD["panels"] for t in p["targets"]]
@@ -35,22 +42,39 @@ def skip_reason(expr: str) -> str | None:
     return None
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem
+        shutil.copy(src, dst)
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_spec_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
-    with TorchServe(tmp_path_factory.mktemp("ts-llm-dash"), smollm2_spec_store) as ts:
+    tmp = tmp_path_factory.mktemp("ts-llm-dash")
+    build_archive("smollm2", tmp / "continuous", config=model_config("smollm2-cpu"),
+                  weights=smollm2_archive_files(torch.bfloat16), compress=False)  # shipped: continuous batching
+    store = tmp / "store"
+    store.mkdir()
+    link_or_copy(smollm2_spec_store / "smollm2.mar", store / f"{MODEL}.mar")
+    link_or_copy(tmp / "continuous" / "smollm2.mar", store / f"{CONTINUOUS}.mar")
+    with TorchServe(tmp / "ts", store) as ts:
         ts.register(f"{MODEL}.mar", MODEL, batch_size=4, max_batch_delay_ms=50, workers=1, timeout=240)
+        ts.register(f"{CONTINUOUS}.mar", CONTINUOUS, workers=1, timeout=240)
         yield ts
 
 
-def chat(ts: TorchServe, content: str, stream: bool) -> int:
+def chat(ts: TorchServe, model: str, content: str, stream: bool) -> int:
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0, "stream": stream}
-    status, _ = http("POST", f"{ts.inference_url}/predictions/{MODEL}/1.0/v1/chat/completions",
-                     json.dumps(body).encode(), timeout=120)
+    status, answer = http("POST", f"{ts.inference_url}/predictions/{model}/1.0/v1/chat/completions",
+                          json.dumps(body).encode(), timeout=120)
+    if status == 200 and not stream:  # the name it is registered under, not the archive's
+        assert json.loads(answer)["model"] == model, answer
     return status
 
 
-def scraped_ttft_count(url: str) -> float:
-    result = promql(url, f'sum(servekit_llm_ttft_seconds_count{{ModelName="{MODEL}"}})')
+def scraped_ttft_count(url: str, model: str) -> float:
+    result = promql(url, f'sum(servekit_llm_ttft_seconds_count{{ModelName="{model}"}})')
     return float(result[0]["value"][1]) if result else 0.0
 
 
@@ -59,7 +83,7 @@ def wait_scraped(url: str, count: int, timeout: float = 60.0) -> None:
     its first scrapes can come late, and a fixed sleep then left every sample after the last
     request (zero increase: histogram_quantile over it is NaN)."""
     deadline = time.monotonic() + timeout
-    while scraped_ttft_count(url) < count:
+    while min(scraped_ttft_count(url, m) for m in MODELS) < count:
         assert time.monotonic() < deadline, f"Prometheus never scraped {count} TTFT observations"
         time.sleep(0.5)
 
@@ -71,11 +95,11 @@ def prometheus(server: TorchServe, tmp_path_factory: pytest.TempPathFactory) -> 
     target = f"127.0.0.1:{server.ports.metrics}"
     with running_prometheus(tmp_path_factory.mktemp("prometheus-llm"), target,
                             {"namespace": NAMESPACE, "pod": POD}) as url:
-        codes = [chat(server, "Say hello.", stream=False)]
+        codes = [chat(server, m, "Say hello.", stream=False) for m in MODELS]
         wait_scraped(url, 1)
         questions = ["What is the capital of France?", "Name a colour.", "Count to three.", "What is two plus two?"]
         for i, question in enumerate(questions):
-            codes.append(chat(server, question, stream=i % 2 == 0))
+            codes += [chat(server, m, question, stream=i % 2 == 0) for m in MODELS]
         assert codes == [200] * len(codes), codes
         wait_scraped(url, 1 + len(questions))  # a scrape after the load
         time.sleep(1.5)  # and one more, for the metrics emitted after the last token
@@ -84,7 +108,7 @@ def prometheus(server: TorchServe, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.parametrize("title, legend, expr", QUERIES, ids=[f"{t} [{l}]" for t, l, _ in QUERIES])
 def test_llm_dashboard_query_returns_data(prometheus: str, title: str, legend: str, expr: str) -> None:
-    query = substitute(expr.replace("$model", MODEL))
+    query = substitute(expr.replace("$model", "|".join(MODELS)))
     result = promql(prometheus, query)  # a valid query on a live Prometheus, skipped or not
     reason = skip_reason(expr)
     if reason:

@@ -232,7 +232,10 @@ def main(folder: str) -> int:
             w.kill()
             run.flush()
             run.out.close()
-            (folder_p / f"done-{seq}").write_text(json.dumps({"sent": run.sent, "unfinished": run.inflight}))
+            # Written aside then renamed: the controller reads done-<n> as soon as it exists.
+            tmp = folder_p / f".done-{seq}.tmp"
+            tmp.write_text(json.dumps({"sent": run.sent, "unfinished": run.inflight}))
+            tmp.rename(folder_p / f"done-{seq}")
         seq += 1
 
 
