@@ -1,9 +1,11 @@
 """Static vs continuous batching of SmolLM2 through TorchServe: time to first token under load.
 
-For each variant -- the base model-config as it is (``static``: a batch runs until its last row
-ends) and with ``continuousBatching: true`` (``continuous``: requests join the running batch) --
-with ``batchSize`` and the plan's largest batch bucket set to ``--max-num-seqs``, the script builds
-the archive, starts its own TorchServe and measures streamed greedy chat completions:
+For each variant -- static batching (``static``: a batch runs until its last row ends) and
+continuous batching (``continuous``: requests join the running batch), each also with speculative
+decoding (``static-spec``, ``continuous-spec``: the base config plus a ``speculation`` section and
+the heads in ``--speculator``) -- with ``batchSize`` and the plan's largest batch bucket set to
+``--max-num-seqs``, the script builds the archive, starts its own TorchServe and measures streamed
+greedy chat completions:
 
 1. batch 1: ``--solo`` requests one after another (TTFT, tokens/s per sequence);
 2. head of line: a ``--long-tokens`` request, then 100 ms later a 16-token one (its TTFT);
@@ -16,6 +18,8 @@ the archive, starts its own TorchServe and measures streamed greedy chat complet
 Prompts are the held-out part of the speculator prompt file (not the ones any plan was tuned on).
 
     python3 -m servekit.benchmarks.llm_continuous_bench --out benchmarks/results/llm-continuous-h100
+    python3 -m servekit.benchmarks.llm_continuous_bench --out DIR --variants continuous continuous-spec \
+        --speculator heads/
     python -m servekit.benchmarks.llm_continuous_bench --out /tmp/cb --config config/models/smollm2-cpu.yaml \\
         --max-num-seqs 4 --concurrency 4 --max-tokens 16 --long-tokens 64 --solo 1 --rounds 1
 """
@@ -38,9 +42,16 @@ from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 
 
-def variant_config(base: Path, continuous: bool, max_num_seqs: int) -> dict[str, Any]:
+VARIANTS = ("static", "continuous", "static-spec", "continuous-spec")
+
+
+def variant_config(base: Path, variant: str, max_num_seqs: int, spec_max_batch: int = 8) -> dict[str, Any]:
     cfg = yaml.safe_load(base.read_text())
-    cfg.update({"batchSize": max_num_seqs, "continuousBatching": continuous})
+    cfg.update({"batchSize": max_num_seqs, "continuousBatching": variant.startswith("continuous")})
+    if variant.endswith("-spec"):
+        cfg["servekit"]["speculation"] = {"heads": "speculator", "max_batch": spec_max_batch}
+    else:
+        cfg["servekit"].pop("speculation", None)
     buckets = cfg["servekit"].setdefault("buckets", {})
     sizes = [b for b in buckets.get("batch_sizes", [1]) if b < max_num_seqs]
     while sizes and sizes[-1] * 2 < max_num_seqs:
@@ -132,7 +143,8 @@ def run_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace, prompt
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     store = work / f"store-{name}"
-    build_archive(MODEL, store, config=config, compress=False)
+    build_archive(MODEL, store, config=config, compress=False,
+                  speculator=args.speculator if name.endswith("-spec") else None)
     with TorchServe(work / f"run-{name}", store) as ts:
         t0 = time.perf_counter()
         ts.register(f"{MODEL}.mar", MODEL, timeout=args.ready_timeout)
@@ -161,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="folder for llm_continuous_bench.json")
     p.add_argument("--config", type=Path, default=model_config("smollm2"), help="base model-config")
-    p.add_argument("--variants", nargs="+", choices=("static", "continuous"), default=["static", "continuous"])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["static", "continuous"])
+    p.add_argument("--speculator", type=Path, help="trained heads (servekit train-speculator --out) for -spec variants")
+    p.add_argument("--spec-max-batch", type=int, default=8, help="-spec variants: largest batch that speculates")
     p.add_argument("--max-num-seqs", type=int, default=32, help="batchSize: requests running at once")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=4, help="requests per concurrent stream")
@@ -175,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--config {args.config}: no such file")
     if min(args.max_num_seqs, args.concurrency, args.rounds, args.solo) < 1 or args.max_tokens < 2:
         p.error("--max-num-seqs, --concurrency, --rounds and --solo must be >= 1, --max-tokens >= 2")
+    if any(v.endswith("-spec") for v in args.variants) and (args.speculator is None or not args.speculator.is_dir()):
+        p.error("the -spec variants need --speculator DIR (a folder written by servekit train-speculator)")
     from servekit.optimizations.train_speculator import load_prompts, split_prompts
 
     prompts = split_prompts(load_prompts())[1]
@@ -183,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                            "args": {k: str(v) for k, v in vars(args).items()}, "variants": []}
     with tempfile.TemporaryDirectory(prefix="servekit-cb-bench-") as tmp:
         for name in args.variants:
-            cfg = variant_config(args.config, name == "continuous", args.max_num_seqs)
+            cfg = variant_config(args.config, name, args.max_num_seqs, args.spec_max_batch)
             try:
                 res["variants"].append(run_variant(name, cfg, args, prompts, Path(tmp)))
             except Exception as e:  # one variant failing must not lose the other's figures

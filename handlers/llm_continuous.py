@@ -60,6 +60,8 @@ class ContinuousFrontend:
         batcher = ContinuousBatcher(service.runner, service.batch_size, service.plan.prefill_chunk)
         log.info("continuous batching: long-prompt chunks warmed up in %.1f s", batcher.warmup())
         self.engine = EngineThread(batcher, service.runner.device)
+        stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
+        self._spec_sent = ([0] * len(stats.proposed), [0] * len(stats.accepted)) if stats is not None else None
         self.live: dict[str, _Live] = {}
         self._last_return = self._gauges_at = time.perf_counter()
 
@@ -79,7 +81,7 @@ class ContinuousFrontend:
             self.live[ids[i]] = _Live(ids[i], req, gen)
             self.s.metrics.emit("servekit_llm_prompt_tokens_total", "counter", req.prompt_tokens)
             for k, (prompt, params) in enumerate(req.choices):
-                self.engine.submit((ids[i], k), prompt, params)
+                self.engine.submit((ids[i], k), prompt, params, req.speculate)
         keys = [(rid, k) for rid in present if rid in self.live for k in range(len(self.live[rid].req.choices))]
         updates = self.engine.take(keys, 0 if answers or not keys else WAIT_S)
         first_token = any(self.live[rid].gen.rows[k].tokens == 0 for rid, k in updates)
@@ -110,6 +112,7 @@ class ContinuousFrontend:
             # the metric lines the frontend parses from growing with the call rate.
             m.emit("servekit_llm_running_seqs", "gauge", self.engine.running)
             m.emit("servekit_llm_waiting_seqs", "gauge", self.engine.waiting)
+            self._emit_spec_counts()
             self._gauges_at = time.perf_counter()
         if requests:
             m.emit("servekit_requests_total", "counter", len(requests) + len(answers))
@@ -162,6 +165,20 @@ class ContinuousFrontend:
             return chunk, finished
         context.set_response_content_type(i, "application/json")
         return (gen._answer(0), True) if finished else ("", False)
+
+    def _emit_spec_counts(self) -> None:
+        """Draft positions proposed and accepted since the last call, per draft position."""
+        stats = self.engine.batcher.spec_stats
+        if stats is None or self._spec_sent is None:
+            return
+        sent_p, sent_a = self._spec_sent
+        proposed, accepted = list(stats.proposed), list(stats.accepted)  # a snapshot: the engine counts on
+        if proposed[0] == sent_p[0]:
+            return
+        for pos in range(len(proposed)):
+            self.s.metrics.emit("servekit_spec_proposed_total", "counter", proposed[pos] - sent_p[pos], Position=str(pos))
+            self.s.metrics.emit("servekit_spec_accepted_total", "counter", accepted[pos] - sent_a[pos], Position=str(pos))
+        self._spec_sent = (proposed, accepted)
 
     def _cancel(self, live: _Live) -> None:
         for k, row in enumerate(live.gen.rows):

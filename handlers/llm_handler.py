@@ -213,8 +213,6 @@ class LlmService:
         # batchSize at a time (handlers/llm_continuous.py); otherwise each batch runs to its end.
         self.continuous: ContinuousFrontend | None = None
         if config.get("continuousBatching"):
-            if self.plan.speculation is not None:
-                log.warning("continuous batching decodes without speculation (the heads serve static batching)")
             self.continuous = ContinuousFrontend(self, Generation, _device_error)
         install_buffered_reads()
         log.info("servekit LLM plan %s ready in %.1f s (gc_frozen_objects %d): %s", self.plan.label(),

@@ -17,7 +17,13 @@ step t, so the device never waits for the host's bookkeeping; a row that finishe
 wasted token computed in step t+1, which is dropped. Admission (prefill) is queued on the same
 stream after the step in flight, so it never races with it.
 
-Speculative decoding stays with static batching (``LlamaRunner.stream``) for now.
+Speculative decoding (``runner.speculation`` built ``in_slots``): while the busy slots fit its
+largest batch bucket, no running request needs logprobs or penalties and one of them is greedy, a
+step is a verify step over the same rows instead of a plain one; each row accepts what it accepts
+and the plain and verify steps share the rows' state, so the batch moves between the two from one
+step to the next. A request starts with stale drafts (the slot prefill makes none): its first
+verify step yields one token and drafts for the next. Sampled rows and requests with
+``speculate=False`` accept no drafts and get exactly their plain tokens.
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ import torch
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
                                              TokenLogprob, prefill, read_row, token_ids)
-from servekit.optimizations.sampling import SamplingTensors, sampling_mode
+from servekit.optimizations.sampling import MODES, SamplingTensors, sampling_mode
+from servekit.optimizations.speculative import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +75,14 @@ class _Seq:
     prompt: list[int]
     params: SamplingParams
     stops: frozenset[int]
+    speculate: bool = True  # accepts drafts (greedy requests that did not opt out)
     slot: int = -1
     prefilled: int = 0  # prompt tokens in the cache so far (a long prompt goes in chunks)
-    launched: int = 0  # tokens asked of the device so far (the prefill's first one included); 0: not decoding yet
+    launched: int = 0  # steps asked of the device so far (the prefill included); 0: not decoding yet
     generated: int = 0  # tokens reported
+    # Upper bound of the position of the token the next launched step feeds (a verify step may
+    # advance a row by 1..k+1 positions: the bound assumes k+1 until its output is read).
+    pos_hi: int = 0
     done: bool = False
 
 
@@ -81,6 +92,7 @@ class _Pending:
     slot: int
     mode: str
     seqs: list[tuple[int, _Seq]]  # (row of the output, request)
+    drafts: int = 0  # k for a verify step's output (k+1 base tokens and the accepted count per row)
 
 
 class ContinuousBatcher:
@@ -111,6 +123,12 @@ class ContinuousBatcher:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.chunking: collections.deque[_Seq] = collections.deque()
+        spec = runner.speculation
+        if spec is not None and not getattr(spec, "in_slots", False):
+            raise ValueError("the runner's speculation runs static batches: build it with in_slots=True")
+        self.spec = spec
+        # Draft positions proposed and accepted so far (the handler's metrics read these).
+        self.spec_stats = SpecStats.empty(spec.n_heads) if spec is not None else None
 
     def warmup(self) -> float:
         """Run a few prompts longer than ``prefill_chunk`` through (compiled runners only): the
@@ -128,13 +146,15 @@ class ContinuousBatcher:
         return time.perf_counter() - t0
 
     # -- requests ------------------------------------------------------------------------------
-    def add(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
-        """Queue a request; ``ValueError`` (naming the problem) if the runner cannot run it."""
+    def add(self, key: Hashable, prompt: list[int], params: SamplingParams, speculate: bool = True) -> None:
+        """Queue a request; ``ValueError`` (naming the problem) if the runner cannot run it.
+        ``speculate=False`` keeps it from accepting drafts (sampled requests never do)."""
         if key in self.by_key:
             raise ValueError(f"request {key!r} is already running")
         if (err := self.r.check(prompt, params)) is not None:
             raise ValueError(err)
-        seq = _Seq(key, list(prompt), params, frozenset(params.stop_token_ids))
+        seq = _Seq(key, list(prompt), params, frozenset(params.stop_token_ids),
+                   speculate=speculate and params.temperature == 0 and not params.full)
         self.by_key[key] = seq
         self.waiting.append(seq)
 
@@ -219,8 +239,9 @@ class ContinuousBatcher:
                 updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
             return None
         for s, row in zip(seqs, rows_list):
-            s.slot, s.launched = row, 1
+            s.slot, s.launched, s.pos_hi = row, 1, len(s.prompt)
             self.slots[row] = s
+        self._set_spec_rows(seqs)
         host, slot = self._host(out)
         return _Pending(host, slot, b.mode, list(enumerate(seqs)))  # prefill output row i: admitted request i
 
@@ -252,40 +273,81 @@ class ContinuousBatcher:
         if end < len(s.prompt):
             return None
         self.chunking.popleft()
-        s.launched = 1
+        s.launched, s.pos_hi = 1, len(s.prompt)
+        self._set_spec_rows([s])
         host, slot = self._host(out)
         return _Pending(host, slot, b.mode, [(0, s)])
 
+    def _set_spec_rows(self, seqs: list[_Seq]) -> None:
+        """Tell the verify steps which of these newly started rows accept drafts."""
+        if self.spec is None:
+            return
+        inside = [s for s in seqs if s.slot < len(self.spec.spec_rows)]
+        if inside:
+            dev = self.r.device
+            self.spec.set_rows(torch.tensor([s.slot for s in inside], device=dev),
+                               torch.tensor([int(s.speculate) for s in inside], device=dev))
+
+    def _speculates(self, active: list[_Seq], batch: int, mode: str) -> bool:
+        """Whether the next step is a verify step: speculation exists, the busy slots fit its
+        buckets, no row needs the plain steps' FULL mode, and some row accepts drafts."""
+        spec = self.spec
+        return (spec is not None and bool(spec.spec_buckets) and batch <= spec.spec_buckets[-1]
+                and mode in _SPEC_MODES and any(s.speculate for s in active))
+
     def _launch(self) -> _Pending | None:
         active = [s for s in self.slots if s is not None and not s.done and s.launched > 0]
-        # Only rows that may still need a token after the launched ones: the last read finishes the rest.
+        # Only rows that may still need a token after the launched steps (each gives at least one):
+        # the last read finishes the rest.
         if not any(s.launched < s.params.max_tokens for s in active):
             return None
         batch = pick_bucket(max(s.slot for s in active) + 1, self.r.batch_buckets)
         mode = _mode([s.params for s in active])
-        # This step writes position len(prompt) + launched - 1 of each row: attend to one past it.
-        needed = min(max(len(s.prompt) + s.launched for s in active), self.r.max_seq_len)
-        out = self.r.steps[(batch, mode, pick_bucket(needed, self.r.kv_buckets))].run()
+        k = 0
+        if self._speculates(active, batch, mode):
+            spec = self.spec
+            k = spec.n_heads
+            batch = pick_bucket(batch, spec.spec_buckets)
+            # A verify step writes positions pos .. pos+k of each row: attend to one past the last.
+            needed = min(max(s.pos_hi for s in active) + k + 1, self.r.max_seq_len)
+            out = spec.steps[(batch, mode, pick_bucket(needed, self.r.kv_buckets))].run()
+        else:
+            # This step writes position pos of each row: attend to one past it.
+            needed = min(max(s.pos_hi for s in active) + 1, self.r.max_seq_len)
+            out = self.r.steps[(batch, mode, pick_bucket(needed, self.r.kv_buckets))].run()
         for s in active:
             s.launched += 1
+            s.pos_hi += k + 1
         host, slot = self._host(out)
-        return _Pending(host, slot, mode, [(s.slot, s) for s in active])  # decode output row = slot
+        return _Pending(host, slot, mode, [(s.slot, s) for s in active], k)  # decode output row = slot
 
     def _read(self, pending: _Pending, updates: dict[Hashable, SeqUpdate]) -> None:
         rows = pending.host.wait(pending.slot)
+        k = pending.drafts
         for row, s in pending.seqs:
-            if s.done:  # finished or cancelled since the launch: its token is dropped
+            if s.done:  # finished or cancelled since the launch: its tokens are dropped
                 continue
-            tok, logprob = read_row(rows[row], pending.mode, s.params.logprobs)
             u = updates.setdefault(s.key, SeqUpdate())
-            u.tokens.append(tok)
-            if logprob is not None:
-                u.logprobs.append(logprob)
-            s.generated += 1
-            if tok in s.stops:
-                u.finish_reason = FINISH_STOP
-            elif s.generated >= s.params.max_tokens:
-                u.finish_reason = FINISH_LENGTH
+            if k:  # a verify step: the row's first accepted+1 base tokens
+                accepted = rows[row][k + 1]
+                s.pos_hi -= k - accepted  # the bound assumed every draft accepted
+                if s.speculate:
+                    self.spec_stats.add_row(accepted)
+                new, logprobs = rows[row][:accepted + 1], None
+            else:
+                tok, logprob = read_row(rows[row], pending.mode, s.params.logprobs)
+                new, logprobs = [tok], logprob
+            for tok in new:
+                u.tokens.append(tok)
+                s.generated += 1
+                if tok in s.stops:
+                    u.finish_reason = FINISH_STOP
+                elif s.generated >= s.params.max_tokens:
+                    u.finish_reason = FINISH_LENGTH
+                if u.finish_reason is not None:
+                    break
+            if logprobs is not None:
+                u.logprobs.append(logprobs)
             if u.finish_reason is not None:
                 self.by_key.pop(s.key, None)
                 self._finish(s)
@@ -304,6 +366,9 @@ class ContinuousBatcher:
         self.waiting.clear()
         self._inflight = None
         return out
+
+
+_SPEC_MODES = frozenset(MODES)  # the verify steps' sampling modes (FULL: plain steps only)
 
 
 def _mode(params: list[SamplingParams]) -> str:
@@ -335,8 +400,8 @@ class EngineThread:
         self._thread = threading.Thread(target=self._loop, args=(device,), name="servekit-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams) -> None:
-        self._commands.append(("add", key, prompt, params))
+    def submit(self, key: Hashable, prompt: list[int], params: SamplingParams, speculate: bool = True) -> None:
+        self._commands.append(("add", key, prompt, params, speculate))
         self._wake.set()
 
     def cancel(self, key: Hashable) -> None:

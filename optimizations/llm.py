@@ -131,7 +131,8 @@ def _parse_spec_plan(raw: object, path: str) -> SpecPlan:
 def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> tuple[LlamaRunner, LlmPlan, list[str]]:
     """Load the converted checkpoint in ``model_dir`` and build (and warm up) the plan's runner,
     with speculative decoding as its step strategy when the plan has a ``speculation`` section
-    (not with ``continuous``: a runner for continuous batching, whose prefills fill given slots).
+    (``continuous``: a runner for continuous batching, whose prefills fill given slots and whose
+    verify steps run on its decode rows).
 
     Returns the runner, the effective plan and the downgrades made (only with ``fallback: eager``;
     otherwise anything the plan asks for that cannot be applied raises ``PlanError``).
@@ -165,8 +166,8 @@ def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> 
             plan = dataclasses.replace(plan, compile="off", cuda_graphs=False)
             runner = build(plan)
             runner.warmup()
-    if plan.speculation is not None and not continuous:
-        runner.speculation = _speculation(runner, Path(model_dir), plan)
+    if plan.speculation is not None:
+        runner.speculation = _speculation(runner, Path(model_dir), plan, continuous)
         runner.plan["speculative"] = runner.speculation.plan
     if device.type == "cuda":
         # Scratch memory of loading and of every warm-up (plain and speculative) goes back to the
@@ -176,8 +177,9 @@ def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> 
     return runner, plan, downgrades
 
 
-def _speculation(runner: LlamaRunner, model_dir: Path, plan: LlmPlan) -> SpeculativeDecoding:
-    """The archive's speculator heads as the warmed-up runner's step strategy (verify steps warmed)."""
+def _speculation(runner: LlamaRunner, model_dir: Path, plan: LlmPlan, in_slots: bool) -> SpeculativeDecoding:
+    """The archive's speculator heads as the warmed-up runner's step strategy (verify steps warmed);
+    ``in_slots``: verify steps over the continuous batch's rows."""
     sp = plan.speculation
     assert sp is not None
     folder = model_dir / sp.heads
@@ -187,7 +189,7 @@ def _speculation(runner: LlamaRunner, model_dir: Path, plan: LlmPlan) -> Specula
     try:
         heads = load_speculator(folder)
         spec = SpeculativeDecoding(runner, heads, max_spec_batch=sp.max_batch, n_heads=sp.n_heads,
-                                   compile_verify=plan.compile != "off")
+                                   compile_verify=plan.compile != "off", in_slots=in_slots)
     except ValueError as e:  # heads for another model, more heads asked for than trained, ...
         raise PlanError(f"servekit.speculation: {e}") from e
     if plan.warmup:

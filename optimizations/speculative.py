@@ -57,8 +57,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, GenerationStream, GraphedStep,
-                                             HostCopies, LlamaRunner, PrefillStep, RegionalCompiled, SamplingParams,
+from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, DecodeState, GenerationStream,
+                                             GraphedStep, HostCopies, LlamaRunner, PrefillStep, RegionalCompiled, SamplingParams,
                                              StepOutput, collect, decode_order, pad_prompts, prefill_order, warm_steps)
 from servekit.optimizations.llama import RMSNorm, Transformer
 from servekit.optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
@@ -317,6 +317,13 @@ class SpecStats:
         self.steps += 1
         self.tokens += sum(len(t) for t in out.tokens if t is not None)
 
+    def add_row(self, accepted: int) -> None:
+        """One row's verify step that accepted ``accepted`` of its drafts (continuous batching)."""
+        for j in range(len(self.proposed)):
+            self.proposed[j] += 1
+            self.accepted[j] += j < accepted
+        self.tokens += accepted + 1
+
     @property
     def acceptance_rate(self) -> list[float]:
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
@@ -341,6 +348,16 @@ class SpecState:
         self.pos = torch.zeros(batch, dtype=torch.int64, device=device)
         self.spec_rows = torch.zeros(batch, dtype=torch.int64, device=device)
         self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
+
+    @classmethod
+    def sharing(cls, decode: DecodeState, draft: Tensor, spec_rows: Tensor) -> "SpecState":
+        """A state over a plain decode state's own memory (continuous batching): its token,
+        position and sampling rows are the decode state's, so plain and verify steps take turns on
+        the same rows with nothing copied. Only the drafts and speculate flags are its own."""
+        out = object.__new__(cls)
+        out.token, out.pos, out.params = decode.tokens[:, 0], decode.input_pos[:, 0], decode.params
+        out.draft, out.spec_rows = draft, spec_rows
+        return out
 
     def load(self, token: Tensor, draft: Tensor, pos: Tensor, spec_rows: Tensor, params: SamplingTensors) -> None:
         self.token.copy_(token)
@@ -398,7 +415,7 @@ class SpeculativeDecoding:
     """
 
     def __init__(self, base: LlamaRunner, speculator: Speculator, max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH,
-                 n_heads: int | None = None, compile_verify: bool = False) -> None:
+                 n_heads: int | None = None, compile_verify: bool = False, in_slots: bool = False) -> None:
         model = base.model
         speculator.check_base(model)
         if max_spec_batch < 0:
@@ -417,14 +434,26 @@ class SpeculativeDecoding:
             compiled = RegionalCompiled(model, base.plan.get("compile_mode", "default"))
         self._prefill_model = base.compiled_model if base.compile_prefill else model
         verify_model = compiled if compile_verify else model
-        self.states = {b: SpecState(b, self.n_heads, self.device) for b in self.spec_buckets}
+        # in_slots (continuous batching): the verify steps run on the runner's own decode rows, and
+        # requests start with the runner's slot prefill (their first step has stale drafts).
+        self.in_slots = in_slots
+        if in_slots:
+            top = self.spec_buckets[-1] if self.spec_buckets else 0
+            self.draft = torch.zeros(top, self.n_heads, dtype=torch.int64, device=self.device)
+            self.spec_rows = torch.zeros(top, dtype=torch.int64, device=self.device)
+            self.states = {b: SpecState.sharing(base.states[b], self.draft[:b], self.spec_rows[:b])
+                           for b in self.spec_buckets}
+        else:
+            self.states = {b: SpecState(b, self.n_heads, self.device) for b in self.spec_buckets}
         self.steps = {(b, m, kv): VerifyStep(verify_model, self.speculator, self.states[b], m, kv, verify_step)
                       for b in self.spec_buckets for m in MODES for kv in base.kv_buckets}
         # The base runner's short prompt buckets prefill from static inputs; so do ours, on its buffers.
-        self.prefill_steps = {key: PrefillStep(self._plain_prefill, step.state, key[2])
-                              for key, step in base.prefill_steps.items() if key[0] in self.spec_buckets}
+        self.prefill_steps = {} if in_slots else {key: PrefillStep(self._plain_prefill, step.state, key[2])
+                                                  for key, step in base.prefill_steps.items()
+                                                  if key[0] in self.spec_buckets}
         self.plan = {"n_heads": self.n_heads, "max_spec_batch": self.max_spec_batch,
-                     "spec_buckets": list(self.spec_buckets), "compile_verify": compile_verify}
+                     "spec_buckets": list(self.spec_buckets), "compile_verify": compile_verify,
+                     "in_slots": in_slots}
 
     @torch.no_grad()
     def warmup(self, include_base: bool = False) -> dict[str, float]:
@@ -433,6 +462,8 @@ class SpeculativeDecoding:
         phases = {f"base_{k}": v for k, v in self.base.warmup().items()} if include_base else {}
         t0 = time.perf_counter()
         shapes = [(b, t) for b in self.spec_buckets for t in self.base.prefill_buckets]
+        if self.in_slots:  # requests start with the runner's own prefill
+            shapes = []
         for b, t in shapes if self.base.compile_prefill else shapes[:1]:
             params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
             tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.base.pad_id] * t], b, t))
@@ -452,9 +483,15 @@ class SpeculativeDecoding:
 
     def applies(self, params: list[SamplingParams], speculate: list[bool] | None = None) -> bool:
         """Whether ``stream`` takes the speculative path for this batch."""
+        if self.in_slots:  # the continuous batcher decides step by step
+            return False
         rows = self._spec_rows(params, speculate)
         # Penalties and logprobs are plain steps' features (FULL mode): such a batch does not speculate.
         return 0 < len(params) <= self.max_spec_batch and any(rows) and not any(sp.full for sp in params)
+
+    def set_rows(self, rows: Tensor, speculate: Tensor) -> None:
+        """Whether the requests starting in ``rows`` (continuous batching) accept drafts (1) or not (0)."""
+        self.spec_rows.index_copy_(0, rows, speculate)
 
     @staticmethod
     def _spec_rows(params: list[SamplingParams], speculate: list[bool] | None) -> list[bool]:

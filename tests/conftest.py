@@ -92,3 +92,19 @@ def tiny_llama():
     from servekit.optimizations.llama import LlamaConfig, init_random
 
     return init_random(LlamaConfig.tiny(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Speculator heads (4) trained by the CLI recipe on the tiny model of ``tiny_llama`` (seconds)."""
+    from servekit.optimizations import train_speculator
+
+    out = tmp_path_factory.mktemp("spec-tiny")
+    old = torch.get_num_threads()
+    try:
+        assert train_speculator.main(["--tiny", "--out", str(out), "--prompts-limit", "30", "--new-tokens", "24",
+                                      "--steps", "40", "--batch-size", "128", "--device", "cpu", "--quiet",
+                                      "--topic-prompts", "12", "--draft-vocab", "192"]) == 0
+    finally:
+        torch.set_num_threads(old)
+    return out

@@ -269,3 +269,94 @@ def test_the_engine_thread_serves_requests_and_survives_a_failed_step(runner: Ll
     assert got["c"].finish_reason == "error" and "device lost" in str(got["c"].error)
     engine.submit("d", _prompt(8, 4), SamplingParams(max_tokens=5))  # the thread lives on
     assert _collect(engine, ["d"])["d"].tokens == _solo(runner, _prompt(8, 4), SamplingParams(max_tokens=5)).tokens
+
+
+# --- speculation inside the continuous batch ---------------------------------------------------------
+
+K = 4
+
+
+@pytest.fixture
+def spec_runner(runner: LlamaRunner, tiny_trained_heads) -> LlamaRunner:
+    """The module's runner with trained speculator heads verifying in its slots, up to batch 2:
+    three or four busy slots decode with plain steps, so the batch moves between the two."""
+    from servekit.optimizations.speculative import SpeculativeDecoding, load_speculator
+
+    runner.speculation = SpeculativeDecoding(runner, load_speculator(tiny_trained_heads), max_spec_batch=2,
+                                             in_slots=True)
+    runner.speculation.warmup()
+    yield runner
+    runner.speculation = None
+
+
+def test_speculating_requests_joining_and_leaving_get_their_solo_output(spec_runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(spec_runner)
+    rec = Recorder(batcher)
+    cases = {"a": (_prompt(20, 11), SamplingParams(max_tokens=60)),
+             "b": (_prompt(5, 12), SamplingParams(max_tokens=14, temperature=0.9, top_k=30, seed=7)),
+             "c": (_prompt(33, 13), SamplingParams(max_tokens=45)),
+             "d": (_prompt(9, 14), SamplingParams(max_tokens=30, presence_penalty=1.0, logprobs=2)),
+             "e": (_prompt(12, 15), SamplingParams(max_tokens=40))}
+    rec.add("a", *cases["a"])
+    kinds = []
+
+    def step(n: int) -> None:
+        for _ in range(n):
+            kinds.append(batcher._inflight.drafts if batcher._inflight else None)
+            rec.step()
+
+    step(4)
+    rec.add("b", *cases["b"])  # sampled: rides along without drafts
+    step(3)
+    rec.add("c", *cases["c"])  # three busy slots: plain steps
+    step(3)
+    rec.add("d", *cases["d"])  # penalties and logprobs: plain (FULL) steps while it runs
+    rec.add("e", *cases["e"])  # waits for a free slot
+    rec.run()
+    for key, (prompt, params) in cases.items():
+        want = _solo(spec_runner, prompt, params)
+        assert rec.tokens[key] == want.tokens, key
+        assert rec.finish[key] == want.finish_reason, key
+    assert K in kinds and 0 in kinds  # both kinds of step ran
+    stats = batcher.spec_stats
+    assert stats.proposed[0] > 0 and stats.mean_accepted_length > 1.2  # trained heads: drafts accepted
+
+
+def test_speculation_stops_at_stop_tokens_and_max_tokens_inside_an_accepted_run(spec_runner: LlamaRunner) -> None:
+    prompts = [_prompt(n, 20 + n) for n in (6, 15)]
+    free = [_solo(spec_runner, p, SamplingParams(max_tokens=40)) for p in prompts]
+    cases = {"stop": (prompts[0], SamplingParams(max_tokens=40, stop_token_ids=(free[0].tokens[12],))),
+             "length": (prompts[1], SamplingParams(max_tokens=17))}
+    batcher = ContinuousBatcher(spec_runner)
+    rec = Recorder(batcher)
+    for key, (prompt, params) in cases.items():
+        rec.add(key, prompt, params)
+    rec.run()
+    for key, (prompt, params) in cases.items():
+        want = _solo(spec_runner, prompt, params)
+        assert rec.tokens[key] == want.tokens and rec.finish[key] == want.finish_reason, key
+    assert batcher.spec_stats.proposed[0] > 0
+
+
+def test_speculate_false_and_sampled_requests_accept_no_drafts(spec_runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(spec_runner)
+    rec = Recorder(batcher)
+    batcher.add("off", _prompt(10, 31), SamplingParams(max_tokens=30), speculate=False)
+    rec.tokens["off"], rec.logprobs["off"] = [], []
+    rec.add("sampled", _prompt(7, 32), SamplingParams(max_tokens=30, temperature=0.8, seed=3))
+    rec.run()
+    assert batcher.spec_stats.proposed[0] == 0  # no row accepted drafts: plain steps throughout
+    assert rec.tokens["off"] == _solo(spec_runner, _prompt(10, 31), SamplingParams(max_tokens=30)).tokens
+    assert rec.tokens["sampled"] == _solo(spec_runner, _prompt(7, 32),
+                                          SamplingParams(max_tokens=30, temperature=0.8, seed=3)).tokens
+
+
+def test_a_static_speculation_is_refused(runner: LlamaRunner, tiny_trained_heads) -> None:
+    from servekit.optimizations.speculative import SpeculativeDecoding, load_speculator
+
+    runner.speculation = SpeculativeDecoding(runner, load_speculator(tiny_trained_heads), max_spec_batch=2)
+    try:
+        with pytest.raises(ValueError, match="in_slots"):
+            ContinuousBatcher(runner)
+    finally:
+        runner.speculation = None

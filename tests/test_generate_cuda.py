@@ -96,3 +96,39 @@ def test_continuous_batching_with_graphs_and_compile_equals_solo_eager() -> None
         for key, u in batcher.step().items():
             tokens[key] += u.tokens
     assert [tokens[i] for i in range(3)] == _run()
+
+
+def test_speculation_inside_the_continuous_batch_with_graphs_and_compile_equals_solo_eager() -> None:
+    """Captured verify steps on the slots of a compiled, captured continuous runner (plain steps
+    above the speculative batch bucket, a sampled request riding along) give each request what the
+    eager runner gives it alone."""
+    from servekit.optimizations.continuous import ContinuousBatcher
+    from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding
+
+    model = init_random(LlamaConfig.tiny(), seed=0).cuda()
+    runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(16, 64),
+                         kv_buckets=(32, 64), compile_prefill=True, compile_decode=True, cuda_graphs=True,
+                         prefill_graphs=64, slot_prefill=True)
+    runner.warmup()
+    heads = Speculator(SpeculatorConfig.for_model(model, 3)).reset_parameters(seed=1, random_out=True)
+    runner.speculation = SpeculativeDecoding(runner, heads, max_spec_batch=2, compile_verify=True, in_slots=True)
+    runner.speculation.warmup()
+    batcher = ContinuousBatcher(runner)
+    prompts, tokens, drafts = _prompts(), {i: [] for i in range(3)}, set()
+
+    def step() -> None:
+        drafts.add(batcher._inflight.drafts if batcher._inflight else None)
+        for key, u in batcher.step().items():
+            tokens[key] += u.tokens
+
+    batcher.add(0, prompts[0], PARAMS[0])
+    for _ in range(4):
+        step()
+    batcher.add(1, prompts[1], PARAMS[1])
+    for _ in range(4):
+        step()
+    batcher.add(2, prompts[2], PARAMS[2])  # three busy slots: plain steps
+    while batcher.has_work:
+        step()
+    assert {0, 3} <= drafts and batcher.spec_stats.proposed[0] > 0
+    assert [tokens[i] for i in range(3)] == _run()

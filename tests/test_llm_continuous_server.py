@@ -1,6 +1,8 @@
-"""Live TorchServe with SmolLM2 under continuous batching (`continuousBatching: true`, CPU plan):
-requests join the running generation, each gets its solo greedy text, a short request is not
-stuck behind a long one, a client that goes away frees its slot, bad requests get their own 4xx."""
+"""Live TorchServe with SmolLM2 under continuous batching (`continuousBatching: true`, CPU plan with
+speculative decoding, heads trained by conftest's fixture): requests join the running generation,
+each gets its solo greedy text (speculating or not), a short request is not stuck behind a long
+one, a client that goes away frees its slot, bad requests get their own 4xx, acceptance is
+reported."""
 from __future__ import annotations
 
 import json
@@ -31,13 +33,15 @@ BATCH = 4
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+def server(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
     tmp = tmp_path_factory.mktemp("llm-cb")
     config = yaml.safe_load(model_config("smollm2-cpu").read_text())
     config.update({"continuousBatching": True, "batchSize": BATCH, "maxBatchDelay": 1})
+    # Up to 2 running requests speculate; with 3 or 4 the batch decodes with plain steps.
+    config["servekit"]["speculation"] = {"heads": "speculator", "n_heads": 3, "max_batch": 2}
     (tmp / "cb.yaml").write_text(yaml.safe_dump(config))
     spec = ArchiveSpec(LLM, SPECS["smollm2"].handler, tmp / "cb.yaml", lambda: smollm2_archive_files(torch.bfloat16))
-    build_archive("smollm2", tmp / "store", compress=False, spec=spec)
+    build_archive("smollm2", tmp / "store", compress=False, spec=spec, speculator=smollm2_heads)
     with TorchServe(tmp / "ts", tmp / "store") as ts:
         ts.register("smollm2.mar", "smollm2", batch_size=BATCH, max_batch_delay_ms=1, workers=1, timeout=240)
         yield ts
@@ -172,3 +176,23 @@ def test_bad_requests_logprobs_and_n_under_continuous_batching(server: TorchServ
                                            temperature=1.0, seed=4)
     assert alone.choices[0].message.content == r.choices[1].message.content  # choice k: seed + k
     assert [m.id for m in client.models.list().data] == ["smollm2"]
+
+
+def test_speculation_in_the_running_batch_is_exact_and_reports_acceptance(server: TorchServe, client,
+                                                                          reference) -> None:
+    """A lone greedy stream speculates (several tokens per step, the heads' prompt): its text is
+    the plain greedy text, and the acceptance counters grow as a verify step's would."""
+    msgs = _msgs("Count to three.")  # a prompt the fixture's heads trained on
+    proposed = _metric(server, "servekit_spec_proposed_total")
+    accepted = _metric(server, "servekit_spec_accepted_total")
+    text = "".join(c.choices[0].delta.content or "" for c in
+                   client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=32, temperature=0,
+                                                  stream=True) if c.choices)
+    assert text == reference(msgs, 32)
+    deadline = time.monotonic() + 15
+    while _metric(server, "servekit_spec_proposed_total") == proposed and time.monotonic() < deadline:
+        time.sleep(0.3)
+    new_proposed = _metric(server, "servekit_spec_proposed_total") - proposed
+    new_accepted = _metric(server, "servekit_spec_accepted_total") - accepted
+    assert new_proposed > 0 and new_accepted > 0, (new_proposed, new_accepted)
+    assert new_accepted <= new_proposed

@@ -49,13 +49,8 @@ def spec(base: LlamaRunner, random_heads: Speculator) -> SpeculativeDecoding:
 
 
 @pytest.fixture(scope="module")
-def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Heads trained by the CLI recipe on the tiny model (seconds)."""
-    out = tmp_path_factory.mktemp("spec-tiny")
-    assert train_speculator.main(["--tiny", "--out", str(out), "--prompts-limit", "30", "--new-tokens", "24",
-                                  "--steps", "40", "--batch-size", "128", "--device", "cpu", "--quiet",
-                                  "--topic-prompts", "12", "--draft-vocab", "192"]) == 0
-    return out
+def trained_dir(tiny_trained_heads: Path) -> Path:
+    return tiny_trained_heads
 
 
 class OracleSpeculator(Speculator):
