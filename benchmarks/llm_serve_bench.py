@@ -167,8 +167,7 @@ def measure(ts: TorchServe, prompts: list[str], concurrency: list[int], rounds: 
 
 def variant_config(base: Path, concurrency: list[int], delay_ms: int, speculation: dict | None) -> dict[str, Any]:
     """The model-config to archive: batchSize = the largest concurrency (a bucket of the plan too),
-    `delay_ms` batch delay, and the speculation section or none (with one, static batching:
-    speculative decoding does not run inside a continuous batch)."""
+    `delay_ms` batch delay, and the speculation section or none; the base's batching mode stays."""
     cfg = yaml.safe_load(base.read_text())
     top = max(concurrency)
     cfg["batchSize"], cfg["maxBatchDelay"] = top, delay_ms
@@ -179,7 +178,6 @@ def variant_config(base: Path, concurrency: list[int], delay_ms: int, speculatio
     plan.pop("speculation", None)
     if speculation is not None:
         plan["speculation"] = speculation
-        cfg["continuousBatching"] = False
     return cfg
 
 

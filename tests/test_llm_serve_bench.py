@@ -32,4 +32,4 @@ def test_variant_config_sets_batching_and_speculation() -> None:
     spec = variant_config(ROOT / "config/models/smollm2.yaml", [1, 2], 5, {"heads": "speculator", "max_batch": 2})
     assert spec["servekit"]["buckets"]["batch_sizes"] == [1, 2] and spec["batchSize"] == 2
     assert spec["servekit"]["speculation"] == {"heads": "speculator", "max_batch": 2}
-    assert spec["continuousBatching"] is False and plain["continuousBatching"] is False  # smollm2-spec.yaml: static
+    assert spec["continuousBatching"] is True and plain["continuousBatching"] is True  # as the base configs
