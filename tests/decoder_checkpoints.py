@@ -60,18 +60,19 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
 
 
 def write_checkpoint(family: str, out: Path, seed: int = 0, eos_config: int | list[int] | None = None,
-                     eos_generation: list[int] | None = None, shard: bool = False) -> Path:
+                     eos_generation: list[int] | None = None, shard: bool = False, **overrides: object) -> Path:
     """A tiny random checkpoint of ``family`` in ``out``: config.json, safetensors (sharded with an
-    index when ``shard``), generation_config.json, tokenizer.json, tokenizer_config.json."""
+    index when ``shard``), generation_config.json, tokenizer.json, tokenizer_config.json.
+    ``overrides``: config keyword arguments that replace the tiny defaults."""
     import transformers
 
     cls_name, extra = FAMILIES[family]
     tok = byte_tokenizer()
     eos_id, eot_id = tok.token_to_id(EOS), tok.token_to_id(EOT)
-    config = getattr(transformers, cls_name)(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.token_to_id(BOS),
-        eos_token_id=[eos_id, eot_id] if eos_config is None else eos_config, pad_token_id=eos_id, **extra)
+    kwargs = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.token_to_id(BOS),
+                  eos_token_id=[eos_id, eot_id] if eos_config is None else eos_config, pad_token_id=eos_id)
+    config = getattr(transformers, cls_name)(**{**kwargs, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit(model, seed)
