@@ -248,3 +248,45 @@ def test_speculator_trained_on_a_model_dir_serves_plain_greedy_output(checkpoint
     assert sum(sum(step.proposed) for step in spec_steps) > 0  # the heads did draft
     plain = collect(runner.stream_plain(batch, params), 2)
     assert [c.tokens for c in collect(spec_steps, 2)] == [c.tokens for c in plain]
+
+
+def test_llm_handler_serves_a_model_folder_as_an_archive_ships_it(checkpoints, references, tmp_path: Path) -> None:
+    """The handler loads exactly the files an archive of a model folder holds (Qwen2, sharded) and
+    answers chat and text completions with transformers' greedy tokens, stopping on the model's ids."""
+    from mock_context import batch, mock_context, status
+
+    from servekit.handlers.llm_handler import LlmService
+
+    folder = tmp_path / "archive"
+    folder.mkdir()
+    src = checkpoints["qwen2"]
+    shipped = ["config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+               "generation_config.json", "special_tokens_map.json",
+               *json.loads((src / "model.safetensors.index.json").read_text())["weight_map"].values()]
+    for name in set(shipped):
+        shutil.copy(src / name, folder / name)
+    config = {"servekit": {"device": "cpu", "precision": "fp32", "max_seq_len": 96, "limits": {"max_tokens": 16},
+                           "buckets": {"batch_sizes": [1, 2], "prompt_lens": [64], "kv_lens": [96]}}}
+    ctx = mock_context(folder, config, batch_size=2, model_name="byo")
+    service = LlmService()
+    service.initialize(ctx)
+    tok = ChatTokenizer(folder)
+    assert set(service.stop_ids) == {tok.token_id(EOS), tok.token_id(EOT)}
+    # Logprobs name each generated token (its bytes; random weights emit bytes that are no text).
+    data = batch(ctx, [("v1/chat/completions", {"messages": MESSAGES, "max_tokens": 16, "temperature": 0,
+                                                "logprobs": True}),
+                       ("v1/completions", {"prompt": "The sea is", "max_tokens": 16, "temperature": 0,
+                                           "logprobs": 0})])
+    out = [json.loads(o) for o in service.handle(data, ctx)]
+    assert [status(ctx, i) for i in range(2)] == [200, 200]
+    chat, text = out[0]["choices"][0], out[1]["choices"][0]
+    got = [[bytes(e["bytes"]) for e in chat["logprobs"]["content"]], text["logprobs"]["tokens"]]
+    for answer, choice, tokens, prompt in zip(out, (chat, text), got,
+                                              [tok.encode_chat(MESSAGES), tok.encode_prompt("The sea is")]):
+        ref_tokens, _ = _hf_greedy(references["qwen2"], prompt, 16)
+        n = answer["usage"]["completion_tokens"]
+        stopped = ref_tokens[n - 1] in service.stop_ids
+        assert choice["finish_reason"] == ("stop" if stopped else "length")
+        shown = ref_tokens[:n - 1] if stopped else ref_tokens[:n]  # a stop token is not part of the answer
+        name = tok.token_bytes if choice is chat else tok.token_text
+        assert tokens == [name(t) for t in shown]
