@@ -9,16 +9,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from servekit.optimizations.chat_template import ChatTokenizer
 from servekit.optimizations.device import DTYPES, capability, pick_device
 from servekit.optimizations.generate import LlamaRunner
 from servekit.optimizations.llama import generation_stop_ids, load_config, load_llama
 from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_bools, _check_choice,
                                          _check_keys, _int_list, _positive_int, resolve_for_device)
 from servekit.optimizations.speculative import DEFAULT_MAX_SPEC_BATCH, SPEC_CONFIG, SpeculativeDecoding, load_speculator
+
+if TYPE_CHECKING:
+    from servekit.optimizations.chat_template import ChatTokenizer
 
 
 @dataclass(frozen=True)

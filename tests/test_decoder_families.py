@@ -13,7 +13,7 @@ import torch
 from decoder_checkpoints import CHAT_TEMPLATE, EOS, EOT, FAMILIES, write_checkpoint
 from servekit.optimizations.chat_template import ChatTokenizer
 from servekit.optimizations.generate import LlamaRunner, SamplingParams, collect, generate
-from servekit.optimizations.llama import LlamaConfig, Transformer, generation_stop_ids, load_config, load_llama
+from servekit.optimizations.llama import LlamaConfig, generation_stop_ids, load_config, load_llama
 from servekit.optimizations.llm import LlmPlan, SpecPlan, load_llm_runner, stop_token_ids
 from servekit.optimizations.plan import PlanError
 
