@@ -36,7 +36,7 @@ from servekit.optimizations.chat_template import ChatTokenizer, IncrementalDetok
 from servekit.optimizations.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, LlamaRunner,
                                              SamplingParams, TokenLogprob)
 from servekit.optimizations.sampling import TOP_LOGPROBS
-from servekit.optimizations.llm import LlmPlan, load_llm_runner, parse_llm_plan
+from servekit.optimizations.llm import LlmPlan, load_llm_runner, parse_llm_plan, stop_token_ids
 from servekit.optimizations.plan import PlanError
 from servekit.optimizations.speculative import SpecStats
 
@@ -202,9 +202,7 @@ class LlmService:
             raise PlanError(f"batchSize {self.batch_size} exceeds servekit.buckets.batch_sizes' largest "
                             f"bucket {self.runner.max_batch}")
         self.tokenizer = ChatTokenizer(model_dir)
-        eos = self.tokenizer.eos_token_id
-        end_of_text = self.tokenizer.token_id("<|endoftext|>")
-        self.stop_ids = tuple(sorted({t for t in (eos, end_of_text) if t is not None}))
+        self.stop_ids = stop_token_ids(model_dir, self.tokenizer)
         self.metrics = HandlerMetrics(context, self.model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
         # OpenAI's system_fingerprint names the backend configuration: servekit's version and plan.
@@ -246,7 +244,7 @@ class LlmService:
             texts = [texts] if isinstance(texts, str) else texts
             if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
                 raise _bad("'prompt' must be a string or a non-empty list of strings", "invalid_type")
-            prompts = [self.tokenizer.encode(t) for t in texts]
+            prompts = [self.tokenizer.encode_prompt(t) for t in texts]
             if not all(prompts):
                 raise _bad("'prompt' is empty" if len(prompts) == 1 else
                            f"'prompt[{[bool(p) for p in prompts].index(False)}]' is empty", "empty_prompt")

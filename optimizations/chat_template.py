@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -34,16 +35,21 @@ class ChatTokenizer:
 
         model_dir = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config_path = model_dir / "tokenizer_config.json"
-        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        config = _json(model_dir / "tokenizer_config.json")
         template_path = model_dir / "chat_template.jinja"
-        template = template_path.read_text() if template_path.exists() else config.get("chat_template")
+        template = template_path.read_text() if template_path.exists() else _default_template(config.get("chat_template"))
         if not isinstance(template, str):
             raise FileNotFoundError(f"no chat template in {model_dir} (chat_template.jinja or tokenizer_config.json)")
-        self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        # Special tokens as tokenizer_config.json names them, else as special_tokens_map.json does
+        # (older checkpoints keep them only there).
+        special_map = _json(model_dir / "special_tokens_map.json")
+        self.special = {k: _token_text(config.get(k)) or _token_text(special_map.get(k))
+                        for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = _raise
+        # Llama 3.2's template dates its system prompt with strftime_now, as transformers provides.
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self.template = env.from_string(template)
         self.eos_token_id = self.token_id(self.special["eos_token"])
@@ -65,7 +71,13 @@ class ChatTokenizer:
         return self.encode(self.render(messages, add_generation_prompt))
 
     def encode(self, text: str) -> list[int]:
+        """Ids of text that holds its special tokens already (a rendered chat template)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a plain completion prompt, with what the tokenizer's post-processor adds (Llama's
+        BOS; nothing for tokenizers without one), as transformers' ``tokenizer(text)`` does."""
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -107,6 +119,19 @@ def _byte_level_decoder() -> dict[str, int]:
     extra = (b for b in range(256) if b not in printable)
     chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(extra)}
     return {c: b for b, c in chars.items()}
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _default_template(value: Any) -> Any:
+    """tokenizer_config.json's chat_template: a string, or a list of named templates (the
+    "default" one serves chat; tool-use and RAG variants are not used here)."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return value
 
 
 def _token_text(value: Any) -> str | None:

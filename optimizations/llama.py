@@ -1,11 +1,15 @@
-"""A plain PyTorch Llama (SmolLM2 and friends) with a static, preallocated KV cache.
+"""A plain PyTorch Llama-family decoder with a static, preallocated KV cache.
 
-One readable module in the spirit of gpt-fast's ``model.py``:
+Llama 2 / 3.x, Mistral, Qwen2 / 2.5, SmolLM: the same layers, told apart by their ``config.json``
+(q/k/v biases, RoPE scaling, tied embeddings, sliding window), never by name. One readable module
+in the spirit of gpt-fast's ``model.py``:
 
 * ``LlamaConfig``: the handful of numbers that define the architecture, read from / written to a
   Hugging Face ``config.json`` so a converted checkpoint stays loadable by ``transformers`` too.
+  What this module would compute differently from transformers (other RoPE types, a sliding
+  window shorter than the context, other activations) is refused with a message saying so.
 * RoPE from precomputed cos/sin tables (no complex numbers), in the Hugging Face "rotate half"
-  layout. GGUF files store q/k rows permuted for llama.cpp's interleaved RoPE; ``gguf_weights``
+  layout, with ``linear`` or ``llama3`` frequency scaling folded into the tables. GGUF files store q/k rows permuted for llama.cpp's interleaved RoPE; ``gguf_weights``
   undoes that permutation when it reads them, so every checkpoint we load is in this layout.
 * RMSNorm computed in fp32 (as transformers does), grouped-query attention, SwiGLU MLP, tied
   input/output embeddings when the checkpoint ties them.
@@ -31,6 +35,32 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+# Architectures served by this module: Llama-style decoders that differ only in the details below.
+# Mistral: Llama's layers (its sliding window is checked against the context); Qwen2: biased q/k/v.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")  # dynamic NTK, YaRN, LongRoPE: not implemented
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: ``linear`` (positions divided by ``factor``) or ``llama3`` (Llama 3.1's
+    wavelength-dependent rescaling). Applied once to the inverse frequencies, so every step (plain,
+    compiled, captured) uses the same static cos/sin tables."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def to_hf(self) -> dict:
+        out: dict = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
+                       original_max_position_embeddings=self.original_max_position_embeddings)
+        return out
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int = 49152
@@ -45,14 +75,40 @@ class LlamaConfig:
     max_position_embeddings: int = 8192
     tie_embeddings: bool = True
     bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
+    eos_token_id: int | tuple[int, ...] | None = 2  # config.json allows one id or a list
     pad_token_id: int | None = 2
+    model_type: str = "llama"
+    qkv_bias: bool = False  # Qwen2; Llama's attention_bias sets it and o_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None  # attention span; served only where it covers the whole context
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ROPE_TYPES[1:]:
+            raise ValueError(f"RoPE type {self.rope_scaling.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = self.eos_token_id
+        return () if ids is None else (ids,) if isinstance(ids, int) else tuple(ids)
+
+    def check_context(self, max_seq_len: int) -> None:
+        """Raise ValueError if a KV cache of ``max_seq_len`` tokens would not compute this model."""
+        if max_seq_len > self.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's "
+                             f"max_position_embeddings={self.max_position_embeddings}")
+        # Attention here is full causal attention; it equals the model's sliding-window attention
+        # only while no token is further than the window from another.
+        if self.sliding_window is not None and max_seq_len > self.sliding_window:
+            raise ValueError(f"the model attends over a sliding window of {self.sliding_window} tokens, which is not "
+                             f"implemented; use a max_seq_len of at most {self.sliding_window}")
 
     @classmethod
     def tiny(cls, **overrides: object) -> "LlamaConfig":
@@ -65,13 +121,18 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
-        """Build from a Hugging Face Llama ``config.json`` dict (transformers 4.x or 5.x keys)."""
-        if hf.get("model_type", "llama") != "llama":
-            raise ValueError(f"expected a llama config, got model_type={hf.get('model_type')!r}")
-        rope = hf.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-            raise ValueError(f"only default RoPE is implemented, config has {rope or hf.get('rope_scaling')}")
+        """Build from a Hugging Face ``config.json`` dict of a Llama, Mistral or Qwen2 model
+        (transformers 4.x or 5.x keys); anything this module would compute differently is refused."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} ({', '.join(hf.get('architectures') or [])}) is not "
+                             f"supported; supported decoder architectures: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
         n_heads = hf["num_attention_heads"]
+        theta, scaling = _rope_from_hf(hf)
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
         return cls(
             vocab_size=hf["vocab_size"],
             dim=hf["hidden_size"],
@@ -80,20 +141,28 @@ class LlamaConfig:
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
             intermediate_size=hf["intermediate_size"],
-            rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            rope_base=theta,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default for all three
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),
+            model_type=model_type,
+            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2's q/k/v always carry a bias
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            rope_scaling=scaling,
+            sliding_window=_sliding_window(hf, model_type),
         )
 
     def to_hf(self, dtype: torch.dtype = torch.float32) -> dict:
-        """A ``config.json`` dict that both transformers 4.x and 5.x load as ``LlamaForCausalLM``."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        """A ``config.json`` dict that both transformers 4.x and 5.x load as this architecture."""
+        rope = self.rope_scaling.to_hf() if self.rope_scaling else {"rope_type": "default"}
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        out = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
             "num_hidden_layers": self.n_layers,
@@ -103,18 +172,60 @@ class LlamaConfig:
             "intermediate_size": self.intermediate_size,
             "hidden_act": "silu",
             "rms_norm_eps": self.norm_eps,
-            # Both spellings: 4.x reads rope_theta, 5.x reads rope_parameters.
+            # Both spellings: 4.x reads rope_theta and rope_scaling, 5.x reads rope_parameters.
             "rope_theta": self.rope_base,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_base},
+            "rope_scaling": self.rope_scaling.to_hf() if self.rope_scaling else None,
+            "rope_parameters": {**rope, "rope_theta": self.rope_base},
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
+        if self.model_type == "qwen2":
+            out.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window)
+        else:
+            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+            if self.model_type == "mistral":
+                out["sliding_window"] = self.sliding_window
+        return out
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
+    """(rope theta, scaling) from 5.x ``rope_parameters`` or 4.x ``rope_theta`` + ``rope_scaling``."""
+    params = dict(hf.get("rope_scaling") or {})
+    params.update(hf.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer RoPE parameters are not supported: {sorted(params)}")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    try:
+        if rope_type == "linear":
+            return theta, RopeScaling("linear", float(params["factor"]))
+        return theta, RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                                  float(params["high_freq_factor"]),
+                                  int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"]))
+    except KeyError as e:
+        raise ValueError(f"{rope_type} RoPE parameters {params} lack {e.args[0]!r}") from None
+
+
+def _sliding_window(hf: dict, model_type: str) -> int | None:
+    """The attention window a model's layers use, or None for full attention everywhere."""
+    if model_type == "llama":
+        return None
+    window = hf.get("sliding_window")
+    if model_type == "qwen2":
+        # Qwen2 uses its window only when use_sliding_window is set (4.x), or in the layers that
+        # layer_types marks as sliding (5.x).
+        sliding_layers = "sliding_attention" in (hf.get("layer_types") or [])
+        if not (hf.get("use_sliding_window", False) or sliding_layers):
+            return None
+    return int(window) if window else None
 
 
 class KVCache(nn.Module):
@@ -160,10 +271,31 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, base: float, device: torch.device | str | None = None
+def rope_inv_freq(config: LlamaConfig, device: torch.device | str | None = None) -> Tensor:
+    """Inverse frequencies ``(head_dim / 2,)`` in fp32, scaled as the config says (the same
+    arithmetic as transformers' ``modeling_rope_utils``, so tables agree to the last bit)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    # llama3: long wavelengths slowed down by `factor`, short ones kept, a smooth blend between.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(config: LlamaConfig, max_seq_len: int, device: torch.device | str | None = None
                 ) -> tuple[Tensor, Tensor]:
     """cos/sin tables ``(max_seq_len, head_dim)`` in fp32, "rotate half" layout."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    inv_freq = rope_inv_freq(config, device)
     freqs = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -180,10 +312,11 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        bias = config.qkv_bias
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=bias)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
         self.wqkv: nn.Linear | None = None  # set by fuse()
         self.kv_cache: KVCache | None = None
 
@@ -226,9 +359,10 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # up
-        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)  # down
+        bias = config.mlp_bias
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=bias)  # gate
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=bias)  # up
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=bias)  # down
         self.w13: nn.Linear | None = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -246,10 +380,14 @@ class FeedForward(nn.Module):
 
 
 def _concat_linears(*linears: nn.Linear) -> nn.Linear:
-    """One bias-free Linear whose output is the given Linears' outputs side by side."""
+    """One Linear whose output is the given Linears' outputs side by side (biases concatenated
+    too: they all have one or none, as the config gives every projection of a group the same)."""
     weight = torch.cat([m.weight for m in linears])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
     return fused
 
 
@@ -294,9 +432,7 @@ class Transformer(nn.Module):
         """Allocate the KV cache (model dtype and device) and the RoPE tables; idempotent."""
         if max_batch_size <= self.max_batch_size and max_seq_len == self.max_seq_len:
             return
-        if max_seq_len > self.config.max_position_embeddings:
-            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's "
-                             f"max_position_embeddings={self.config.max_position_embeddings}")
+        self.config.check_context(max_seq_len)
         w = self.tok_embeddings.weight
         for layer in self.layers:
             # One spare slot that attention never reads: a kv_len equal to the buffer length would
@@ -304,7 +440,7 @@ class Transformer(nn.Module):
             # One spare row too: where padding rows of a prefill into given rows write (``rows``).
             layer.attention.kv_cache = KVCache(max_batch_size + 1, self.config.n_kv_heads, max_seq_len + 1,
                                                self.config.head_dim, w.dtype, w.device)
-        cos, sin = rope_tables(self.config.head_dim, max_seq_len, self.config.rope_base, w.device)
+        cos, sin = rope_tables(self.config, max_seq_len, w.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("cache_positions", torch.arange(max_seq_len, device=w.device), persistent=False)
@@ -353,17 +489,19 @@ class Transformer(nn.Module):
 
 # Hugging Face parameter names <-> ours. Checkpoints on disk use the Hugging Face names so that
 # transformers can load them too (the GPU benchmark's baseline does).
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
+_HF_LAYER_MODULES = {
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
 }
+_HF_LAYER_NAMES = {f"{hf}.{kind}": f"{ours}.{kind}" for hf, ours in _HF_LAYER_MODULES.items()
+                   for kind in ("weight", "bias")}
 _HF_TOP_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
@@ -391,32 +529,83 @@ def ours_to_hf(name: str) -> str:
     return f"model.layers.{i}.{hf[rest]}"
 
 
+def _is_derived(name: str) -> bool:
+    """Tensors some checkpoints carry that are recomputed here, not weights (older Llama
+    checkpoints saved each layer's RoPE ``inv_freq``)."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
 def model_from_hf_state_dict(config: LlamaConfig, state_dict: dict[str, Tensor],
                              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
     """Build a ``Transformer`` from Hugging Face-named tensors, without a random init pass."""
     with torch.device("meta"):
         model = Transformer(config)
-    ours = {hf_to_ours(k): v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    ours = {hf_to_ours(k): v.to(device=device, dtype=dtype) for k, v in state_dict.items() if not _is_derived(k)}
     if config.tie_embeddings:
         ours.pop("output.weight", None)  # tied: the embedding is the output projection
         ours["output.weight"] = ours["tok_embeddings.weight"]
     missing = set(model.state_dict()) - set(ours)
     if missing:
         raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+    unexpected = set(ours) - set(model.state_dict())
+    if unexpected:  # e.g. biases the config does not announce: loading them silently would drop them
+        raise KeyError(f"checkpoint has tensors this config does not use: {sorted(unexpected)[:5]}")
     model.load_state_dict(ours, strict=True, assign=True)
     model.tie_weights()
     return model.eval()
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's weight files: the shards ``model.safetensors.index.json`` names, or
+    ``model.safetensors``."""
+    model_dir = Path(model_dir)
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards missing from {model_dir}: {missing}")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no model.safetensors or {SAFETENSORS_INDEX} in {model_dir}")
+    return [single]
+
+
+def load_config(model_dir: str | Path) -> LlamaConfig:
+    return LlamaConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
 def load_llama(model_dir: str | Path, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32) -> Transformer:
-    """Load ``config.json`` + ``model.safetensors`` (Hugging Face names) from ``model_dir``."""
-    from safetensors.torch import load_file
+    """Load ``config.json`` + safetensors weights (Hugging Face names, one file or sharded) from
+    ``model_dir``. Each tensor is cast as it is read, so peak memory stays near the model's size
+    in ``dtype``."""
+    from safetensors import safe_open
 
-    model_dir = Path(model_dir)
-    config = LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    state_dict = load_file(model_dir / "model.safetensors", device=str(device))
+    config = load_config(model_dir)
+    state_dict: dict[str, Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                state_dict[name] = f.get_tensor(name).to(dtype)
     return model_from_hf_state_dict(config, state_dict, device, dtype)
+
+
+def generation_stop_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """Every end-of-sequence id the model's own files declare: ``eos_token_id`` (one id or a list)
+    of ``config.json`` and of ``generation_config.json`` (Llama 3 instruct models end a turn with
+    an id listed only in the latter)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+    return tuple(sorted(ids))
 
 
 def init_random(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Transformer:
@@ -432,5 +621,6 @@ def init_random(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.f
     return model.to(dtype).eval()
 
 
-__all__ = ["LlamaConfig", "KVCache", "Transformer", "load_llama", "model_from_hf_state_dict",
-           "hf_to_ours", "ours_to_hf", "init_random", "rope_tables", "apply_rope"]
+__all__ = ["LlamaConfig", "RopeScaling", "KVCache", "Transformer", "load_llama", "load_config", "model_from_hf_state_dict",
+           "hf_to_ours", "ours_to_hf", "init_random", "rope_inv_freq", "rope_tables", "apply_rope",
+           "generation_stop_ids", "safetensors_files"]

@@ -9,14 +9,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from servekit.optimizations.device import DTYPES, capability, pick_device
 from servekit.optimizations.generate import LlamaRunner
+from servekit.optimizations.llama import generation_stop_ids, load_config, load_llama
 from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_bools, _check_choice,
                                          _check_keys, _int_list, _positive_int, resolve_for_device)
 from servekit.optimizations.speculative import DEFAULT_MAX_SPEC_BATCH, SPEC_CONFIG, SpeculativeDecoding, load_speculator
+
+if TYPE_CHECKING:
+    from servekit.optimizations.chat_template import ChatTokenizer
 
 
 @dataclass(frozen=True)
@@ -137,16 +142,15 @@ def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> 
     Returns the runner, the effective plan and the downgrades made (only with ``fallback: eager``;
     otherwise anything the plan asks for that cannot be applied raises ``PlanError``).
     """
-    from servekit.optimizations.llama import load_llama
-
     device = pick_device(plan.device)
     plan, downgrades = resolve_for_device(plan, device.type, capability(device))
     if plan.cpu_threads and device.type == "cpu":
         torch.set_num_threads(plan.cpu_threads)
+    try:  # before the weights: a context the model cannot serve fails at once
+        load_config(model_dir).check_context(plan.max_seq_len)
+    except ValueError as e:
+        raise PlanError(f"servekit.max_seq_len: {e}") from None
     model = load_llama(model_dir, device, DTYPES[plan.precision])
-    if plan.max_seq_len > model.config.max_position_embeddings:
-        raise PlanError(f"servekit.max_seq_len: {plan.max_seq_len} exceeds the model's "
-                        f"{model.config.max_position_embeddings} positions")
 
     def build(p: LlmPlan) -> LlamaRunner:
         compiled = p.compile != "off"
@@ -175,6 +179,16 @@ def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> 
         # allocates only what it needs, so a request too large for the device fails alone.
         torch.cuda.empty_cache()
     return runner, plan, downgrades
+
+
+def stop_token_ids(model_dir: str | Path, tokenizer: ChatTokenizer) -> tuple[int, ...]:
+    """Every id that ends a generation: the eos ids of ``config.json`` and ``generation_config.json``
+    (one id or a list each), the tokenizer's own eos token, and ``<|endoftext|>`` where the
+    vocabulary has one (byte-level BPE vocabularies end documents with it; a chat model that
+    emits it has nothing more to say)."""
+    ids = set(generation_stop_ids(model_dir))
+    ids.update(t for t in (tokenizer.eos_token_id, tokenizer.token_id("<|endoftext|>")) if t is not None)
+    return tuple(sorted(ids))
 
 
 def _speculation(runner: LlamaRunner, model_dir: Path, plan: LlmPlan, in_slots: bool) -> SpeculativeDecoding:

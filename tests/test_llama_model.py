@@ -106,7 +106,9 @@ def test_missing_tensor_is_named() -> None:
 def test_config_roundtrip_through_hf_dict() -> None:
     config = LlamaConfig()
     assert LlamaConfig.from_hf(config.to_hf()) == config
-    with pytest.raises(ValueError, match="only default RoPE"):
+    with pytest.raises(ValueError, match="RoPE type 'yarn' is not supported"):
+        LlamaConfig.from_hf({**config.to_hf(), "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
+    with pytest.raises(ValueError, match="lack 'factor'"):
         LlamaConfig.from_hf({**config.to_hf(), "rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}})
 
 
