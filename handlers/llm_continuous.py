@@ -112,6 +112,7 @@ class ContinuousFrontend:
             # the metric lines the frontend parses from growing with the call rate.
             m.emit("servekit_llm_running_seqs", "gauge", self.engine.running)
             m.emit("servekit_llm_waiting_seqs", "gauge", self.engine.waiting)
+            m.emit("servekit_llm_kv_cache_usage", "gauge", round(self.engine.kv_usage, 4), "Percent")
             self._emit_spec_counts()
             self._gauges_at = time.perf_counter()
         if requests:

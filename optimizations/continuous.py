@@ -172,6 +172,14 @@ class ContinuousBatcher:
         return sum(s is not None for s in self.slots)
 
     @property
+    def kv_usage(self) -> float:
+        """The share of the KV cache's positions (``max_num_seqs`` rows x ``max_seq_len``) that
+        running requests fill: prompt and generated tokens so far (a chunked prompt: what is in)."""
+        used = sum((len(s.prompt) + s.generated) if s.launched else s.prefilled
+                   for s in self.slots if s is not None)
+        return used / (self.max_num_seqs * self.r.max_seq_len)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting) or self.running > 0 or self._inflight is not None
 
@@ -393,6 +401,7 @@ class EngineThread:
         self._updates: dict[Hashable, SeqUpdate] = {}
         self._wake = threading.Event()
         self.running = self.waiting = 0  # as of the last step: for metrics
+        self.kv_usage = 0.0
         # The serving thread formats answers (detokenizing, JSON) while this one steps the model:
         # with Python's default 5 ms GIL switch interval a busy serving thread could hold this one
         # back for more than a decode step; 0.5 ms keeps its wait well under one step.
@@ -441,7 +450,7 @@ class EngineThread:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 updates.update(b.fail_all(e))
-            self.running, self.waiting = b.running, len(b.waiting)
+            self.running, self.waiting, self.kv_usage = b.running, len(b.waiting), b.kv_usage
             if updates:
                 with self._cond:
                     for key, u in updates.items():

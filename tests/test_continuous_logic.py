@@ -360,3 +360,21 @@ def test_a_static_speculation_is_refused(runner: LlamaRunner, tiny_trained_heads
             ContinuousBatcher(runner)
     finally:
         runner.speculation = None
+
+
+def test_kv_usage_counts_the_running_requests_positions(runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(runner, prefill_chunk=16)
+    assert batcher.kv_usage == 0.0
+    batcher.add("a", _prompt(10, 41), SamplingParams(max_tokens=20))
+    batcher.add("long", _prompt(40, 42), SamplingParams(max_tokens=5))  # goes in 16-token chunks
+    got = {"a": 0, "long": 0}
+    for _ in range(2):
+        for key, u in batcher.step().items():
+            got[key] += len(u.tokens)
+    capacity = batcher.max_num_seqs * runner.max_seq_len
+    # "a": its prompt and the tokens read so far; "long": the chunks that went in (no token yet).
+    assert got["long"] == 0
+    assert batcher.kv_usage == pytest.approx((10 + got["a"] + 32) / capacity)
+    while batcher.has_work:
+        batcher.step()
+    assert batcher.kv_usage == 0.0
