@@ -255,9 +255,14 @@ class EmbeddingRunner:
         """Model input ids per text (prompt prepended, special tokens around it) cut to `max_tokens`
         as the tokenizer's own truncation cuts, and which were cut."""
         prompt = self.prompt(prompt_name)
+        return self.wrap(self.encode_texts([prompt + t for t in texts]))
+
+    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's own tokens, without special tokens and uncut."""
+        if not texts:
+            return []
         # encode_batch_fast skips character offsets, which nothing here reads: 20-30% less CPU per text (VM).
-        encodings = self.tokenizer.encode_batch_fast([prompt + t for t in texts], add_special_tokens=False)
-        return self.wrap([enc.ids for enc in encodings])
+        return [enc.ids for enc in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def wrap(self, token_lists: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[bool]]:
         """A text's tokens (no special tokens, e.g. an OpenAI token-array input) -> model input ids:
