@@ -228,3 +228,32 @@ def load_encoder(model_dir: Path) -> Encoder:
                                f"(first: {missing[0]})")
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+def check_checkpoint(model_dir: Path) -> EncoderConfig:
+    """Check without loading any tensor data that `model_dir` holds an encoder servekit serves:
+    a supported config and safetensors whose tensors are exactly those the encoder needs."""
+    from safetensors import safe_open
+
+    from servekit.optimizations.weights import INDEX, safetensors_files
+
+    model_dir = Path(model_dir)
+    cfg = EncoderConfig.from_json(model_dir / "config.json")
+    names = set()
+    for f in safetensors_files(model_dir):
+        if f.name == INDEX:
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                names.update(filter(None, (_rename(k, cfg.family) for k in st.keys())))
+        except UnsupportedModel:
+            raise
+        except Exception as e:
+            raise UnsupportedModel(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    with torch.device("meta"):
+        expected = set(Encoder(cfg).state_dict())
+    missing = sorted(expected - names)
+    if missing:
+        raise UnsupportedModel(f"{model_dir}: checkpoint lacks {len(missing)} tensors of a {cfg.family} encoder "
+                               f"(first: {missing[0]})")
+    return cfg

@@ -97,7 +97,10 @@ def _dense(model_dir: Path, path: str) -> DenseSpec:
     if not (model_dir / path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{model_dir / path / 'model.safetensors'}: Dense weights missing (pickled weights "
                                 "are never loaded)")
-    return DenseSpec(path, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)), activation)
+    try:
+        return DenseSpec(path, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)), activation)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnsupportedModel(f"{where}: in_features and out_features must be integers ({type(e).__name__}: {e})") from None
 
 
 def _max_seq_length(model_dir: Path, transformer_path: str) -> tuple[int | None, bool]:
