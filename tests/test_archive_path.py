@@ -124,3 +124,23 @@ def test_sharded_checkpoint_and_kind_override(st_dir, tmp_path, one_thread):
     torch.testing.assert_close(runner.embed(TEXTS), reference(st_dir, TEXTS), atol=2e-5, rtol=1e-4)
     r = archive(d, "--out", tmp_path / "llm", "--kind", "llm", "--device", "cpu")
     assert r.returncode == 2 and "is not a causal LM" in r.stderr and not (tmp_path / "llm").exists()
+
+
+def test_llm_folder_and_gguf_file_archive_as_llm(tmp_path):
+    """A Llama-family folder (the bundled SmolLM2, converted) and a GGUF file: kind llm inferred, the
+    model's files shipped, a model-config fitted to its context length generated."""
+    from servekit.optimizations.gguf_weights import find_smollm2_gguf, smollm2_archive_files
+
+    folder = smollm2_archive_files(torch.bfloat16)[0].parent
+    for src, name in ((folder, "from-folder"), (find_smollm2_gguf(), "from-gguf")):
+        out = tmp_path / name
+        r = archive(src, "--out", out, "--device", "cpu", "--name", name, "--no-compress")
+        assert r.returncode == 0, r.stderr
+        with zipfile.ZipFile(out / f"{name}.mar") as z:
+            assert json.loads(z.read("MAR-INF/MANIFEST.json"))["model"]["handler"] == "llm_handler.py"
+            assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                    "generation_config.json"} <= set(z.namelist())
+        plan = yaml.safe_load((out / f"{name}.yaml").read_text())["servekit"]
+        assert plan["device"] == "cpu" and plan["max_seq_len"] <= 8192
+    r = archive(find_smollm2_gguf(), "--out", tmp_path / "enc", "--kind", "embedding")
+    assert r.returncode == 2 and "a GGUF file is a causal LM" in r.stderr and not (tmp_path / "enc").exists()
