@@ -1,8 +1,11 @@
-"""TorchServe handler: text -> sentence embeddings (all-MiniLM-L6-v2 by default).
+"""TorchServe handler: text -> sentence embeddings, for any encoder servekit loads (all-MiniLM-L6-v2
+by default); pooling, normalisation, length limit and prompts come from the model's own files.
 
 Routes (TorchServe passes the suffix after /predictions/<model>/<version>/ in `url_path`):
-  POST /predictions/<model>/<version>/v1/embeddings   OpenAI embeddings API
-  POST /predictions/<model>                            {"text": str | [str]}, a JSON list, or a text body
+  POST /predictions/<model>/<version>/v1/embeddings   OpenAI embeddings API (strings or token-id
+                                                       arrays, `dimensions`, and `prompt_name`)
+  POST /predictions/<model>                            {"text": str | [str], "prompt_name"?}, a JSON
+                                                       list, or a text body
 A bad request gets its own 4xx JSON error; the other requests of the batch are answered normally.
 """
 from __future__ import annotations
@@ -68,23 +71,18 @@ class EmbeddingHandler:
         t0 = time.perf_counter()
         limits = self.plan.limits
         parse = partial(parse_embedding_request, dim=self.dim, max_texts=limits.max_texts_per_request,
-                        max_chars=limits.max_chars_per_text)
+                        max_chars=limits.max_chars_per_text, vocab_size=self.runner.vocab_size,
+                        prompts=self.runner.spec.prompts)
         requests, given = parse_each(data, context, self.metrics, self.model_name, self.created, parse)
         answers: list[str | None] = [given.get(i) for i in range(len(data))]
-        # Tokenize every text of the batch in one call, then drop requests whose texts are too long.
-        ids, cut = self.runner.tokenize([t for r in requests.values() for t in r.texts])
-        spans: dict[int, tuple[int, int]] = {}
-        start = 0
-        for i, req in requests.items():
-            spans[i] = (start, start + len(req.texts))
-            start += len(req.texts)
+        ids, cut, spans = self._tokenize(requests)
         if limits.too_long == "reject":
             for i, (a, b) in list(spans.items()):
                 if any(cut[a:b]):
                     k = next(j for j in range(a, b) if cut[j]) - a
                     answers[i] = fail_request(context, i, self.metrics, RequestError(
-                        413, "invalid_request_error", f"text {k} is longer than the largest bucket "
-                        f"({self.runner.buckets.max_seq} tokens)", "input_too_long"))
+                        413, "invalid_request_error", f"input {k} is longer than the {self.runner.max_tokens} "
+                        "tokens served", "input_too_long"))
                     del spans[i]
         kept = [j for a, b in spans.values() for j in range(a, b)]
         seqs = [ids[j] for j in kept]
@@ -117,6 +115,21 @@ class EmbeddingHandler:
         self._emit_batch(len(data), len(seqs), n_tokens, chunks, (t0, t1, t2, t3))
         return [a if a is not None else "" for a in answers]
 
+    def _tokenize(self, requests: dict[int, EmbeddingRequest]
+                  ) -> tuple[list[list[int]], list[bool], dict[int, tuple[int, int]]]:
+        """Model input ids of every input of the batch (texts tokenized in one call, each with its
+        request's prompt; token arrays as given), which were cut, and each request's span of them."""
+        runner = self.runner
+        texts = [runner.prompt(r.prompt_name) + t for r in requests.values() if r.token_ids is None for t in r.texts]
+        text_tokens = iter(runner.encode_texts(texts))
+        tokens: list[list[int]] = []
+        spans: dict[int, tuple[int, int]] = {}
+        for i, req in requests.items():
+            spans[i] = (len(tokens), len(tokens) + req.n_inputs)
+            tokens.extend(req.token_ids if req.token_ids is not None else (next(text_tokens) for _ in req.texts))
+        ids, cut = runner.wrap(tokens)
+        return ids, cut, spans
+
     def _device_error(self, e: Exception) -> RequestError:
         oom = isinstance(e, torch.OutOfMemoryError)
         if oom and torch.cuda.is_available():
@@ -141,6 +154,12 @@ class EmbeddingHandler:
         return (np.concatenate(parts) if parts else np.zeros((0, self.dim), np.float32)), failed
 
     def _answer(self, req: EmbeddingRequest, vecs: np.ndarray, tokens: int) -> bytes:
+        if req.dimensions is not None and req.dimensions < vecs.shape[1]:
+            # Matryoshka-style shortening: keep the first coordinates, and unit length where the
+            # model's own output has it.
+            vecs = vecs[:, :req.dimensions]
+            if self.runner.normalized:
+                vecs = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
         # orjson writes float32 arrays directly: ~35x faster than json.dumps(vecs.tolist()), which
         # cost ~0.4 ms per 384-float answer of a worker's CPU time.
         vecs = np.ascontiguousarray(vecs, dtype=np.float32)

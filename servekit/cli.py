@@ -7,7 +7,7 @@ import sys
 # subcommand -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "init": ("servekit.init", "write config/ and k8s/ into a folder, to edit and use with the plain commands"),
-    "archive": ("servekit.archive", "build a self-contained .mar into model_store/"),
+    "archive": ("servekit.archive", "build a self-contained .mar into model_store/ (minilm, smollm2, or a model folder / .gguf)"),
     "serve": ("servekit.serve", "start TorchServe with config/ and the archives, in the foreground"),
     "demo": ("servekit.demo", "archive, serve, send real requests, print results, stop"),
     "bench": ("servekit.benchmarks.bench.runner", "SLA-driven auto-benchmark from a YAML sweep: report + recommendation"),

@@ -39,7 +39,7 @@ def test_tokenize_gives_the_tokenizers_own_ids():
     ids, cut = runner.tokenize(texts)
     full = [e.ids for e in runner.tokenizer.encode_batch(texts)]
     assert cut == [len(f) > 64 for f in full] and any(cut) and not all(cut)
-    assert ids == [f if len(f) <= 64 else f[:63] + [runner.sep_id] for f in full]
+    assert ids == [f if len(f) <= 64 else f[:63] + [runner.tokenizer.token_to_id("[SEP]")] for f in full]
 
 
 def test_batch_composition_does_not_change_results(golden):
@@ -79,7 +79,7 @@ def test_compiled_plan_serves_every_bucket_without_recompiling(golden, tmp_path,
     cache = tmp_path / "compile-cache"
     runner = EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "compile": "default", "compile_cache": str(cache)}))
     assert len(runner.bucket_stats) == 4
-    assert not runner.compile_cache_hit and list(cache.glob("minilm-*.bin"))
+    assert not runner.compile_cache_hit and list(cache.glob("encoder-*.bin"))
     assert any(p.is_file() for p in (cache / "inductor").rglob("*")), "inductor's cache went elsewhere"
     # Mixed sizes and lengths that land in every (batch, seq) bucket.
     for texts in (golden[:1], golden[:3], golden, ["word " * 40], ["word " * 40] * 3, golden[:2] + ["word " * 200]):

@@ -233,31 +233,31 @@ def no_unpickling(monkeypatch):
 
 
 def test_loader_ignores_pickles_beside_the_safetensors(tmp_path, no_unpickling):
-    from servekit.optimizations.bert import load_bert
+    from servekit.optimizations.encoder import load_encoder
 
     d, marker = _weights_dir(tmp_path, "real")
-    model = load_bert(d)
+    model = load_encoder(d)
     assert sum(p.numel() for p in model.parameters()) > 20_000_000
     assert not marker.exists()
 
 
 def test_loader_refuses_a_pickle_named_model_safetensors(tmp_path, no_unpickling):
-    from servekit.optimizations.bert import load_bert
+    from servekit.optimizations.encoder import load_encoder
 
     d, marker = _weights_dir(tmp_path, "pickle")
     with pytest.raises(Exception) as info:
-        load_bert(d)
+        load_encoder(d)
     assert "header" in str(info.value).lower() or "safetensor" in type(info.value).__name__.lower(), info.value
     assert not isinstance(info.value, AssertionError)  # failed in safetensors, not by trying to unpickle
     assert not marker.exists()
 
 
 def test_loader_without_safetensors_fails_instead_of_reading_the_pickle(tmp_path, no_unpickling):
-    from servekit.optimizations.bert import load_bert
+    from servekit.optimizations.encoder import load_encoder
 
     d, marker = _weights_dir(tmp_path, "absent")
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        load_bert(d)
+        load_encoder(d)
     assert not marker.exists()
 
 

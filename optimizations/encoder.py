@@ -1,0 +1,259 @@
+"""Post-LayerNorm Transformer encoders (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, MPNet) from safetensors.
+
+Written out instead of using transformers' models so that the forward pass is one small,
+static-shape function that torch.compile and CUDA graphs capture without surprises. The five
+families share one layer; what differs is read from `config.json` into `EncoderConfig`:
+
+- BERT: positions 0..s-1, token type 0 added (sentence-transformers feeds single segments).
+- RoBERTa / XLM-RoBERTa: positions start at padding_idx + 1 (fairseq's convention); their one
+  token type embedding is added as BERT's is.
+- DistilBERT: other tensor names, no token types.
+- MPNet: RoBERTa's positions plus a relative-position bias shared by every layer (T5 buckets).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servekit.optimizations.weights import load_safetensors
+
+# model_type (config.json) -> family; also what `servekit archive` recognises as an encoder.
+FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "distilbert": "distilbert",
+            "mpnet": "mpnet"}
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# MPNet's relative-position buckets: transformers computes them with these constants whatever the config says.
+MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128
+
+
+class UnsupportedModel(ValueError):
+    """A model servekit cannot serve: the message names what and why."""
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 0          # 0: no token type embedding
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+    position_offset: int = 0          # first position id (RoBERTa, MPNet: padding_idx + 1)
+    relative_buckets: int = 0         # MPNet's relative attention bias size; 0: none
+    pad_token_id: int = 0
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence the position table covers."""
+        return self.max_position_embeddings - self.position_offset
+
+    @classmethod
+    def from_json(cls, path: Path) -> "EncoderConfig":
+        raw = json.loads(Path(path).read_text())
+        family = encoder_family(raw, path)
+        pad = int(raw.get("pad_token_id") if raw.get("pad_token_id") is not None else (0 if family in ("bert", "distilbert") else 1))
+        if family == "distilbert":
+            act = raw.get("activation", "gelu")
+            # sinusoidal_pos_embds: the table is stored in the checkpoint like a learnt one.
+            kw = dict(vocab_size=raw["vocab_size"], hidden_size=raw.get("dim", 768), num_hidden_layers=raw.get("n_layers", 6),
+                      num_attention_heads=raw.get("n_heads", 12), intermediate_size=raw.get("hidden_dim", 3072),
+                      max_position_embeddings=raw.get("max_position_embeddings", 512), layer_norm_eps=1e-12)
+        else:
+            act = raw.get("hidden_act", "gelu")
+            kw = dict(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], num_hidden_layers=raw["num_hidden_layers"],
+                      num_attention_heads=raw["num_attention_heads"], intermediate_size=raw["intermediate_size"],
+                      max_position_embeddings=raw["max_position_embeddings"],
+                      layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)))
+            if family in ("bert", "roberta"):
+                kw["type_vocab_size"] = int(raw.get("type_vocab_size", 2 if family == "bert" else 1))
+            if family in ("roberta", "mpnet"):
+                kw["position_offset"] = pad + 1
+            if family == "mpnet":
+                kw["relative_buckets"] = int(raw.get("relative_attention_num_buckets", MPNET_BUCKETS))
+        if family == "bert" and raw.get("position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModel(f"{path}: position_embedding_type {raw['position_embedding_type']!r} is not "
+                                   "supported (absolute only)")
+        if act not in ACTIVATIONS:
+            raise UnsupportedModel(f"{path}: activation {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        return cls(family=family, hidden_act=act, pad_token_id=pad, **kw)
+
+
+def encoder_family(raw: dict, where: Path | str = "config.json") -> str:
+    """The encoder family of a config.json mapping; UnsupportedModel naming the model type otherwise."""
+    model_type = raw.get("model_type")
+    if model_type not in FAMILIES:
+        arch = ", ".join(raw.get("architectures") or []) or "none given"
+        raise UnsupportedModel(f"{where}: model_type {model_type!r} (architectures: {arch}) is not a supported "
+                               f"encoder; supported: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type]
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.n_heads = cfg.num_attention_heads
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.query = nn.Linear(h, h)
+        self.key = nn.Linear(h, h)
+        self.value = nn.Linear(h, h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.intermediate = nn.Linear(h, cfg.intermediate_size)
+        self.output = nn.Linear(cfg.intermediate_size, h)
+        self.out_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        heads = lambda t: t.view(b, s, self.n_heads, h // self.n_heads).transpose(1, 2)  # noqa: E731
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)
+        a = a.transpose(1, 2).reshape(b, s, h)
+        x = self.attn_norm(x + self.attn_out(a))
+        return self.out_norm(x + self.output(self.act(self.intermediate(x))))
+
+
+def relative_position_bucket(relative: torch.Tensor, buckets: int = MPNET_BUCKETS,
+                             max_distance: int = MPNET_MAX_DISTANCE) -> torch.Tensor:
+    """MPNet's (T5's bidirectional) bucketing of key - query distances, as transformers computes it."""
+    n = -relative
+    half = buckets // 2
+    ret = (n < 0).long() * half
+    n = n.abs()
+    exact = half // 2
+    large = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact) * (half - exact)).long()
+    large = large.clamp(max=half - 1)
+    return ret + torch.where(n < exact, n, large)
+
+
+class Encoder(nn.Module):
+    """Token ids + attention mask -> last hidden states (batch, seq, hidden)."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        if cfg.type_vocab_size:
+            self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        if cfg.relative_buckets:
+            self.relative_attention_bias = nn.Embedding(cfg.relative_buckets, cfg.num_attention_heads)
+        self.emb_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        s = input_ids.shape[1]
+        # Rows are right-padded, so every real token sits at its index: positions need no cumsum
+        # over the ids (padding positions differ from transformers' but are never attended or pooled).
+        pos = torch.arange(s, device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(pos + self.cfg.position_offset)
+        if self.cfg.type_vocab_size:
+            x = x + self.token_type_embeddings.weight[0]
+        x = self.emb_norm(x)
+        # Additive bias in the activation dtype: 0 where attended, a large negative where padded.
+        bias = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        if self.cfg.relative_buckets:
+            rel = relative_position_bucket(pos[None, :] - pos[:, None])
+            bias = bias + self.relative_attention_bias(rel).permute(2, 0, 1).unsqueeze(0).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, bias)
+        return x
+
+
+# Checkpoint tensor name (Hugging Face layout, per family) -> our parameter name.
+_BERT_LAYER = {"attention.self.query": "query", "attention.self.key": "key", "attention.self.value": "value",
+               "attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
+               "intermediate.dense": "intermediate", "output.dense": "output", "output.LayerNorm": "out_norm"}
+_LAYER_KEYS = {
+    "bert": _BERT_LAYER,
+    "roberta": _BERT_LAYER,
+    "mpnet": {"attention.attn.q": "query", "attention.attn.k": "key", "attention.attn.v": "value",
+              "attention.attn.o": "attn_out", "attention.LayerNorm": "attn_norm",
+              "intermediate.dense": "intermediate", "output.dense": "output", "output.LayerNorm": "out_norm"},
+    "distilbert": {"attention.q_lin": "query", "attention.k_lin": "key", "attention.v_lin": "value",
+                   "attention.out_lin": "attn_out", "sa_layer_norm": "attn_norm", "ffn.lin1": "intermediate",
+                   "ffn.lin2": "output", "output_layer_norm": "out_norm"},
+}
+_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.", "model.")
+_LAYER_ROOTS = ("encoder.layer.", "transformer.layer.")
+
+
+def _rename(key: str, family: str) -> str | None:
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+            break
+    if key.startswith("embeddings."):
+        name = key.removeprefix("embeddings.")
+        if name.startswith(("position_ids", "token_type_ids")):
+            return None  # buffers, not weights
+        return name.replace("LayerNorm", "emb_norm")
+    if key == "encoder.relative_attention_bias.weight":
+        return "relative_attention_bias.weight"
+    for root in _LAYER_ROOTS:
+        if key.startswith(root):
+            idx, rest = key[len(root):].split(".", 1)
+            for src, dst in _LAYER_KEYS[family].items():
+                if rest.startswith(src + "."):
+                    return f"layers.{idx}.{dst}.{rest[len(src) + 1:]}"
+    if key.startswith(("pooler.", "lm_head.", "cls.", "vocab_", "classifier.", "pre_classifier.")):
+        return None  # heads: sentence embeddings pool the hidden states themselves
+    raise UnsupportedModel(f"unexpected tensor {key!r} in a {family} checkpoint")
+
+
+def load_encoder(model_dir: Path) -> Encoder:
+    """Build the encoder from `config.json` + safetensors (one file or shards; no pickle is ever loaded)."""
+    model_dir = Path(model_dir)
+    cfg = EncoderConfig.from_json(model_dir / "config.json")
+    with torch.device("meta"):
+        model = Encoder(cfg)
+    state = {}
+    for key, tensor in load_safetensors(model_dir).items():
+        name = _rename(key, cfg.family)
+        if name is not None:
+            state[name] = tensor.float()
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise UnsupportedModel(f"{model_dir}: checkpoint lacks {len(missing)} tensors of a {cfg.family} encoder "
+                               f"(first: {missing[0]})")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def check_checkpoint(model_dir: Path) -> EncoderConfig:
+    """Check without loading any tensor data that `model_dir` holds an encoder servekit serves:
+    a supported config and safetensors whose tensors are exactly those the encoder needs."""
+    from safetensors import safe_open
+
+    from servekit.optimizations.weights import INDEX, safetensors_files
+
+    model_dir = Path(model_dir)
+    cfg = EncoderConfig.from_json(model_dir / "config.json")
+    names = set()
+    for f in safetensors_files(model_dir):
+        if f.name == INDEX:
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                names.update(filter(None, (_rename(k, cfg.family) for k in st.keys())))
+        except UnsupportedModel:
+            raise
+        except Exception as e:
+            raise UnsupportedModel(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    with torch.device("meta"):
+        expected = set(Encoder(cfg).state_dict())
+    missing = sorted(expected - names)
+    if missing:
+        raise UnsupportedModel(f"{model_dir}: checkpoint lacks {len(missing)} tensors of a {cfg.family} encoder "
+                               f"(first: {missing[0]})")
+    return cfg

@@ -1,0 +1,43 @@
+"""Safetensors checkpoints as Hugging Face writes them: one `model.safetensors`, or shards listed by
+`model.safetensors.index.json`. Pickled checkpoints (`pytorch_model.bin`) are never read."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: the index and its shards, or the single file. FileNotFoundError names
+    what is missing (a pickle-only checkpoint included)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise FileNotFoundError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir / missing[0]}: shard listed in {INDEX} is missing")
+        return [index] + [model_dir / s for s in shards]
+    single = model_dir / SINGLE
+    if not single.is_file():
+        pickles = [p.name for p in model_dir.glob("*.bin")]
+        hint = f" (found {pickles[0]}: pickled weights are never loaded; convert them to safetensors)" if pickles else ""
+        raise FileNotFoundError(f"{single}: no weights (neither {SINGLE} nor {INDEX}){hint}")
+    return [single]
+
+
+def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in `model_dir`, by name."""
+    state: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(model_dir):
+        if f.name != INDEX:
+            state.update(load_file(str(f)))
+    return state

@@ -1,0 +1,169 @@
+"""A user's model for `servekit archive PATH`: what it is, which of its files an archive needs, and a
+model-config to start from.
+
+PATH is a Hugging Face model folder (config.json + safetensors, sharded or not), a
+sentence-transformers folder, or a `.gguf` file. The kind is read from the model's own config
+(`model_type`, `architectures`), never from a name. Every problem raises UnsupportedModel or
+FileNotFoundError with one line naming what and why, before anything is written.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from servekit.optimizations.encoder import FAMILIES, UnsupportedModel, check_checkpoint
+from servekit.optimizations.weights import safetensors_files
+from servekit.resources import model_config
+
+EMBEDDING, LLM = "embedding", "llm"
+# Causal LMs the Llama-family runtime loads (model_type in config.json).
+LLM_MODEL_TYPES = ("llama", "qwen2", "mistral")
+LLM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+             "special_tokens_map.json", "chat_template.jinja")
+ENCODER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "sentence_bert_config.json")
+ST_ROOT_FILES = ("modules.json", "config_sentence_transformers.json")
+
+# A file for the archive: a Path goes to the archive's top by its name; (Path, "dir/name") keeps a folder.
+Weight = Union[Path, tuple[Path, str]]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str
+    files: list[Weight]
+    max_tokens: int   # the longest sequence the model takes (positions, or sentence-transformers' limit)
+
+
+def sanitize_name(name: str) -> str:
+    """A TorchServe model name (letters, digits, '_', '-', '.', starting with a letter or digit)."""
+    clean = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-._")
+    if not clean:
+        raise UnsupportedModel(f"cannot make a model name from {name!r}: give --name")
+    return clean
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (a Hugging Face model folder has config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise UnsupportedModel(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise UnsupportedModel(f"{path}: expected a JSON object")
+    return raw
+
+
+def infer_kind(model_dir: Path) -> str:
+    """embedding for the encoders servekit serves, llm for Llama-family causal LMs."""
+    raw = _config(Path(model_dir))
+    if raw.get("model_type") in FAMILIES:
+        return EMBEDDING
+    if raw.get("model_type") in LLM_MODEL_TYPES:
+        return LLM
+    arch = ", ".join(raw.get("architectures") or []) or "none given"
+    raise UnsupportedModel(f"{Path(model_dir) / 'config.json'}: model_type {raw.get('model_type')!r} (architectures: "
+                           f"{arch}) is not supported; encoders: {', '.join(sorted(FAMILIES))}; causal LMs: "
+                           f"{', '.join(LLM_MODEL_TYPES)}")
+
+
+def _here(model_dir: Path, rel: str) -> Weight:
+    path = model_dir / rel
+    return path if "/" not in rel else (path, rel)
+
+
+def embedding_source(model_dir: Path) -> ModelSource:
+    """The files of a sentence-transformers or plain encoder folder, checked as the runner will read them."""
+    from servekit.optimizations.sentence_model import read_sentence_model
+
+    model_dir = Path(model_dir)
+    spec = read_sentence_model(model_dir)
+    base = spec.transformer_path.strip("/")
+    prefix = f"{base}/" if base else ""
+    enc_dir = model_dir / base
+    cfg = check_checkpoint(enc_dir)
+    if not (enc_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{enc_dir / 'tokenizer.json'}: missing (a fast tokenizer's tokenizer.json is required)")
+    rels = [prefix + name for name in ENCODER_FILES if (enc_dir / name).is_file()]
+    rels += [prefix + f.relative_to(enc_dir).as_posix() for f in safetensors_files(enc_dir)]
+    rels += [name for name in ST_ROOT_FILES if (model_dir / name).is_file()]
+    if spec.described:
+        modules = json.loads((model_dir / "modules.json").read_text())
+        for m in modules[1:]:
+            folder = model_dir / str(m.get("path", ""))
+            if str(m.get("path", "")) and folder.is_dir():
+                rels += [f.relative_to(model_dir).as_posix() for f in sorted(folder.iterdir())
+                         if f.name in ("config.json", "model.safetensors")]
+    max_tokens = min(spec.max_seq_length or cfg.max_tokens, cfg.max_tokens)
+    return ModelSource(EMBEDDING, [_here(model_dir, r) for r in dict.fromkeys(rels)], max_tokens)
+
+
+def llm_source(model_dir: Path) -> ModelSource:
+    """The files of a Llama-family causal LM folder (weights, tokenizer, generation and chat settings)."""
+    model_dir = Path(model_dir)
+    raw = _config(model_dir)
+    if raw.get("model_type") not in LLM_MODEL_TYPES:
+        raise UnsupportedModel(f"{model_dir / 'config.json'}: model_type {raw.get('model_type')!r} is not a causal LM "
+                               f"servekit serves ({', '.join(LLM_MODEL_TYPES)})")
+    if not (model_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{model_dir / 'tokenizer.json'}: missing (a fast tokenizer's tokenizer.json is required)")
+    files: list[Weight] = [model_dir / n for n in LLM_FILES if (model_dir / n).is_file()]
+    files += safetensors_files(model_dir)
+    return ModelSource(LLM, files, int(raw.get("max_position_embeddings") or 2048))
+
+
+def model_source(model_dir: Path, kind: str | None = None) -> ModelSource:
+    """What `model_dir` is and what its archive ships; `kind` overrides the inferred kind."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: not a model folder or a .gguf file")
+    kind = kind or infer_kind(model_dir)
+    return embedding_source(model_dir) if kind == EMBEDDING else llm_source(model_dir)
+
+
+def seq_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Powers of two from `smallest` up to the model's limit, the limit itself last."""
+    out, n = [], smallest
+    while n < max_tokens:
+        out.append(n)
+        n *= 2
+    return out + [max_tokens]
+
+
+def generated_config(source: ModelSource, device: str, origin: str) -> tuple[str, dict[str, Any]]:
+    """A model-config for `source` on `device` (cpu or cuda), from the shipped one of its kind, with
+    buckets and lengths fitted to the model. Returns (YAML text with a header, the mapping)."""
+    if source.kind == EMBEDDING:
+        template = "minilm-gpu-fp16-graphs" if device == "cuda" else "minilm"
+        cfg = yaml.safe_load(model_config(template).read_text())
+        plan = cfg["servekit"]
+        plan["device"] = device
+        plan.setdefault("buckets", {})["seq_lens"] = seq_buckets(source.max_tokens)
+    else:
+        template = "smollm2" if device == "cuda" else "smollm2-cpu"
+        cfg = yaml.safe_load(model_config(template).read_text())
+        plan = cfg["servekit"]
+        n = min(int(plan.get("max_seq_len", 2048)), source.max_tokens)
+        plan["max_seq_len"] = n
+        buckets = plan.setdefault("buckets", {})
+        for key in ("prompt_lens", "kv_lens"):
+            if key in buckets:
+                buckets[key] = [v for v in buckets[key] if v < n] + [n]
+        for key in ("prefill_graphs", "prefill_chunk"):
+            if isinstance(plan.get(key), int) and plan[key] > n:
+                plan[key] = n
+        limits = plan.setdefault("limits", {})
+        for key in ("max_tokens", "default_max_tokens"):
+            if isinstance(limits.get(key), int):
+                limits[key] = min(limits[key], n - 1)
+    header = (f"# Generated by `servekit archive` for {origin} ({source.kind}, {device}), from the shipped\n"
+              f"# config/models/{template}.yaml with buckets fitted to the model's {source.max_tokens} tokens.\n"
+              f"# Edit it and rebuild with `servekit archive {origin} --config <this file>`.\n")
+    return header + yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None), cfg

@@ -1,0 +1,146 @@
+"""`servekit archive PATH` on users' models built here: the kind read from config.json, a model-config
+fitted to the model written beside the archive, the archive serving what sentence-transformers
+computes; and a one-line exit-2 error, with nothing written, for what cannot be served."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tiny_encoders import TEXTS, reference, st_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def archive(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "servekit.archive", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def st_dir(tmp_path_factory) -> Path:
+    return st_model(tmp_path_factory.mktemp("models") / "My Encoder", "xlm-roberta", ("cls", "mean"), dense=16,
+                    prompts={"query": "query: "})
+
+
+def test_archive_of_a_sentence_transformers_folder(st_dir, tmp_path, one_thread):
+    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.plan import parse_plan
+
+    out = tmp_path / "store"
+    r = archive(st_dir, "--out", out, "--device", "cpu", "--no-compress")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["My-Encoder.mar", "My-Encoder.yaml"]  # name sanitised
+    cfg = yaml.safe_load((out / "My-Encoder.yaml").read_text())
+    assert cfg["servekit"]["device"] == "cpu" and cfg["servekit"]["buckets"]["seq_lens"] == [16, 24]  # to 24 tokens
+    with zipfile.ZipFile(out / "My-Encoder.mar") as z:
+        manifest = json.loads(z.read("MAR-INF/MANIFEST.json"))
+        assert manifest["model"]["handler"] == "embedding_handler.py"  # kind inferred: embedding
+        names = set(z.namelist())
+        assert {"config.json", "model.safetensors", "tokenizer.json", "modules.json", "1_Pooling/config.json",
+                "2_Dense/config.json", "2_Dense/model.safetensors", "config_sentence_transformers.json"} <= names
+        z.extractall(tmp_path / "unpacked")
+    # The unpacked archive, as a worker loads it with the generated plan, equals sentence-transformers.
+    runner = EmbeddingRunner(tmp_path / "unpacked", parse_plan(cfg["servekit"]), golden_texts=TEXTS)
+    torch.testing.assert_close(runner.embed(TEXTS), reference(st_dir, TEXTS), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(runner.embed(TEXTS, "query"), reference(st_dir, TEXTS, prompt_name="query"),
+                               atol=2e-5, rtol=1e-4)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("architecture", "config.json: model_type 't5' (architectures: T5EncoderModel) is not supported"),
+    ("pooling", "1_Pooling/config.json: pooling mode 'median' is not supported"),
+    ("weights", "model.safetensors: no weights (neither model.safetensors nor model.safetensors.index.json)"),
+    ("shard", "model-00002-of-00002.safetensors: shard listed in model.safetensors.index.json is missing"),
+    ("tensors", "checkpoint lacks 2 tensors of a roberta encoder"),
+])
+def test_unservable_models_fail_in_one_line_leaving_nothing(st_dir, tmp_path, breakage, message):
+    d = _copy(st_dir, tmp_path / "model")
+    if breakage == "architecture":
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "model_type": "t5", "architectures": ["T5EncoderModel"]}))
+    elif breakage == "pooling":
+        (d / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 32, "pooling_mode": "median"}))
+    elif breakage == "weights":
+        (d / "model.safetensors").unlink()
+        (d / "pytorch_model.bin").write_bytes(b"not loaded")
+    elif breakage == "shard":
+        (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "embeddings.word_embeddings.weight": "model-00001-of-00002.safetensors",
+            "encoder.layer.1.output.dense.weight": "model-00002-of-00002.safetensors"}}))
+    elif breakage == "tensors":
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(d / "model.safetensors"))
+        save_file({k: v for k, v in state.items() if not k.startswith("encoder.layer.1.output.dense.")},
+                  str(d / "model.safetensors"))
+    out = tmp_path / "store"
+    r = archive(d, "--out", out, "--device", "cpu", "--no-compress")
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("servekit archive: error: ") and message in lines[0], r.stderr
+    assert not out.exists() or not list(out.iterdir())  # no .mar, no yaml
+
+
+def test_sharded_checkpoint_and_kind_override(st_dir, tmp_path, one_thread):
+    """A checkpoint split into shards with an index archives and loads as the single file does."""
+    from safetensors.torch import load_file, save_file
+
+    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.plan import parse_plan
+
+    d = _copy(st_dir, tmp_path / "sharded")
+    state = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for name, part in shards.items():
+        save_file({k: state[k] for k in part}, str(d / name))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}))
+    out = tmp_path / "store"
+    r = archive(d, "--out", out, "--device", "cpu", "--kind", "embedding", "--name", "sharded", "--no-compress")
+    assert r.returncode == 0, r.stderr
+    with zipfile.ZipFile(out / "sharded.mar") as z:
+        assert set(shards) | {"model.safetensors.index.json"} <= set(z.namelist())
+        z.extractall(tmp_path / "unpacked")
+    runner = EmbeddingRunner(tmp_path / "unpacked", parse_plan({"device": "cpu", "buckets": {"seq_lens": [24]}}),
+                             golden_texts=TEXTS)
+    torch.testing.assert_close(runner.embed(TEXTS), reference(st_dir, TEXTS), atol=2e-5, rtol=1e-4)
+    r = archive(d, "--out", tmp_path / "llm", "--kind", "llm", "--device", "cpu")
+    assert r.returncode == 2 and "is not a causal LM" in r.stderr and not (tmp_path / "llm").exists()
+
+
+def test_llm_folder_and_gguf_file_archive_as_llm(tmp_path):
+    """A Llama-family folder (the bundled SmolLM2, converted) and a GGUF file: kind llm inferred, the
+    model's files shipped, a model-config fitted to its context length generated."""
+    from servekit.optimizations.gguf_weights import find_smollm2_gguf, smollm2_archive_files
+
+    folder = smollm2_archive_files(torch.bfloat16)[0].parent
+    for src, name in ((folder, "from-folder"), (find_smollm2_gguf(), "from-gguf")):
+        out = tmp_path / name
+        r = archive(src, "--out", out, "--device", "cpu", "--name", name, "--no-compress")
+        assert r.returncode == 0, r.stderr
+        with zipfile.ZipFile(out / f"{name}.mar") as z:
+            assert json.loads(z.read("MAR-INF/MANIFEST.json"))["model"]["handler"] == "llm_handler.py"
+            assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                    "generation_config.json"} <= set(z.namelist())
+        plan = yaml.safe_load((out / f"{name}.yaml").read_text())["servekit"]
+        assert plan["device"] == "cpu" and plan["max_seq_len"] <= 8192
+    r = archive(find_smollm2_gguf(), "--out", tmp_path / "enc", "--kind", "embedding")
+    assert r.returncode == 2 and "a GGUF file is a causal LM" in r.stderr and not (tmp_path / "enc").exists()

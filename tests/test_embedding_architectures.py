@@ -1,0 +1,80 @@
+"""servekit's encoder and pooling head against sentence-transformers, for every supported
+architecture and pooling mode, on tiny random models built here (fp32, CPU)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from servekit.optimizations.embedding import EmbeddingRunner
+from servekit.optimizations.plan import parse_plan
+from tiny_encoders import LONG, SHORT, TEXTS, hf_encoder, reference, st_model
+
+# A small bucket (8) that the short texts fit and the long ones overflow, up to the models' limit (24).
+PLAN = {"device": "cpu", "buckets": {"batch_sizes": [1, 4], "seq_lens": [8, 16, 24]}}
+
+
+def runner(path: Path, plan: dict | None = None) -> EmbeddingRunner:
+    return EmbeddingRunner(path, parse_plan(plan or PLAN), golden_texts=TEXTS)
+
+
+@pytest.mark.parametrize("family, pooling, dense, normalize", [
+    ("bert", "mean", None, True),
+    ("roberta", "cls", None, True),
+    ("xlm-roberta", "max", 16, True),
+    ("distilbert", "mean_sqrt_len_tokens", None, False),
+    ("mpnet", "weightedmean", None, True),
+    ("bert", "lasttoken", 16, False),
+    ("roberta", ("cls", "mean", "max"), 24, True),
+])
+def test_embeddings_equal_sentence_transformers(tmp_path, one_thread, family, pooling, dense, normalize):
+    path = st_model(tmp_path / "model", family, pooling, dense=dense, normalize=normalize)
+    ref = reference(path, TEXTS)
+    r = runner(path)
+    assert r.max_tokens == 24 and r.normalized == normalize
+    ours = r.embed(TEXTS)
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    # The long texts really were cut where sentence-transformers cuts them, not at the 8-token bucket.
+    assert all(len(ids) == 24 for ids in r.tokenize(LONG)[0])
+
+
+def test_plain_encoder_is_mean_pooled_up_to_its_positions(tmp_path, one_thread, caplog):
+    path = hf_encoder(tmp_path / "plain", "bert")
+    ref = reference(path, TEXTS)
+    r = runner(path, {"device": "cpu", "buckets": {"batch_sizes": [1, 4], "seq_lens": [8, 32, 80]}})
+    assert "no modules.json: mean pooling" in caplog.text
+    assert r.spec.pooling == ("mean",) and not r.normalized and r.max_tokens == 80
+    torch.testing.assert_close(r.embed(TEXTS), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_prompts_from_the_model(tmp_path, one_thread):
+    prompts = {"query": "query: ", "passage": "passage: "}
+    path = st_model(tmp_path / "model", "mpnet", "mean", prompts=prompts, default_prompt_name="passage")
+    r = runner(path)
+    for name in ("query", "passage"):
+        torch.testing.assert_close(r.embed(SHORT, prompt_name=name), reference(path, SHORT, prompt_name=name),
+                                   atol=2e-5, rtol=1e-4)
+    # No prompt named: the model's default applies, as in sentence-transformers.
+    torch.testing.assert_close(r.embed(SHORT), reference(path, SHORT), atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(r.embed(SHORT, "query"), r.embed(SHORT, "passage"))
+
+
+def test_token_ids_give_the_texts_embeddings(tmp_path, one_thread):
+    path = st_model(tmp_path / "model", "roberta", "mean")
+    r = runner(path)
+    tokens = r.encode_texts(TEXTS)
+    assert all(r.prefix[0] not in t for t in tokens)  # a text's own tokens, no <s>
+    torch.testing.assert_close(r.embed_ids(r.wrap(tokens)[0]), r.embed(TEXTS))
+
+
+def test_compiled_mpnet_serves_every_bucket_without_recompiling(tmp_path, one_thread):
+    """The relative-position bias and the pooling head compile with the encoder (fullgraph)."""
+    path = st_model(tmp_path / "model", "mpnet", "weightedmean", dense=16)
+    r = runner(path, {**PLAN, "compile": "default", "buckets": {"batch_sizes": [1, 4], "seq_lens": [8, 24]}})
+    ref = reference(path, TEXTS)
+    for texts in (SHORT[:1], SHORT, LONG, TEXTS):
+        torch.testing.assert_close(r.embed(texts), reference(path, texts), atol=2e-5, rtol=1e-4)
+    assert r.recompiles() == 0
+    torch.testing.assert_close(r.embed(TEXTS), ref, atol=2e-5, rtol=1e-4)

@@ -1,0 +1,97 @@
+"""Tiny random encoders saved the way users' models are: transformers' `save_pretrained` for the
+model and tokenizer, sentence-transformers' own `save()` for the pipeline around it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WORDS = ("the a cat dog sat on mat ran fast slow big small red blue hello world query passage what is "
+         "how many people live in paris london berlin river ocean mountain book music city").split()
+SHORT = ["the cat sat on the mat", "hello world", "what is the river", "a"]
+# Longer than the small buckets the tests serve (and than sentence-transformers' limit in some models).
+LONG = ["the big red dog ran fast on the mat " * 6, "how many people live in paris " * 9]
+TEXTS = SHORT + LONG
+
+
+def tokenizer(family: str):
+    """A word-level WordPiece tokenizer with the family's special tokens ([CLS]/[SEP] or <s>/</s>)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if family in ("bert", "distilbert"):
+        specials = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                    "mask_token": "[MASK]"}
+        order = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    else:  # RoBERTa, XLM-R, MPNet: <s> = 0, <pad> = 1 (the padding_idx their positions start after)
+        specials = {"bos_token": "<s>", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
+                    "cls_token": "<s>", "sep_token": "</s>", "mask_token": "<mask>"}
+        order = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    vocab = {t: i for i, t in enumerate(order + list(WORDS))}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=specials["unk_token"]))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls, sep = specials["cls_token"], specials["sep_token"]
+    tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B {sep}",
+                                                       special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **specials), len(vocab)
+
+
+def hf_encoder(path: Path, family: str, seed: int = 0, max_positions: int = 80) -> Path:
+    """A random tiny Hugging Face encoder of `family` (bert, roberta, xlm-roberta, distilbert, mpnet)."""
+    from transformers import (BertConfig, BertModel, DistilBertConfig, DistilBertModel, MPNetConfig, MPNetModel,
+                              RobertaConfig, RobertaModel, XLMRobertaConfig, XLMRobertaModel)
+
+    tok, vocab = tokenizer(family)
+    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
+    offset = 0 if family == "bert" else 2  # padding_idx + 1
+    torch.manual_seed(seed)
+    if family == "bert":
+        model = BertModel(BertConfig(**common, max_position_embeddings=max_positions))
+    elif family == "roberta":
+        model = RobertaModel(RobertaConfig(**common, max_position_embeddings=max_positions + offset, pad_token_id=1))
+    elif family == "xlm-roberta":
+        model = XLMRobertaModel(XLMRobertaConfig(**common, max_position_embeddings=max_positions + offset, pad_token_id=1))
+    elif family == "mpnet":
+        model = MPNetModel(MPNetConfig(**common, max_position_embeddings=max_positions + offset, pad_token_id=1))
+    elif family == "distilbert":
+        model = DistilBertModel(DistilBertConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=48,
+                                                 max_position_embeddings=max_positions))
+    else:
+        raise ValueError(family)
+    # Random init leaves LayerNorms at 1/0 and biases at 0: perturb every tensor so that each one matters.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def st_model(path: Path, family: str, pooling: str | tuple[str, ...] = "mean", dense: int | None = None,
+             normalize: bool = True, max_seq_length: int | None = 24, prompts: dict[str, str] | None = None,
+             default_prompt_name: str | None = None, seed: int = 0) -> Path:
+    """A sentence-transformers folder around a tiny `family` encoder, saved with its own `save()`."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as stm
+
+    hf = hf_encoder(path.parent / f"{path.name}-hf", family, seed)
+    modules = [stm.Transformer(str(hf), max_seq_length=max_seq_length)]
+    modules.append(stm.Pooling(32, pooling_mode=pooling))
+    width = modules[-1].get_embedding_dimension()
+    if dense:
+        torch.manual_seed(seed + 1)
+        modules.append(stm.Dense(width, dense))
+    if normalize:
+        modules.append(stm.Normalize())
+    st = SentenceTransformer(modules=modules, prompts=prompts, default_prompt_name=default_prompt_name, device="cpu")
+    st.save(str(path))
+    return path
+
+
+def reference(path: Path, texts: list[str], **kw) -> torch.Tensor:
+    """sentence-transformers' embeddings of `texts` (fp32, CPU)."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(path), device="cpu")
+    return st.encode(texts, convert_to_tensor=True, **kw).float()
