@@ -1,0 +1,73 @@
+"""Bring your own decoder, end to end: a tiny Qwen2 checkpoint written by transformers (biases,
+sharded safetensors, its own byte-level tokenizer, chat template and eos list) goes through
+`servekit archive PATH` (kind inferred, model-config generated for the CPU: continuous batching)
+and a live TorchServe; the openai client's chat completions, streamed and not, carry transformers'
+own greedy generation on the same files, token for token."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import yaml
+
+from decoder_checkpoints import write_checkpoint
+from servekit.torchserve import TorchServe
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.server
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "my-qwen"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint("qwen2", tmp_path_factory.mktemp("models") / "Qwen2 tiny", seed=0, shard=True)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    store = tmp_path_factory.mktemp("custom-llm-store")
+    r = subprocess.run([sys.executable, "-m", "servekit.archive", str(checkpoint), "--out", str(store), "--name", NAME,
+                        "--device", "cpu", "--no-compress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    config = yaml.safe_load((store / f"{NAME}.yaml").read_text())
+    assert config["continuousBatching"] is True and config["servekit"]["device"] == "cpu"
+    with TorchServe(tmp_path_factory.mktemp("ts-custom-llm"), store) as ts:
+        ts.register(f"{NAME}.mar", NAME, workers=1, timeout=240)
+        yield ts
+
+
+def _hf_greedy_bytes(checkpoint: Path, messages: list[dict], max_tokens: int) -> list[bytes]:
+    """transformers' greedy tokens (up to an eos id of the model's generation config), as bytes:
+    random weights write arbitrary bytes, so tokens rather than text are compared."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # the GPT-2 byte alphabet
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)[0, ids["input_ids"].shape[1]:].tolist()
+    stops = set(model.generation_config.eos_token_id)
+    out = out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    return [bytes(byte_of[c] for c in tok.convert_ids_to_tokens(t)) for t in out]
+
+
+def test_an_archived_custom_decoder_serves_transformers_greedy_tokens(server: TorchServe, checkpoint: Path) -> None:
+    client = openai.OpenAI(base_url=f"{server.inference_url}/predictions/{NAME}/1.0/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    for text in ("Hello there", "Name three colours."):
+        messages = [{"role": "user", "content": text}]
+        want = _hf_greedy_bytes(checkpoint, messages, 20)
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0, logprobs=True)
+        assert r.model == NAME and r.usage.completion_tokens == len(want)
+        assert [bytes(t.bytes) for t in r.choices[0].logprobs.content] == want
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=20, temperature=0, stream=True) if c.choices)
+        assert streamed == r.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == [NAME]
