@@ -179,12 +179,14 @@ def default_device() -> str:
 
 
 def archive_path(path: Path, out_dir: Path, name: str | None = None, kind: str | None = None,
-                 device: str | None = None, config: Path | None = None, compress: bool = True) -> tuple[Path, Path | None]:
+                 device: str | None = None, config: Path | None = None, compress: bool = True,
+                 speculator: Path | None = None) -> tuple[Path, Path | None]:
     """Archive a user's model (a Hugging Face or sentence-transformers folder, or a .gguf file).
 
     Without `config`, a model-config is generated for `device` and written beside the archive as
     `<out_dir>/<name>.yaml` (returned second) for the user to edit. Everything is checked before
-    anything is written: on an error, no .mar and no YAML.
+    anything is written: on an error, no .mar and no YAML. `speculator`: trained heads for an LLM
+    whose model-config (`config`) has a `servekit.speculation` section.
     """
     path = Path(path)
     name = sanitize_name(name or (path.stem if path.suffix == ".gguf" else path.resolve().name))
@@ -209,11 +211,13 @@ def archive_path(path: Path, out_dir: Path, name: str | None = None, kind: str |
                            Path(config) if config else Path(tmp) / f"{name}.yaml", lambda: source.files)
         written = None
         if config is None:
-            text, cfg = generated_config(source, device, str(path))
+            text, cfg = generated_config(source, device, str(path), speculation=speculator is not None)
             plan_parser(source.kind)(cfg.get("servekit"), "servekit")  # a PlanError here is ours, not the user's
             spec.config.write_text(text)
+        if speculator is not None and source.kind != LLM:
+            raise ValueError(f"--speculator applies to causal LMs; {path} is a {source.kind} model")
         mar = build_archive(name, out_dir, config=resolve(config) if config else spec.config, spec=spec,
-                            compress=compress)
+                            compress=compress, speculator=speculator)
         if config is None:
             written = Path(out_dir) / f"{name}.yaml"
             shutil.copy2(spec.config, written)
@@ -232,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="device of the generated model-config (default: cuda if available, else cpu)")
     p.add_argument("--out", type=Path, default=Path("model_store"), help="export folder (default: model_store/)")
     p.add_argument("--speculator", type=Path,
-                   help="speculator heads folder (from `servekit train-speculator`) for a model-config with "
-                        "servekit.speculation")
+                   help="speculator heads folder (from `servekit train-speculator --model-dir MODEL`) for a "
+                        "model-config with servekit.speculation")
     p.add_argument("--no-compress", action="store_true",
                    help="store files uncompressed (zip-store): much faster to build and unpack, larger")
     args = p.parse_args(argv)
@@ -243,10 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             path = build_archive(args.model, args.out, args.config, args.name, speculator=args.speculator,
                                  compress=not args.no_compress)
         else:
-            if args.speculator is not None:
-                raise ValueError("--speculator applies to the bundled smollm2 only")
             path, written = archive_path(Path(args.model), args.out, args.name, args.kind, args.device, args.config,
-                                         compress=not args.no_compress)
+                                         compress=not args.no_compress, speculator=args.speculator)
     except (ValueError, FileNotFoundError) as e:
         print(f"servekit archive: error: {e}", file=sys.stderr)
         return 2

@@ -1,12 +1,15 @@
 """Bring your own decoder, end to end: a tiny Qwen2 checkpoint written by transformers (biases,
 sharded safetensors, its own byte-level tokenizer, chat template and eos list) goes through
-`servekit archive PATH` (kind inferred, model-config generated for the CPU: continuous batching)
-and a live TorchServe; the openai client's chat completions, streamed and not, carry transformers'
+`servekit train-speculator --model-dir` (heads for it) and `servekit archive PATH --speculator`
+(kind inferred, model-config generated for the CPU: continuous batching, speculation) and a live
+TorchServe; the openai client's chat completions, streamed and not, carry transformers'
 own greedy generation on the same files, token for token."""
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -31,13 +34,34 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+def heads(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Speculator heads trained on the model's own greedy completions (`servekit train-speculator`)."""
+    from servekit.optimizations import train_speculator
+
+    out = tmp_path_factory.mktemp("custom-heads")
+    (out / "prompts.txt").write_text("\n".join(f"Say {w}." for w in "one two three four five six seven eight nine "
+                                                                     "ten eleven twelve".split()))
+    old = torch.get_num_threads()
+    try:
+        assert train_speculator.main(["--model-dir", str(checkpoint), "--dtype", "fp32", "--out", str(out / "heads"),
+                                      "--prompts", str(out / "prompts.txt"), "--new-tokens", "24", "--samples", "0",
+                                      "--steps", "60", "--heads", "2", "--topic-prompts", "0", "--draft-vocab", "0",
+                                      "--threads", "1", "--quiet"]) == 0
+    finally:
+        torch.set_num_threads(old)
+    return out / "heads"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, heads: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
     store = tmp_path_factory.mktemp("custom-llm-store")
     r = subprocess.run([sys.executable, "-m", "servekit.archive", str(checkpoint), "--out", str(store), "--name", NAME,
-                        "--device", "cpu", "--no-compress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        "--device", "cpu", "--no-compress", "--speculator", str(heads)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     config = yaml.safe_load((store / f"{NAME}.yaml").read_text())
     assert config["continuousBatching"] is True and config["servekit"]["device"] == "cpu"
+    assert config["servekit"]["speculation"]["heads"] == "speculator"  # generated for the heads given
     with TorchServe(tmp_path_factory.mktemp("ts-custom-llm"), store) as ts:
         ts.register(f"{NAME}.mar", NAME, workers=1, timeout=240)
         yield ts
@@ -71,3 +95,12 @@ def test_an_archived_custom_decoder_serves_transformers_greedy_tokens(server: To
             model=NAME, messages=messages, max_tokens=20, temperature=0, stream=True) if c.choices)
         assert streamed == r.choices[0].message.content
     assert [m.id for m in client.models.list().data] == [NAME]
+    deadline = time.monotonic() + 15  # the acceptance counters go out once a second
+    while _metric(server, "servekit_spec_proposed_total") == 0 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert _metric(server, "servekit_spec_proposed_total") > 0  # the greedy requests speculated
+
+
+def _metric(server: TorchServe, name: str) -> float:
+    text = urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
