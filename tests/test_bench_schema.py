@@ -75,7 +75,7 @@ def test_defaults_and_variant_axes() -> None:
     ("measurement.max_trials", 2, "measurement.max_trials: 2 is fewer than stable_windows"),
     ("measurement.tolerance", 0, "measurement.tolerance: expected a number in (0, 1)"),
     ("variants.1.plan", {"precision": "fp12"}, "variants[1].plan.precision: 'fp12' is not one of"),
-    ("variants.1.model", "nope", "variants[1].model: unknown archive model 'nope'"),
+    ("variants.1.model", "nope", "variants[1].model: 'nope' is neither a bundled model"),
     ("variants.1.name", "stock", "variants[1].name: duplicate variant name 'stock'"),
     ("variants.1.name", "bad name", "variants[1].name: 'bad name' must be"),
     ("variants.1.overrides", {"batchSize": 4}, "variants[1].overrides.batchSize: set by the sweep"),
@@ -224,3 +224,40 @@ def test_inprocess_reads_the_texts_of_every_body_shape(tmp_path: Path) -> None:
     bodies.write_text('{"sleep_ms": 3}\n')
     with pytest.raises(ValueError, match="no request body holds a text"):
         payload_texts(bodies)
+
+
+def test_a_variant_names_a_model_folder(tmp_path: Path) -> None:
+    """`model:` takes any folder `servekit archive PATH` takes (relative to the sweep file): the
+    variant's base model-config is the one generated for it, its archive ships the model's own
+    files, and the in-process reference runs its plan."""
+    import zipfile
+
+    from tiny_encoders import hf_encoder, st_model
+
+    from servekit.benchmarks.bench import archives, inprocess
+
+    st_model(tmp_path / "models" / "enc", "bert", pooling="cls", max_seq_length=24)
+    raw = with_("variants.1.model", "models/enc")
+    del raw["variants"][1]["plan"]
+    cfg = parse_config(raw, base=tmp_path)
+    variant = cfg.variants[1]
+    assert variant.model == str((tmp_path / "models" / "enc").resolve())
+    vc = archives.variant_config(variant.model, None, {}, {})
+    assert vc["servekit"]["buckets"]["seq_lens"] == [16, 24]  # fitted to the model's max_seq_length
+    mar = archives.build_variant(variant.model, "enc", dict(vc), tmp_path / "store", tmp_path / "work")
+    with zipfile.ZipFile(mar) as z:
+        assert {"modules.json", "1_Pooling/config.json", "model.safetensors"} <= set(z.namelist())
+    bodies = tmp_path / "bodies.jsonl"
+    bodies.write_text('{"input": ["a short text", "another one"]}\n')
+    vc["servekit"].update({"device": "cpu", "precision": "fp32", "compile": "off", "cuda_graphs": False})
+    figures = inprocess.measure(variant.model, vc, bodies, batch_size=4, seconds=0.3)
+    assert figures["texts_per_s"] > 0 and figures["texts_per_request"] == 2
+
+    with pytest.raises(SchemaError, match=r"variants\[1\]\.model: 'models/none' is neither a bundled model"):
+        parse_config(with_("variants.1.model", "models/none"), base=tmp_path)
+    hf_encoder(tmp_path / "models" / "odd", "bert")
+    config = json.loads((tmp_path / "models" / "odd" / "config.json").read_text())
+    (tmp_path / "models" / "odd" / "config.json").write_text(json.dumps({**config, "model_type": "t5",
+                                                                         "architectures": ["T5Model"]}))
+    with pytest.raises(SchemaError, match=r"variants\[1\]\.model: .*t5"):
+        parse_config(with_("variants.1.model", "models/odd"), base=tmp_path)

@@ -1,9 +1,10 @@
-"""The archive specs a sweep can name (the bundled models plus the benchmark's own stock baseline
-and sleep test handler) and building of variant archives: one base model + model-config/plan overrides (+ speculator heads)
--> one `.mar`."""
+"""The models a sweep can name (the bundled ones, the benchmark's own stock baseline and sleep test
+handler, or any model folder that `servekit archive PATH` takes) and building of variant archives:
+one base model + model-config/plan overrides (+ speculator heads) -> one `.mar`."""
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import Any, Callable
 
 import yaml
 
-from servekit.archive import OTHER, SPECS, ArchiveSpec, build_archive, handler_file, minilm_weights, plan_parser
+from servekit.archive import (EMBEDDING, OTHER, SPECS, ArchiveSpec, build_archive, default_device, handler_file,
+                              minilm_weights, plan_parser)
 from servekit.resources import package_dir
 
 
@@ -32,6 +34,29 @@ BENCH_SPECS: dict[str, ArchiveSpec] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _folder_model(path: str) -> tuple[ArchiveSpec, dict[str, Any]]:
+    """A model folder's archive spec and the model-config `servekit archive PATH` would generate
+    for this machine's device (ValueError / FileNotFoundError naming what cannot be served)."""
+    from servekit.model_source import generated_config, model_source
+
+    source = model_source(Path(path))
+    _, cfg = generated_config(source, default_device(), path)
+    handler = "servekit.handlers.embedding_handler" if source.kind == EMBEDDING else "servekit.handlers.llm_handler"
+    # `config` is never read: variants are built from their merged model-config.
+    return ArchiveSpec(source.kind, handler_file(handler), Path(path), lambda: source.files), cfg
+
+
+def model_spec(model: str) -> ArchiveSpec:
+    """The archive spec of a sweep's `model`: a bundled name, or a model folder's path."""
+    return BENCH_SPECS[model] if model in BENCH_SPECS else _folder_model(model)[0]
+
+
+def model_folder(model: str) -> Path | None:
+    """The folder of a `model` given as a path (None for a bundled name)."""
+    return None if model in BENCH_SPECS else Path(model)
+
+
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for k, v in over.items():
@@ -49,11 +74,14 @@ FRONTEND_SWEPT = ("batchSize", "maxBatchDelay", "minWorkers", "maxWorkers")
 
 
 def variant_config(model: str, config: Path | None, overrides: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
-    """The model-config a variant archive is built with (base config + overrides + plan overrides)."""
-    if model not in BENCH_SPECS:
-        raise ValueError(f"unknown archive model {model!r}; known: {', '.join(sorted(BENCH_SPECS))}")
-    path = Path(config) if config else BENCH_SPECS[model].config
-    base = yaml.safe_load(path.read_text()) or {}
+    """The model-config a variant archive is built with (base config + overrides + plan overrides);
+    the base of a model folder without `config` is the one `servekit archive PATH` generates."""
+    if config:
+        base = yaml.safe_load(Path(config).read_text()) or {}
+    elif model in BENCH_SPECS:
+        base = yaml.safe_load(BENCH_SPECS[model].config.read_text()) or {}
+    else:
+        base = _folder_model(model)[1]
     merged = deep_merge(base, overrides)
     if plan:
         merged["servekit"] = deep_merge(merged.get("servekit") or {}, plan)
@@ -62,7 +90,7 @@ def variant_config(model: str, config: Path | None, overrides: dict[str, Any], p
 
 def model_plan_parser(model: str) -> Callable[[Any, str], Any] | None:
     """The validator of the `servekit:` section that `model`'s handler reads, None for none."""
-    return plan_parser(BENCH_SPECS[model].kind)
+    return plan_parser(model_spec(model).kind)
 
 
 def speculator_stamp(speculator: Path) -> list[Any]:
@@ -88,6 +116,6 @@ def build_variant(model: str, name: str, cfg: dict[str, Any], out_dir: Path, wor
         return mar
     # A benchmark's own archive: uncompressed builds and unpacks in seconds.
     build_archive(model, Path(out_dir), config=cfg_path, archive_name=name, speculator=speculator, compress=False,
-                  spec=BENCH_SPECS[model])
+                  spec=model_spec(model))
     stamp.write_text(digest)
     return mar

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-EMBEDDING_MODELS = ("minilm",)
 
 
 def payload_texts(bodies_path: Path) -> tuple[list[list[str]], float]:
@@ -60,17 +59,19 @@ def run_batches(runner: Any, texts: Sequence[str], batch_size: int, seconds: flo
 def measure(model: str, model_config: dict[str, Any], bodies_path: Path, batch_size: int,
             seconds: float) -> dict[str, Any]:
     """In-process texts/s of `model_config`'s plan, or {"skipped": why}."""
-    if model not in EMBEDDING_MODELS:
-        return {"skipped": f"in-process reference only for embedding models ({', '.join(EMBEDDING_MODELS)})"}
+    from servekit.archive import EMBEDDING, minilm_weights
+    from servekit.benchmarks.bench.archives import model_folder, model_spec
+
+    if model_spec(model).kind != EMBEDDING:
+        return {"skipped": "in-process reference only for embedding models"}
     import torch
 
-    from servekit.archive import minilm_weights
     from servekit.optimizations.embedding import EmbeddingRunner
     from servekit.optimizations.plan import parse_plan
 
     per_body, mean_texts = payload_texts(bodies_path)
     t0 = time.perf_counter()
-    runner = EmbeddingRunner(minilm_weights()[0].parent, parse_plan(model_config.get("servekit")))
+    runner = EmbeddingRunner(model_folder(model) or minilm_weights()[0].parent, parse_plan(model_config.get("servekit")))
     load_s = time.perf_counter() - t0
     label = runner.plan.label()
     if runner.device.type == "cuda":

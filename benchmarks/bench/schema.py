@@ -153,7 +153,7 @@ class Axes:
 @dataclass(frozen=True)
 class Variant:
     name: str
-    model: str | None  # archive spec name (bench.archives.BENCH_SPECS) to build from
+    model: str | None  # bundled model name (bench.archives.BENCH_SPECS) or a model folder's path, to build from
     mar: str | None    # or an archive already in the server's model store
     config: Path | None
     overrides: dict[str, Any]
@@ -319,10 +319,19 @@ def _variants(raw: Any, axes: Axes, base: Path, remote_without_store: bool) -> t
                               "already in the model store)")
         model = mar = None
         if "model" in rv:
-            from servekit.benchmarks.bench.archives import BENCH_SPECS
+            from servekit.benchmarks.bench.archives import BENCH_SPECS, model_spec
             model = _str(f"{p}.model", rv["model"])
-            if model not in BENCH_SPECS:
-                raise SchemaError(f"{p}.model: unknown archive model {model!r} (known: {', '.join(sorted(BENCH_SPECS))})")
+            if model not in BENCH_SPECS:  # a model folder, as `servekit archive PATH` takes
+                folder = (base / model).resolve()
+                if not folder.is_dir():
+                    raise SchemaError(f"{p}.model: {model!r} is neither a bundled model ({', '.join(sorted(BENCH_SPECS))}) "
+                                      f"nor a model folder ({folder} does not exist; archive a .gguf file with "
+                                      "`servekit archive` and name the .mar with `mar`)")
+                model = str(folder)
+                try:
+                    model_spec(model)
+                except (ValueError, FileNotFoundError) as e:
+                    raise SchemaError(f"{p}.model: {e}") from None
             if remote_without_store:
                 raise SchemaError(f"{p}.model: a remote target needs `target.remote.model_store` to build archives "
                                   "into; or name an existing archive with `mar`")
