@@ -86,3 +86,39 @@ def test_minilm_sweep_end_to_end(minilm_server, model_store: Path, tmp_path: Pat
     # models the run registered are gone again; the session's own model is untouched
     assert ts.api.describe("e2e-servekit") is None
     assert "READY" in [w["status"] for w in ts.api.workers("minilm")]
+
+
+def test_texts_per_request_axis_end_to_end(minilm_server, model_store: Path, tmp_path: Path) -> None:
+    """The same texts sent 1 and 4 per request (`/v1/embeddings` bodies): each size is its own
+    configuration, the report gives texts/s beside requests/s and ranks by texts/s."""
+    ts = minilm_server
+    sweep = {
+        "name": "e2e-texts",
+        "target": remote_target(ts, model_store),
+        "variants": [{"name": "e2e-texts", "model": "minilm"}],
+        "sweep": {"workers": [1], "batch_size": [4], "max_batch_delay_ms": [5], "texts_per_request": [1, 4]},
+        "request": {"path": "/predictions/{model}/1.0/v1/embeddings"},
+        "payloads": {"generate": {"words": [4, 16], "count": 40}},  # `text` bodies: regrouped as `input`
+        "sla": {"p99_ms": 10000, "max_error_rate": 0.02},
+        "load": {"mode": "closed", "levels": [2], "search": False, "timeout_s": 30},
+        "measurement": {"warmup_s": 1, "window_s": 1.5, "max_trials": 6, "min_window_requests": 8,
+                        "tolerance": 0.4, "tail_tolerance": 0.8},
+    }
+    rc, out, results = run_sweep(sweep, tmp_path)
+    assert rc == 0, results["answer"]
+    configs = {c["texts_per_request"]: c for c in results["configs"]}
+    assert set(configs) == {1, 4}
+    for n, c in configs.items():
+        assert c["status"] == "measured" and c["mean_texts_per_request"] == n
+        assert c["capacity_texts_per_s"] == pytest.approx(c["capacity_rps"] * n, rel=1e-3)
+    best = max(configs.values(), key=lambda c: c["capacity_texts_per_s"])
+    assert results["winner"]["texts_per_request"] == best["texts_per_request"]  # ranked by texts/s
+    assert "texts/s" in results["answer"][0]
+    bodies = [json.loads(line) for line in (out / "bodies-t4.jsonl").read_text().splitlines()]
+    assert bodies and all(len(b["input"]) == 4 for b in bodies)
+    # every request was answered with its 4 embeddings: the server counted 4 texts per request
+    points = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
+    four = [p for p in points if p["config"].get("texts_per_request") == 4 and p["status"] == "pass"]
+    assert four and four[-1]["server"]["texts_per_batch"] > four[-1]["server"].get("requests_per_batch", 1.0)
+    report = (out / "report.md").read_text()
+    assert "| texts/s |" in report and "e2e-texts w1 b4 d5 t4" in report

@@ -261,3 +261,27 @@ def test_a_variant_names_a_model_folder(tmp_path: Path) -> None:
                                                                          "architectures": ["T5Model"]}))
     with pytest.raises(SchemaError, match=r"variants\[1\]\.model: .*t5"):
         parse_config(with_("variants.1.model", "models/odd"), base=tmp_path)
+
+
+def test_texts_per_request_axis_and_regrouped_bodies() -> None:
+    from servekit.benchmarks.bench.payloads import regroup
+
+    cfg = parse_config(with_("sweep.texts_per_request", [1, 4]))
+    assert cfg.variants[1].axes.texts_per_request == (1, 4)
+    assert cfg.variants[0].axes.texts_per_request == (1, 4)  # a variant's own sweep keeps the run's axis
+    with pytest.raises(SchemaError, match=r"sweep.texts_per_request\[1\]: expected a positive integer"):
+        parse_config(with_("sweep.texts_per_request", [1, 0]))
+    with pytest.raises(SchemaError, match="sweep.texts_per_request: regroups the texts of embedding requests"):
+        parse_config(with_("sweep.texts_per_request", [2], LLM))
+
+    bodies = [json.dumps(b) for b in ({"input": ["a", "b"], "model": "m"}, {"input": "c"}, {"input": ["d", "e", "f"]})]
+    assert [json.loads(b) for b in regroup(bodies, 2)] == [{"model": "m", "input": ["a", "b"]},
+                                                           {"model": "m", "input": ["c", "d"]},
+                                                           {"model": "m", "input": ["e", "f"]}]
+    assert [json.loads(b) for b in regroup(bodies, 4)] == [{"model": "m", "input": ["a", "b", "c", "d"]}]
+    # fewer texts than a request holds: cycled; native bodies keep their `text` field
+    assert [json.loads(b) for b in regroup(['{"text": "x"}', '"y"'], 3)] == [{"text": ["x", "y", "x"]}]
+    with pytest.raises(SchemaError, match="the payloads hold no texts"):
+        regroup(['{"sleep_ms": 3}'], 2)
+    # the OpenAI route's field, whatever the payload file uses
+    assert [json.loads(b) for b in regroup(['{"text": "x"}', '{"text": "y"}'], 2, "input")] == [{"input": ["x", "y"]}]

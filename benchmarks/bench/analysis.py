@@ -14,6 +14,7 @@ from typing import Any
 from servekit.benchmarks.bench.measure import PointResult, ServingConfig
 from servekit.benchmarks.bench.schema import SLA, BenchConfig
 from servekit.benchmarks.bench.search import SearchResult
+from servekit.model_source import sanitize_name
 
 
 @dataclass
@@ -24,12 +25,18 @@ class ConfigResult:
     search: SearchResult | None = None
     ready_s: float | None = None
     repeats: list[float] = field(default_factory=list)
+    texts_per_request: float | None = None  # mean texts per request of its bodies (embedding sweeps)
 
     @property
     def capacity(self) -> float:
         if self.search is None or self.search.best is None:
             return 0.0
         return min([self.search.capacity, *self.repeats])
+
+    @property
+    def texts_capacity(self) -> float | None:
+        """Texts/s at the capacity (requests/s x texts per request), None without texts."""
+        return None if self.texts_per_request is None else self.capacity * self.texts_per_request
 
     @property
     def best(self) -> PointResult | None:
@@ -68,12 +75,17 @@ class Analysis:
     winner: ConfigResult | None
     baseline: ConfigResult | None
     base_name: str | None
+    by_texts: bool = False  # ranked by texts/s: the sweep varies the texts per request
+
+    def score(self, r: ConfigResult) -> float:
+        """What the ranking compares: texts/s when the texts per request vary, else requests/s."""
+        return (r.texts_capacity or 0.0) if self.by_texts else r.capacity
 
     @property
     def margin(self) -> float | None:
-        """Winner capacity / baseline capacity, None when either is missing or zero."""
+        """Winner / baseline (texts/s or requests/s, as ranked), None when either is missing or zero."""
         w, b = self.winner, self.baseline
-        return w.capacity / b.capacity if w and b and b.capacity > 0 else None
+        return self.score(w) / self.score(b) if w and b and self.score(b) > 0 else None
 
 
 def sla_text(sla: SLA) -> str:
@@ -139,12 +151,16 @@ def analyze(run: RunRecord) -> Analysis:
     results = run.results
     base_name = cfg.baseline.name if cfg.baseline else None
     measured = [r for r in results if r.status == "measured"]
+    # Requests of 1 and of 32 texts are different work: with the texts per request as an axis,
+    # configurations compare by the texts they embed per second.
+    by_texts = any(r.config.texts_per_request for r in results)
+    score = (lambda r: r.texts_capacity or 0.0) if by_texts else (lambda r: r.capacity)
     ranked = sorted([r for r in measured if r.capacity > 0],
-                    key=lambda r: (-r.capacity, r.config.workers, r.best.p99))
+                    key=lambda r: (-score(r), r.config.workers, r.best.p99))
     baseline = [r for r in results if r.config.variant == base_name]
-    base_best = max(baseline, key=lambda r: r.capacity) if baseline else None
+    base_best = max(baseline, key=score) if baseline else None
     contenders = [r for r in ranked if r.config.variant != base_name] or ranked
-    return Analysis(ranked, pareto(results), contenders[0] if contenders else None, base_best, base_name)
+    return Analysis(ranked, pareto(results), contenders[0] if contenders else None, base_best, base_name, by_texts)
 
 
 def inprocess_figures(run: RunRecord, w: ConfigResult | None) -> dict[str, Any] | None:
@@ -175,13 +191,15 @@ def recommendation(run: RunRecord, a: Analysis, ready_s: float | None) -> tuple[
     model_cfg.update({k: v for k, v in base.items() if k not in model_cfg})
     variant = next(v for v in cfg.variants if v.name == c.variant)
     overlay = {
-        "model": variant.model or Path(variant.mar or c.variant).stem,
+        "model": sanitize_name(Path(variant.model).name) if variant.model else Path(variant.mar or c.variant).stem,
         "variant": c.variant,
         "mar": run.mars.get(c.variant),
         "workers": c.workers,
         "batch_size": c.batch_size,
         "max_batch_delay_ms": c.max_batch_delay_ms,
         "per_pod_capacity_rps": round(per_pod, 2),
+        **({"texts_per_request": c.texts_per_request,
+            "per_pod_capacity_texts_per_s": round(w.texts_capacity or 0.0, 2)} if c.texts_per_request else {}),
         "headroom": cfg.deploy.headroom,
         "target_rps": round(target, 2),
         "replicas": replicas,

@@ -5,7 +5,7 @@ SLA. To say how much of the plan's own speed survives that, the winner's serveki
 here (same model-config, same device) and fed the sweep's own payload texts in full batches of
 the winner's batch size, through the handler's compute path: tokenize, plan the bucket chunks,
 embed, copy to the host. No HTTP, no JSON, no waiting for a batch to fill.
-Embedding models only (the `minilm` archive); for others the report says it was not measured.
+Embedding models only; for others the report says it was not measured.
 """
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from servekit.benchmarks.bench.payloads import body_texts
+
 
 
 def payload_texts(bodies_path: Path) -> tuple[list[list[str]], float]:
-    """The texts of each request body ({"text": ..}, {"input": ..} or a JSON list/string) and the mean per body."""
+    """The texts of each request body (``payloads.body_texts``) and the mean per body."""
     per_body: list[list[str]] = []
     for line in Path(bodies_path).read_text().splitlines():
         if not line.strip():
             continue
-        body = json.loads(line)
-        value = body.get("input", body.get("text")) if isinstance(body, dict) else body
-        texts = [value] if isinstance(value, str) else [t for t in (value or []) if isinstance(t, str)]
+        texts = body_texts(json.loads(line))
         if texts:
             per_body.append(texts)
     if not per_body:

@@ -28,13 +28,18 @@ class ServingConfig:
     workers: int
     batch_size: int
     max_batch_delay_ms: int
+    texts_per_request: int | None = None  # the payloads' texts regrouped into requests of this many
 
     def label(self) -> str:
-        return f"{self.variant} w{self.workers} b{self.batch_size} d{self.max_batch_delay_ms}"
+        texts = f" t{self.texts_per_request}" if self.texts_per_request else ""
+        return f"{self.variant} w{self.workers} b{self.batch_size} d{self.max_batch_delay_ms}{texts}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"variant": self.variant, "workers": self.workers, "batch_size": self.batch_size,
-                "max_batch_delay_ms": self.max_batch_delay_ms}
+        out: dict[str, Any] = {"variant": self.variant, "workers": self.workers, "batch_size": self.batch_size,
+                               "max_batch_delay_ms": self.max_batch_delay_ms}
+        if self.texts_per_request:
+            out["texts_per_request"] = self.texts_per_request
+        return out
 
 
 @dataclass

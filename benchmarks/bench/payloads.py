@@ -63,6 +63,39 @@ def _read(p: Payloads) -> tuple[Callable[[int], str], list[str]]:
             [json.dumps({g["field"]: " ".join(rng.choice(WORDS, size=int(n)))}) for n in lengths])
 
 
+def body_texts(body: Any) -> list[str]:
+    """The texts of one embedding request body: {"text": ..}, {"texts": ..}, {"input": ..} (a string
+    or a list of strings), or a bare JSON string or list; [] for anything else."""
+    value = body
+    if isinstance(body, dict):
+        value = next((body[k] for k in ("input", "text", "texts") if k in body), None)
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(t, str) for t in value):
+        return list(value)
+    return []
+
+
+def regroup(bodies: list[str], n: int, field: str | None = None) -> list[str]:
+    """The bodies' texts, in order, as requests of exactly `n` texts each: every text once (the rest
+    of a division dropped), or the texts cycled into one request when there are fewer than `n`.
+    Each request keeps the first body's other keys and its text field (`input` for OpenAI bodies,
+    else `text`; `field` chooses another, e.g. `input` for the `/v1/embeddings` route)."""
+    parsed = [json.loads(b) for b in bodies]
+    texts = [t for b in parsed for t in body_texts(b)]
+    if not texts:
+        raise SchemaError("sweep.texts_per_request: the payloads hold no texts to regroup")
+    first = next((b for b in parsed if isinstance(b, dict) and body_texts(b)), None)
+    template = {k: v for k, v in (first or {}).items() if k not in ("input", "text", "texts")}
+    field = field or ("input" if first is not None and "input" in first else "text")
+    count = max(1, len(texts) // n) if len(texts) >= n else 1
+    out = []
+    for r in range(count):
+        group = [texts[(r * n + k) % len(texts)] for k in range(n)]
+        out.append(json.dumps({**template, field: group}, ensure_ascii=False))
+    return out
+
+
 def describe(bodies: list[str]) -> dict[str, Any]:
     """Length mix of the bodies (characters of each body), and their `max_tokens` range if they give one."""
     chars = np.array([len(b) for b in bodies])

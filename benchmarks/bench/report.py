@@ -101,6 +101,13 @@ def host_note(p: PointResult) -> str | None:
             "(target.remote) measures the server alone")
 
 
+def texts_text(r: ConfigResult) -> str:
+    """' = N texts/s (k texts per request)' where the configuration's requests carry texts."""
+    if r.texts_capacity is None:
+        return ""
+    return f" = {r.texts_capacity:.1f} texts/s ({r.texts_per_request:g} texts per request)"
+
+
 def answer_lines(run: RunRecord, a: Analysis) -> Answer:
     cfg = run.cfg
     sla = sla_text(cfg.sla)
@@ -116,8 +123,8 @@ def answer_lines(run: RunRecord, a: Analysis) -> Answer:
         answered = False
     else:
         bp = w.best
-        lines.append(f"Winner: {w.config.label()}: {w.capacity:.1f} requests/s within the SLA ({sla}); "
-                     f"at that load p50 {bp.summary.p['p50']:.1f} ms, p99 {bp.summary.p['p99']:.1f} ms"
+        lines.append(f"Winner: {w.config.label()}: {w.capacity:.1f} requests/s{texts_text(w)} within the SLA "
+                     f"({sla}); at that load p50 {bp.summary.p['p50']:.1f} ms, p99 {bp.summary.p['p99']:.1f} ms"
                      f"{llm_text(bp.summary)}.")
         note = host_note(bp)
         if note:
@@ -131,7 +138,10 @@ def answer_lines(run: RunRecord, a: Analysis) -> Answer:
     elif w is b:
         lines.append(f"The winner is the baseline variant {a.base_name} itself (no other variant met the SLA).")
     elif w is not None:
-        if b.capacity > 0:
+        if b.capacity > 0 and a.by_texts:
+            lines.append(f"{a.margin:.1f} x the stock throughput in texts/s at the same SLA "
+                         f"(stock {b.config.label()}: {b.capacity:.1f} requests/s{texts_text(b)}).")
+        elif b.capacity > 0:
             lines.append(f"{w.capacity / b.capacity:.1f} x the stock throughput at the same SLA "
                          f"(stock {b.config.label()}: {b.capacity:.1f} requests/s).")
             doubt = baseline_doubt(b)
@@ -279,6 +289,8 @@ def write_report(run: RunRecord) -> Answer:
         "load_mode": cfg.load.mode,
         "configs": [{**r.config.to_dict(), "status": r.status, "error": r.error,
                      "capacity_rps": round(r.capacity, 3),
+                     "mean_texts_per_request": r.texts_per_request,
+                     "capacity_texts_per_s": None if r.texts_capacity is None else round(r.texts_capacity, 3),
                      "p50_ms": r.best.summary.p["p50"] if r.best else None,
                      "p99_ms": r.best.summary.p["p99"] if r.best else None,
                      **({"llm": r.best.summary.llm.to_dict()} if r.best and r.best.summary.llm else {}),
@@ -337,15 +349,17 @@ def write_report(run: RunRecord) -> Answer:
     # A streamed (LLM) request is one generation, not a batch of texts: its columns replace texts/batch.
     extra = list(LLM_COLUMNS) if cfg.streamed else []
     per_batch = ("requests/batch", "requests_per_batch") if cfg.streamed else ("texts/batch", "texts_per_batch")
-    L += [_row(["#", "config", "capacity rps", "p50 ms", "p99 ms", *extra, "load", per_batch[0], "queue ms",
+    texts = [] if cfg.streamed else ["texts/s"]  # capacity x texts per request
+    L += [_row(["#", "config", "capacity rps", *texts, "p50 ms", "p99 ms", *extra, "load", per_batch[0], "queue ms",
                 "backend ms", "GPU util", "host CPU", "P", "search"]),
-          _row(["---"] * (13 + len(extra)))]
+          _row(["---"] * (13 + len(extra) + len(texts)))]
     idx = {id(r): i for i, r in enumerate(run.results)}
     for n, r in enumerate(a.ranked, 1):
         bp = r.best
         s = bp.server
         L.append(_row([str(n), f"{r.config.label()}{' (stock)' if r.config.variant == a.base_name else ''}",
-                       f"{r.capacity:.1f}", _num(bp.summary.p["p50"]), _num(bp.summary.p["p99"]),
+                       f"{r.capacity:.1f}", *([_num(r.texts_capacity)] if texts else []),
+                       _num(bp.summary.p["p50"]), _num(bp.summary.p["p99"]),
                        *(llm_cells(bp.summary) if extra else []), bp.load.label(), _num(s.get(per_batch[1]), 2),
                        _num(s.get("ts_queue_mean_ms")), _num(s.get("ts_backend_mean_ms")),
                        _num(bp.gpu.get("util_mean_pct"), 0), _num(bp.host.get("busy_pct"), 0),

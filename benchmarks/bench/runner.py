@@ -30,7 +30,7 @@ from servekit.benchmarks.bench import archives, inprocess
 from servekit.benchmarks.bench.analysis import ConfigResult, RunRecord, analyze, point_json, sla_text
 from servekit.benchmarks.bench.loadgen import LoadGenerator, LoadGenError, LoadSpec, processes_for
 from servekit.benchmarks.bench.measure import ERROR, PointResult, ServingConfig, measure_point
-from servekit.benchmarks.bench.payloads import describe, load_bodies, write_bodies
+from servekit.benchmarks.bench.payloads import describe, load_bodies, regroup, write_bodies
 from servekit.benchmarks.bench.report import Answer, write_report
 from servekit.benchmarks.bench.schema import BenchConfig, SchemaError, Variant, load_config
 from servekit.benchmarks.bench.search import SearchResult, refine_capacity, search_capacity
@@ -108,7 +108,10 @@ class Run(RunRecord):
         cfg = self.cfg
         bodies = load_bodies(cfg.payloads, streamed=cfg.streamed)
         self.payload_info = describe(bodies)
+        self.bodies, self._texts_per_body = bodies, {}
         self.bodies_path = write_bodies(bodies, self.dir / "bodies.jsonl")
+        for t in sorted({t for v in cfg.variants for t in v.axes.texts_per_request}):
+            self.payload_info.setdefault("texts_per_request", {})[t] = describe(regroup(bodies, t, self._text_field()))
         if cfg.target.local is not None:
             self.model_store = cfg.output_dir / "model_store"
         else:
@@ -131,13 +134,40 @@ class Run(RunRecord):
     def plan_configs(self, v: Variant) -> list[list[ServingConfig]]:
         """Groups of configs sharing one registration (same batch size and delay)."""
         a = v.axes
-        return [[ServingConfig(v.name, w, b, d) for w in a.workers]
+        return [[ServingConfig(v.name, w, b, d, t) for t in (a.texts_per_request or (None,)) for w in a.workers]
                 for b, d in itertools.product(a.batch_size, a.max_batch_delay_ms)]
+
+    def bodies_for(self, texts_per_request: int | None) -> Path:
+        """The bodies file of a configuration: the payloads as given, or regrouped into requests of
+        `texts_per_request` texts (written once per size)."""
+        if texts_per_request is None:
+            return self.bodies_path
+        path = self.dir / f"bodies-t{texts_per_request}.jsonl"
+        if not path.exists():
+            write_bodies(regroup(self.bodies, texts_per_request, self._text_field()), path)
+        return path
+
+    def _text_field(self) -> str | None:
+        """`input` for the OpenAI embeddings route (its only text field), else the bodies' own."""
+        return "input" if self.cfg.request.path.rstrip("/").endswith("/v1/embeddings") else None
+
+    def texts_per_body(self, path: Path) -> float | None:
+        """Mean texts per request of a bodies file, None for streamed (LLM) sweeps."""
+        if self.cfg.streamed:
+            return None
+        if path not in self._texts_per_body:
+            try:
+                self._texts_per_body[path] = inprocess.payload_texts(path)[1]
+            except ValueError:  # bodies without texts (a test handler's): no texts/s to report
+                self._texts_per_body[path] = None
+        return self._texts_per_body[path]
 
     def run_config(self, server: Server, gen: LoadGenerator, c: ConfigResult, register: bool) -> None:
         cfg, console = self.cfg, self.console
         conf = c.config
         gen.path = cfg.request.path.replace("{model}", conf.variant)  # each variant is served under its name
+        gen.bodies = self.bodies_for(conf.texts_per_request)
+        c.texts_per_request = self.texts_per_body(gen.bodies)
         console.rule(f"[bold]{conf.label()}[/]  ({self.elapsed():.0f}s elapsed)")
         try:
             if register:
@@ -250,7 +280,8 @@ class Run(RunRecord):
         try:
             with self.console.status(f"  loading the {v.name} plan and timing it for {secs:g}s ..."):
                 self.inprocess = {"config": w.config.to_dict(),
-                                  **inprocess.measure(v.model, self.variant_configs[v.name], self.bodies_path,
+                                  **inprocess.measure(v.model, self.variant_configs[v.name],
+                                                      self.bodies_for(w.config.texts_per_request),
                                                       w.config.batch_size, secs)}
         except Exception as e:  # the reference is extra: never lose the sweep's report for it
             self.inprocess = {"skipped": f"failed: {type(e).__name__}: {e}"}

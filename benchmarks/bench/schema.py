@@ -148,6 +148,9 @@ class Axes:
     workers: tuple[int, ...] = (1,)
     batch_size: tuple[int, ...] = (1,)
     max_batch_delay_ms: tuple[int, ...] = (5,)
+    # Texts per request: the payloads' texts regrouped into requests of each size (embedding
+    # sweeps); empty: the bodies as given.
+    texts_per_request: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -267,7 +270,7 @@ class BenchConfig:
 
 # -- parsing -----------------------------------------------------------------------------------
 def _axes(path: str, raw: Any, default: Axes) -> Axes:
-    raw = _keys(path, raw, {"workers", "batch_size", "max_batch_delay_ms"})
+    raw = _keys(path, raw, {"workers", "batch_size", "max_batch_delay_ms", "texts_per_request"})
     def axis(key: str, item) -> tuple[int, ...]:
         if key not in raw:
             return getattr(default, key)
@@ -276,7 +279,8 @@ def _axes(path: str, raw: Any, default: Axes) -> Axes:
             raise SchemaError(f"{_join(path, key)}: duplicate values in {list(values)}")
         return values
     return Axes(workers=axis("workers", _pos_int), batch_size=axis("batch_size", _pos_int),
-                max_batch_delay_ms=axis("max_batch_delay_ms", _nonneg_int))
+                max_batch_delay_ms=axis("max_batch_delay_ms", _nonneg_int),
+                texts_per_request=axis("texts_per_request", _pos_int))
 
 
 def _target(raw: Any, base: Path) -> Target:
@@ -524,6 +528,9 @@ def parse_config(raw: Any, base: Path | None = None, source: Path | None = None)
                       {str(k): str(v) for k, v in headers.items()},
                       _choice("request.stream", req.get("stream", "none"), STREAMS))
     sla = _sla(raw["sla"], streamed=request.stream == "sse")
+    if request.stream == "sse" and any(v.axes.texts_per_request for v in variants):
+        raise SchemaError("sweep.texts_per_request: regroups the texts of embedding requests; a streamed (LLM) "
+                          "sweep has none")
     dep = _keys("deploy", raw.get("deploy"), {"target_rps", "headroom", "warmup_seconds"})
     headroom = dep.get("headroom", 0.8)
     if not isinstance(headroom, (int, float)) or isinstance(headroom, bool) or not 0 < headroom <= 1:
