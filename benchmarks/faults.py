@@ -123,8 +123,8 @@ def bad_inputs() -> list[BadInput]:
           "must be a string", path=OPENAI),
         B("wrong_type_list_item", "wrong type: null inside the list", _j({"text": ["ok", None]}), 400,
           "'text[1]' must be a string"),
-        B("token_arrays", "token ids instead of text", _j({"input": [101, 7592, 102]}), 400,
-          "token arrays are not supported", path=OPENAI),
+        B("token_arrays", "token ids outside the model's vocabulary", _j({"input": [101, 7592, 10**7]}), 400,
+          "outside this model's vocabulary", path=OPENAI),
         B("top_level_number", "body is a bare JSON number", b"42", 400, "must be a string or a list"),
         B("missing_field_openai", "missing field 'input'", _j({"model": "minilm"}), 400,
           "missing required field 'input'", path=OPENAI),
@@ -168,8 +168,8 @@ def bad_inputs() -> list[BadInput]:
           "NaN and Infinity are not allowed", path=OPENAI),
         B("infinity", "Infinity (1e999) where a number is expected", b'{"input": "a", "dimensions": 1e999}', 400,
           "NaN and Infinity are not allowed", path=OPENAI),
-        B("wrong_dimensions", "dimensions other than the model's", _j({"input": "a", "dimensions": 12}), 400,
-          "'dimensions' must be 384", path=OPENAI),
+        B("wrong_dimensions", "dimensions above the model's", _j({"input": "a", "dimensions": 385}), 400,
+          "'dimensions' must be between 1 and 384", path=OPENAI),
         B("bool_dimensions", "boolean where an integer is expected", _j({"input": "a", "dimensions": True}), 400,
           "'dimensions' must be an integer", path=OPENAI),
         B("huge_int_dimensions", "dimensions an integer of 5,000 digits (beyond Python's int parsing limit)",
@@ -395,7 +395,8 @@ def faulty_cases(max_seq: int) -> list[BadInput]:
     """Bad inputs that only the faulty archive's plan (too_long: reject) or handler produce."""
     return [
         BadInput("too_long_reject", f"text longer than the largest bucket ({max_seq} tokens), too_long: reject",
-                 _j({"input": ["short", "word " * (2 * max_seq)]}), 413, "longer than the largest bucket", path=OPENAI),
+                 _j({"input": ["short", "word " * (2 * max_seq)]}), 413, f"longer than the {max_seq} tokens served",
+                 path=OPENAI),
         BadInput("out_of_memory", "inference raises torch.OutOfMemoryError (marker input)",
                  _j({"text": f"please embed {OOM_MARKER} now"}), 507, "out of memory"),
     ]

@@ -111,7 +111,7 @@ class Result:
 def _request(rng: random.Random) -> tuple[str, dict[str, Any], int, int]:
     """(route suffix, JSON body, expected status, number of texts) for one soak request."""
     if rng.random() < BAD_FRACTION:
-        body = rng.choice([{"input": []}, {"input": [1, 2]}, {"text": 5}, {"input": "x", "dimensions": 7}])
+        body = rng.choice([{"input": []}, {"input": [1, 10**7]}, {"text": 5}, {"input": "x", "dimensions": 1000}])
         route = "/1.0/v1/embeddings" if "input" in body else ""
         return route, body, 400, 0
     texts = [rng.choice(GOLDEN) if rng.random() < 0.7 else " ".join(rng.choices(GOLDEN, k=rng.randint(2, 12)))
