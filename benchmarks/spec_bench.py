@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     res["runner"] = ("CUDA graphs" if cuda_graphs else "eager") + (" + torch.compile" if args.compile else "")
     res["plan"] = {**base.plan, "speculative": spec.plan}
     res["check_batch"] = args.check_batch
-    stop = tuple(i for i in {model.config.eos_token_id, getattr(tokenizer, "eos_token_id", None)} if i is not None)
+    # Every eos id of the model (an int or a list in its config) and the tokenizer's.
+    stop = tuple(sorted(set(model.config.eos_token_ids) | {getattr(tokenizer, "eos_token_id", None)} - {None}))
     params = SamplingParams(max_tokens=args.new_tokens, stop_token_ids=stop)
 
     say("== acceptance")
