@@ -18,6 +18,15 @@ def pick_bucket(n: int, sizes: Sequence[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
+def seq_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Powers of two from `smallest` up to a model's length limit, the limit itself last."""
+    out, n = [], smallest
+    while n < max_tokens:
+        out.append(n)
+        n *= 2
+    return out + [max_tokens]
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Rows of one padded forward pass: `indices` into the caller's list, padded to (batch, seq)."""

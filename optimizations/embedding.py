@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from importlib.resources import files
 from pathlib import Path
 from typing import Callable, Sequence
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
-from servekit.optimizations.buckets import Chunk, plan_chunks
+from servekit.optimizations.buckets import Chunk, plan_chunks, seq_buckets
 from servekit.optimizations.encoder import Encoder, UnsupportedModel, load_encoder
 from servekit.optimizations.pooling import SentenceHead
 from servekit.optimizations.sentence_model import SentenceModel, read_sentence_model
@@ -122,12 +123,15 @@ class EmbeddingRunner:
         self.prefix, self.suffix = special_tokens(self.tokenizer)
         self.pad_id = encoder.cfg.pad_token_id
         self.vocab_size = encoder.cfg.vocab_size
-        if self.buckets.max_seq > encoder.cfg.max_tokens:
-            raise PlanError(f"servekit.buckets.seq_lens: {self.buckets.max_seq} exceeds the model's "
-                            f"{encoder.cfg.max_tokens} positions")
         # What the model accepts (sentence-transformers' max_seq_length, capped by its positions) and,
         # within that, what the buckets cover: longer inputs are cut there (or refused: too_long).
         self.model_max_tokens = min(self.spec.max_seq_length or encoder.cfg.max_tokens, encoder.cfg.max_tokens)
+        if not self.buckets.seq_lens:  # the plan names none: up to the model's own limit
+            self.buckets = replace(self.buckets, seq_lens=tuple(seq_buckets(self.model_max_tokens)))
+            self.plan = replace(self.plan, buckets=self.buckets)
+        if self.buckets.max_seq > encoder.cfg.max_tokens:
+            raise PlanError(f"servekit.buckets.seq_lens: {self.buckets.max_seq} exceeds the model's "
+                            f"{encoder.cfg.max_tokens} positions")
         self.max_tokens = min(self.model_max_tokens, self.buckets.max_seq)
         if self.max_tokens < self.model_max_tokens:
             log.warning("buckets stop at %d tokens while the model accepts %d: longer inputs are cut at %d "

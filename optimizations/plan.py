@@ -27,7 +27,8 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class Buckets:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    seq_lens: tuple[int, ...] = (16, 32, 64, 128, 256)
+    # Empty: powers of two up to the model's own length limit, chosen when the model loads.
+    seq_lens: tuple[int, ...] = ()
 
     @property
     def max_batch(self) -> int:

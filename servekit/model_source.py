@@ -16,6 +16,7 @@ from typing import Any, Union
 
 import yaml
 
+from servekit.optimizations.buckets import seq_buckets
 from servekit.optimizations.encoder import FAMILIES, UnsupportedModel, check_checkpoint
 from servekit.optimizations.weights import safetensors_files
 from servekit.resources import model_config
@@ -126,15 +127,6 @@ def model_source(model_dir: Path, kind: str | None = None) -> ModelSource:
         raise FileNotFoundError(f"{model_dir}: not a model folder or a .gguf file")
     kind = kind or infer_kind(model_dir)
     return embedding_source(model_dir) if kind == EMBEDDING else llm_source(model_dir)
-
-
-def seq_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
-    """Powers of two from `smallest` up to the model's limit, the limit itself last."""
-    out, n = [], smallest
-    while n < max_tokens:
-        out.append(n)
-        n *= 2
-    return out + [max_tokens]
 
 
 def generated_config(source: ModelSource, device: str, origin: str, speculation: bool = False

@@ -78,3 +78,19 @@ def test_compiled_mpnet_serves_every_bucket_without_recompiling(tmp_path, one_th
         torch.testing.assert_close(r.embed(texts), reference(path, texts), atol=2e-5, rtol=1e-4)
     assert r.recompiles() == 0
     torch.testing.assert_close(r.embed(TEXTS), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_sequence_buckets_default_to_the_models_own_limit(tmp_path) -> None:
+    """A plan without `seq_lens` gets buckets up to the model's max_seq_length: a text longer than
+    the old fixed 256-token default embeds as sentence-transformers embeds it, uncut."""
+    folder = st_model(tmp_path / "long", "bert", max_seq_length=300, seed=3, max_positions=320)
+    runner = EmbeddingRunner(folder, parse_plan({"device": "cpu", "buckets": {"batch_sizes": [1, 2]}}),
+                             golden_texts=["a text"])
+    assert runner.buckets.seq_lens == (16, 32, 64, 128, 256, 300) and runner.max_tokens == 300
+    words = (" ".join(LONG) * 4).split()
+    n = next(k for k in range(len(words)) if len(runner.encode_texts([" ".join(words[:k])])[0]) > 264)
+    text = " ".join(words[:n])  # just over 264 tokens: past the old 256 default, within the model's 300
+    assert 264 < len(runner.encode_texts([text])[0]) <= 298
+    got = runner.embed([text, "short"])
+    want = reference(folder, [text, "short"])
+    assert torch.allclose(got, want, atol=1e-5)

@@ -70,12 +70,12 @@ def hf_encoder(path: Path, family: str, seed: int = 0, max_positions: int = 80) 
 
 def st_model(path: Path, family: str, pooling: str | tuple[str, ...] = "mean", dense: int | None = None,
              normalize: bool = True, max_seq_length: int | None = 24, prompts: dict[str, str] | None = None,
-             default_prompt_name: str | None = None, seed: int = 0) -> Path:
+             default_prompt_name: str | None = None, seed: int = 0, max_positions: int = 80) -> Path:
     """A sentence-transformers folder around a tiny `family` encoder, saved with its own `save()`."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers import models as stm
 
-    hf = hf_encoder(path.parent / f"{path.name}-hf", family, seed)
+    hf = hf_encoder(path.parent / f"{path.name}-hf", family, seed, max_positions)
     modules = [stm.Transformer(str(hf), max_seq_length=max_seq_length)]
     modules.append(stm.Pooling(32, pooling_mode=pooling))
     width = modules[-1].get_embedding_dimension()
