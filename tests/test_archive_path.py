@@ -66,6 +66,8 @@ def _copy(src: Path, dst: Path) -> Path:
     ("weights", "model.safetensors: no weights (neither model.safetensors nor model.safetensors.index.json)"),
     ("shard", "model-00002-of-00002.safetensors: shard listed in model.safetensors.index.json is missing"),
     ("tensors", "checkpoint lacks 2 tensors of a roberta encoder"),
+    ("speculator", "--speculator applies to causal LMs"),
+    ("no-heads", "speculator heads not found"),
 ])
 def test_unservable_models_fail_in_one_line_leaving_nothing(st_dir, tmp_path, breakage, message):
     d = _copy(st_dir, tmp_path / "model")
@@ -89,7 +91,15 @@ def test_unservable_models_fail_in_one_line_leaving_nothing(st_dir, tmp_path, br
         save_file({k: v for k, v in state.items() if not k.startswith("encoder.layer.1.output.dense.")},
                   str(d / "model.safetensors"))
     out = tmp_path / "store"
-    r = archive(d, "--out", out, "--device", "cpu", "--no-compress")
+    extra: list = []
+    if breakage == "speculator":  # heads for an encoder
+        (tmp_path / "heads").mkdir()
+        extra = ["--speculator", tmp_path / "heads"]
+    if breakage == "no-heads":  # an LLM folder, and heads that are not there
+        from servekit.optimizations.gguf_weights import smollm2_archive_files
+
+        d, extra = smollm2_archive_files(torch.bfloat16)[0].parent, ["--speculator", tmp_path / "no-such-heads"]
+    r = archive(d, "--out", out, "--device", "cpu", "--no-compress", *extra)
     assert r.returncode == 2, r
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("servekit archive: error: ") and message in lines[0], r.stderr
