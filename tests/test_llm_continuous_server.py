@@ -196,3 +196,49 @@ def test_speculation_in_the_running_batch_is_exact_and_reports_acceptance(server
     new_accepted = _metric(server, "servekit_spec_accepted_total") - accepted
     assert new_proposed > 0 and new_accepted > 0, (new_proposed, new_accepted)
     assert new_accepted <= new_proposed
+
+
+@pytest.fixture(scope="module")
+def full_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    """One request running at a time (batchSize 1) and TorchServe's queue holding 2 more."""
+    tmp = tmp_path_factory.mktemp("llm-cb-full")
+    config = yaml.safe_load(model_config("smollm2-cpu").read_text())
+    config.update({"continuousBatching": True, "batchSize": 1, "maxBatchDelay": 1})
+    (tmp / "cb.yaml").write_text(yaml.safe_dump(config))
+    spec = ArchiveSpec(LLM, SPECS["smollm2"].handler, tmp / "cb.yaml", lambda: smollm2_archive_files(torch.bfloat16))
+    build_archive("smollm2", tmp / "store", compress=False, spec=spec)
+    with TorchServe(tmp / "ts", tmp / "store", extra_props={"job_queue_size": "2"}) as ts:
+        ts.register("smollm2.mar", "smollm2", batch_size=1, max_batch_delay_ms=1, workers=1, timeout=240)
+        yield ts
+
+
+def test_a_full_server_answers_503_at_once_and_serves_what_it_queued(full_server: TorchServe) -> None:
+    url = f"{full_server.inference_url}/predictions/smollm2/1.0/v1/chat/completions"
+    answers: dict[int, tuple[int, float, dict]] = {}
+
+    def post(k: int, text: str, max_tokens: int) -> None:
+        body = json.dumps({"messages": _msgs(text), "max_tokens": max_tokens, "temperature": 0}).encode()
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, body, {"Content-Type": "application/json"}),
+                                        timeout=300) as r:
+                answers[k] = (r.status, time.perf_counter() - t0, json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            answers[k] = (e.code, time.perf_counter() - t0, json.loads(e.read()))
+
+    threads = [threading.Thread(target=post, args=(0, "Count from 1 to 1000.", 300))]
+    threads[0].start()
+    time.sleep(2.0)  # the long one runs; the next two wait in TorchServe's queue, the rest find it full
+    for k in range(1, 5):
+        threads.append(threading.Thread(target=post, args=(k, "Say hi.", 4)))
+        threads[-1].start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join(300)
+    statuses = [answers[k][0] for k in range(5)]
+    assert statuses == [200, 200, 200, 503, 503], statuses
+    for k in (3, 4):  # refused at once, in TorchServe's own shape (see docs/reliability.md)
+        status, took, body = answers[k]
+        assert took < 2.0 and body["type"] == "ServiceUnavailableException", answers[k]
+    assert answers[0][2]["usage"]["completion_tokens"] > 50  # the long one really ran while they came
+    assert all(answers[k][2]["choices"][0]["message"]["content"] for k in (1, 2))
