@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from servekit.optimizations.weights import INDEX, safetensors_files
+
 
 # Architectures served by this module: Llama-style decoders that differ only in the details below.
 # Mistral: Llama's layers (its sliding window is checked against the context); Qwen2: biased q/k/v.
@@ -555,26 +557,6 @@ def model_from_hf_state_dict(config: LlamaConfig, state_dict: dict[str, Tensor],
     return model.eval()
 
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The checkpoint's weight files: the shards ``model.safetensors.index.json`` names, or
-    ``model.safetensors``."""
-    model_dir = Path(model_dir)
-    index = model_dir / SAFETENSORS_INDEX
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (model_dir / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards missing from {model_dir}: {missing}")
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"no model.safetensors or {SAFETENSORS_INDEX} in {model_dir}")
-    return [single]
-
-
 def load_config(model_dir: str | Path) -> LlamaConfig:
     return LlamaConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
 
@@ -588,7 +570,7 @@ def load_llama(model_dir: str | Path, device: torch.device | str = "cpu",
 
     config = load_config(model_dir)
     state_dict: dict[str, Tensor] = {}
-    for path in safetensors_files(model_dir):
+    for path in (f for f in safetensors_files(Path(model_dir)) if f.name != INDEX):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
                 state_dict[name] = f.get_tensor(name).to(dtype)
@@ -623,4 +605,4 @@ def init_random(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.f
 
 __all__ = ["LlamaConfig", "RopeScaling", "KVCache", "Transformer", "load_llama", "load_config", "model_from_hf_state_dict",
            "hf_to_ours", "ours_to_hf", "init_random", "rope_inv_freq", "rope_tables", "apply_rope",
-           "generation_stop_ids", "safetensors_files"]
+           "generation_stop_ids"]
