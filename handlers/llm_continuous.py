@@ -169,16 +169,17 @@ class ContinuousFrontend:
 
     def _emit_spec_counts(self) -> None:
         """Draft positions proposed and accepted since the last call, per draft position."""
-        stats = self.engine.batcher.spec_stats
-        if stats is None or self._spec_sent is None:
+        if self._spec_sent is None:  # no speculation
             return
+        stats = self.engine.batcher.spec_stats
         sent_p, sent_a = self._spec_sent
         proposed, accepted = list(stats.proposed), list(stats.accepted)  # a snapshot: the engine counts on
         if proposed[0] == sent_p[0]:
             return
+        m = self.s.metrics
         for pos in range(len(proposed)):
-            self.s.metrics.emit("servekit_spec_proposed_total", "counter", proposed[pos] - sent_p[pos], Position=str(pos))
-            self.s.metrics.emit("servekit_spec_accepted_total", "counter", accepted[pos] - sent_a[pos], Position=str(pos))
+            m.emit("servekit_spec_proposed_total", "counter", proposed[pos] - sent_p[pos], Position=str(pos))
+            m.emit("servekit_spec_accepted_total", "counter", accepted[pos] - sent_a[pos], Position=str(pos))
         self._spec_sent = (proposed, accepted)
 
     def _cancel(self, live: _Live) -> None:

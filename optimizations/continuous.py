@@ -311,18 +311,13 @@ class ContinuousBatcher:
             return None
         batch = pick_bucket(max(s.slot for s in active) + 1, self.r.batch_buckets)
         mode = _mode([s.params for s in active])
-        k = 0
+        steps, k = self.r.steps, 0  # a plain step, or a verify step proposing k drafts per row
         if self._speculates(active, batch, mode):
-            spec = self.spec
-            k = spec.n_heads
-            batch = pick_bucket(batch, spec.spec_buckets)
-            # A verify step writes positions pos .. pos+k of each row: attend to one past the last.
-            needed = min(max(s.pos_hi for s in active) + k + 1, self.r.max_seq_len)
-            out = spec.steps[(batch, mode, pick_bucket(needed, self.r.kv_buckets))].run()
-        else:
-            # This step writes position pos of each row: attend to one past it.
-            needed = min(max(s.pos_hi for s in active) + 1, self.r.max_seq_len)
-            out = self.r.steps[(batch, mode, pick_bucket(needed, self.r.kv_buckets))].run()
+            steps, k = self.spec.steps, self.spec.n_heads
+            batch = pick_bucket(batch, self.spec.spec_buckets)
+        # The step writes positions pos .. pos+k of each row: attend to one past the last.
+        needed = min(max(s.pos_hi for s in active) + k + 1, self.r.max_seq_len)
+        out = steps[(batch, mode, pick_bucket(needed, self.r.kv_buckets))].run()
         for s in active:
             s.launched += 1
             s.pos_hi += k + 1

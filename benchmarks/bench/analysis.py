@@ -78,8 +78,7 @@ class Analysis:
     by_texts: bool = False  # ranked by texts/s: the sweep varies the texts per request
 
     def score(self, r: ConfigResult) -> float:
-        """What the ranking compares: texts/s when the texts per request vary, else requests/s."""
-        return (r.texts_capacity or 0.0) if self.by_texts else r.capacity
+        return score(r, self.by_texts)
 
     @property
     def margin(self) -> float | None:
@@ -146,6 +145,11 @@ def pareto(results: list[ConfigResult]) -> set[int]:
     return front
 
 
+def score(r: ConfigResult, by_texts: bool) -> float:
+    """What the ranking compares: texts/s when the texts per request vary, else requests/s."""
+    return (r.texts_capacity or 0.0) if by_texts else r.capacity
+
+
 def analyze(run: RunRecord) -> Analysis:
     cfg = run.cfg
     results = run.results
@@ -154,11 +158,10 @@ def analyze(run: RunRecord) -> Analysis:
     # Requests of 1 and of 32 texts are different work: with the texts per request as an axis,
     # configurations compare by the texts they embed per second.
     by_texts = any(r.config.texts_per_request for r in results)
-    score = (lambda r: r.texts_capacity or 0.0) if by_texts else (lambda r: r.capacity)
     ranked = sorted([r for r in measured if r.capacity > 0],
-                    key=lambda r: (-score(r), r.config.workers, r.best.p99))
+                    key=lambda r: (-score(r, by_texts), r.config.workers, r.best.p99))
     baseline = [r for r in results if r.config.variant == base_name]
-    base_best = max(baseline, key=score) if baseline else None
+    base_best = max(baseline, key=lambda r: score(r, by_texts)) if baseline else None
     contenders = [r for r in ranked if r.config.variant != base_name] or ranked
     return Analysis(ranked, pareto(results), contenders[0] if contenders else None, base_best, base_name, by_texts)
 

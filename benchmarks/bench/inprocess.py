@@ -17,7 +17,6 @@ from typing import Any, Sequence
 from servekit.benchmarks.bench.payloads import body_texts
 
 
-
 def payload_texts(bodies_path: Path) -> tuple[list[list[str]], float]:
     """The texts of each request body (``payloads.body_texts``) and the mean per body."""
     per_body: list[list[str]] = []

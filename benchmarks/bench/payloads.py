@@ -88,7 +88,7 @@ def regroup(bodies: list[str], n: int, field: str | None = None) -> list[str]:
     first = next((b for b in parsed if isinstance(b, dict) and body_texts(b)), None)
     template = {k: v for k, v in (first or {}).items() if k not in ("input", "text", "texts")}
     field = field or ("input" if first is not None and "input" in first else "text")
-    count = max(1, len(texts) // n) if len(texts) >= n else 1
+    count = max(1, len(texts) // n)
     out = []
     for r in range(count):
         group = [texts[(r * n + k) % len(texts)] for k in range(n)]

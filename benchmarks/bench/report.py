@@ -138,12 +138,10 @@ def answer_lines(run: RunRecord, a: Analysis) -> Answer:
     elif w is b:
         lines.append(f"The winner is the baseline variant {a.base_name} itself (no other variant met the SLA).")
     elif w is not None:
-        if b.capacity > 0 and a.by_texts:
-            lines.append(f"{a.margin:.1f} x the stock throughput in texts/s at the same SLA "
-                         f"(stock {b.config.label()}: {b.capacity:.1f} requests/s{texts_text(b)}).")
-        elif b.capacity > 0:
-            lines.append(f"{w.capacity / b.capacity:.1f} x the stock throughput at the same SLA "
-                         f"(stock {b.config.label()}: {b.capacity:.1f} requests/s).")
+        if b.capacity > 0:
+            unit, stock_texts = (" in texts/s", texts_text(b)) if a.by_texts else ("", "")
+            lines.append(f"{a.margin:.1f} x the stock throughput{unit} at the same SLA "
+                         f"(stock {b.config.label()}: {b.capacity:.1f} requests/s{stock_texts}).")
             doubt = baseline_doubt(b)
             if doubt:
                 lines.append(f"WARNING: {doubt}.")
