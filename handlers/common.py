@@ -129,12 +129,13 @@ def int_field(body: dict[str, Any], key: str, lo: int, hi: int, default: int | N
         raise RequestError(400, "invalid_request_error", f"'{key}' must be an integer, got {type(v).__name__}",
                            "invalid_type")
     if not lo <= v <= hi:
-        raise RequestError(400, "invalid_request_error", f"'{key}' must be between {lo} and {hi}, got {_shown(v)}",
+        raise RequestError(400, "invalid_request_error",
+                           f"'{key}' must be between {lo} and {hi}, got {shown_number(v)}",
                            "invalid_value")
     return v
 
 
-def _shown(v: int | float) -> str:
+def shown_number(v: int | float) -> str:
     """A number for an error message: a huge integer by its first digits and length."""
     return str(v) if isinstance(v, float) or abs(v) < 10**12 else f"{str(v)[:8]}... ({len(str(abs(v)))} digits)"
 
@@ -150,7 +151,8 @@ def number_field(body: dict[str, Any], key: str, default: float, lo: float, hi: 
                            "invalid_type")
     if v < lo or v > hi or (lo_open and v == lo):
         raise RequestError(400, "invalid_request_error",
-                           f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {_shown(v)}", "invalid_value")
+                           f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {shown_number(v)}",
+                           "invalid_value")
     return float(v)
 
 

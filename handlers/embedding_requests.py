@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection
 
-from servekit.handlers.common import RequestError, decode_body, int_field, without_nulls
+from servekit.handlers.common import RequestError, decode_body, int_field, shown_number, without_nulls
 
 OPENAI_ROUTE = "v1/embeddings"
 OPENAI_KEYS = {"input", "model", "encoding_format", "dimensions", "user", "prompt_name"}
@@ -75,8 +75,8 @@ def _token_arrays(value: list, max_texts: int, vocab_size: int) -> list[list[int
             if not _is_int(t):
                 raise _bad(f"'{where}[{k}]' must be a token id (integer), got {type(t).__name__}", "invalid_type")
             if not 0 <= t < vocab_size:
-                raise _bad(f"'{where}[{k}]' is token id {t if abs(t) < 10**12 else str(t)[:8] + '...'}, outside this "
-                           f"model's vocabulary (0 to {vocab_size - 1})", "invalid_value")
+                raise _bad(f"'{where}[{k}]' is token id {shown_number(t)}, outside this model's vocabulary "
+                           f"(0 to {vocab_size - 1})", "invalid_value")
     return arrays
 
 
