@@ -11,12 +11,20 @@
 #        plans-ready    MiniLM worker-ready time, cold and with the compile cache
 #        sweep          the MiniLM auto-benchmark (benchmarks/sweeps/minilm-gpu.yaml)
 #        soak           10 minutes of steady MiniLM load: memory growth, errors, latency drift
+#        shaped         model folders in real shapes, random weights (benchmarks/shaped_models.py) into shaped/
+#        families-cuda  the CUDA tests of every decoder and encoder family (compile, CUDA graphs, bf16/fp16)
+#        encoder-plans  the BERT-base-shaped encoder in-process: servekit's encoder vs transformers' (after shaped)
+#        byom-sweep     the BERT-base-shaped encoder through TorchServe (benchmarks/sweeps/bert-base-gpu.yaml)
+#        byom-llm       the Qwen2.5-0.5B-shaped decoder through TorchServe under continuous batching
+#        spec-cb        SmolLM2 heads trained for 150 s (into /opt/spec/heads), then served inside the continuous batch
+#        decode-steps   SmolLM2 and the Qwen2.5-0.5B shape in-process, batch 1, 8 and 32 (after shaped)
+#        bulk           the bulk-embedding sweep (benchmarks/sweeps/minilm-gpu-bulk.yaml)
 # The MiniLM steps also need orjson (servekit's embedding handler writes its answers with it) and
 # the sweep needs locust, rich, matplotlib and nvidia-ml-py: carry their wheels too.
 set -uo pipefail
 out=${OUT_DIR:-${OUT:-gpu-out}}
 heads=${SPEC_HEADS:-/opt/spec/heads}
-steps=" llm-inprocess spec serve oom plans-ready sweep soak "
+steps=" llm-inprocess spec serve oom plans-ready sweep soak shaped families-cuda encoder-plans byom-sweep byom-llm spec-cb decode-steps bulk "
 for step in "$@"; do
   [[ $steps == *" $step "* ]] || { echo "unknown step: $step (see the header of $0)" >&2; exit 2; }
 done
@@ -33,5 +41,23 @@ for step in "$@"; do
     plans-ready) python3 -m servekit.benchmarks.plan_bench ready --out "$out/$step" --plan fp16-compile-graphs ;;
     sweep) python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/minilm-gpu.yaml --out "$out/$step" ;;
     soak) python3 -m servekit.benchmarks.soak --minutes 10 --out "$out/$step" ;;
+    shaped) python3 -m servekit.benchmarks.shaped_models --out shaped ;;
+    families-cuda) python3 -m pytest -q -p no:cacheprovider tests/test_decoder_families_cuda.py \
+                     tests/test_embedding_architectures_cuda.py 2>&1 | tail -25 ;;
+    encoder-plans) python3 -m servekit.benchmarks.plan_bench run --out "$out/$step" --model-dir shaped/bert-base \
+                     --plans fp16-eager fp16-compile-graphs transformers-fp16-eager transformers-fp16-compile-graphs \
+                     --batch-sizes 1 8 32 64 --seq-lens 32 128 512 --iters 20 ;;
+    byom-sweep) python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/bert-base-gpu.yaml --out "$out/$step" ;;
+    byom-llm) python3 -m servekit.benchmarks.llm_continuous_bench --out "$out/$step" --model shaped/qwen2.5-0.5b \
+                --variants continuous --rounds 2 ;;
+    spec-cb) python3 -m servekit.optimizations.train_speculator --out "$heads" --topic-prompts 3000 \
+               --max-train-seconds 150 --draft-vocab 8192 && cp "$heads"/*.json "$out/$step/" \
+             && python3 -m servekit.benchmarks.llm_continuous_bench --out "$out/$step" --variants continuous-spec \
+               --speculator "$heads" --solo 5 --concurrency 32 --rounds 2 ;;
+    decode-steps) python3 -m servekit.benchmarks.llm_inprocess --out "$out/$step/smollm2" --variants compile-graphs \
+                    --batches 1 8 32 --new-tokens 128 --repeats 3 \
+                  && python3 -m servekit.benchmarks.llm_inprocess --out "$out/$step/qwen2.5-0.5b" \
+                    --model-dir shaped/qwen2.5-0.5b --variants compile-graphs --batches 1 8 32 --new-tokens 128 --repeats 3 ;;
+    bulk) python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/minilm-gpu-bulk.yaml --out "$out/$step" ;;
   esac || echo "step $step failed (exit $?)" >&2
 done

