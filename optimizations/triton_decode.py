@@ -43,20 +43,20 @@ from servekit.optimizations.llama import Transformer, TransformerBlock
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _configs(options: Sequence[dict], warps: Sequence[int] = (4,)) -> list[triton.Config]:
-    """Autotune candidates; the interpreter takes the first (smallest) one only."""
+def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = (4,)) -> list[triton.Config]:
+    """Autotune candidates (few: each one is a compile at warm-up, per shape class); under the
+    interpreter one small configuration, so that the loops over blocks run several times."""
     if INTERPRET:
-        return [triton.Config(dict(options[0]), num_warps=warps[0])]
+        return [triton.Config(dict(interpreted), num_warps=4)]
     return [triton.Config(dict(o), num_warps=w) for o in options for w in warps]
 
 
 # Small-M GEMM tiles: few output columns per program, so that even one row keeps many SMs busy.
-_GEMM = _configs([dict(BLOCK_N=16, BLOCK_K=32), dict(BLOCK_N=16, BLOCK_K=128), dict(BLOCK_N=32, BLOCK_K=64),
-                  dict(BLOCK_N=32, BLOCK_K=128), dict(BLOCK_N=64, BLOCK_K=64), dict(BLOCK_N=64, BLOCK_K=128)],
-                 warps=(2, 4))
-_ROPE = _configs([dict(BLOCK_J=16, BLOCK_K=32), dict(BLOCK_J=16, BLOCK_K=128), dict(BLOCK_J=32, BLOCK_K=64),
-                  dict(BLOCK_J=32, BLOCK_K=128), dict(BLOCK_J=64, BLOCK_K=128)], warps=(2, 4))
-_ATTN = _configs([dict(BLOCK_S=16), dict(BLOCK_S=32), dict(BLOCK_S=64), dict(BLOCK_S=128)], warps=(2, 4))
+_GEMM = _configs([dict(BLOCK_N=16, BLOCK_K=128), dict(BLOCK_N=32, BLOCK_K=64), dict(BLOCK_N=32, BLOCK_K=128),
+                  dict(BLOCK_N=64, BLOCK_K=64), dict(BLOCK_N=64, BLOCK_K=128)], dict(BLOCK_N=16, BLOCK_K=32))
+_ROPE = _configs([dict(BLOCK_J=16, BLOCK_K=64), dict(BLOCK_J=16, BLOCK_K=128), dict(BLOCK_J=32, BLOCK_K=64),
+                  dict(BLOCK_J=32, BLOCK_K=128)], dict(BLOCK_J=16, BLOCK_K=32))
+_ATTN = _configs([dict(BLOCK_S=32), dict(BLOCK_S=64), dict(BLOCK_S=128)], dict(BLOCK_S=16))
 
 
 # --- shared pieces --------------------------------------------------------------------------------
