@@ -176,6 +176,21 @@ def test_greedy_generation_with_triton_kernels_equals_torch(runners: dict[str, L
     assert runners["triton"].plan["kernels"] == "triton"
 
 
+def test_continuous_batching_decodes_through_the_fused_kernels(runners: dict[str, LlamaRunner]) -> None:
+    from servekit.optimizations.continuous import ContinuousBatcher
+
+    batcher = ContinuousBatcher(runners["triton"])
+    prompts, got = _prompts(), {}
+    batcher.add(0, prompts[0], SamplingParams(max_tokens=8))
+    for i in range(12):
+        if i == 2:  # joins while the first request decodes: another row, another position
+            batcher.add(1, prompts[1], SamplingParams(max_tokens=6))
+        for key, update in batcher.step().items():
+            got.setdefault(key, []).extend(update.tokens)
+    want = [generate(runners["torch"], [p], [SamplingParams(max_tokens=n)])[0].tokens for p, n in zip(prompts, (8, 6))]
+    assert [got[0], got[1]] == want and not batcher.has_work
+
+
 def test_speculative_verify_steps_run_the_fused_kernels(runners: dict[str, LlamaRunner]) -> None:
     from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
 
@@ -210,3 +225,17 @@ def test_benchmark_smoke_run_on_cpu(tmp_path) -> None:
     assert decode_kernels.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
     result = (tmp_path / "decode_kernels.json").read_text()
     assert '"triton"' in result and (tmp_path / "decode_kernels.md").is_file()
+
+
+def test_kernels_compile_for_an_h100() -> None:
+    """What the interpreter never runs (Triton's compiler down to sm_90 machine code), in a process of
+    its own without the interpreter."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("triton_compile_check.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled 14 kernels for sm_90" in done.stdout
