@@ -69,7 +69,7 @@ def count_kernels(fn) -> int:
 
 
 def measure(runner: LlamaRunner, fwd, batch: int, kv_len: int, start_pos: int, steps: int, repeats: int,
-            device: torch.device) -> dict:
+            device: torch.device, count_uncaptured: bool = False) -> dict:
     """One variant at one batch: step time (captured on CUDA), kernel count, logits vs eager."""
     model = runner.model
     state = runner.states[batch]
@@ -98,8 +98,9 @@ def measure(runner: LlamaRunner, fwd, batch: int, kv_len: int, start_pos: int, s
     if device.type == "cuda":  # the graph's kernel nodes as the profiler sees one replay, and a plain call's
         reset()
         kernels = count_kernels(step.run)
-        reset()
-        kernels_eager = count_kernels(step._body)
+        if count_uncaptured:  # a cross-check of the replay's count (one profiler session costs ~1 s)
+            reset()
+            kernels_eager = count_kernels(step._body)
     # One step's logits against the eager model in the same dtype, from the same cache prefix
     # (each call writes its own k/v at the step's position before reading it).
     tokens = torch.randint(3, model.config.vocab_size, (batch, 1), device=device)
@@ -135,7 +136,7 @@ def run_shape(name: str, config: LlamaConfig, args: argparse.Namespace, device: 
                              cuda_graphs=device.type == "cuda", kernels=kernels)
         fwd = runner.triton_model or runner.compiled_model or model
         for b in batches:
-            r = measure(runner, fwd, b, kv_len, start_pos, steps, args.repeats, device)
+            r = measure(runner, fwd, b, kv_len, start_pos, steps, args.repeats, device, count_uncaptured=b == batches[0])
             bound = bytes_per_step(model, b, r["mean_pos"])
             bw = peak_bandwidth(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
             r.update(model=name, kernels=kernels, compile=args.compile if kernels == "torch" else "off", batch=b,
