@@ -45,6 +45,7 @@ from servekit.optimizations.llama import Transformer
 from servekit.optimizations.sampling import (FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, sample,
                                              sample_full, sampling_mode)
 
+KERNELS = ("torch", "triton")  # what runs a decode step's layers: torch ops (eager or compiled), or triton_decode
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 # The sampling ranges a request may ask for (OpenAI's), checked once where requests are parsed
@@ -501,7 +502,7 @@ class LlamaRunner:
                  prefill_buckets: tuple[int, ...] | None = None, kv_buckets: tuple[int, ...] | None = None,
                  compile_prefill: bool = False, compile_decode: bool = False, cuda_graphs: bool = False,
                  compile_mode: str = "default", pad_id: int = 0, prefill_graphs: int = 0,
-                 slot_prefill: bool = False) -> None:
+                 slot_prefill: bool = False, kernels: str = "torch") -> None:
         self.model = model.eval()
         model.fuse_projections()  # fewer, larger matmuls: decode steps are bound by kernel launches
         self.device = model.tok_embeddings.weight.device
@@ -527,9 +528,23 @@ class LlamaRunner:
         compiled = RegionalCompiled(model, compile_mode) if compile_prefill or compile_decode else None
         self.compiled_model = compiled
         self._prefill_model = compiled if compile_prefill else model
+        # kernels="triton": decode (and speculative verify) steps run each layer as a few fused
+        # Triton kernels instead of compiled blocks; prefill keeps its own path.
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels {kernels!r}: use one of {', '.join(KERNELS)}")
+        if kernels == "triton" and compile_decode:
+            raise ValueError("kernels='triton' runs decode steps through its own fused kernels: "
+                             "build the runner with compile_decode=False")
+        self.kernels = kernels
+        self.triton_model = None
+        if kernels == "triton":
+            from servekit.optimizations.triton_decode import TritonDecode  # imports triton: only when asked for
+
+            self.triton_model = TritonDecode(model)
+        decode_model = self.triton_model or (compiled if compile_decode else None)
         self.state = DecodeState(self.batch_buckets[-1], self.device, model.config.vocab_size)
         self.states = {b: self.state.view(b) for b in self.batch_buckets}
-        self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, compiled if compile_decode else None)
+        self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, decode_model)
                       for b in self.batch_buckets for m in PLAIN_MODES for kv in self.kv_buckets}
         # Prompt buckets up to `prefill_graphs` tokens prefill from static inputs (captured on CUDA);
         # longer prompts are compute-bound and run as plain calls.
@@ -544,6 +559,7 @@ class LlamaRunner:
         self.speculation: StepStrategy | None = None  # set by llm.load_llm_runner for a speculative plan
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
                      "compile_mode": compile_mode, "cuda_graphs": cuda_graphs, "prefill_graphs": prefill_graphs,
+                     "kernels": kernels,
                      "batch_buckets": list(self.batch_buckets),
                      "prefill_buckets": list(self.prefill_buckets), "kv_buckets": list(self.kv_buckets),
                      "max_seq_len": max_seq_len}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from servekit.optimizations.device import DTYPES, capability, pick_device
-from servekit.optimizations.generate import LlamaRunner
+from servekit.optimizations.generate import KERNELS, LlamaRunner
 from servekit.optimizations.llama import generation_stop_ids, load_config, load_llama
 from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_bools, _check_choice,
                                          _check_keys, _int_list, _positive_int, resolve_for_device)
@@ -46,6 +46,7 @@ class LlmPlan:
     compile: str = "off"  # off | default | max-autotune-no-cudagraphs: prefill and decode, dynamic shapes
     cuda_graphs: bool = False  # decode steps captured per (batch, kv length, sampling mode)
     prefill_graphs: int = 0  # prefill of prompt buckets up to this many tokens from graphs too (0: off)
+    kernels: str = "torch"  # torch | triton: decode/verify steps through fused Triton kernels (optimizations/triton_decode.py)
     warmup: bool = True
     fallback: str = "error"  # error | eager: what to do when compile/graphs cannot be applied
     max_seq_len: int = 2048  # KV cache length: prompt + completion
@@ -61,6 +62,8 @@ class LlmPlan:
         parts = [self.precision]
         if self.compile != "off":
             parts.append(f"compile-{self.compile}")
+        if self.kernels != "torch":
+            parts.append(f"kernels-{self.kernels}")
         if self.cuda_graphs:
             parts.append("cudagraphs")
         if self.prefill_graphs:
@@ -77,10 +80,10 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     """Validate the ``servekit:`` mapping of an LLM model-config; errors name the key."""
     raw = _check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
                                   "max_seq_len", "buckets", "limits", "cpu_threads", "speculation",
-                                  "prefill_graphs", "prefill_chunk"})
+                                  "prefill_graphs", "prefill_chunk", "kernels"})
     kw: dict[str, object] = {}
     for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
-                         ("fallback", FALLBACKS)):
+                         ("fallback", FALLBACKS), ("kernels", KERNELS)):
         if key in raw:
             kw[key] = _check_choice(f"{path}.{key}", raw[key], choices)
     kw.update(_check_bools(path, raw, ("cuda_graphs", "warmup")))
@@ -154,20 +157,21 @@ def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> 
 
     def build(p: LlmPlan) -> LlamaRunner:
         compiled = p.compile != "off"
+        # With triton kernels, compile covers prefill only: decode steps are the fused kernels.
         return LlamaRunner(model, p.max_seq_len, p.batch_sizes, p.prompt_lens, p.kv_lens,
-                           compile_prefill=compiled, compile_decode=compiled, cuda_graphs=p.cuda_graphs,
-                           compile_mode=p.compile if compiled else "default", prefill_graphs=p.prefill_graphs,
-                           slot_prefill=continuous)
+                           compile_prefill=compiled, compile_decode=compiled and p.kernels == "torch",
+                           cuda_graphs=p.cuda_graphs, compile_mode=p.compile if compiled else "default",
+                           prefill_graphs=p.prefill_graphs, slot_prefill=continuous, kernels=p.kernels)
 
     runner = build(plan)
     if plan.warmup:
         try:
             runner.warmup()
         except Exception as e:
-            if plan.fallback != "eager" or (plan.compile == "off" and not plan.cuda_graphs):
+            if plan.fallback != "eager" or (plan.compile == "off" and not plan.cuda_graphs and plan.kernels == "torch"):
                 raise PlanError(f"warm-up of plan {plan.label()} failed: {type(e).__name__}: {e}") from e
             downgrades.append(f"warm-up of {plan.label()} failed ({type(e).__name__}: {e}); serving eager")
-            plan = dataclasses.replace(plan, compile="off", cuda_graphs=False)
+            plan = dataclasses.replace(plan, compile="off", cuda_graphs=False, kernels="torch")
             runner = build(plan)
             runner.warmup()
     if plan.speculation is not None:

@@ -5,6 +5,8 @@ Every key is checked here, so a typo fails with the key's path instead of deep i
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -188,6 +190,16 @@ def _check_bools(path: str, raw: dict[str, Any], keys: tuple[str, ...]) -> dict[
     return out
 
 
+def triton_problem(device_type: str) -> str | None:
+    """Why the fused Triton decode kernels (``kernels: triton``) cannot run here, or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "kernels: triton needs the triton package (CUDA builds of torch bring it)"
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"kernels: triton needs a CUDA device, this one is {device_type} (only the Triton interpreter, "
+                "TRITON_INTERPRET=1, runs the kernels elsewhere: slowly, for tests)")
+    return None
+
+
 def resolve_for_device(plan: PlanT, device_type: str, capability: tuple[int, int] | None
                        ) -> tuple[PlanT, list[str]]:
     """Check a plan (an embedding `Plan` or an `LlmPlan`: the keys it has) against the device.
@@ -211,6 +223,8 @@ def resolve_for_device(plan: PlanT, device_type: str, capability: tuple[int, int
                          f"{'' if capability is None else ' %d.%d' % capability})", {"quantization": "none"}))
     if getattr(plan, "attention", "auto") in ("flash", "cudnn") and device_type != "cuda":
         problems.append((f"attention: {plan.attention} needs a CUDA device", {"attention": "auto"}))
+    if getattr(plan, "kernels", "torch") == "triton" and (problem := triton_problem(device_type)) is not None:
+        problems.append((problem, {"kernels": "torch"}))
     if not problems:
         return plan, []
     if plan.fallback != "eager":

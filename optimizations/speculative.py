@@ -434,6 +434,8 @@ class SpeculativeDecoding:
             compiled = RegionalCompiled(model, base.plan.get("compile_mode", "default"))
         self._prefill_model = base.compiled_model if base.compile_prefill else model
         verify_model = compiled if compile_verify else model
+        if base.triton_model is not None:  # the fused decode kernels take k+1 tokens per row as well
+            verify_model = base.triton_model
         # in_slots (continuous batching): the verify steps run on the runner's own decode rows, and
         # requests start with the runner's slot prefill (their first step has stale drafts).
         self.in_slots = in_slots

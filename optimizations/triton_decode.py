@@ -1,0 +1,460 @@
+"""Fused Triton kernels for the decode steps of ``servekit.optimizations.llama`` models.
+
+A decode step of a small model is bound by kernel launches, not by bandwidth: SmolLM2-135M runs
+~11 kernels per layer (norm, matmul, bias, RoPE, cache write, attention, ...), a few microseconds
+each. Here one layer is five kernels (six when attention splits the cache over programs):
+
+1. ``_norm_qkv_rope_kernel``: RMSNorm of the input (every program recomputes its rows' rms:
+   ``dim`` values, cheaper than a launch), the fused q/k/v projection (+ bias), RoPE on q and k,
+   k and v written into the KV cache at each token's position (cache row ``rows[b]``), q out.
+2. ``_attention_kernel``: attention of each row's queries over its cache slots ``<= position``,
+   one program per (batch row, kv head, split of the cache) serving all the query heads of that
+   kv head (GQA) and all T query tokens of the row; with several splits (long caches, small
+   batches: the whole GPU works on one row) ``_attention_reduce_kernel`` merges their partial
+   softmaxes (flash-decoding).
+3. ``_linear_residual_kernel``: the output projection (+ bias) plus the residual.
+4. ``_norm_gate_up_kernel``: RMSNorm fused into the gate/up projection, then SiLU(gate) * up.
+5. ``_linear_residual_kernel`` again: the down projection plus the residual.
+
+Rows are tokens: a batch of B rows with T query tokens each (T = 1 for a plain decode step,
+k + 1 for a speculative verify step) is M = B * T rows for the matmuls. The matmuls are small-M
+GEMMs on tensor cores (``tl.dot`` needs 16 rows: M is padded inside the kernel, never in memory),
+weights in the model's dtype, fp32 accumulation, results rounded to the model's dtype where the
+eager model rounds them, so bf16 runs stay close to it.
+
+Block sizes are autotuned per shape (M, dims, kv length) on the first call of each shape: the
+runner's warm-up runs every captured step before its capture, so tuning never happens inside
+a CUDA graph capture. Nothing here syncs with the host or reads a device value on the host.
+Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) each kernel has one, small,
+configuration, so the loops over blocks run several times in the tests.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from servekit.optimizations.llama import Transformer, TransformerBlock
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = (4,)) -> list[triton.Config]:
+    """Autotune candidates (few: each one is a compile at warm-up, per shape class); under the
+    interpreter one small configuration, so that the loops over blocks run several times."""
+    if INTERPRET:
+        return [triton.Config(dict(interpreted), num_warps=4)]
+    return [triton.Config(dict(o), num_warps=w) for o in options for w in warps]
+
+
+# Small-M GEMM tiles: few output columns per program, so that even one row keeps many SMs busy.
+_GEMM = _configs([dict(BLOCK_N=16, BLOCK_K=128), dict(BLOCK_N=32, BLOCK_K=64), dict(BLOCK_N=32, BLOCK_K=128),
+                  dict(BLOCK_N=64, BLOCK_K=64), dict(BLOCK_N=64, BLOCK_K=128)], dict(BLOCK_N=16, BLOCK_K=32))
+_ROPE = _configs([dict(BLOCK_J=16, BLOCK_K=64), dict(BLOCK_J=16, BLOCK_K=128), dict(BLOCK_J=32, BLOCK_K=64),
+                  dict(BLOCK_J=32, BLOCK_K=128)], dict(BLOCK_J=16, BLOCK_K=32))
+_ATTN = _configs([dict(BLOCK_S=32), dict(BLOCK_S=64), dict(BLOCK_S=128)], dict(BLOCK_S=16))
+
+
+# --- shared pieces --------------------------------------------------------------------------------
+
+@triton.jit
+def _row_rstd(x_ptr, offs_m, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / rms of rows ``offs_m`` of x ``(M, K)``, in fp32 (as the eager RMSNorm)."""
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd):
+    """Columns ``kk`` of RMSNorm(x): normalised in fp32, rounded to the model's dtype, times the
+    norm weight in that dtype (the eager RMSNorm's roundings)."""
+    k_mask = kk < K
+    x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + kk, mask=k_mask, other=0.0)
+    return g[None, :] * (x * rstd[:, None]).to(g.dtype)
+
+
+@triton.jit
+def _weight_tile(w_ptr, rows, r_mask, kk, K):
+    """Weight rows ``rows`` (output features) x columns ``kk``, as a ``(BLOCK_K, len(rows))`` tile
+    (nn.Linear stores ``(out, in)``; the tile is its transpose, ready for ``x @ W.T``)."""
+    return tl.load(w_ptr + rows[None, :] * K + kk[:, None], mask=r_mask[None, :] & (kk[:, None] < K), other=0.0)
+
+
+# --- 1. RMSNorm + q/k/v projection + RoPE + KV-cache write -----------------------------------------
+
+@triton.autotune(configs=_ROPE, key=["M", "K", "N_HEADS", "N_KV", "HEAD_DIM"])
+@triton.jit
+def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, q_ptr, kc_ptr, vc_ptr,
+                          M, K, T, eps, stride_cb, stride_ch, stride_cs,
+                          N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A program computes columns j and j + HALF of one head (the pairs RoPE rotates together) for
+    # BLOCK_M rows. Heads 0..N_HEADS-1 are q, then N_KV k heads, then N_KV v heads (wqkv's order).
+    HALF: tl.constexpr = HEAD_DIM // 2
+    n_jb = tl.cdiv(HALF, BLOCK_J)
+    head = tl.program_id(0) // n_jb
+    j = (tl.program_id(0) % n_jb) * BLOCK_J + tl.arange(0, BLOCK_J)
+    j_mask = j < HALF
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rstd = _row_rstd(x_ptr, offs_m, m_mask, K, eps, BLOCK_M, BLOCK_K)
+    col1 = head * HEAD_DIM + j
+    col2 = col1 + HALF
+    acc1 = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd)
+        acc1 += tl.dot(a, _weight_tile(w_ptr, col1, j_mask, kk, K), input_precision="ieee")
+        acc2 += tl.dot(a, _weight_tile(w_ptr, col2, j_mask, kk, K), input_precision="ieee")
+    if HAS_BIAS:
+        acc1 += tl.load(b_ptr + col1, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(b_ptr + col2, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = q_ptr.dtype.element_ty
+    x1 = acc1.to(dtype).to(tl.float32)  # the eager projection's output, in the model's dtype
+    x2 = acc2.to(dtype).to(tl.float32)
+    mj = m_mask[:, None] & j_mask[None, :]
+    if head < N_HEADS + N_KV:  # q or k: rotate-half RoPE with this token's cos/sin row
+        cs = offs_m[:, None] * HEAD_DIM + j[None, :]
+        cos1 = tl.load(cos_ptr + cs, mask=mj, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + cs, mask=mj, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + cs + HALF, mask=mj, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + cs + HALF, mask=mj, other=0.0).to(tl.float32)
+        y1 = x1 * cos1 - x2 * sin1
+        y2 = x2 * cos2 + x1 * sin2
+    else:
+        y1 = x1
+        y2 = x2
+    if head < N_HEADS:
+        q_off = offs_m[:, None] * (N_HEADS * HEAD_DIM) + col1[None, :]
+        tl.store(q_ptr + q_off, y1.to(dtype), mask=mj)
+        tl.store(q_ptr + q_off + HALF, y2.to(dtype), mask=mj)
+    else:
+        # k or v: into the cache at (cache row, kv head, position), the row's cache row being
+        # rows[b] when given (a prefill into free slots) else b.
+        b = offs_m // T
+        if HAS_ROWS:
+            crow = tl.load(rows_ptr + b, mask=m_mask, other=0)
+        else:
+            crow = b
+        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0)
+        kv_head = (head - N_HEADS) % N_KV
+        off = (crow * stride_cb + kv_head * stride_ch + pos * stride_cs)[:, None] + j[None, :]
+        if head < N_HEADS + N_KV:
+            tl.store(kc_ptr + off, y1.to(dtype), mask=mj)
+            tl.store(kc_ptr + off + HALF, y2.to(dtype), mask=mj)
+        else:
+            tl.store(vc_ptr + off, y1.to(dtype), mask=mj)
+            tl.store(vc_ptr + off + HALF, y2.to(dtype), mask=mj)
+
+
+# --- 2. decode attention over the cache (GQA, split-K) ---------------------------------------------
+
+@triton.autotune(configs=_ATTN, key=["kv_len", "QROWS", "HEAD_DIM", "SPLITS"])
+@triton.jit
+def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, pl_ptr, pacc_ptr,
+                      kv_len, T, sm_scale, stride_cb, stride_ch, stride_cs,
+                      N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
+                      GROUP: tl.constexpr, QROWS: tl.constexpr, Q_P: tl.constexpr, SPLITS: tl.constexpr,
+                      HAS_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
+    # One program: batch row b, kv head g, cache split `split`. Its query rows are the GROUP query
+    # heads of g for each of the row's T tokens (QROWS = T * GROUP, padded to Q_P >= 16 for tl.dot):
+    # every k/v slot is read once for all of them.
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    r = tl.arange(0, Q_P)
+    r_mask = r < QROWS
+    tok = b * T + r // GROUP
+    head = g * GROUP + r % GROUP
+    pos = tl.load(pos_ptr + tok, mask=r_mask, other=-1)  # padding rows see nothing
+    d = tl.arange(0, D_P)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + (tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None] + d[None, :],
+                mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+    if HAS_ROWS:
+        crow = tl.load(rows_ptr + b)
+    else:
+        crow = b
+    # Slots up to the row's last position, inside the kv_len bucket; this split's share of them.
+    n_valid = tl.minimum(tl.max(pos, axis=0) + 1, kv_len)
+    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_S) * BLOCK_S
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_valid)
+    k_base = kc_ptr + crow * stride_cb + g * stride_ch
+    v_base = vc_ptr + crow * stride_cb + g * stride_ch
+    # Online softmax; -1e30 rather than -inf as the start, so that rows without a visible slot yet
+    # give exp(-inf) = 0, never exp(nan).
+    m_i = tl.full((Q_P,), -1e30, dtype=tl.float32)
+    l_i = tl.zeros((Q_P,), dtype=tl.float32)
+    acc = tl.zeros((Q_P, D_P), dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = s < end
+        kt = tl.load(k_base + s[None, :] * stride_cs + d[:, None], mask=d_mask[:, None] & s_mask[None, :], other=0.0)
+        scores = tl.dot(q, kt, input_precision="ieee") * sm_scale
+        scores = tl.where((s[None, :] <= pos[:, None]) & s_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + s[:, None] * stride_cs + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(y_ptr + (tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None] + d[None, :],
+                 out.to(y_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+    else:  # partial results, merged by _attention_reduce_kernel
+        part = (b * N_KV + g) * SPLITS + split
+        tl.store(pm_ptr + part * Q_P + r, m_i)
+        tl.store(pl_ptr + part * Q_P + r, l_i)
+        tl.store(pacc_ptr + (part * Q_P + r)[:, None] * D_P + d[None, :], acc)
+
+
+@triton.jit
+def _attention_reduce_kernel(y_ptr, pm_ptr, pl_ptr, pacc_ptr, T,
+                             N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
+                             GROUP: tl.constexpr, QROWS: tl.constexpr, Q_P: tl.constexpr, SPLITS: tl.constexpr,
+                             SPLITS_P: tl.constexpr):
+    # One program per (batch row, kv head, query row): the splits' softmaxes rescaled to a common max.
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    r = tl.program_id(2)
+    sp = tl.arange(0, SPLITS_P)
+    sp_mask = sp < SPLITS
+    d = tl.arange(0, D_P)
+    part = (b * N_KV + g) * SPLITS + sp
+    m = tl.load(pm_ptr + part * Q_P + r, mask=sp_mask, other=-1e30)
+    l = tl.load(pl_ptr + part * Q_P + r, mask=sp_mask, other=0.0)
+    acc = tl.load(pacc_ptr + (part * Q_P + r)[:, None] * D_P + d[None, :], mask=sp_mask[:, None], other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0))
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tok = b * T + r // GROUP
+    head = g * GROUP + r % GROUP
+    tl.store(y_ptr + tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM + d, out.to(y_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+# --- 3 and 5. projection + residual -----------------------------------------------------------------
+
+@triton.autotune(configs=_GEMM, key=["M", "N", "K"])
+@triton.jit
+def _linear_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
+        acc += tl.dot(a, _weight_tile(w_ptr, offs_n, n_mask, kk, K), input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    mn = m_mask[:, None] & n_mask[None, :]
+    off = offs_m[:, None] * N + offs_n[None, :]
+    res = tl.load(res_ptr + off, mask=mn, other=0.0).to(tl.float32)
+    tl.store(out_ptr + off, (res + acc.to(dtype).to(tl.float32)).to(dtype), mask=mn)
+
+
+# --- 4. RMSNorm + gate/up projection + SiLU(gate) * up ----------------------------------------------
+
+@triton.autotune(configs=_GEMM, key=["M", "N", "K"])
+@triton.jit
+def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # w13 is [gate; up]: output column n needs weight rows n and N + n.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rstd = _row_rstd(x_ptr, offs_m, m_mask, K, eps, BLOCK_M, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd)
+        acc_g += tl.dot(a, _weight_tile(w_ptr, offs_n, n_mask, kk, K), input_precision="ieee")
+        acc_u += tl.dot(a, _weight_tile(w_ptr, N + offs_n, n_mask, kk, K), input_precision="ieee")
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)  # rounded where the eager projections round
+    up = acc_u.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], (silu * up).to(dtype),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+# --- host wrappers ------------------------------------------------------------------------------------
+
+def _block_m(m: int) -> int:
+    """Rows per program: all of them up to 64 (weights read once), at least 16 (tl.dot's minimum)."""
+    return max(16, min(64, triton.next_power_of_2(m)))
+
+
+def _bias(linear: torch.nn.Linear) -> tuple[Tensor, bool]:
+    # A kernel argument must be a tensor even when unused: the weight stands in for a missing bias.
+    return (linear.bias, True) if linear.bias is not None else (linear.weight, False)
+
+
+def norm_qkv_rope(x: Tensor, norm: torch.nn.Module, wqkv: torch.nn.Linear, cos: Tensor, sin: Tensor,
+                  input_pos: Tensor, k_cache: Tensor, v_cache: Tensor, n_heads: int, n_kv_heads: int,
+                  head_dim: int, t: int, rows: Tensor | None = None) -> Tensor:
+    """x ``(M, dim)`` (M = B * T tokens, row-major by batch row); cos/sin ``(M, head_dim)``;
+    input_pos ``(M,)``. Writes k, v into the caches; returns RoPE'd q ``(M, n_heads * head_dim)``."""
+    m, k = x.shape
+    q = torch.empty(m, n_heads * head_dim, dtype=x.dtype, device=x.device)
+    bias, has_bias = _bias(wqkv)
+    heads = n_heads + 2 * n_kv_heads
+    half = head_dim // 2
+    block_m = _block_m(m)
+    grid = lambda meta: (heads * triton.cdiv(half, meta["BLOCK_J"]), triton.cdiv(m, block_m))  # noqa: E731
+    _norm_qkv_rope_kernel[grid](
+        x, norm.weight, wqkv.weight, bias, cos, sin, input_pos, rows if rows is not None else input_pos,
+        q, k_cache, v_cache, m, k, t, norm.eps, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=has_bias, HAS_ROWS=rows is not None,
+        BLOCK_M=block_m)
+    return q
+
+
+def attention_splits(batch: int, n_kv_heads: int, kv_len: int, programs: int = 264, min_slots: int = 64) -> int:
+    """Cache splits per (row, kv head): enough programs for the GPU (``programs``: ~2 per SM of an
+    H100), at least ``min_slots`` cache slots each. 1 = no reduce kernel."""
+    return max(1, min(programs // (batch * n_kv_heads), triton.cdiv(kv_len, min_slots)))
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, kv_len: int, batch: int,
+                     t: int, n_heads: int, n_kv_heads: int, head_dim: int, rows: Tensor | None = None,
+                     splits: int | None = None) -> Tensor:
+    """q ``(B * T, n_heads * head_dim)`` -> attention output of the same shape: token (b, t) at
+    position p attends to slots ``0..p`` of cache row ``rows[b]`` (default b), below ``kv_len``."""
+    group = n_heads // n_kv_heads
+    qrows = t * group
+    q_p = max(16, triton.next_power_of_2(qrows))
+    d_p = max(16, triton.next_power_of_2(head_dim))
+    splits = splits or attention_splits(batch, n_kv_heads, kv_len)
+    y = torch.empty_like(q)
+    if splits > 1:
+        parts = batch * n_kv_heads * splits * q_p
+        pm = torch.empty(parts, dtype=torch.float32, device=q.device)
+        pl = torch.empty(parts, dtype=torch.float32, device=q.device)
+        pacc = torch.empty(parts, d_p, dtype=torch.float32, device=q.device)
+    else:
+        pm = pl = pacc = y  # unused
+    meta = dict(N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, D_P=d_p, GROUP=group, QROWS=qrows, Q_P=q_p,
+                SPLITS=splits)
+    _attention_kernel[(batch, n_kv_heads, splits)](
+        q, k_cache, v_cache, input_pos, rows if rows is not None else input_pos, y, pm, pl, pacc,
+        kv_len, t, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HAS_ROWS=rows is not None, **meta)
+    if splits > 1:
+        _attention_reduce_kernel[(batch, n_kv_heads, qrows)](y, pm, pl, pacc, t, SPLITS_P=triton.next_power_of_2(splits),
+                                                             **meta)
+    return y
+
+
+def linear_residual(a: Tensor, linear: torch.nn.Linear, residual: Tensor) -> Tensor:
+    """``residual + linear(a)`` for a ``(M, K)``, residual ``(M, N)``."""
+    m, k = a.shape
+    n = linear.weight.shape[0]
+    out = torch.empty(m, n, dtype=residual.dtype, device=a.device)
+    bias, has_bias = _bias(linear)
+    block_m = _block_m(m)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+    _linear_residual_kernel[grid](a, linear.weight, bias, residual, out, m, n, k, HAS_BIAS=has_bias, BLOCK_M=block_m)
+    return out
+
+
+def norm_gate_up(x: Tensor, norm: torch.nn.Module, w13: torch.nn.Linear) -> Tensor:
+    """``silu(gate) * up`` of ``w13(RMSNorm(x))``, w13 = [gate; up]: ``(M, intermediate)``."""
+    m, k = x.shape
+    n = w13.weight.shape[0] // 2
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bias, has_bias = _bias(w13)
+    block_m = _block_m(m)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+    _norm_gate_up_kernel[grid](x, norm.weight, w13.weight, bias, out, m, n, k, norm.eps, HAS_BIAS=has_bias,
+                               BLOCK_M=block_m)
+    return out
+
+
+# --- the block and the model ----------------------------------------------------------------------
+
+class FusedDecodeBlock:
+    """A ``TransformerBlock`` (after ``fuse_projections()``) as five or six Triton kernels, for
+    decode and verify steps (few query tokens per row); callable like ``TransformerBlock.forward``.
+
+    It reads the block's weights and KV cache at each call (the cache may be reallocated by
+    ``setup_caches``). ``cos``/``sin`` are the ones ``Transformer.hidden`` gathered for the batch
+    (already in the model's dtype, as the eager layers use them); of ``mask`` only its length
+    (the kv bucket) is used: the kernels mask by position.
+    """
+
+    def __init__(self, block: TransformerBlock, splits: int | None = None) -> None:
+        if block.attention.wqkv is None or block.feed_forward.w13 is None:
+            raise ValueError("FusedDecodeBlock needs fused projections: call Transformer.fuse_projections() first")
+        self.block = block
+        self.splits = splits  # attention cache splits (None: attention_splits' choice)
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+                 rows: Tensor | None = None) -> Tensor:
+        att, ff = self.block.attention, self.block.feed_forward
+        cache = att.kv_cache
+        if cache is None:
+            raise RuntimeError("call Transformer.setup_caches() before forward()")
+        b, t, dim = x.shape
+        x2 = x.reshape(b * t, dim).contiguous()
+        pos = input_pos.reshape(-1).contiguous()
+        q = norm_qkv_rope(x2, self.block.attention_norm, att.wqkv, cos.reshape(b * t, -1).contiguous(),
+                          sin.reshape(b * t, -1).contiguous(), pos, cache.k_cache, cache.v_cache,
+                          att.n_heads, att.n_kv_heads, att.head_dim, t, rows)
+        y = decode_attention(q, cache.k_cache, cache.v_cache, pos, mask.shape[-1], b, t, att.n_heads,
+                             att.n_kv_heads, att.head_dim, rows, self.splits)
+        h = linear_residual(y, att.wo, x2)
+        out = linear_residual(norm_gate_up(h, self.block.ffn_norm, ff.w13), ff.w2, h)
+        return out.view(b, t, dim)
+
+
+class TritonDecode:
+    """The model with its layers run by ``FusedDecodeBlock``s: what decode and verify steps call
+    with ``kernels: triton`` (embedding, final norm, lm_head and sampling stay torch ops). Looks
+    like the model to the step functions (``__call__``, ``hidden``, other attributes), as
+    ``generate.RegionalCompiled`` does; not compiled: the kernels are already fused, and the
+    CUDA graph around the step removes the launch cost of what is left."""
+
+    def __init__(self, model: Transformer, splits: int | None = None) -> None:
+        model.fuse_projections()
+        self._model = model
+        self.blocks: list[Callable[..., Tensor]] = [FusedDecodeBlock(layer, splits) for layer in model.layers]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._model, name)
+
+    def __call__(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
+                 kv_len: int | None = None, rows: Tensor | None = None) -> Tensor:
+        return self._model(tokens, input_pos, last_idx, kv_len, blocks=self.blocks, rows=rows)
+
+    def hidden(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
+               kv_len: int | None = None) -> Tensor:
+        return self._model.hidden(tokens, input_pos, last_idx, kv_len, blocks=self.blocks)
+
+
+__all__ = ["FusedDecodeBlock", "TritonDecode", "norm_qkv_rope", "decode_attention", "linear_residual",
+           "norm_gate_up", "attention_splits"]

@@ -1,0 +1,241 @@
+"""The fused Triton decode kernels (optimizations/triton_decode.py) under the Triton interpreter on
+CPU, in fp32, against the eager layers of optimizations/llama.py: each kernel, a whole block, a
+decode step after a prefill, greedy generation through the runner (plain, speculative verify
+steps, continuous batching), the plan key, and the GPU benchmark's CPU smoke mode.
+
+The interpreter is chosen by ``TRITON_INTERPRET=1`` when the kernels are defined (the module's
+import), for the whole process: on a CUDA machine this module is skipped and
+test_triton_decode_cuda.py runs the compiled kernels instead."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA machine: test_triton_decode_cuda.py tests the compiled kernels", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (first import of triton_decode)
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from servekit.optimizations import triton_decode as td  # noqa: E402
+from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate  # noqa: E402
+from servekit.optimizations.llama import LlamaConfig, Transformer, apply_rope, init_random  # noqa: E402
+from servekit.optimizations.llm import LlmPlan, parse_llm_plan  # noqa: E402
+from servekit.optimizations.plan import PlanError, resolve_for_device  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+MAX_SEQ = 64
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+# GQA ratio 2 (tiny), 1 and 3; biases everywhere (Qwen2-style q/k/v, plus o and mlp); a head_dim
+# that is not dim / n_heads and not a power of two (Mistral-style).
+CONFIGS = {
+    "tiny": LlamaConfig.tiny(),
+    "mha": LlamaConfig.tiny(n_heads=4, n_kv_heads=4),
+    "gqa3-bias": LlamaConfig.tiny(n_heads=6, n_kv_heads=2, head_dim=16, qkv_bias=True, o_bias=True, mlp_bias=True),
+    "head24": LlamaConfig.tiny(n_heads=4, n_kv_heads=2, head_dim=24, intermediate_size=96),
+}
+
+
+def _model(config: LlamaConfig, seed: int = 0) -> Transformer:
+    model = init_random(config, seed=seed)
+    model.fuse_projections()
+    model.setup_caches(max_batch_size=4, max_seq_len=MAX_SEQ)
+    for layer in model.layers:  # random cache contents: attention must read only what it may
+        cache = layer.attention.kv_cache
+        gen = torch.Generator().manual_seed(seed + 1)
+        cache.k_cache.copy_(torch.randn(cache.k_cache.shape, generator=gen))
+        cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=gen))
+    return model
+
+
+def _batch(model: Transformer, positions: list[list[int]], seed: int = 0):
+    """x (B, T, dim), cos/sin as Transformer.hidden gathers them, input_pos (B, T)."""
+    gen = torch.Generator().manual_seed(seed)
+    input_pos = torch.tensor(positions)
+    x = torch.randn(*input_pos.shape, model.config.dim, generator=gen)
+    return x, model.rope_cos[input_pos].unsqueeze(1), model.rope_sin[input_pos].unsqueeze(1), input_pos
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_norm_qkv_rope_matches_eager_and_writes_the_cache_rows(name: str) -> None:
+    model = _model(CONFIGS[name])
+    block, att = model.layers[0], model.layers[0].attention
+    positions, rows = [[5, 6], [17, 18], [0, 1]], torch.tensor([2, 0, 4])  # T = 2, cache rows mapped
+    x, cos, sin, input_pos = _batch(model, positions)
+    b, t, _ = x.shape
+    with torch.no_grad():
+        q, k, v = att.project_qkv(block.attention_norm(x))
+        q = apply_rope(q.reshape(b, t, att.n_heads, -1).transpose(1, 2), cos, sin)
+        k = apply_rope(k.reshape(b, t, att.n_kv_heads, -1).transpose(1, 2), cos, sin)
+        v = v.reshape(b, t, att.n_kv_heads, -1).transpose(1, 2)
+        cache = att.kv_cache
+        out = td.norm_qkv_rope(x.reshape(b * t, -1), block.attention_norm, att.wqkv, cos.reshape(b * t, -1),
+                               sin.reshape(b * t, -1), input_pos.reshape(-1), cache.k_cache, cache.v_cache,
+                               att.n_heads, att.n_kv_heads, att.head_dim, t, rows)
+    torch.testing.assert_close(out, q.transpose(1, 2).reshape(b * t, -1), **TOL)
+    for i, row in enumerate(rows.tolist()):
+        torch.testing.assert_close(cache.k_cache[row][:, input_pos[i]], k[i], **TOL)
+        torch.testing.assert_close(cache.v_cache[row][:, input_pos[i]], v[i], **TOL)
+
+
+def _reference_attention(q: torch.Tensor, model: Transformer, input_pos: torch.Tensor, rows: torch.Tensor,
+                         kv_len: int) -> torch.Tensor:
+    """Eager attention of q (B, T, n_heads * D) over the cache rows, slot s visible iff s <= position."""
+    att = model.layers[0].attention
+    b, t, _ = q.shape
+    k = att.kv_cache.k_cache[rows, :, :kv_len].repeat_interleave(att.n_heads // att.n_kv_heads, dim=1)
+    v = att.kv_cache.v_cache[rows, :, :kv_len].repeat_interleave(att.n_heads // att.n_kv_heads, dim=1)
+    mask = torch.arange(kv_len)[None, None, None] <= input_pos[:, None, :, None]
+    y = F.scaled_dot_product_attention(q.reshape(b, t, att.n_heads, -1).transpose(1, 2), k, v, attn_mask=mask)
+    return y.transpose(1, 2).reshape(b * t, -1)
+
+
+@pytest.mark.parametrize("name,t,splits", [("tiny", 1, 1), ("tiny", 1, 3), ("mha", 2, 1), ("gqa3-bias", 3, 2),
+                                           ("head24", 1, 4)])
+def test_decode_attention_reads_only_slots_up_to_each_position(name: str, t: int, splits: int) -> None:
+    model = _model(CONFIGS[name])
+    att = model.layers[0].attention
+    starts, rows, kv_len = [40, 3, 22], torch.tensor([1, 3, 0]), 48
+    input_pos = torch.tensor([[p + i for i in range(t)] for p in starts])
+    q = torch.randn(3, t, att.n_heads * att.head_dim, generator=torch.Generator().manual_seed(3))
+    cache = att.kv_cache
+    y = td.decode_attention(q.reshape(3 * t, -1), cache.k_cache, cache.v_cache, input_pos.reshape(-1), kv_len, 3, t,
+                            att.n_heads, att.n_kv_heads, att.head_dim, rows, splits)
+    torch.testing.assert_close(y, _reference_attention(q, model, input_pos, rows, kv_len), **TOL)
+
+
+@pytest.mark.parametrize("name", ["tiny", "gqa3-bias"])
+def test_projection_kernels_match_eager(name: str) -> None:
+    model = _model(CONFIGS[name])
+    block = model.layers[1]
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, model.config.dim, generator=gen)
+    with torch.no_grad():
+        gate, up = block.feed_forward.w13(block.ffn_norm(x)).chunk(2, dim=-1)
+        torch.testing.assert_close(td.norm_gate_up(x, block.ffn_norm, block.feed_forward.w13), F.silu(gate) * up, **TOL)
+        y = torch.randn(5, block.attention.wo.weight.shape[1], generator=gen)
+        torch.testing.assert_close(td.linear_residual(y, block.attention.wo, x), x + block.attention.wo(y), **TOL)
+
+
+@pytest.mark.parametrize("name,t", [("tiny", 1), ("gqa3-bias", 2), ("head24", 1)])
+def test_fused_block_equals_the_eager_block(name: str, t: int) -> None:
+    fused_model, eager_model = _model(CONFIGS[name]), _model(CONFIGS[name])
+    positions = [[9 + i for i in range(t)], [30 + i for i in range(t)], [2 + i for i in range(t)]]
+    x, cos, sin, input_pos = _batch(fused_model, positions)
+    mask = torch.arange(40)[None, None] <= input_pos[:, :, None]
+    rows = torch.tensor([3, 1, 0])
+    with torch.no_grad():
+        want = eager_model.layers[0](x, cos, sin, mask, input_pos, rows)
+        got = td.FusedDecodeBlock(fused_model.layers[0], splits=2)(x, cos, sin, mask, input_pos, rows)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(fused_model.layers[0].attention.kv_cache.k_cache,
+                               eager_model.layers[0].attention.kv_cache.k_cache, **TOL)
+
+
+def test_decode_steps_after_a_prefill_give_the_eager_logits() -> None:
+    model = _model(LlamaConfig.tiny())
+    fused = td.TritonDecode(model)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(3, 256, (3, 12), generator=gen)
+    lengths = torch.tensor([12, 5, 9])  # right-padded prompts: rows decode from their own positions
+    with torch.no_grad():
+        model(tokens, torch.arange(12).expand(3, 12), kv_len=12)
+        nxt, pos = tokens.gather(1, (lengths - 1)[:, None]), lengths[:, None].clone()
+        for _ in range(3):
+            state = [layer.attention.kv_cache.k_cache.clone() for layer in model.layers]
+            want = model(nxt, pos, kv_len=32)
+            for layer, k in zip(model.layers, state):  # the fused step writes the same slots again
+                layer.attention.kv_cache.k_cache.copy_(k)
+            got = fused(nxt, pos, kv_len=32)
+            torch.testing.assert_close(got, want, **TOL)
+            nxt, pos = got[:, -1].argmax(-1, keepdim=True), pos + 1
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(6)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 13, 9)]
+
+
+@pytest.fixture(scope="module")
+def runners() -> dict[str, LlamaRunner]:
+    model = init_random(LlamaConfig.tiny(), seed=0)
+    kw = dict(max_seq_len=MAX_SEQ, batch_buckets=(1, 4), prefill_buckets=(16,), kv_buckets=(16, 32))
+    return {k: LlamaRunner(model, kernels=k, **kw) for k in ("torch", "triton")}  # one model, one cache
+
+
+def test_greedy_generation_with_triton_kernels_equals_torch(runners: dict[str, LlamaRunner]) -> None:
+    params = [SamplingParams(max_tokens=10)] * 3
+    want = generate(runners["torch"], _prompts(), params)
+    got = generate(runners["triton"], _prompts(), params)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert runners["triton"].plan["kernels"] == "triton"
+
+
+def test_continuous_batching_decodes_through_the_fused_kernels(runners: dict[str, LlamaRunner]) -> None:
+    from servekit.optimizations.continuous import ContinuousBatcher
+
+    batcher = ContinuousBatcher(runners["triton"])
+    prompts, got = _prompts(), {}
+    batcher.add(0, prompts[0], SamplingParams(max_tokens=8))
+    for i in range(12):
+        if i == 2:  # joins while the first request decodes: another row, another position
+            batcher.add(1, prompts[1], SamplingParams(max_tokens=6))
+        for key, update in batcher.step().items():
+            got.setdefault(key, []).extend(update.tokens)
+    want = [generate(runners["torch"], [p], [SamplingParams(max_tokens=n)])[0].tokens for p, n in zip(prompts, (8, 6))]
+    assert [got[0], got[1]] == want and not batcher.has_work
+
+
+def test_speculative_verify_steps_run_the_fused_kernels(runners: dict[str, LlamaRunner]) -> None:
+    from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
+
+    base = runners["triton"]
+    heads = Speculator(SpeculatorConfig.for_model(base.model, 2)).reset_parameters(seed=1, random_out=True)
+    spec = SpeculativeDecoding(base, heads, max_spec_batch=4)
+    assert all(step.model is base.triton_model for step in spec.steps.values())
+    params = [SamplingParams(max_tokens=8)] * 3
+    got, _ = generate_speculative(spec, _prompts(), params)
+    assert [c.tokens for c in got] == [c.tokens for c in generate(runners["torch"], _prompts(), params)]
+
+
+def test_plan_key_is_validated_and_checked_against_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_llm_plan({}).kernels == "torch"
+    plan = parse_llm_plan({"kernels": "triton", "precision": "bf16"})
+    assert plan.kernels == "triton" and "kernels-triton" in plan.label()
+    with pytest.raises(PlanError, match=r"servekit\.kernels: 'cuda' is not one of torch, triton"):
+        parse_llm_plan({"kernels": "cuda"})
+    assert resolve_for_device(plan, "cpu", None) == (plan, [])  # the interpreter runs them (this module)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(PlanError, match="kernels: triton needs a CUDA device"):
+        resolve_for_device(plan, "cpu", None)
+    eager, downgrades = resolve_for_device(LlmPlan(kernels="triton", fallback="eager"), "cpu", None)
+    assert eager.kernels == "torch" and "needs a CUDA device" in downgrades[0]
+    with pytest.raises(ValueError, match="compile_decode=False"):
+        LlamaRunner(init_random(LlamaConfig.tiny()), 32, (1,), kernels="triton", compile_decode=True)
+
+
+def test_benchmark_smoke_run_on_cpu(tmp_path) -> None:
+    from servekit.benchmarks import decode_kernels
+
+    assert decode_kernels.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
+    result = (tmp_path / "decode_kernels.json").read_text()
+    assert '"triton"' in result and (tmp_path / "decode_kernels.md").is_file()
+
+
+def test_kernels_compile_for_an_h100() -> None:
+    """What the interpreter never runs (Triton's compiler down to sm_90 machine code), in a process of
+    its own without the interpreter."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("triton_compile_check.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled 14 kernels for sm_90" in done.stdout
