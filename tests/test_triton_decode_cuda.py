@@ -19,6 +19,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the Triton interpreter is on in this process: run this file on its own", allow_module_level=True)
 pytest.importorskip("triton")
 
+from greedy_parity import check_same_or_tie  # noqa: E402
 from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate  # noqa: E402
 from servekit.optimizations.llama import LlamaConfig, Transformer, init_random  # noqa: E402
 from servekit.optimizations.triton_decode import TritonDecode  # noqa: E402
@@ -81,12 +82,18 @@ def test_captured_fused_step_logits_match_eager_bf16(name: str, t: int) -> None:
     eager_err = (want_bf16 - ref).abs().max().item()
     fused_err = (got - ref).abs().max().item()
     assert fused_err <= 2 * eager_err + 1e-2, f"fused bf16 {fused_err:.4g} vs eager bf16 {eager_err:.4g} from fp32"
-    assert (got.argmax(-1) == want_bf16.argmax(-1)).float().mean() >= 0.9
+    # Where the fp32 reference's best token leads by more than both bf16 paths' error, both pick it
+    # (elsewhere rounding may pick either of near-tied tokens).
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * max(eager_err, fused_err)
+    assert clear.any(), "no position with a clear greedy choice: the check would test nothing"
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+    assert torch.equal(want_bf16.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_greedy_generation_in_cuda_graphs_matches_eager_bf16(name: str) -> None:
-    bf16, _ = _models(name)
+    bf16, fp32 = _models(name)
     kw = dict(max_seq_len=MAX_SEQ, batch_buckets=(1, 4), prefill_buckets=(32, 128), kv_buckets=(64, 128))
     eager = LlamaRunner(bf16, **kw)
     graphed = LlamaRunner(bf16, cuda_graphs=True, kernels="triton", **kw)
@@ -97,4 +104,12 @@ def test_greedy_generation_in_cuda_graphs_matches_eager_bf16(name: str) -> None:
     params = [SamplingParams(max_tokens=16)] * 3
     want = [c.tokens for c in generate(eager, prompts, params)]
     got = [c.tokens for c in generate(graphed, prompts, params)]
-    assert got == want
+
+    def logits_after(ids: list[int]) -> torch.Tensor:  # the fp32 model, a fresh prefill of the whole list
+        with torch.no_grad():
+            t = torch.tensor([ids], device="cuda")
+            return fp32(t, torch.arange(len(ids), device="cuda")[None], kv_len=MAX_SEQ)[0, -1]
+
+    problems = [p for prompt, g, w in zip(prompts, got, want)
+                if (p := check_same_or_tie(prompt, g, w, logits_after, 2e-2)) is not None]
+    assert not problems, problems
