@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.optimizations.llama import Transformer
+from servekit.optimizations.llama import Transformer, WithBlocks
 from servekit.optimizations.sampling import (FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, sample,
                                              sample_full, sampling_mode)
 
@@ -137,30 +137,17 @@ class Completion:
 
 # --- the model calls: plain functions, compiled or captured by the runner -------------------------
 
-class RegionalCompiled:
+class RegionalCompiled(WithBlocks):
     """The model with its transformer block compiled once and reused by every layer.
 
     ``torch.compile`` of the whole model traces and compiles all 30 layers of SmolLM2 as one graph
     (it did not finish within 5 minutes on an H100); the layers share one code object and their
     weights are graph inputs, so compiling the block gives one graph that every layer reuses:
     compile time of one block, most of the fusion. Embedding, final norm and lm_head stay eager.
-    Looks like the model to the functions below (``__call__``, ``hidden``, other attributes).
     """
 
     def __init__(self, model: Transformer, mode: str = "default") -> None:
-        self._model = model
-        self._blocks = [torch.compile(layer, dynamic=True, mode=mode) for layer in model.layers]
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._model, name)
-
-    def __call__(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
-                 kv_len: int | None = None, rows: Tensor | None = None) -> Tensor:
-        return self._model(tokens, input_pos, last_idx, kv_len, blocks=self._blocks, rows=rows)
-
-    def hidden(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
-               kv_len: int | None = None) -> Tensor:
-        return self._model.hidden(tokens, input_pos, last_idx, kv_len, blocks=self._blocks)
+        super().__init__(model, [torch.compile(layer, dynamic=True, mode=mode) for layer in model.layers])
 
 
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last_idx: Tensor,

@@ -489,6 +489,27 @@ class Transformer(nn.Module):
         return self.norm(x)
 
 
+
+class WithBlocks:
+    """``model`` with its layers run as ``blocks`` (callables with ``TransformerBlock.forward``'s
+    signature: compiled copies, fused kernels): looks like the model to the step functions
+    (``__call__``, ``hidden``, every other attribute is the model's)."""
+
+    def __init__(self, model: Transformer, blocks: Sequence[Callable[..., Tensor]]) -> None:
+        self._model = model
+        self.blocks = list(blocks)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._model, name)
+
+    def __call__(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
+                 kv_len: int | None = None, rows: Tensor | None = None) -> Tensor:
+        return self._model(tokens, input_pos, last_idx, kv_len, blocks=self.blocks, rows=rows)
+
+    def hidden(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
+               kv_len: int | None = None) -> Tensor:
+        return self._model.hidden(tokens, input_pos, last_idx, kv_len, blocks=self.blocks)
+
 # Hugging Face parameter names <-> ours. Checkpoints on disk use the Hugging Face names so that
 # transformers can load them too (the GPU benchmark's baseline does).
 _HF_LAYER_MODULES = {

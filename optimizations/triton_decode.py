@@ -31,14 +31,14 @@ configuration, so the loops over blocks run several times in the tests.
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from servekit.optimizations.llama import Transformer, TransformerBlock
+from servekit.optimizations.llama import Transformer, TransformerBlock, WithBlocks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -91,6 +91,21 @@ def _weight_tile(w_ptr, rows, r_mask, kk, K):
     return tl.load(w_ptr + rows[None, :] * K + kk[:, None], mask=r_mask[None, :] & (kk[:, None] < K), other=0.0)
 
 
+@triton.jit
+def _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, rows1, rows2, r_mask, K, rstd,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """RMSNorm(x) rows ``offs_m`` times two sets of weight rows at once (the two halves of a RoPE
+    pair, or gate and up): one pass over x for both, fp32 accumulators ``(BLOCK_M, BLOCK_N)``."""
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd)
+        acc1 += tl.dot(a, _weight_tile(w_ptr, rows1, r_mask, kk, K), input_precision="ieee")
+        acc2 += tl.dot(a, _weight_tile(w_ptr, rows2, r_mask, kk, K), input_precision="ieee")
+    return acc1, acc2
+
+
 # --- 1. RMSNorm + q/k/v projection + RoPE + KV-cache write -----------------------------------------
 
 @triton.autotune(configs=_ROPE, key=["M", "K", "N_HEADS", "N_KV", "HEAD_DIM"])
@@ -112,13 +127,8 @@ def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr,
     rstd = _row_rstd(x_ptr, offs_m, m_mask, K, eps, BLOCK_M, BLOCK_K)
     col1 = head * HEAD_DIM + j
     col2 = col1 + HALF
-    acc1 = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd)
-        acc1 += tl.dot(a, _weight_tile(w_ptr, col1, j_mask, kk, K), input_precision="ieee")
-        acc2 += tl.dot(a, _weight_tile(w_ptr, col2, j_mask, kk, K), input_precision="ieee")
+    acc1, acc2 = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, col1, col2, j_mask, K, rstd,
+                                   BLOCK_M, BLOCK_J, BLOCK_K)
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + col1, mask=j_mask, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(b_ptr + col2, mask=j_mask, other=0.0).to(tl.float32)[None, :]
@@ -284,13 +294,8 @@ def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     rstd = _row_rstd(x_ptr, offs_m, m_mask, K, eps, BLOCK_M, BLOCK_K)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd)
-        acc_g += tl.dot(a, _weight_tile(w_ptr, offs_n, n_mask, kk, K), input_precision="ieee")
-        acc_u += tl.dot(a, _weight_tile(w_ptr, N + offs_n, n_mask, kk, K), input_precision="ieee")
+    acc_g, acc_u = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, offs_n, N + offs_n, n_mask, K, rstd,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -432,7 +437,7 @@ class FusedDecodeBlock:
         return out.view(b, t, dim)
 
 
-class TritonDecode:
+class TritonDecode(WithBlocks):
     """The model with its layers run by ``FusedDecodeBlock``s: what decode and verify steps call
     with ``kernels: triton`` (embedding, final norm, lm_head and sampling stay torch ops). Looks
     like the model to the step functions (``__call__``, ``hidden``, other attributes), as
@@ -441,19 +446,7 @@ class TritonDecode:
 
     def __init__(self, model: Transformer, splits: int | None = None) -> None:
         model.fuse_projections()
-        self._model = model
-        self.blocks: list[Callable[..., Tensor]] = [FusedDecodeBlock(layer, splits) for layer in model.layers]
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._model, name)
-
-    def __call__(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
-                 kv_len: int | None = None, rows: Tensor | None = None) -> Tensor:
-        return self._model(tokens, input_pos, last_idx, kv_len, blocks=self.blocks, rows=rows)
-
-    def hidden(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
-               kv_len: int | None = None) -> Tensor:
-        return self._model.hidden(tokens, input_pos, last_idx, kv_len, blocks=self.blocks)
+        super().__init__(model, [FusedDecodeBlock(layer, splits) for layer in model.layers])
 
 
 __all__ = ["FusedDecodeBlock", "TritonDecode", "norm_qkv_rope", "decode_attention", "linear_residual",
