@@ -26,4 +26,6 @@ done
 for folder in handlers optimizations benchmarks config k8s; do
   [ -e "servekit/$folder" ] || ln -s "../$folder" "servekit/$folder"
 done
-export PYTHONPATH=$PYTHONPATH PATH PYTHONUNBUFFERED=1
+# The checkout itself on PYTHONPATH too: subprocesses started elsewhere (the bench's load generator
+# runs in its run folder) import servekit from it as well.
+export PYTHONPATH=$PWD:$PYTHONPATH PATH PYTHONUNBUFFERED=1
