@@ -57,15 +57,24 @@ def bytes_per_step(model: Transformer, batch: int, mean_pos: float) -> int:
     return int((weights + kv) * elt)
 
 
-def count_kernels(fn) -> int:
-    """GPU kernels launched by ``fn()`` (a graph replay: its kernel nodes), by the profiler."""
+def profile_kernels(fn) -> tuple[int, list[dict]]:
+    """GPU kernels launched by ``fn()`` (a graph replay: its kernel nodes), by the profiler: their
+    count, and per kernel name its launches and GPU time (µs, the kernels' own durations: the gaps
+    between them are the rest of the step's time), longest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset")))
+    by_name: dict[str, dict] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.name.startswith(("Memcpy", "Memset")):
+            continue
+        k = by_name.setdefault(e.name, {"kernel": e.name, "launches": 0, "us": 0.0})
+        k["launches"] += 1
+        k["us"] += e.device_time
+    table = sorted(by_name.values(), key=lambda k: -k["us"])
+    return sum(k["launches"] for k in table), table
 
 
 def measure(runner: LlamaRunner, fwd, batch: int, kv_len: int, start_pos: int, steps: int, repeats: int,
@@ -94,13 +103,13 @@ def measure(runner: LlamaRunner, fwd, batch: int, kv_len: int, start_pos: int, s
             step.run()
         sync_device(device)
         times.append((time.perf_counter() - t0) / steps * 1e3)
-    kernels = kernels_eager = None
+    kernels = kernels_eager = kernel_table = None
     if device.type == "cuda":  # the graph's kernel nodes as the profiler sees one replay, and a plain call's
         reset()
-        kernels = count_kernels(step.run)
+        kernels, kernel_table = profile_kernels(step.run)
         if count_uncaptured:  # a cross-check of the replay's count (one profiler session costs ~1 s)
             reset()
-            kernels_eager = count_kernels(step._body)
+            kernels_eager, _ = profile_kernels(step._body)
     # One step's logits against the eager model in the same dtype, from the same cache prefix
     # (each call writes its own k/v at the step's position before reading it).
     tokens = torch.randint(3, model.config.vocab_size, (batch, 1), device=device)
@@ -110,6 +119,7 @@ def measure(runner: LlamaRunner, fwd, batch: int, kv_len: int, start_pos: int, s
         got = fwd(tokens, pos, kv_len=kv_len)
     return {"ms_per_step": min(times), "ms_per_step_all": times, "kernels_per_step": kernels,
             "kernels_per_step_uncaptured": kernels_eager,
+            "kernel_times": kernel_table,
             "max_abs_logit_diff": float((got - want).abs().max()), "mean_pos": start_pos + steps / 2}
 
 
@@ -133,7 +143,10 @@ def run_shape(name: str, config: LlamaConfig, args: argparse.Namespace, device: 
         compiled = kernels == "torch" and args.compile != "off"
         runner = LlamaRunner(model, kv_len, batches, prefill_buckets=(start_pos,), kv_buckets=(kv_len,),
                              compile_decode=compiled, compile_mode=args.compile if compiled else "default",
-                             cuda_graphs=device.type == "cuda", kernels=kernels)
+                             cuda_graphs=device.type == "cuda", kernels=kernels.removesuffix("-nopdl"))
+        if kernels == "triton-nopdl":  # the same kernels, each launched after the previous one ends
+            for block in runner.triton_model.blocks:
+                block.pdl = False
         fwd = runner.triton_model or runner.compiled_model or model
         for b in batches:
             r = measure(runner, fwd, b, kv_len, start_pos, steps, args.repeats, device, count_uncaptured=b == batches[0])
@@ -145,6 +158,8 @@ def run_shape(name: str, config: LlamaConfig, args: argparse.Namespace, device: 
             rows.append(r)
             say(f"{name} {kernels:6s} batch {b:2d}: {r['ms_per_step']:.3f} ms/step, "
                 f"{r['kernels_per_step']} kernels, max |dlogit| {r['max_abs_logit_diff']:.3g}")
+            for k in (r["kernel_times"] or [])[:8]:
+                say(f"    {k['us']:8.1f} us in {k['launches']:3d} launches  {k['kernel'][:90]}")
         say(f"{name} {kernels}: {time.perf_counter() - t0:.0f} s with warm-up")
         del runner, fwd
     del model
@@ -186,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", choices=[k for k in SHAPES if k != "tiny"],
                    default=["smollm2-135m", "qwen2.5-0.5b"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
-    p.add_argument("--variants", nargs="+", choices=("torch", "triton"), default=["torch", "triton"])
+    p.add_argument("--variants", nargs="+", choices=("torch", "triton", "triton-nopdl"), default=["torch", "triton"],
+                   help="triton-nopdl: the fused kernels without programmatic dependent launch")
     p.add_argument("--compile", default="default", choices=("off", "default", "max-autotune-no-cudagraphs"),
                    help="torch variant's compile mode (the shipped plan: default)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")

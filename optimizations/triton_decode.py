@@ -10,8 +10,8 @@ each. Here one layer is five kernels (six when attention splits the cache over p
 2. ``_attention_kernel``: attention of each row's queries over its cache slots ``<= position``,
    one program per (batch row, kv head, split of the cache) serving all the query heads of that
    kv head (GQA) and all T query tokens of the row; with several splits (long caches, small
-   batches: the whole GPU works on one row) ``_attention_reduce_kernel`` merges their partial
-   softmaxes (flash-decoding).
+   batches: the whole GPU works on one row) the last of a row's splits to finish merges their
+   partial softmaxes (flash-decoding in one kernel).
 3. ``_linear_residual_kernel``: the output projection (+ bias) plus the residual.
 4. ``_norm_gate_up_kernel``: RMSNorm fused into the gate/up projection, then SiLU(gate) * up.
 5. ``_linear_residual_kernel`` again: the down projection plus the residual.
@@ -41,22 +41,70 @@ from torch import Tensor
 from servekit.optimizations.llama import Transformer, TransformerBlock, WithBlocks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+try:  # grid dependency control (Triton 3.4+); absent: programmatic dependent launch stays off
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = (4,)) -> list[triton.Config]:
     """Autotune candidates (few: each one is a compile at warm-up, per shape class); under the
-    interpreter one small configuration, so that the loops over blocks run several times."""
+    interpreter one small configuration, so that the loops over blocks run several times. K blocks
+    of 512 and more are the one-block candidates: no loop to pipeline, so one stage (the default
+    three would ask for more shared memory than an SM has)."""
     if INTERPRET:
         return [triton.Config(dict(interpreted), num_warps=4)]
-    return [triton.Config(dict(o), num_warps=w) for o in options for w in warps]
+    return [triton.Config(dict(o), num_warps=w, num_stages=1 if o.get("BLOCK_K", 0) >= 512 else 3)
+            for o in options for w in warps]
 
 
 # Small-M GEMM tiles: few output columns per program, so that even one row keeps many SMs busy.
-_GEMM = _configs([dict(BLOCK_N=16, BLOCK_K=128), dict(BLOCK_N=32, BLOCK_K=64), dict(BLOCK_N=32, BLOCK_K=128),
-                  dict(BLOCK_N=64, BLOCK_K=64), dict(BLOCK_N=64, BLOCK_K=128)], dict(BLOCK_N=16, BLOCK_K=32))
-_ROPE = _configs([dict(BLOCK_J=16, BLOCK_K=64), dict(BLOCK_J=16, BLOCK_K=128), dict(BLOCK_J=32, BLOCK_K=64),
-                  dict(BLOCK_J=32, BLOCK_K=128)], dict(BLOCK_J=16, BLOCK_K=32))
+# The reduction dimension is one block where the tiles fit in registers (SmolLM2-sized layers):
+# every weight of a program is then loaded by one round of loads, issued before the program waits
+# for the previous kernel (see _wait_for_previous). Larger layers loop over K in 128/256 blocks.
+_K_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
+_GEMM = _configs([dict(BLOCK_N=n, BLOCK_K=k) for n in (16, 32) for k in _K_BLOCKS], dict(BLOCK_N=16, BLOCK_K=32),
+                 warps=(4, 8))
+_ROPE = _configs([dict(BLOCK_J=j, BLOCK_K=k) for j in (16, 32) for k in _K_BLOCKS], dict(BLOCK_J=16, BLOCK_K=32),
+                 warps=(4, 8))
 _ATTN = _configs([dict(BLOCK_S=32), dict(BLOCK_S=64), dict(BLOCK_S=128)], dict(BLOCK_S=16))
+# Weight bytes one program may hold (64 KiB: 64 registers a thread at 8 warps in bf16, and the
+# tiles tl.dot stages in shared memory stay within an SM's).
+_TILE_BUDGET = 65536
+_SMEM_BUDGET = 200_000  # of an H100 SM's 227 KiB
+
+
+def _k_prune(tiles: int, cols: str):
+    """Autotune pruning: the one-block candidates (``BLOCK_K`` = K rounded up to a power of two)
+    whose ``tiles`` weight tiles fit ``_TILE_BUDGET``, else the looping ones (128, 256)."""
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        k = triton.next_power_of_2(named_args["K"])
+        elt = named_args["w_ptr"].element_size()
+
+        def fits(c: triton.Config) -> bool:  # the x and weight tiles of each pipeline stage in shared memory
+            staged = (kwargs.get("BLOCK_M", 16) + tiles * c.kwargs[cols]) * c.kwargs["BLOCK_K"] * elt * c.num_stages
+            return staged <= _SMEM_BUDGET
+
+        single = [c for c in configs if c.kwargs["BLOCK_K"] == k and fits(c)
+                  and tiles * c.kwargs[cols] * k * elt <= _TILE_BUDGET]
+        return single or [c for c in configs if c.kwargs["BLOCK_K"] in (128, 256) and fits(c)]
+    return None if INTERPRET else {"early_config_prune": prune}
+
+
+# One block over K: the norms compute the rms from the tile they multiply (no second pass over x).
+_SINGLE = {"SINGLE": lambda args: args["BLOCK_K"] >= args["K"]}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and newer, a Triton with ``launch_pdl``): each kernel
+    of a step may start while the previous one finishes, loading its weights meanwhile and
+    waiting (``griddepcontrol.wait``) only before it reads what earlier kernels wrote. CUDA graphs
+    keep these launches as programmatic edges."""
+    if INTERPRET or device.type != "cuda" or gdc_wait is None:
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return torch.cuda.get_device_capability(device)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 # --- shared pieces --------------------------------------------------------------------------------
@@ -92,29 +140,55 @@ def _weight_tile(w_ptr, rows, r_mask, kk, K):
 
 
 @triton.jit
-def _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, rows1, rows2, r_mask, K, rstd,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _wait_for_previous(USE_PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the previous kernel has finished and its
+    writes are visible (everything before this may only read weights), then let the next kernel
+    start (it loads its own weights while this one computes). Every program calls it, so a
+    kernel's end implies its predecessors' ends. A no-op without PDL."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, rows1, rows2, r_mask, K, eps, w1, w2,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr):
     """RMSNorm(x) rows ``offs_m`` times two sets of weight rows at once (the two halves of a RoPE
-    pair, or gate and up): one pass over x for both, fp32 accumulators ``(BLOCK_M, BLOCK_N)``."""
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
+    pair, or gate and up): one pass over x for both, fp32 accumulators ``(BLOCK_M, cols)``.
+    ``w1``/``w2`` are the weight tiles of the first K block, loaded by the caller (before it
+    waits for the previous kernel); SINGLE: that block is the whole of K."""
+    kk = tl.arange(0, BLOCK_K)
+    if SINGLE:  # the rms from the very tile that is multiplied: x is read once
+        x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
+        g = tl.load(g_ptr + kk, mask=kk < K, other=0.0)
+        a = g[None, :] * (x * rstd[:, None]).to(g.dtype)
+    else:
+        rstd = _row_rstd(x_ptr, offs_m, m_mask, K, eps, BLOCK_M, BLOCK_K)
         a = _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd)
-        acc1 += tl.dot(a, _weight_tile(w_ptr, rows1, r_mask, kk, K), input_precision="ieee")
-        acc2 += tl.dot(a, _weight_tile(w_ptr, rows2, r_mask, kk, K), input_precision="ieee")
+    acc1 = tl.dot(a, w1, input_precision="ieee")
+    acc2 = tl.dot(a, w2, input_precision="ieee")
+    if not SINGLE:
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd)
+            acc1 += tl.dot(a, _weight_tile(w_ptr, rows1, r_mask, kk, K), input_precision="ieee")
+            acc2 += tl.dot(a, _weight_tile(w_ptr, rows2, r_mask, kk, K), input_precision="ieee")
     return acc1, acc2
 
 
 # --- 1. RMSNorm + q/k/v projection + RoPE + KV-cache write -----------------------------------------
 
-@triton.autotune(configs=_ROPE, key=["M", "K", "N_HEADS", "N_KV", "HEAD_DIM"])
+@triton.autotune(configs=_ROPE, key=["M", "K", "N_HEADS", "N_KV", "HEAD_DIM"], prune_configs_by=_k_prune(2, "BLOCK_J"))
+@triton.heuristics(_SINGLE)
 @triton.jit
 def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, q_ptr, kc_ptr, vc_ptr,
                           M, K, T, eps, stride_cb, stride_ch, stride_cs,
                           N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SINGLE: tl.constexpr):
     # A program computes columns j and j + HALF of one head (the pairs RoPE rotates together) for
     # BLOCK_M rows. Heads 0..N_HEADS-1 are q, then N_KV k heads, then N_KV v heads (wqkv's order).
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -124,14 +198,20 @@ def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr,
     j_mask = j < HALF
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    rstd = _row_rstd(x_ptr, offs_m, m_mask, K, eps, BLOCK_M, BLOCK_K)
     col1 = head * HEAD_DIM + j
     col2 = col1 + HALF
-    acc1, acc2 = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, col1, col2, j_mask, K, rstd,
-                                   BLOCK_M, BLOCK_J, BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)
+    w1 = _weight_tile(w_ptr, col1, j_mask, kk, K)
+    w2 = _weight_tile(w_ptr, col2, j_mask, kk, K)
     if HAS_BIAS:
-        acc1 += tl.load(b_ptr + col1, mask=j_mask, other=0.0).to(tl.float32)[None, :]
-        acc2 += tl.load(b_ptr + col2, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+        bias1 = tl.load(b_ptr + col1, mask=j_mask, other=0.0).to(tl.float32)
+        bias2 = tl.load(b_ptr + col2, mask=j_mask, other=0.0).to(tl.float32)
+    _wait_for_previous(USE_PDL)
+    acc1, acc2 = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, col1, col2, j_mask, K, eps, w1, w2,
+                                   BLOCK_M, BLOCK_K, SINGLE)
+    if HAS_BIAS:
+        acc1 += bias1[None, :]
+        acc2 += bias2[None, :]
     dtype = q_ptr.dtype.element_ty
     x1 = acc1.to(dtype).to(tl.float32)  # the eager projection's output, in the model's dtype
     x2 = acc2.to(dtype).to(tl.float32)
@@ -174,14 +254,16 @@ def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr,
 
 @triton.autotune(configs=_ATTN, key=["kv_len", "QROWS", "HEAD_DIM", "SPLITS"])
 @triton.jit
-def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, pl_ptr, pacc_ptr,
+def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, pl_ptr, pacc_ptr, count_ptr,
                       kv_len, T, sm_scale, stride_cb, stride_ch, stride_cs,
                       N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
                       GROUP: tl.constexpr, QROWS: tl.constexpr, Q_P: tl.constexpr, SPLITS: tl.constexpr,
-                      HAS_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
+                      HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr,
+                      MERGE_SPLITS: tl.constexpr):
     # One program: batch row b, kv head g, cache split `split`. Its query rows are the GROUP query
     # heads of g for each of the row's T tokens (QROWS = T * GROUP, padded to Q_P >= 16 for tl.dot):
     # every k/v slot is read once for all of them.
+    _wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -223,82 +305,104 @@ def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, p
         v = tl.load(v_base + s[:, None] * stride_cs + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
+    y_off = (tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None] + d[None, :]
+    y_mask = r_mask[:, None] & d_mask[None, :]
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(y_ptr + (tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None] + d[None, :],
-                 out.to(y_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
-    else:  # partial results, merged by _attention_reduce_kernel
-        part = (b * N_KV + g) * SPLITS + split
+        tl.store(y_ptr + y_off, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        # Partial softmax of this split; the last split of (b, g) to finish merges them all
+        # (flash-decoding without a second kernel). The barrier puts every thread's partial
+        # stores before the counter's release; its acquire puts the merge's loads after all of
+        # theirs. The merge reads with .cg (L2): other SMs wrote those partials.
+        group_id = b * N_KV + g
+        part = group_id * SPLITS + split
         tl.store(pm_ptr + part * Q_P + r, m_i)
         tl.store(pl_ptr + part * Q_P + r, l_i)
         tl.store(pacc_ptr + (part * Q_P + r)[:, None] * D_P + d[None, :], acc)
-
-
-@triton.jit
-def _attention_reduce_kernel(y_ptr, pm_ptr, pl_ptr, pacc_ptr, T,
-                             N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
-                             GROUP: tl.constexpr, QROWS: tl.constexpr, Q_P: tl.constexpr, SPLITS: tl.constexpr,
-                             SPLITS_P: tl.constexpr):
-    # One program per (batch row, kv head, query row): the splits' softmaxes rescaled to a common max.
-    b = tl.program_id(0)
-    g = tl.program_id(1)
-    r = tl.program_id(2)
-    sp = tl.arange(0, SPLITS_P)
-    sp_mask = sp < SPLITS
-    d = tl.arange(0, D_P)
-    part = (b * N_KV + g) * SPLITS + sp
-    m = tl.load(pm_ptr + part * Q_P + r, mask=sp_mask, other=-1e30)
-    l = tl.load(pl_ptr + part * Q_P + r, mask=sp_mask, other=0.0)
-    acc = tl.load(pacc_ptr + (part * Q_P + r)[:, None] * D_P + d[None, :], mask=sp_mask[:, None], other=0.0)
-    w = tl.exp(m - tl.max(m, axis=0))
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tok = b * T + r // GROUP
-    head = g * GROUP + r % GROUP
-    tl.store(y_ptr + tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM + d, out.to(y_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + group_id, 1, sem="acq_rel") == SPLITS - 1:
+            tl.store(count_ptr + group_id, 0)  # ready for the next step (the next graph replay too)
+            m_all = tl.full((Q_P,), -1e30, dtype=tl.float32)
+            l_all = tl.zeros((Q_P,), dtype=tl.float32)
+            acc_all = tl.zeros((Q_P, D_P), dtype=tl.float32)
+            for first in range(0, SPLITS, MERGE_SPLITS):  # MERGE_SPLITS partials per round of loads
+                sp = first + tl.arange(0, MERGE_SPLITS)
+                sp_mask = sp < SPLITS
+                pp = (group_id * SPLITS + sp)[:, None] * Q_P + r[None, :]  # (splits, query rows)
+                m = tl.load(pm_ptr + pp, mask=sp_mask[:, None], other=-1e30, cache_modifier=".cg")
+                l = tl.load(pl_ptr + pp, mask=sp_mask[:, None], other=0.0, cache_modifier=".cg")
+                a = tl.load(pacc_ptr + pp[:, :, None] * D_P + d[None, None, :], mask=sp_mask[:, None, None],
+                            other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_all, tl.max(m, axis=0))
+                w = tl.exp(m - m_new[None, :])
+                alpha = tl.exp(m_all - m_new)
+                l_all = l_all * alpha + tl.sum(l * w, axis=0)
+                acc_all = acc_all * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
+                m_all = m_new
+            out = acc_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
+            tl.store(y_ptr + y_off, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 # --- 3 and 5. projection + residual -----------------------------------------------------------------
 
-@triton.autotune(configs=_GEMM, key=["M", "N", "K"])
+@triton.autotune(configs=_GEMM, key=["M", "N", "K"], prune_configs_by=_k_prune(1, "BLOCK_N"))
+@triton.heuristics(_SINGLE)
 @triton.jit
 def _linear_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, SINGLE: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
-        acc += tl.dot(a, _weight_tile(w_ptr, offs_n, n_mask, kk, K), input_precision="ieee")
+    kk = tl.arange(0, BLOCK_K)
+    w = _weight_tile(w_ptr, offs_n, n_mask, kk, K)  # the first (often only) K block, before the wait
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    _wait_for_previous(USE_PDL)
     dtype = out_ptr.dtype.element_ty
     mn = m_mask[:, None] & n_mask[None, :]
     off = offs_m[:, None] * N + offs_n[None, :]
     res = tl.load(res_ptr + off, mask=mn, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
+    acc = tl.dot(a, w, input_precision="ieee")
+    if not SINGLE:
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
+                        other=0.0)
+            acc += tl.dot(a, _weight_tile(w_ptr, offs_n, n_mask, kk, K), input_precision="ieee")
+    if HAS_BIAS:
+        acc += bias[None, :]
     tl.store(out_ptr + off, (res + acc.to(dtype).to(tl.float32)).to(dtype), mask=mn)
 
 
 # --- 4. RMSNorm + gate/up projection + SiLU(gate) * up ----------------------------------------------
 
-@triton.autotune(configs=_GEMM, key=["M", "N", "K"])
+@triton.autotune(configs=_GEMM, key=["M", "N", "K"], prune_configs_by=_k_prune(2, "BLOCK_N"))
+@triton.heuristics(_SINGLE)
 @triton.jit
 def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_BIAS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SINGLE: tl.constexpr):
     # w13 is [gate; up]: output column n needs weight rows n and N + n.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    rstd = _row_rstd(x_ptr, offs_m, m_mask, K, eps, BLOCK_M, BLOCK_K)
-    acc_g, acc_u = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, offs_n, N + offs_n, n_mask, K, rstd,
-                                     BLOCK_M, BLOCK_N, BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)
+    wg = _weight_tile(w_ptr, offs_n, n_mask, kk, K)
+    wu = _weight_tile(w_ptr, N + offs_n, n_mask, kk, K)
     if HAS_BIAS:
-        acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        bias_g = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        bias_u = tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    _wait_for_previous(USE_PDL)
+    acc_g, acc_u = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, offs_n, N + offs_n, n_mask, K, eps, wg, wu,
+                                     BLOCK_M, BLOCK_K, SINGLE)
+    if HAS_BIAS:
+        acc_g += bias_g[None, :]
+        acc_u += bias_u[None, :]
     dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)  # rounded where the eager projections round
     up = acc_u.to(dtype).to(tl.float32)
@@ -314,6 +418,11 @@ def _block_m(m: int) -> int:
     return max(16, min(64, triton.next_power_of_2(m)))
 
 
+def _launch(pdl: bool) -> dict:
+    """The kernels' PDL constexpr, and the launch option itself when on."""
+    return dict(USE_PDL=True, launch_pdl=True) if pdl else dict(USE_PDL=False)
+
+
 def _bias(linear: torch.nn.Linear) -> tuple[Tensor, bool]:
     # A kernel argument must be a tensor even when unused: the weight stands in for a missing bias.
     return (linear.bias, True) if linear.bias is not None else (linear.weight, False)
@@ -321,7 +430,7 @@ def _bias(linear: torch.nn.Linear) -> tuple[Tensor, bool]:
 
 def norm_qkv_rope(x: Tensor, norm: torch.nn.Module, wqkv: torch.nn.Linear, cos: Tensor, sin: Tensor,
                   input_pos: Tensor, k_cache: Tensor, v_cache: Tensor, n_heads: int, n_kv_heads: int,
-                  head_dim: int, t: int, rows: Tensor | None = None) -> Tensor:
+                  head_dim: int, t: int, rows: Tensor | None = None, pdl: bool = False) -> Tensor:
     """x ``(M, dim)`` (M = B * T tokens, row-major by batch row); cos/sin ``(M, head_dim)``;
     input_pos ``(M,)``. Writes k, v into the caches; returns RoPE'd q ``(M, n_heads * head_dim)``."""
     m, k = x.shape
@@ -335,21 +444,40 @@ def norm_qkv_rope(x: Tensor, norm: torch.nn.Module, wqkv: torch.nn.Linear, cos: 
         x, norm.weight, wqkv.weight, bias, cos, sin, input_pos, rows if rows is not None else input_pos,
         q, k_cache, v_cache, m, k, t, norm.eps, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=has_bias, HAS_ROWS=rows is not None,
-        BLOCK_M=block_m)
+        BLOCK_M=block_m, **_launch(pdl))
     return q
 
 
 def attention_splits(batch: int, n_kv_heads: int, kv_len: int, programs: int = 264, min_slots: int = 64) -> int:
     """Cache splits per (row, kv head): enough programs for the GPU (``programs``: ~2 per SM of an
-    H100), at least ``min_slots`` cache slots each. 1 = no reduce kernel."""
+    H100), at least ``min_slots`` cache slots each. 1 = no merge."""
     return max(1, min(programs // (batch * n_kv_heads), triton.cdiv(kv_len, min_slots)))
+
+
+class SplitCounters:
+    """One int32 counter per (batch row, kv head), shared by the layers of a model (their attention
+    kernels run one after another): how many of a row's cache splits have finished. The last one
+    merges and sets it back to 0, so the counters stay valid across CUDA-graph replays. Allocated
+    before capture: each step runs once uncaptured (the warm-up) before it is captured."""
+
+    def __init__(self) -> None:
+        self.counts: Tensor | None = None
+
+    def get(self, n: int, device: torch.device) -> Tensor:
+        if self.counts is None or self.counts.numel() < n or self.counts.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("attention split counters must exist before CUDA-graph capture: "
+                                   "run each step once before capturing it")
+            self.counts = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        return self.counts
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, kv_len: int, batch: int,
                      t: int, n_heads: int, n_kv_heads: int, head_dim: int, rows: Tensor | None = None,
-                     splits: int | None = None) -> Tensor:
+                     splits: int | None = None, pdl: bool = False, counters: SplitCounters | None = None) -> Tensor:
     """q ``(B * T, n_heads * head_dim)`` -> attention output of the same shape: token (b, t) at
-    position p attends to slots ``0..p`` of cache row ``rows[b]`` (default b), below ``kv_len``."""
+    position p attends to slots ``0..p`` of cache row ``rows[b]`` (default b), below ``kv_len``.
+    ``counters``: the model's split counters (a private set when None)."""
     group = n_heads // n_kv_heads
     qrows = t * group
     q_p = max(16, triton.next_power_of_2(qrows))
@@ -361,21 +489,21 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Ten
         pm = torch.empty(parts, dtype=torch.float32, device=q.device)
         pl = torch.empty(parts, dtype=torch.float32, device=q.device)
         pacc = torch.empty(parts, d_p, dtype=torch.float32, device=q.device)
+        counts = (counters or SplitCounters()).get(batch * n_kv_heads, q.device)
     else:
         pm = pl = pacc = y  # unused
-    meta = dict(N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, D_P=d_p, GROUP=group, QROWS=qrows, Q_P=q_p,
-                SPLITS=splits)
+        counts = input_pos
+    # Partials merged per round of loads: (splits, query rows, head dim) within ~8K fp32 values.
+    merge = min(triton.next_power_of_2(splits), max(1, 8192 // (q_p * d_p)))
     _attention_kernel[(batch, n_kv_heads, splits)](
-        q, k_cache, v_cache, input_pos, rows if rows is not None else input_pos, y, pm, pl, pacc,
+        q, k_cache, v_cache, input_pos, rows if rows is not None else input_pos, y, pm, pl, pacc, counts,
         kv_len, t, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HAS_ROWS=rows is not None, **meta)
-    if splits > 1:
-        _attention_reduce_kernel[(batch, n_kv_heads, qrows)](y, pm, pl, pacc, t, SPLITS_P=triton.next_power_of_2(splits),
-                                                             **meta)
+        N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, D_P=d_p, GROUP=group, QROWS=qrows, Q_P=q_p,
+        SPLITS=splits, HAS_ROWS=rows is not None, MERGE_SPLITS=merge, **_launch(pdl))
     return y
 
 
-def linear_residual(a: Tensor, linear: torch.nn.Linear, residual: Tensor) -> Tensor:
+def linear_residual(a: Tensor, linear: torch.nn.Linear, residual: Tensor, pdl: bool = False) -> Tensor:
     """``residual + linear(a)`` for a ``(M, K)``, residual ``(M, N)``."""
     m, k = a.shape
     n = linear.weight.shape[0]
@@ -383,11 +511,12 @@ def linear_residual(a: Tensor, linear: torch.nn.Linear, residual: Tensor) -> Ten
     bias, has_bias = _bias(linear)
     block_m = _block_m(m)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
-    _linear_residual_kernel[grid](a, linear.weight, bias, residual, out, m, n, k, HAS_BIAS=has_bias, BLOCK_M=block_m)
+    _linear_residual_kernel[grid](a, linear.weight, bias, residual, out, m, n, k, HAS_BIAS=has_bias, BLOCK_M=block_m,
+                                  **_launch(pdl))
     return out
 
 
-def norm_gate_up(x: Tensor, norm: torch.nn.Module, w13: torch.nn.Linear) -> Tensor:
+def norm_gate_up(x: Tensor, norm: torch.nn.Module, w13: torch.nn.Linear, pdl: bool = False) -> Tensor:
     """``silu(gate) * up`` of ``w13(RMSNorm(x))``, w13 = [gate; up]: ``(M, intermediate)``."""
     m, k = x.shape
     n = w13.weight.shape[0] // 2
@@ -396,7 +525,7 @@ def norm_gate_up(x: Tensor, norm: torch.nn.Module, w13: torch.nn.Linear) -> Tens
     block_m = _block_m(m)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
     _norm_gate_up_kernel[grid](x, norm.weight, w13.weight, bias, out, m, n, k, norm.eps, HAS_BIAS=has_bias,
-                               BLOCK_M=block_m)
+                               BLOCK_M=block_m, **_launch(pdl))
     return out
 
 
@@ -412,11 +541,14 @@ class FusedDecodeBlock:
     (the kv bucket) is used: the kernels mask by position.
     """
 
-    def __init__(self, block: TransformerBlock, splits: int | None = None) -> None:
+    def __init__(self, block: TransformerBlock, splits: int | None = None, pdl: bool = False,
+                 counters: SplitCounters | None = None) -> None:
         if block.attention.wqkv is None or block.feed_forward.w13 is None:
             raise ValueError("FusedDecodeBlock needs fused projections: call Transformer.fuse_projections() first")
         self.block = block
         self.splits = splits  # attention cache splits (None: attention_splits' choice)
+        self.pdl = pdl  # programmatic dependent launch between the kernels (pdl_supported)
+        self.counters = counters or SplitCounters()
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
                  rows: Tensor | None = None) -> Tensor:
@@ -429,11 +561,11 @@ class FusedDecodeBlock:
         pos = input_pos.reshape(-1).contiguous()
         q = norm_qkv_rope(x2, self.block.attention_norm, att.wqkv, cos.reshape(b * t, -1).contiguous(),
                           sin.reshape(b * t, -1).contiguous(), pos, cache.k_cache, cache.v_cache,
-                          att.n_heads, att.n_kv_heads, att.head_dim, t, rows)
+                          att.n_heads, att.n_kv_heads, att.head_dim, t, rows, self.pdl)
         y = decode_attention(q, cache.k_cache, cache.v_cache, pos, mask.shape[-1], b, t, att.n_heads,
-                             att.n_kv_heads, att.head_dim, rows, self.splits)
-        h = linear_residual(y, att.wo, x2)
-        out = linear_residual(norm_gate_up(h, self.block.ffn_norm, ff.w13), ff.w2, h)
+                             att.n_kv_heads, att.head_dim, rows, self.splits, self.pdl, self.counters)
+        h = linear_residual(y, att.wo, x2, self.pdl)
+        out = linear_residual(norm_gate_up(h, self.block.ffn_norm, ff.w13, self.pdl), ff.w2, h, self.pdl)
         return out.view(b, t, dim)
 
 
@@ -444,10 +576,14 @@ class TritonDecode(WithBlocks):
     ``generate.RegionalCompiled`` does; not compiled: the kernels are already fused, and the
     CUDA graph around the step removes the launch cost of what is left."""
 
-    def __init__(self, model: Transformer, splits: int | None = None) -> None:
+    def __init__(self, model: Transformer, splits: int | None = None, pdl: bool | None = None) -> None:
         model.fuse_projections()
-        super().__init__(model, [FusedDecodeBlock(layer, splits) for layer in model.layers])
+        if pdl is None:  # on wherever the GPU and Triton support it
+            pdl = pdl_supported(model.tok_embeddings.weight.device)
+        self.pdl = pdl
+        counters = SplitCounters()  # one set for all layers: their attention kernels never overlap
+        super().__init__(model, [FusedDecodeBlock(layer, splits, pdl, counters) for layer in model.layers])
 
 
-__all__ = ["FusedDecodeBlock", "TritonDecode", "norm_qkv_rope", "decode_attention", "linear_residual",
-           "norm_gate_up", "attention_splits"]
+__all__ = ["FusedDecodeBlock", "TritonDecode", "SplitCounters", "norm_qkv_rope", "decode_attention",
+           "linear_residual", "norm_gate_up", "attention_splits", "pdl_supported"]

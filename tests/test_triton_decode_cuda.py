@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from greedy_parity import check_same_or_tie  # noqa: E402
 from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate  # noqa: E402
 from servekit.optimizations.llama import LlamaConfig, Transformer, init_random  # noqa: E402
-from servekit.optimizations.triton_decode import TritonDecode  # noqa: E402
+from servekit.optimizations.triton_decode import TritonDecode, pdl_supported  # noqa: E402
 
 MAX_SEQ = 256
 CONFIGS = {  # SmolLM2-like (GQA 3) and Qwen2-like (GQA 7, q/k/v biases), small
@@ -49,9 +49,13 @@ def _models(name: str) -> tuple[Transformer, Transformer]:
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("t", [1, 3])  # a decode step; a verify step of 2 drafts
-def test_captured_fused_step_logits_match_eager_bf16(name: str, t: int) -> None:
+@pytest.mark.parametrize("pdl", [False, True], ids=["launch", "pdl"])  # programmatic dependent launch
+@pytest.mark.parametrize("splits", [None, 16], ids=["auto-splits", "16-splits"])  # 16: merged by the last split
+def test_captured_fused_step_logits_match_eager_bf16(name: str, t: int, pdl: bool, splits: int | None) -> None:
+    if pdl and not pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs a Hopper GPU and Triton 3.4+")
     bf16, fp32 = _models(name)
-    fused = TritonDecode(bf16)
+    fused = TritonDecode(bf16, splits=splits, pdl=pdl)
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, prompt = 4, 100
     prompts = torch.randint(3, 1024, (b, prompt), device="cuda", generator=gen)

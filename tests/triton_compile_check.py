@@ -13,6 +13,7 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "compiles real kernels: run without TRITON_INTERPRET"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -20,19 +21,33 @@ from triton.compiler import ASTSource  # noqa: E402
 from servekit.optimizations import triton_decode as td  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+DTYPES = {"*bf16": torch.bfloat16, "*fp32": torch.float32}
+H100_SHARED = 232448  # bytes of shared memory a block may use on an H100
 
 
 ALL = "--all" in sys.argv
 
 
-def compile_all(kernel, types: dict[str, str], constants: dict[str, object]) -> int:
-    """Compile ``kernel`` (autotuned or plain) with its first (``--all``: each) candidate configuration."""
-    fn = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn  # an Autotuner wraps it
-    configs = getattr(kernel, "configs", [triton.Config({}, num_warps=4)])[:None if ALL else 1]
+def compile_all(kernel, types: dict[str, str], constants: dict[str, object], k: int | None = None) -> int:
+    """Compile ``kernel`` (autotuned or plain) with its first (``--all``: each) candidate configuration,
+    of those its autotuner keeps for a reduction dimension ``k``."""
+    fn = kernel
+    while not isinstance(fn, triton.runtime.JITFunction):  # Autotuner -> Heuristics -> JITFunction
+        fn = fn.fn
+    configs = getattr(kernel, "configs", [triton.Config({}, num_warps=4)])
+    prune = getattr(kernel, "early_config_prune", None)
+    if prune and k is not None:
+        configs = prune(configs, {"K": k, "w_ptr": torch.empty(0, dtype=DTYPES[types["w_ptr"]])}, **constants)
+    configs = configs[:None if ALL else 1]
     for cfg in configs:
         consts = {**constants, **cfg.kwargs}
+        if "SINGLE" in fn.arg_names:
+            consts["SINGLE"] = cfg.kwargs["BLOCK_K"] >= k
         signature = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
-        triton.compile(ASTSource(fn, signature, consts), target=TARGET, options={"num_warps": cfg.num_warps})
+        compiled = triton.compile(ASTSource(fn, signature, consts), target=TARGET,
+                                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": True})
+        # What the H100 would refuse at load: more shared memory than an SM has.
+        assert compiled.metadata.shared <= H100_SHARED, f"{fn.__name__} {cfg}: {compiled.metadata.shared} bytes of shared memory"
     return len(configs)
 
 
@@ -44,20 +59,23 @@ def main() -> int:
         ptrs = {name: p for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr",
                                      "a_ptr", "res_ptr", "out_ptr", "y_ptr")}
         types = {**ints, **ptrs, "pos_ptr": "*i64", "rows_ptr": "*i64", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
-                 "pacc_ptr": "*fp32", "eps": "fp32", "sm_scale": "fp32"}
-        # SmolLM2 (GQA 3, one token per row) and Qwen2.5-0.5B (GQA 7, biases, 5 tokens per row: a verify step).
-        for heads, kv, bias, t, block_m in ((9, 3, False, 1, 16), (14, 2, True, 5, 64)):
+                 "pacc_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32", "sm_scale": "fp32"}
+        # SmolLM2 (GQA 3, one token per row: K in one block) and Qwen2.5-0.5B (GQA 7, biases, 5 tokens
+        # per row: a verify step; its down projection loops over K), with programmatic dependent launch.
+        for heads, kv, bias, t, block_m, dim, hidden in ((9, 3, False, 1, 16, 576, 1536), (14, 2, True, 5, 64, 896, 4864)):
             group = heads // kv
             q_p = max(16, triton.next_power_of_2(group * t))
+            pdl = dict(USE_PDL=True)
             for rows in (False, True):
                 n += compile_all(td._norm_qkv_rope_kernel, types, dict(N_HEADS=heads, N_KV=kv, HEAD_DIM=64, HAS_BIAS=bias,
-                                                                       HAS_ROWS=rows, BLOCK_M=block_m))
-            attn = dict(N_HEADS=heads, N_KV=kv, HEAD_DIM=64, D_P=64, GROUP=group, QROWS=group * t, Q_P=q_p)
-            for splits in (1, 4):
-                n += compile_all(td._attention_kernel, types, dict(attn, SPLITS=splits, HAS_ROWS=False))
-            n += compile_all(td._attention_reduce_kernel, types, dict(attn, SPLITS=4, SPLITS_P=4))
-            n += compile_all(td._linear_residual_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=block_m))
-            n += compile_all(td._norm_gate_up_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=block_m))
+                                                                       HAS_ROWS=rows, BLOCK_M=block_m, **pdl), dim)
+            attn = dict(N_HEADS=heads, N_KV=kv, HEAD_DIM=64, D_P=64, GROUP=group, QROWS=group * t, Q_P=q_p, **pdl)
+            for splits in (1, 4, 32):  # one split; merged in one round of loads; in several
+                n += compile_all(td._attention_kernel, types, dict(attn, SPLITS=splits, HAS_ROWS=False,
+                                                                   MERGE_SPLITS=min(splits, 8192 // (q_p * 64))))
+            for k in (dim, hidden):  # the output and the down projection
+                n += compile_all(td._linear_residual_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=block_m, **pdl), k)
+            n += compile_all(td._norm_gate_up_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=block_m, **pdl), dim)
     print(f"compiled {n} kernels for sm_90")
     return 0
 
