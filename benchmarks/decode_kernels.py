@@ -144,9 +144,9 @@ def run_shape(name: str, config: LlamaConfig, args: argparse.Namespace, device: 
         runner = LlamaRunner(model, kv_len, batches, prefill_buckets=(start_pos,), kv_buckets=(kv_len,),
                              compile_decode=compiled, compile_mode=args.compile if compiled else "default",
                              cuda_graphs=device.type == "cuda", kernels=kernels.removesuffix("-nopdl"))
-        if kernels == "triton-nopdl":  # the same kernels, each launched after the previous one ends
-            for block in runner.triton_model.blocks:
-                block.pdl = False
+        for block in runner.triton_model.blocks if runner.triton_model else ():
+            block.pdl = block.pdl and kernels != "triton-nopdl"  # nopdl: each kernel launched after the last ends
+            block.splits = args.splits or block.splits
         fwd = runner.triton_model or runner.compiled_model or model
         for b in batches:
             r = measure(runner, fwd, b, kv_len, start_pos, steps, args.repeats, device, count_uncaptured=b == batches[0])
@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", default="default", choices=("off", "default", "max-autotune-no-cudagraphs"),
                    help="torch variant's compile mode (the shipped plan: default)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--splits", type=int, default=None,
+                   help="attention cache splits per (row, kv head) for the triton variants (default: by batch and kv length)")
     p.add_argument("--kv-len", type=int, default=512, help="kv bucket of the steps (positions from half of it)")
     p.add_argument("--steps", type=int, default=100, help="replays per timing")
     p.add_argument("--repeats", type=int, default=3)

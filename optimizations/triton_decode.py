@@ -10,8 +10,8 @@ each. Here one layer is five kernels (six when attention splits the cache over p
 2. ``_attention_kernel``: attention of each row's queries over its cache slots ``<= position``,
    one program per (batch row, kv head, split of the cache) serving all the query heads of that
    kv head (GQA) and all T query tokens of the row; with several splits (long caches, small
-   batches: the whole GPU works on one row) the last of a row's splits to finish merges their
-   partial softmaxes (flash-decoding in one kernel).
+   batches: the whole GPU works on one row) ``_attention_reduce_kernel`` merges their partial
+   softmaxes (flash-decoding).
 3. ``_linear_residual_kernel``: the output projection (+ bias) plus the residual.
 4. ``_norm_gate_up_kernel``: RMSNorm fused into the gate/up projection, then SiLU(gate) * up.
 5. ``_linear_residual_kernel`` again: the down projection plus the residual.
@@ -62,10 +62,15 @@ def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = 
 # The reduction dimension is one block where the tiles fit in registers (SmolLM2-sized layers):
 # every weight of a program is then loaded by one round of loads, issued before the program waits
 # for the previous kernel (see _wait_for_previous). Larger layers loop over K in 128/256 blocks.
+# One row (a plain decode step at batch 1) is a matrix-vector product on the CUDA cores instead
+# (GEMV): 4-16 output columns per program, the whole of K (``K_ONE``) in registers; tl.dot would
+# pad it to 16 rows and stage both operands in shared memory (measured on an H100: 1.2-1.3 µs per
+# SmolLM2 projection instead of 2.8-4.6 µs).
 _K_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
-_GEMM = _configs([dict(BLOCK_N=n, BLOCK_K=k) for n in (16, 32) for k in _K_BLOCKS], dict(BLOCK_N=16, BLOCK_K=32),
+_COLS = (4, 8, 16, 32)  # < 16: GEMV only (tl.dot needs 16)
+_GEMM = _configs([dict(BLOCK_N=n, BLOCK_K=k) for n in _COLS for k in _K_BLOCKS], dict(BLOCK_N=16, BLOCK_K=32),
                  warps=(4, 8))
-_ROPE = _configs([dict(BLOCK_J=j, BLOCK_K=k) for j in (16, 32) for k in _K_BLOCKS], dict(BLOCK_J=16, BLOCK_K=32),
+_ROPE = _configs([dict(BLOCK_J=j, BLOCK_K=k) for j in _COLS for k in _K_BLOCKS], dict(BLOCK_J=16, BLOCK_K=32),
                  warps=(4, 8))
 _ATTN = _configs([dict(BLOCK_S=32), dict(BLOCK_S=64), dict(BLOCK_S=128)], dict(BLOCK_S=16))
 # Weight bytes one program may hold (64 KiB: 64 registers a thread at 8 warps in bf16, and the
@@ -74,12 +79,23 @@ _TILE_BUDGET = 65536
 _SMEM_BUDGET = 200_000  # of an H100 SM's 227 KiB
 
 
+def gemv_fits(k: int, tiles: int, elt: int) -> bool:
+    """Whether ``tiles`` weight tiles of 4 columns by the whole of K fit one GEMV program."""
+    return tiles * 4 * triton.next_power_of_2(k) * elt <= _TILE_BUDGET
+
+
 def _k_prune(tiles: int, cols: str):
-    """Autotune pruning: the one-block candidates (``BLOCK_K`` = K rounded up to a power of two)
-    whose ``tiles`` weight tiles fit ``_TILE_BUDGET``, else the looping ones (128, 256)."""
+    """Autotune pruning. GEMV (``BLOCK_M`` 1): the column counts up to 16 whose tiles over the
+    whole of K fit ``_TILE_BUDGET`` (``BLOCK_K`` unused: one value of it kept). Otherwise the
+    one-block candidates (``BLOCK_K`` = K rounded up to a power of two) whose ``tiles`` weight
+    tiles fit, else the looping ones (128, 256); 16 columns or more (tl.dot)."""
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         k = triton.next_power_of_2(named_args["K"])
         elt = named_args["w_ptr"].element_size()
+        if kwargs.get("BLOCK_M") == 1:
+            return [c for c in configs if c.kwargs["BLOCK_K"] == 128 and c.kwargs[cols] <= 16
+                    and tiles * c.kwargs[cols] * k * elt <= _TILE_BUDGET]
+        configs = [c for c in configs if c.kwargs[cols] >= 16]
 
         def fits(c: triton.Config) -> bool:  # the x and weight tiles of each pipeline stage in shared memory
             staged = (kwargs.get("BLOCK_M", 16) + tiles * c.kwargs[cols]) * c.kwargs["BLOCK_K"] * elt * c.num_stages
@@ -92,7 +108,8 @@ def _k_prune(tiles: int, cols: str):
 
 
 # One block over K: the norms compute the rms from the tile they multiply (no second pass over x).
-_SINGLE = {"SINGLE": lambda args: args["BLOCK_K"] >= args["K"]}
+# One row (BLOCK_M 1): the GEMV path.
+_SINGLE = {"SINGLE": lambda args: args["BLOCK_K"] >= args["K"], "GEMV": lambda args: args["BLOCK_M"] == 1}
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -178,6 +195,30 @@ def _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, rows1, rows2, r_mask,
     return acc1, acc2
 
 
+@triton.jit
+def _row_tile(w_ptr, rows, r_mask, K, K_ONE: tl.constexpr):
+    """Weight rows ``rows`` over the whole of K, ``(len(rows), K_ONE)``: a GEMV program's tile
+    (each row contiguous in memory, as nn.Linear stores it)."""
+    kk = tl.arange(0, K_ONE)
+    return tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=r_mask[:, None] & (kk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _gemv(w, x):
+    """``w (N, K) @ x (K)`` in fp32 on the CUDA cores, as a ``(1, N)`` row (the epilogues' shape)."""
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)[None, :]
+
+
+@triton.jit
+def _normed_row(x_ptr, g_ptr, K, eps, K_ONE: tl.constexpr):
+    """RMSNorm of the one row x ``(K)``, with the eager RMSNorm's roundings, ``(K_ONE)``."""
+    kk = tl.arange(0, K_ONE)
+    x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+    g = tl.load(g_ptr + kk, mask=kk < K, other=0.0)
+    return g * (x * rstd).to(g.dtype)
+
+
 # --- 1. RMSNorm + q/k/v projection + RoPE + KV-cache write -----------------------------------------
 
 @triton.autotune(configs=_ROPE, key=["M", "K", "N_HEADS", "N_KV", "HEAD_DIM"], prune_configs_by=_k_prune(2, "BLOCK_J"))
@@ -187,8 +228,8 @@ def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr,
                           M, K, T, eps, stride_cb, stride_ch, stride_cs,
                           N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HAS_BIAS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SINGLE: tl.constexpr):
+                          K_ONE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SINGLE: tl.constexpr, GEMV: tl.constexpr):
     # A program computes columns j and j + HALF of one head (the pairs RoPE rotates together) for
     # BLOCK_M rows. Heads 0..N_HEADS-1 are q, then N_KV k heads, then N_KV v heads (wqkv's order).
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -200,15 +241,24 @@ def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr,
     m_mask = offs_m < M
     col1 = head * HEAD_DIM + j
     col2 = col1 + HALF
-    kk = tl.arange(0, BLOCK_K)
-    w1 = _weight_tile(w_ptr, col1, j_mask, kk, K)
-    w2 = _weight_tile(w_ptr, col2, j_mask, kk, K)
+    if GEMV:
+        w1 = _row_tile(w_ptr, col1, j_mask, K, K_ONE)
+        w2 = _row_tile(w_ptr, col2, j_mask, K, K_ONE)
+    else:
+        kk = tl.arange(0, BLOCK_K)
+        w1 = _weight_tile(w_ptr, col1, j_mask, kk, K)
+        w2 = _weight_tile(w_ptr, col2, j_mask, kk, K)
     if HAS_BIAS:
         bias1 = tl.load(b_ptr + col1, mask=j_mask, other=0.0).to(tl.float32)
         bias2 = tl.load(b_ptr + col2, mask=j_mask, other=0.0).to(tl.float32)
     _wait_for_previous(USE_PDL)
-    acc1, acc2 = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, col1, col2, j_mask, K, eps, w1, w2,
-                                   BLOCK_M, BLOCK_K, SINGLE)
+    if GEMV:
+        a = _normed_row(x_ptr, g_ptr, K, eps, K_ONE)
+        acc1 = _gemv(w1, a)
+        acc2 = _gemv(w2, a)
+    else:
+        acc1, acc2 = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, col1, col2, j_mask, K, eps, w1, w2,
+                                       BLOCK_M, BLOCK_K, SINGLE)
     if HAS_BIAS:
         acc1 += bias1[None, :]
         acc2 += bias2[None, :]
@@ -254,12 +304,11 @@ def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr,
 
 @triton.autotune(configs=_ATTN, key=["kv_len", "QROWS", "HEAD_DIM", "SPLITS"])
 @triton.jit
-def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, pl_ptr, pacc_ptr, count_ptr,
+def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, pl_ptr, pacc_ptr,
                       kv_len, T, sm_scale, stride_cb, stride_ch, stride_cs,
                       N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
                       GROUP: tl.constexpr, QROWS: tl.constexpr, Q_P: tl.constexpr, SPLITS: tl.constexpr,
-                      HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr,
-                      MERGE_SPLITS: tl.constexpr):
+                      HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr):
     # One program: batch row b, kv head g, cache split `split`. Its query rows are the GROUP query
     # heads of g for each of the row's T tokens (QROWS = T * GROUP, padded to Q_P >= 16 for tl.dot):
     # every k/v slot is read once for all of them.
@@ -305,43 +354,40 @@ def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, p
         v = tl.load(v_base + s[:, None] * stride_cs + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
-    y_off = (tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None] + d[None, :]
-    y_mask = r_mask[:, None] & d_mask[None, :]
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(y_ptr + y_off, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-    else:
-        # Partial softmax of this split; the last split of (b, g) to finish merges them all
-        # (flash-decoding without a second kernel). The barrier puts every thread's partial
-        # stores before the counter's release; its acquire puts the merge's loads after all of
-        # theirs. The merge reads with .cg (L2): other SMs wrote those partials.
-        group_id = b * N_KV + g
-        part = group_id * SPLITS + split
+        tl.store(y_ptr + (tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None] + d[None, :],
+                 out.to(y_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+    else:  # partial results, merged by _attention_reduce_kernel
+        part = (b * N_KV + g) * SPLITS + split
         tl.store(pm_ptr + part * Q_P + r, m_i)
         tl.store(pl_ptr + part * Q_P + r, l_i)
         tl.store(pacc_ptr + (part * Q_P + r)[:, None] * D_P + d[None, :], acc)
-        tl.debug_barrier()
-        if tl.atomic_add(count_ptr + group_id, 1, sem="acq_rel") == SPLITS - 1:
-            tl.store(count_ptr + group_id, 0)  # ready for the next step (the next graph replay too)
-            m_all = tl.full((Q_P,), -1e30, dtype=tl.float32)
-            l_all = tl.zeros((Q_P,), dtype=tl.float32)
-            acc_all = tl.zeros((Q_P, D_P), dtype=tl.float32)
-            for first in range(0, SPLITS, MERGE_SPLITS):  # MERGE_SPLITS partials per round of loads
-                sp = first + tl.arange(0, MERGE_SPLITS)
-                sp_mask = sp < SPLITS
-                pp = (group_id * SPLITS + sp)[:, None] * Q_P + r[None, :]  # (splits, query rows)
-                m = tl.load(pm_ptr + pp, mask=sp_mask[:, None], other=-1e30, cache_modifier=".cg")
-                l = tl.load(pl_ptr + pp, mask=sp_mask[:, None], other=0.0, cache_modifier=".cg")
-                a = tl.load(pacc_ptr + pp[:, :, None] * D_P + d[None, None, :], mask=sp_mask[:, None, None],
-                            other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m_all, tl.max(m, axis=0))
-                w = tl.exp(m - m_new[None, :])
-                alpha = tl.exp(m_all - m_new)
-                l_all = l_all * alpha + tl.sum(l * w, axis=0)
-                acc_all = acc_all * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
-                m_all = m_new
-            out = acc_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
-            tl.store(y_ptr + y_off, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _attention_reduce_kernel(y_ptr, pm_ptr, pl_ptr, pacc_ptr, T,
+                             N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
+                             GROUP: tl.constexpr, QROWS: tl.constexpr, Q_P: tl.constexpr, SPLITS: tl.constexpr,
+                             SPLITS_P: tl.constexpr, USE_PDL: tl.constexpr):
+    # One program per (batch row, kv head, query row): the splits' softmaxes rescaled to a common max.
+    _wait_for_previous(USE_PDL)
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    r = tl.program_id(2)
+    sp = tl.arange(0, SPLITS_P)
+    sp_mask = sp < SPLITS
+    d = tl.arange(0, D_P)
+    part = (b * N_KV + g) * SPLITS + sp
+    m = tl.load(pm_ptr + part * Q_P + r, mask=sp_mask, other=-1e30)
+    l = tl.load(pl_ptr + part * Q_P + r, mask=sp_mask, other=0.0)
+    acc = tl.load(pacc_ptr + (part * Q_P + r)[:, None] * D_P + d[None, :], mask=sp_mask[:, None], other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0))
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tok = b * T + r // GROUP
+    head = g * GROUP + r % GROUP
+    tl.store(y_ptr + tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM + d, out.to(y_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 # --- 3 and 5. projection + residual -----------------------------------------------------------------
@@ -350,14 +396,17 @@ def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, p
 @triton.heuristics(_SINGLE)
 @triton.jit
 def _linear_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
-                            USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, SINGLE: tl.constexpr):
+                            USE_PDL: tl.constexpr, K_ONE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, GEMV: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     kk = tl.arange(0, BLOCK_K)
-    w = _weight_tile(w_ptr, offs_n, n_mask, kk, K)  # the first (often only) K block, before the wait
+    if GEMV:
+        w = _row_tile(w_ptr, offs_n, n_mask, K, K_ONE)
+    else:
+        w = _weight_tile(w_ptr, offs_n, n_mask, kk, K)  # the first (often only) K block, before the wait
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     _wait_for_previous(USE_PDL)
@@ -365,9 +414,13 @@ def _linear_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, HAS_
     mn = m_mask[:, None] & n_mask[None, :]
     off = offs_m[:, None] * N + offs_n[None, :]
     res = tl.load(res_ptr + off, mask=mn, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
-    acc = tl.dot(a, w, input_precision="ieee")
-    if not SINGLE:
+    if GEMV:
+        k1 = tl.arange(0, K_ONE)
+        acc = _gemv(w, tl.load(a_ptr + k1, mask=k1 < K, other=0.0))
+    else:
+        a = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
+        acc = tl.dot(a, w, input_precision="ieee")
+    if not SINGLE and not GEMV:
         for k0 in range(BLOCK_K, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
@@ -384,22 +437,31 @@ def _linear_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, HAS_
 @triton.heuristics(_SINGLE)
 @triton.jit
 def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_BIAS: tl.constexpr,
-                         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SINGLE: tl.constexpr):
+                         USE_PDL: tl.constexpr, K_ONE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, GEMV: tl.constexpr):
     # w13 is [gate; up]: output column n needs weight rows n and N + n.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    kk = tl.arange(0, BLOCK_K)
-    wg = _weight_tile(w_ptr, offs_n, n_mask, kk, K)
-    wu = _weight_tile(w_ptr, N + offs_n, n_mask, kk, K)
+    if GEMV:
+        wg = _row_tile(w_ptr, offs_n, n_mask, K, K_ONE)
+        wu = _row_tile(w_ptr, N + offs_n, n_mask, K, K_ONE)
+    else:
+        kk = tl.arange(0, BLOCK_K)
+        wg = _weight_tile(w_ptr, offs_n, n_mask, kk, K)
+        wu = _weight_tile(w_ptr, N + offs_n, n_mask, kk, K)
     if HAS_BIAS:
         bias_g = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         bias_u = tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     _wait_for_previous(USE_PDL)
-    acc_g, acc_u = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, offs_n, N + offs_n, n_mask, K, eps, wg, wu,
-                                     BLOCK_M, BLOCK_K, SINGLE)
+    if GEMV:
+        a = _normed_row(x_ptr, g_ptr, K, eps, K_ONE)
+        acc_g = _gemv(wg, a)
+        acc_u = _gemv(wu, a)
+    else:
+        acc_g, acc_u = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, offs_n, N + offs_n, n_mask, K, eps,
+                                         wg, wu, BLOCK_M, BLOCK_K, SINGLE)
     if HAS_BIAS:
         acc_g += bias_g[None, :]
         acc_u += bias_u[None, :]
@@ -413,8 +475,11 @@ def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_
 
 # --- host wrappers ------------------------------------------------------------------------------------
 
-def _block_m(m: int) -> int:
-    """Rows per program: all of them up to 64 (weights read once), at least 16 (tl.dot's minimum)."""
+def _block_m(m: int, k: int, tiles: int, weight: Tensor) -> int:
+    """Rows per program: 1 for the GEMV path (one row whose weight tiles fit), else all of them
+    up to 64 (weights read once), at least 16 (tl.dot's minimum)."""
+    if m == 1 and gemv_fits(k, tiles, weight.element_size()):
+        return 1
     return max(16, min(64, triton.next_power_of_2(m)))
 
 
@@ -438,46 +503,27 @@ def norm_qkv_rope(x: Tensor, norm: torch.nn.Module, wqkv: torch.nn.Linear, cos: 
     bias, has_bias = _bias(wqkv)
     heads = n_heads + 2 * n_kv_heads
     half = head_dim // 2
-    block_m = _block_m(m)
+    block_m = _block_m(m, k, 2, wqkv.weight)
     grid = lambda meta: (heads * triton.cdiv(half, meta["BLOCK_J"]), triton.cdiv(m, block_m))  # noqa: E731
     _norm_qkv_rope_kernel[grid](
         x, norm.weight, wqkv.weight, bias, cos, sin, input_pos, rows if rows is not None else input_pos,
         q, k_cache, v_cache, m, k, t, norm.eps, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, HAS_BIAS=has_bias, HAS_ROWS=rows is not None,
-        BLOCK_M=block_m, **_launch(pdl))
+        K_ONE=triton.next_power_of_2(k), BLOCK_M=block_m, **_launch(pdl))
     return q
 
 
 def attention_splits(batch: int, n_kv_heads: int, kv_len: int, programs: int = 264, min_slots: int = 64) -> int:
     """Cache splits per (row, kv head): enough programs for the GPU (``programs``: ~2 per SM of an
-    H100), at least ``min_slots`` cache slots each. 1 = no merge."""
+    H100), at least ``min_slots`` cache slots each. 1 = no reduce kernel."""
     return max(1, min(programs // (batch * n_kv_heads), triton.cdiv(kv_len, min_slots)))
-
-
-class SplitCounters:
-    """One int32 counter per (batch row, kv head), shared by the layers of a model (their attention
-    kernels run one after another): how many of a row's cache splits have finished. The last one
-    merges and sets it back to 0, so the counters stay valid across CUDA-graph replays. Allocated
-    before capture: each step runs once uncaptured (the warm-up) before it is captured."""
-
-    def __init__(self) -> None:
-        self.counts: Tensor | None = None
-
-    def get(self, n: int, device: torch.device) -> Tensor:
-        if self.counts is None or self.counts.numel() < n or self.counts.device != device:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("attention split counters must exist before CUDA-graph capture: "
-                                   "run each step once before capturing it")
-            self.counts = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        return self.counts
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, kv_len: int, batch: int,
                      t: int, n_heads: int, n_kv_heads: int, head_dim: int, rows: Tensor | None = None,
-                     splits: int | None = None, pdl: bool = False, counters: SplitCounters | None = None) -> Tensor:
+                     splits: int | None = None, pdl: bool = False) -> Tensor:
     """q ``(B * T, n_heads * head_dim)`` -> attention output of the same shape: token (b, t) at
-    position p attends to slots ``0..p`` of cache row ``rows[b]`` (default b), below ``kv_len``.
-    ``counters``: the model's split counters (a private set when None)."""
+    position p attends to slots ``0..p`` of cache row ``rows[b]`` (default b), below ``kv_len``."""
     group = n_heads // n_kv_heads
     qrows = t * group
     q_p = max(16, triton.next_power_of_2(qrows))
@@ -489,17 +535,17 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Ten
         pm = torch.empty(parts, dtype=torch.float32, device=q.device)
         pl = torch.empty(parts, dtype=torch.float32, device=q.device)
         pacc = torch.empty(parts, d_p, dtype=torch.float32, device=q.device)
-        counts = (counters or SplitCounters()).get(batch * n_kv_heads, q.device)
     else:
         pm = pl = pacc = y  # unused
-        counts = input_pos
-    # Partials merged per round of loads: (splits, query rows, head dim) within ~8K fp32 values.
-    merge = min(triton.next_power_of_2(splits), max(1, 8192 // (q_p * d_p)))
+    meta = dict(N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, D_P=d_p, GROUP=group, QROWS=qrows, Q_P=q_p,
+                SPLITS=splits)
     _attention_kernel[(batch, n_kv_heads, splits)](
-        q, k_cache, v_cache, input_pos, rows if rows is not None else input_pos, y, pm, pl, pacc, counts,
+        q, k_cache, v_cache, input_pos, rows if rows is not None else input_pos, y, pm, pl, pacc,
         kv_len, t, head_dim ** -0.5, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, D_P=d_p, GROUP=group, QROWS=qrows, Q_P=q_p,
-        SPLITS=splits, HAS_ROWS=rows is not None, MERGE_SPLITS=merge, **_launch(pdl))
+        HAS_ROWS=rows is not None, **meta, **_launch(pdl))
+    if splits > 1:
+        _attention_reduce_kernel[(batch, n_kv_heads, qrows)](y, pm, pl, pacc, t, SPLITS_P=triton.next_power_of_2(splits),
+                                                             **meta, **_launch(pdl))
     return y
 
 
@@ -509,10 +555,10 @@ def linear_residual(a: Tensor, linear: torch.nn.Linear, residual: Tensor, pdl: b
     n = linear.weight.shape[0]
     out = torch.empty(m, n, dtype=residual.dtype, device=a.device)
     bias, has_bias = _bias(linear)
-    block_m = _block_m(m)
+    block_m = _block_m(m, k, 1, linear.weight)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
-    _linear_residual_kernel[grid](a, linear.weight, bias, residual, out, m, n, k, HAS_BIAS=has_bias, BLOCK_M=block_m,
-                                  **_launch(pdl))
+    _linear_residual_kernel[grid](a, linear.weight, bias, residual, out, m, n, k, HAS_BIAS=has_bias,
+                                  K_ONE=triton.next_power_of_2(k), BLOCK_M=block_m, **_launch(pdl))
     return out
 
 
@@ -522,10 +568,10 @@ def norm_gate_up(x: Tensor, norm: torch.nn.Module, w13: torch.nn.Linear, pdl: bo
     n = w13.weight.shape[0] // 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bias, has_bias = _bias(w13)
-    block_m = _block_m(m)
+    block_m = _block_m(m, k, 2, w13.weight)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
     _norm_gate_up_kernel[grid](x, norm.weight, w13.weight, bias, out, m, n, k, norm.eps, HAS_BIAS=has_bias,
-                               BLOCK_M=block_m, **_launch(pdl))
+                               K_ONE=triton.next_power_of_2(k), BLOCK_M=block_m, **_launch(pdl))
     return out
 
 
@@ -541,14 +587,12 @@ class FusedDecodeBlock:
     (the kv bucket) is used: the kernels mask by position.
     """
 
-    def __init__(self, block: TransformerBlock, splits: int | None = None, pdl: bool = False,
-                 counters: SplitCounters | None = None) -> None:
+    def __init__(self, block: TransformerBlock, splits: int | None = None, pdl: bool = False) -> None:
         if block.attention.wqkv is None or block.feed_forward.w13 is None:
             raise ValueError("FusedDecodeBlock needs fused projections: call Transformer.fuse_projections() first")
         self.block = block
         self.splits = splits  # attention cache splits (None: attention_splits' choice)
         self.pdl = pdl  # programmatic dependent launch between the kernels (pdl_supported)
-        self.counters = counters or SplitCounters()
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
                  rows: Tensor | None = None) -> Tensor:
@@ -563,7 +607,7 @@ class FusedDecodeBlock:
                           sin.reshape(b * t, -1).contiguous(), pos, cache.k_cache, cache.v_cache,
                           att.n_heads, att.n_kv_heads, att.head_dim, t, rows, self.pdl)
         y = decode_attention(q, cache.k_cache, cache.v_cache, pos, mask.shape[-1], b, t, att.n_heads,
-                             att.n_kv_heads, att.head_dim, rows, self.splits, self.pdl, self.counters)
+                             att.n_kv_heads, att.head_dim, rows, self.splits, self.pdl)
         h = linear_residual(y, att.wo, x2, self.pdl)
         out = linear_residual(norm_gate_up(h, self.block.ffn_norm, ff.w13, self.pdl), ff.w2, h, self.pdl)
         return out.view(b, t, dim)
@@ -581,9 +625,8 @@ class TritonDecode(WithBlocks):
         if pdl is None:  # on wherever the GPU and Triton support it
             pdl = pdl_supported(model.tok_embeddings.weight.device)
         self.pdl = pdl
-        counters = SplitCounters()  # one set for all layers: their attention kernels never overlap
-        super().__init__(model, [FusedDecodeBlock(layer, splits, pdl, counters) for layer in model.layers])
+        super().__init__(model, [FusedDecodeBlock(layer, splits, pdl) for layer in model.layers])
 
 
-__all__ = ["FusedDecodeBlock", "TritonDecode", "SplitCounters", "norm_qkv_rope", "decode_attention",
+__all__ = ["FusedDecodeBlock", "TritonDecode", "gemv_fits", "norm_qkv_rope", "decode_attention",
            "linear_residual", "norm_gate_up", "attention_splits", "pdl_supported"]

@@ -50,7 +50,7 @@ def _models(name: str) -> tuple[Transformer, Transformer]:
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("t", [1, 3])  # a decode step; a verify step of 2 drafts
 @pytest.mark.parametrize("pdl", [False, True], ids=["launch", "pdl"])  # programmatic dependent launch
-@pytest.mark.parametrize("splits", [None, 16], ids=["auto-splits", "16-splits"])  # 16: merged by the last split
+@pytest.mark.parametrize("splits", [None, 16], ids=["auto-splits", "16-splits"])  # 16: many partials to merge
 def test_captured_fused_step_logits_match_eager_bf16(name: str, t: int, pdl: bool, splits: int | None) -> None:
     if pdl and not pdl_supported(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs a Hopper GPU and Triton 3.4+")

@@ -42,7 +42,8 @@ def compile_all(kernel, types: dict[str, str], constants: dict[str, object], k: 
     for cfg in configs:
         consts = {**constants, **cfg.kwargs}
         if "SINGLE" in fn.arg_names:
-            consts["SINGLE"] = cfg.kwargs["BLOCK_K"] >= k
+            consts.update(SINGLE=cfg.kwargs["BLOCK_K"] >= k, GEMV=constants["BLOCK_M"] == 1,
+                          K_ONE=triton.next_power_of_2(k))
         signature = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
         compiled = triton.compile(ASTSource(fn, signature, consts), target=TARGET,
                                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": True})
@@ -59,23 +60,24 @@ def main() -> int:
         ptrs = {name: p for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr",
                                      "a_ptr", "res_ptr", "out_ptr", "y_ptr")}
         types = {**ints, **ptrs, "pos_ptr": "*i64", "rows_ptr": "*i64", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
-                 "pacc_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32", "sm_scale": "fp32"}
+                 "pacc_ptr": "*fp32", "eps": "fp32", "sm_scale": "fp32"}
         # SmolLM2 (GQA 3, one token per row: K in one block) and Qwen2.5-0.5B (GQA 7, biases, 5 tokens
         # per row: a verify step; its down projection loops over K), with programmatic dependent launch.
         for heads, kv, bias, t, block_m, dim, hidden in ((9, 3, False, 1, 16, 576, 1536), (14, 2, True, 5, 64, 896, 4864)):
             group = heads // kv
             q_p = max(16, triton.next_power_of_2(group * t))
             pdl = dict(USE_PDL=True)
-            for rows in (False, True):
+            for rows, bm in ((False, block_m), (True, block_m), (False, 1)):  # BLOCK_M 1: the GEMV path
                 n += compile_all(td._norm_qkv_rope_kernel, types, dict(N_HEADS=heads, N_KV=kv, HEAD_DIM=64, HAS_BIAS=bias,
-                                                                       HAS_ROWS=rows, BLOCK_M=block_m, **pdl), dim)
+                                                                       HAS_ROWS=rows, BLOCK_M=bm, **pdl), dim)
             attn = dict(N_HEADS=heads, N_KV=kv, HEAD_DIM=64, D_P=64, GROUP=group, QROWS=group * t, Q_P=q_p, **pdl)
-            for splits in (1, 4, 32):  # one split; merged in one round of loads; in several
-                n += compile_all(td._attention_kernel, types, dict(attn, SPLITS=splits, HAS_ROWS=False,
-                                                                   MERGE_SPLITS=min(splits, 8192 // (q_p * 64))))
-            for k in (dim, hidden):  # the output and the down projection
-                n += compile_all(td._linear_residual_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=block_m, **pdl), k)
-            n += compile_all(td._norm_gate_up_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=block_m, **pdl), dim)
+            for splits in (1, 4):
+                n += compile_all(td._attention_kernel, types, dict(attn, SPLITS=splits, HAS_ROWS=False))
+            n += compile_all(td._attention_reduce_kernel, types, dict(attn, SPLITS=4, SPLITS_P=4))
+            for bm in (block_m, 1):
+                for k in (dim, hidden):  # the output and the down projection
+                    n += compile_all(td._linear_residual_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=bm, **pdl), k)
+                n += compile_all(td._norm_gate_up_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=bm, **pdl), dim)
     print(f"compiled {n} kernels for sm_90")
     return 0
 
