@@ -117,10 +117,12 @@ def pdl_supported(device: torch.device) -> bool:
     of a step may start while the previous one finishes, loading its weights meanwhile and
     waiting (``griddepcontrol.wait``) only before it reads what earlier kernels wrote. CUDA graphs
     keep these launches as programmatic edges."""
-    if INTERPRET or device.type != "cuda" or gdc_wait is None:
+    if INTERPRET or device.type != "cuda" or gdc_wait is None or torch.version.cuda is None:
+        return False  # the interpreter, CPUs, ROCm builds, a Triton without grid dependency control
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
         return False
-    from triton.backends.nvidia.compiler import CUDAOptions
-
     return torch.cuda.get_device_capability(device)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 

@@ -259,3 +259,11 @@ def test_kernels_compile_for_an_h100() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled 24 kernels for sm_90" in done.stdout
+
+
+def test_programmatic_dependent_launch_stays_off_without_a_hopper_gpu() -> None:
+    """PDL needs compute capability 9.0+ and a CUDA device: on CPU (and under the interpreter) the
+    kernels launch as usual, and TritonDecode says so."""
+    assert not td.pdl_supported(torch.device("cpu"))
+    model = _model(CONFIGS["tiny"])
+    assert td.TritonDecode(model).pdl is False
