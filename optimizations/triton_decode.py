@@ -221,6 +221,37 @@ def _normed_row(x_ptr, g_ptr, K, eps, K_ONE: tl.constexpr):
     return g * (x * rstd).to(g.dtype)
 
 
+@triton.jit
+def _normed_pair_product(x_ptr, g_ptr, w_ptr, b_ptr, offs_m, m_mask, rows1, rows2, r_mask, K, eps,
+                         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, K_ONE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, GEMV: tl.constexpr):
+    """RMSNorm(x) times weight rows ``rows1`` and ``rows2`` (+ their biases), fp32 ``(BLOCK_M, cols)``
+    each: the weights (first K block, or all of K for the GEMV) and biases are loaded before the
+    wait for the previous kernel, x after it."""
+    if GEMV:
+        w1 = _row_tile(w_ptr, rows1, r_mask, K, K_ONE)
+        w2 = _row_tile(w_ptr, rows2, r_mask, K, K_ONE)
+    else:
+        kk = tl.arange(0, BLOCK_K)
+        w1 = _weight_tile(w_ptr, rows1, r_mask, kk, K)
+        w2 = _weight_tile(w_ptr, rows2, r_mask, kk, K)
+    if HAS_BIAS:
+        bias1 = tl.load(b_ptr + rows1, mask=r_mask, other=0.0).to(tl.float32)
+        bias2 = tl.load(b_ptr + rows2, mask=r_mask, other=0.0).to(tl.float32)
+    _wait_for_previous(USE_PDL)
+    if GEMV:
+        a = _normed_row(x_ptr, g_ptr, K, eps, K_ONE)
+        acc1 = _gemv(w1, a)
+        acc2 = _gemv(w2, a)
+    else:
+        acc1, acc2 = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, rows1, rows2, r_mask, K, eps, w1, w2,
+                                       BLOCK_M, BLOCK_K, SINGLE)
+    if HAS_BIAS:
+        acc1 += bias1[None, :]
+        acc2 += bias2[None, :]
+    return acc1, acc2
+
+
 # --- 1. RMSNorm + q/k/v projection + RoPE + KV-cache write -----------------------------------------
 
 @triton.autotune(configs=_ROPE, key=["M", "K", "N_HEADS", "N_KV", "HEAD_DIM"], prune_configs_by=_k_prune(2, "BLOCK_J"))
@@ -243,27 +274,8 @@ def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr,
     m_mask = offs_m < M
     col1 = head * HEAD_DIM + j
     col2 = col1 + HALF
-    if GEMV:
-        w1 = _row_tile(w_ptr, col1, j_mask, K, K_ONE)
-        w2 = _row_tile(w_ptr, col2, j_mask, K, K_ONE)
-    else:
-        kk = tl.arange(0, BLOCK_K)
-        w1 = _weight_tile(w_ptr, col1, j_mask, kk, K)
-        w2 = _weight_tile(w_ptr, col2, j_mask, kk, K)
-    if HAS_BIAS:
-        bias1 = tl.load(b_ptr + col1, mask=j_mask, other=0.0).to(tl.float32)
-        bias2 = tl.load(b_ptr + col2, mask=j_mask, other=0.0).to(tl.float32)
-    _wait_for_previous(USE_PDL)
-    if GEMV:
-        a = _normed_row(x_ptr, g_ptr, K, eps, K_ONE)
-        acc1 = _gemv(w1, a)
-        acc2 = _gemv(w2, a)
-    else:
-        acc1, acc2 = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, col1, col2, j_mask, K, eps, w1, w2,
-                                       BLOCK_M, BLOCK_K, SINGLE)
-    if HAS_BIAS:
-        acc1 += bias1[None, :]
-        acc2 += bias2[None, :]
+    acc1, acc2 = _normed_pair_product(x_ptr, g_ptr, w_ptr, b_ptr, offs_m, m_mask, col1, col2, j_mask, K, eps,
+                                      HAS_BIAS, USE_PDL, K_ONE, BLOCK_M, BLOCK_K, SINGLE, GEMV)
     dtype = q_ptr.dtype.element_ty
     x1 = acc1.to(dtype).to(tl.float32)  # the eager projection's output, in the model's dtype
     x2 = acc2.to(dtype).to(tl.float32)
@@ -446,27 +458,8 @@ def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_
     n_mask = offs_n < N
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    if GEMV:
-        wg = _row_tile(w_ptr, offs_n, n_mask, K, K_ONE)
-        wu = _row_tile(w_ptr, N + offs_n, n_mask, K, K_ONE)
-    else:
-        kk = tl.arange(0, BLOCK_K)
-        wg = _weight_tile(w_ptr, offs_n, n_mask, kk, K)
-        wu = _weight_tile(w_ptr, N + offs_n, n_mask, kk, K)
-    if HAS_BIAS:
-        bias_g = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        bias_u = tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    _wait_for_previous(USE_PDL)
-    if GEMV:
-        a = _normed_row(x_ptr, g_ptr, K, eps, K_ONE)
-        acc_g = _gemv(wg, a)
-        acc_u = _gemv(wu, a)
-    else:
-        acc_g, acc_u = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, offs_n, N + offs_n, n_mask, K, eps,
-                                         wg, wu, BLOCK_M, BLOCK_K, SINGLE)
-    if HAS_BIAS:
-        acc_g += bias_g[None, :]
-        acc_u += bias_u[None, :]
+    acc_g, acc_u = _normed_pair_product(x_ptr, g_ptr, w_ptr, b_ptr, offs_m, m_mask, offs_n, N + offs_n, n_mask, K, eps,
+                                        HAS_BIAS, USE_PDL, K_ONE, BLOCK_M, BLOCK_K, SINGLE, GEMV)
     dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)  # rounded where the eager projections round
     up = acc_u.to(dtype).to(tl.float32)
