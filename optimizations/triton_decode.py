@@ -19,8 +19,12 @@ each. Here one layer is five kernels (six when attention splits the cache over p
 Rows are tokens: a batch of B rows with T query tokens each (T = 1 for a plain decode step,
 k + 1 for a speculative verify step) is M = B * T rows for the matmuls. The matmuls are small-M
 GEMMs on tensor cores (``tl.dot`` needs 16 rows: M is padded inside the kernel, never in memory),
-weights in the model's dtype, fp32 accumulation, results rounded to the model's dtype where the
-eager model rounds them, so bf16 runs stay close to it.
+or for one row a GEMV on the CUDA cores; weights in the model's dtype, fp32 accumulation, results
+rounded to the model's dtype where the eager model rounds them, so bf16 runs stay close to it.
+
+With programmatic dependent launch (Hopper, ``pdl_supported``) each kernel loads its weights
+before it waits for the previous kernel, so a step's chain of short kernels overlaps their
+launches and weight loads (see ``_wait_for_previous``).
 
 Block sizes are autotuned per shape (M, dims, kv length) on the first call of each shape: the
 runner's warm-up runs every captured step before its capture, so tuning never happens inside
