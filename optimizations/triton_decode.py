@@ -67,9 +67,9 @@ def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = 
 # every weight of a program is then loaded by one round of loads, issued before the program waits
 # for the previous kernel (see _wait_for_previous). Larger layers loop over K in 128/256 blocks.
 # One row (a plain decode step at batch 1) is a matrix-vector product on the CUDA cores instead
-# (GEMV): 4-16 output columns per program, the whole of K (``K_ONE``) in registers; tl.dot would
-# pad it to 16 rows and stage both operands in shared memory (measured on an H100: 1.2-1.3 µs per
-# SmolLM2 projection instead of 2.8-4.6 µs).
+# (GEMV): 4 or 8 output columns per program, the whole of K (``K_ONE``) in registers; tl.dot would
+# pad it to 16 rows and stage both operands in shared memory (on an H100 a SmolLM2 step at batch 1
+# took 0.43 ms instead of 0.76 ms, benchmarks/results/decode-kernels-h100).
 _K_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
 _COLS = (4, 8, 16, 32)  # 4 and 8: GEMV only (tl.dot needs 16 columns)
 _GEMM = _configs([dict(BLOCK_N=n, BLOCK_K=k) for n in _COLS for k in _K_BLOCKS], dict(BLOCK_N=16, BLOCK_K=32),
@@ -83,9 +83,15 @@ _TILE_BUDGET = 65536
 _SMEM_BUDGET = 200_000  # of an H100 SM's 227 KiB
 
 
+def _tiles_fit(tiles: int, cols: int, k: int, elt: int) -> bool:
+    """Whether ``tiles`` weight tiles of ``cols`` columns by all of K (rounded up to a power of two)
+    fit one program's ``_TILE_BUDGET``."""
+    return tiles * cols * triton.next_power_of_2(k) * elt <= _TILE_BUDGET
+
+
 def gemv_fits(k: int, tiles: int, elt: int) -> bool:
     """Whether ``tiles`` weight tiles of 4 columns by the whole of K fit one GEMV program."""
-    return tiles * 4 * triton.next_power_of_2(k) * elt <= _TILE_BUDGET
+    return _tiles_fit(tiles, 4, k, elt)
 
 
 def _k_prune(tiles: int, cols: str):
@@ -98,15 +104,15 @@ def _k_prune(tiles: int, cols: str):
         elt = named_args["w_ptr"].element_size()
         if kwargs.get("BLOCK_M") == 1:  # 4 or 8 columns, 4 warps: 1.2-1.7 µs each on an H100 in a PDL chain
             return [c for c in configs if c.kwargs["BLOCK_K"] == 128 and c.kwargs[cols] <= 8 and c.num_warps == 4
-                    and tiles * c.kwargs[cols] * k * elt <= _TILE_BUDGET]
+                    and _tiles_fit(tiles, c.kwargs[cols], k, elt)]
         configs = [c for c in configs if c.kwargs[cols] >= 16]
 
         def fits(c: triton.Config) -> bool:  # the x and weight tiles of each pipeline stage in shared memory
             staged = (kwargs.get("BLOCK_M", 16) + tiles * c.kwargs[cols]) * c.kwargs["BLOCK_K"] * elt * c.num_stages
             return staged <= _SMEM_BUDGET
 
-        single = [c for c in configs if c.kwargs["BLOCK_K"] == k and fits(c)
-                  and tiles * c.kwargs[cols] * k * elt <= _TILE_BUDGET]
+        single = [c for c in configs
+                  if c.kwargs["BLOCK_K"] == k and fits(c) and _tiles_fit(tiles, c.kwargs[cols], k, elt)]
         return single or [c for c in configs if c.kwargs["BLOCK_K"] in (128, 256) and fits(c)]
     return None if INTERPRET else {"early_config_prune": prune}
 
