@@ -47,11 +47,14 @@ from servekit.torchserve import TorchServe
 VARIANTS = ("static", "continuous", "static-spec", "continuous-spec")
 
 
-def variant_config(base: dict[str, Any], variant: str, max_num_seqs: int, spec_max_batch: int = 8) -> dict[str, Any]:
+def variant_config(base: dict[str, Any], variant: str, max_num_seqs: int, spec_max_batch: int = 8,
+                   spec_heads: int | None = None) -> dict[str, Any]:
     cfg = copy.deepcopy(base)
     cfg.update({"batchSize": max_num_seqs, "continuousBatching": variant.startswith("continuous")})
     if variant.endswith("-spec"):
         cfg["servekit"]["speculation"] = {"heads": "speculator", "max_batch": spec_max_batch}
+        if spec_heads:  # the first n of the trained heads (fewer drafts: cheaper verify steps)
+            cfg["servekit"]["speculation"]["n_heads"] = spec_heads
     else:
         cfg["servekit"].pop("speculation", None)
     buckets = cfg["servekit"].setdefault("buckets", {})
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["static", "continuous"])
     p.add_argument("--speculator", type=Path, help="trained heads (servekit train-speculator --out) for -spec variants")
     p.add_argument("--spec-max-batch", type=int, default=8, help="-spec variants: largest batch that speculates")
+    p.add_argument("--spec-heads", type=int, help="-spec variants: drafts per step, the first N heads (default: all)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="batchSize: requests running at once")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rounds", type=int, default=4, help="requests per concurrent stream")
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--model {args.model}: {e}")
     with tempfile.TemporaryDirectory(prefix="servekit-cb-bench-") as tmp:
         for name in args.variants:
-            cfg = variant_config(base, name, args.max_num_seqs, args.spec_max_batch)
+            cfg = variant_config(base, name, args.max_num_seqs, args.spec_max_batch, args.spec_heads)
             try:
                 res["variants"].append(run_variant(name, cfg, args, prompts, Path(tmp)))
             except Exception as e:  # one variant failing must not lose the other's figures

@@ -19,7 +19,8 @@ each. Here one layer is five kernels (six when attention splits the cache over p
 Rows are tokens: a batch of B rows with T query tokens each (T = 1 for a plain decode step,
 k + 1 for a speculative verify step) is M = B * T rows for the matmuls. The matmuls are small-M
 GEMMs on tensor cores (``tl.dot`` needs 16 rows: M is padded inside the kernel, never in memory),
-or for one row a GEMV on the CUDA cores; weights in the model's dtype, fp32 accumulation, results
+or for up to ``GEMV_ROWS`` rows (a decode step at batch 1-4, a verify step of a few drafts) a GEMV
+on the CUDA cores; weights in the model's dtype, fp32 accumulation, results
 rounded to the model's dtype where the eager model rounds them, so bf16 runs stay close to it.
 
 With programmatic dependent launch (Hopper, ``pdl_supported``) each kernel loads its weights
@@ -66,10 +67,14 @@ def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = 
 # The reduction dimension is one block where the tiles fit in registers (SmolLM2-sized layers):
 # every weight of a program is then loaded by one round of loads, issued before the program waits
 # for the previous kernel (see _wait_for_previous). Larger layers loop over K in 128/256 blocks.
-# One row (a plain decode step at batch 1) is a matrix-vector product on the CUDA cores instead
-# (GEMV): 4 or 8 output columns per program, the whole of K (``K_ONE``) in registers; tl.dot would
-# pad it to 16 rows and stage both operands in shared memory (on an H100 a SmolLM2 step at batch 1
-# took 0.43 ms instead of 0.76 ms, benchmarks/results/decode-kernels-h100).
+# Up to GEMV_ROWS rows (a plain decode step at batch 1-4, a verify step with up to 3 drafts) are a
+# matrix-vector product on the CUDA cores instead (GEMV): 4 or 8 output columns per program, the
+# whole of K (``K_ONE``) in registers, every thread reducing its share of K for all the rows at
+# once. tl.dot would pad them to 16 rows and run K as one chain of MMAs: on an H100 a SmolLM2 step
+# at batch 1 took 0.43 ms instead of 0.76 ms, and a 2-row output projection 1.6 µs instead of 3.0
+# (benchmarks/results/decode-kernels-h100). From 5 rows on the x tile crowds the registers and the
+# two-output kernels (q/k/v pairs, gate/up) ran slower than tl.dot.
+GEMV_ROWS = 4
 _K_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
 _COLS = (4, 8, 16, 32)  # 4 and 8: GEMV only (tl.dot needs 16 columns)
 _GEMM = _configs([dict(BLOCK_N=n, BLOCK_K=k) for n in _COLS for k in _K_BLOCKS], dict(BLOCK_N=16, BLOCK_K=32),
@@ -89,20 +94,21 @@ def _tiles_fit(tiles: int, cols: int, k: int, elt: int) -> bool:
     return tiles * cols * triton.next_power_of_2(k) * elt <= _TILE_BUDGET
 
 
-def gemv_fits(k: int, tiles: int, elt: int) -> bool:
-    """Whether ``tiles`` weight tiles of 4 columns by the whole of K fit one GEMV program."""
-    return _tiles_fit(tiles, 4, k, elt)
+def gemv_fits(m: int, k: int, tiles: int, elt: int) -> bool:
+    """Whether ``m`` rows run as a GEMV: at most ``GEMV_ROWS``, ``tiles`` weight tiles of 4 columns
+    by the whole of K within one program's ``_TILE_BUDGET``, and the rows' fp32 x tile too."""
+    return m <= GEMV_ROWS and _tiles_fit(tiles, 4, k, elt) and _tiles_fit(1, triton.next_power_of_2(m), k, 4)
 
 
 def _k_prune(tiles: int, cols: str):
-    """Autotune pruning. GEMV (``BLOCK_M`` 1): 4 or 8 columns at 4 warps, where their tiles over
+    """Autotune pruning. GEMV (``BLOCK_M`` < 16): 4 or 8 columns at 4 warps, where their tiles over
     the whole of K fit ``_TILE_BUDGET`` (``BLOCK_K`` unused: one value of it kept). Otherwise the
     one-block candidates (``BLOCK_K`` = K rounded up to a power of two) whose ``tiles`` weight
     tiles fit, else the looping ones (128, 256); 16 columns or more (tl.dot)."""
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         k = triton.next_power_of_2(named_args["K"])
         elt = named_args["w_ptr"].element_size()
-        if kwargs.get("BLOCK_M") == 1:  # 4 or 8 columns, 4 warps: 1.2-1.7 µs each on an H100 in a PDL chain
+        if kwargs.get("BLOCK_M", 16) < 16:  # 4 or 8 columns, 4 warps: 1.2-1.7 µs each on an H100 in a PDL chain
             return [c for c in configs if c.kwargs["BLOCK_K"] == 128 and c.kwargs[cols] <= 8 and c.num_warps == 4
                     and _tiles_fit(tiles, c.kwargs[cols], k, elt)]
         configs = [c for c in configs if c.kwargs[cols] >= 16]
@@ -118,8 +124,8 @@ def _k_prune(tiles: int, cols: str):
 
 
 # One block over K: the norms compute the rms from the tile they multiply (no second pass over x).
-# One row (BLOCK_M 1): the GEMV path.
-_SINGLE = {"SINGLE": lambda args: args["BLOCK_K"] >= args["K"], "GEMV": lambda args: args["BLOCK_M"] == 1}
+# Fewer than 16 rows (BLOCK_M 1..GEMV_ROWS): the GEMV path.
+_SINGLE = {"SINGLE": lambda args: args["BLOCK_K"] >= args["K"], "GEMV": lambda args: args["BLOCK_M"] < 16}
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -162,6 +168,18 @@ def _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd):
 
 
 @triton.jit
+def _normed_rows(x_ptr, g_ptr, offs_m, m_mask, K, eps, BLOCK_K: tl.constexpr):
+    """RMSNorm of rows ``offs_m`` of x ``(M, K)`` when K is one block: the rms comes from the very
+    tile that is multiplied (x is read once). The eager RMSNorm's roundings; ``(BLOCK_M, BLOCK_K)``."""
+    kk = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
+                other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
+    g = tl.load(g_ptr + kk, mask=kk < K, other=0.0)
+    return g[None, :] * (x * rstd[:, None]).to(g.dtype)
+
+
+@triton.jit
 def _weight_tile(w_ptr, rows, r_mask, kk, K):
     """Weight rows ``rows`` (output features) x columns ``kk``, as a ``(BLOCK_K, len(rows))`` tile
     (nn.Linear stores ``(out, in)``; the tile is its transpose, ready for ``x @ W.T``)."""
@@ -186,16 +204,11 @@ def _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, rows1, rows2, r_mask,
     pair, or gate and up): one pass over x for both, fp32 accumulators ``(BLOCK_M, cols)``.
     ``w1``/``w2`` are the weight tiles of the first K block, loaded by the caller (before it
     waits for the previous kernel); SINGLE: that block is the whole of K."""
-    kk = tl.arange(0, BLOCK_K)
-    if SINGLE:  # the rms from the very tile that is multiplied: x is read once
-        x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
-                    other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
-        g = tl.load(g_ptr + kk, mask=kk < K, other=0.0)
-        a = g[None, :] * (x * rstd[:, None]).to(g.dtype)
+    if SINGLE:
+        a = _normed_rows(x_ptr, g_ptr, offs_m, m_mask, K, eps, BLOCK_K)
     else:
         rstd = _row_rstd(x_ptr, offs_m, m_mask, K, eps, BLOCK_M, BLOCK_K)
-        a = _normed_tile(x_ptr, g_ptr, offs_m, m_mask, kk, K, rstd)
+        a = _normed_tile(x_ptr, g_ptr, offs_m, m_mask, tl.arange(0, BLOCK_K), K, rstd)
     acc1 = tl.dot(a, w1, input_precision="ieee")
     acc2 = tl.dot(a, w2, input_precision="ieee")
     if not SINGLE:
@@ -216,19 +229,13 @@ def _row_tile(w_ptr, rows, r_mask, K, K_ONE: tl.constexpr):
 
 
 @triton.jit
-def _gemv(w, x):
-    """``w (N, K) @ x (K)`` in fp32 on the CUDA cores, as a ``(1, N)`` row (the epilogues' shape)."""
-    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)[None, :]
-
-
-@triton.jit
-def _normed_row(x_ptr, g_ptr, K, eps, K_ONE: tl.constexpr):
-    """RMSNorm of the one row x ``(K)``, with the eager RMSNorm's roundings, ``(K_ONE)``."""
-    kk = tl.arange(0, K_ONE)
-    x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-    g = tl.load(g_ptr + kk, mask=kk < K, other=0.0)
-    return g * (x * rstd).to(g.dtype)
+def _gemv(w, x, BLOCK_M: tl.constexpr):
+    """``x (BLOCK_M, K) @ w (N, K).T`` in fp32 on the CUDA cores, ``(BLOCK_M, N)``: each thread
+    multiplies its share of K for every row and column, then one reduction over K for all of them."""
+    if BLOCK_M == 1:
+        return tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    else:
+        return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
@@ -250,9 +257,9 @@ def _normed_pair_product(x_ptr, g_ptr, w_ptr, b_ptr, offs_m, m_mask, rows1, rows
         bias2 = tl.load(b_ptr + rows2, mask=r_mask, other=0.0).to(tl.float32)
     _wait_for_previous(USE_PDL)
     if GEMV:
-        a = _normed_row(x_ptr, g_ptr, K, eps, K_ONE)
-        acc1 = _gemv(w1, a)
-        acc2 = _gemv(w2, a)
+        a = _normed_rows(x_ptr, g_ptr, offs_m, m_mask, K, eps, K_ONE)
+        acc1 = _gemv(w1, a, BLOCK_M)
+        acc2 = _gemv(w2, a, BLOCK_M)
     else:
         acc1, acc2 = _normed_gemv_pair(x_ptr, g_ptr, w_ptr, offs_m, m_mask, rows1, rows2, r_mask, K, eps, w1, w2,
                                        BLOCK_M, BLOCK_K, SINGLE)
@@ -440,7 +447,8 @@ def _linear_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, HAS_
     res = tl.load(res_ptr + off, mask=mn, other=0.0).to(tl.float32)
     if GEMV:
         k1 = tl.arange(0, K_ONE)
-        acc = _gemv(w, tl.load(a_ptr + k1, mask=k1 < K, other=0.0))
+        a = tl.load(a_ptr + offs_m[:, None] * K + k1[None, :], mask=m_mask[:, None] & (k1[None, :] < K), other=0.0)
+        acc = _gemv(w, a, BLOCK_M)
     else:
         a = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
         acc = tl.dot(a, w, input_precision="ieee")
@@ -481,10 +489,10 @@ def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_
 # --- host wrappers ------------------------------------------------------------------------------------
 
 def _block_m(m: int, k: int, tiles: int, weight: Tensor) -> int:
-    """Rows per program: 1 for the GEMV path (one row whose weight tiles fit), else all of them
-    up to 64 (weights read once), at least 16 (tl.dot's minimum)."""
-    if m == 1 and gemv_fits(k, tiles, weight.element_size()):
-        return 1
+    """Rows per program: all of them, as a power of two, up to 64 (weights read once); below 16
+    (the GEMV path) only where ``gemv_fits``, else at least 16 (tl.dot's minimum)."""
+    if gemv_fits(m, k, tiles, weight.element_size()):
+        return triton.next_power_of_2(m)
     return max(16, min(64, triton.next_power_of_2(m)))
 
 

@@ -42,7 +42,7 @@ def compile_all(kernel, types: dict[str, str], constants: dict[str, object], k: 
     for cfg in configs:
         consts = {**constants, **cfg.kwargs}
         if "SINGLE" in fn.arg_names:
-            consts.update(SINGLE=cfg.kwargs["BLOCK_K"] >= k, GEMV=constants["BLOCK_M"] == 1,
+            consts.update(SINGLE=cfg.kwargs["BLOCK_K"] >= k, GEMV=constants["BLOCK_M"] < 16,
                           K_ONE=triton.next_power_of_2(k))
         signature = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
         compiled = triton.compile(ASTSource(fn, signature, consts), target=TARGET,
@@ -67,14 +67,14 @@ def main() -> int:
             group = heads // kv
             q_p = max(16, triton.next_power_of_2(group * t))
             pdl = dict(USE_PDL=True)
-            for rows, bm in ((False, block_m), (True, block_m), (False, 1)):  # BLOCK_M 1: the GEMV path
+            for rows, bm in ((False, block_m), (True, block_m), (False, 1), (False, 4)):  # BLOCK_M < 16: GEMV
                 n += compile_all(td._norm_qkv_rope_kernel, types, dict(N_HEADS=heads, N_KV=kv, HEAD_DIM=64, HAS_BIAS=bias,
                                                                        HAS_ROWS=rows, BLOCK_M=bm, **pdl), dim)
             attn = dict(N_HEADS=heads, N_KV=kv, HEAD_DIM=64, D_P=64, GROUP=group, QROWS=group * t, Q_P=q_p, **pdl)
             for splits in (1, 4):
                 n += compile_all(td._attention_kernel, types, dict(attn, SPLITS=splits, HAS_ROWS=False))
             n += compile_all(td._attention_reduce_kernel, types, dict(attn, SPLITS=4, SPLITS_P=4))
-            for bm in (block_m, 1):
+            for bm in (block_m, 1, 4):
                 for k in (dim, hidden):  # the output and the down projection
                     n += compile_all(td._linear_residual_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=bm, **pdl), k)
                 n += compile_all(td._norm_gate_up_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=bm, **pdl), dim)
