@@ -71,10 +71,14 @@ def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = 
 # matrix-vector product on the CUDA cores instead (GEMV): 4 or 8 output columns per program, the
 # whole of K (``K_ONE``) in registers, every thread reducing its share of K for all the rows at
 # once. tl.dot would pad them to 16 rows and run K as one chain of MMAs: on an H100 a SmolLM2 step
-# at batch 1 took 0.43 ms instead of 0.76 ms, and a 2-row output projection 1.6 µs instead of 3.0
-# (benchmarks/results/decode-kernels-h100). From 5 rows on the x tile crowds the registers and the
-# two-output kernels (q/k/v pairs, gate/up) ran slower than tl.dot.
+# took 0.43 ms instead of 0.76 ms at batch 1, and 0.65 ms instead of 0.74-0.84 at batch 4
+# (benchmarks/results/decode-kernels-h100). From 5 rows on, tl.dot: every thread holds its share
+# of x for all the rows, and the two-output kernels (q/k/v pairs, gate/up) crowd the registers.
 GEMV_ROWS = 4
+# 3-4 rows only for weights up to this many elements: under PDL, Qwen2.5-0.5B's 4864-wide gate/up
+# projection at 3-4 rows (~1,200 programs of 4 columns) made the whole step slower than tl.dot
+# (1.52 instead of 1.08 ms at batch 4), where SmolLM2's layers ran faster (0.65 instead of 0.82).
+_GEMV_ROWS_WEIGHTS = 4 * 1024 * 1024
 _K_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
 _COLS = (4, 8, 16, 32)  # 4 and 8: GEMV only (tl.dot needs 16 columns)
 _GEMM = _configs([dict(BLOCK_N=n, BLOCK_K=k) for n in _COLS for k in _K_BLOCKS], dict(BLOCK_N=16, BLOCK_K=32),
@@ -490,8 +494,9 @@ def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_
 
 def _block_m(m: int, k: int, tiles: int, weight: Tensor) -> int:
     """Rows per program: all of them, as a power of two, up to 64 (weights read once); below 16
-    (the GEMV path) only where ``gemv_fits``, else at least 16 (tl.dot's minimum)."""
-    if gemv_fits(m, k, tiles, weight.element_size()):
+    (the GEMV path) only where ``gemv_fits`` (3-4 rows: for weights up to ``_GEMV_ROWS_WEIGHTS``
+    elements), else at least 16 (tl.dot's minimum)."""
+    if gemv_fits(m, k, tiles, weight.element_size()) and (m <= 2 or weight.numel() <= _GEMV_ROWS_WEIGHTS):
         return triton.next_power_of_2(m)
     return max(16, min(64, triton.next_power_of_2(m)))
 

@@ -130,6 +130,22 @@ def test_decode_attention_reads_only_slots_up_to_each_position(name: str, t: int
     torch.testing.assert_close(y, _reference_attention(q, model, input_pos, rows, kv_len), **TOL)
 
 
+def test_rows_per_program_choose_the_gemv_path_for_few_rows_of_small_weights() -> None:
+    """Up to GEMV_ROWS rows go through the GEMV path (BLOCK_M below 16, a power of two); 3-4 rows
+    only for weights up to 4 M elements (Qwen2.5-0.5B's gate/up is larger); the rest through tl.dot,
+    at least 16 and at most 64 rows per program. Shapes only: meta tensors hold no memory."""
+    def weight(n: int, k: int):
+        return torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+
+    smol_gate_up, qwen_gate_up = weight(2 * 1536, 576), weight(2 * 4864, 896)
+    assert [td._block_m(m, 576, 2, smol_gate_up) for m in (1, 2, 3, 4, 5, 8, 40, 100)] == [1, 2, 4, 4, 16, 16, 64, 64]
+    assert [td._block_m(m, 896, 2, qwen_gate_up) for m in (1, 2, 3, 4)] == [1, 2, 16, 16]
+    # K too long for a GEMV program's registers (Qwen2.5-0.5B's down projection): 2 rows fit, 4 do not.
+    qwen_down = weight(896, 4864)
+    assert [td._block_m(m, 4864, 1, qwen_down) for m in (1, 2, 3)] == [1, 2, 16]
+    assert td._block_m(1, 32768, 1, weight(64, 32768)) == 16  # not even one row's weight tile fits
+
+
 @pytest.mark.parametrize("name", ["tiny", "gqa3-bias"])
 @pytest.mark.parametrize("m", [5, 1, 3])  # up to GEMV_ROWS: the GEMV path
 def test_projection_kernels_match_eager(name: str, k_blocks: str, m: int) -> None:
