@@ -265,6 +265,31 @@ def test_benchmark_smoke_run_on_cpu(tmp_path) -> None:
     assert '"triton"' in result and (tmp_path / "decode_kernels.md").is_file()
 
 
+def test_greedy_parity_benchmark_finds_and_judges_partings(tmp_path) -> None:
+    """The parity benchmark's CPU smoke run (tiny model: both paths agree), and its verdict on a
+    completion that parts from the reference: at the fp32 model's second-best token it is a
+    near-tie only when the fp32 gap is below --tie-gap; a token outside the top two never is."""
+    import json
+
+    from servekit.benchmarks import greedy_parity
+
+    assert greedy_parity.main(["--device", "cpu", "--tiny", "--batches", "1", "4", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "greedy_parity.json").read_text())
+    assert [(r["batch"], r["identical"], r["differences"]) for r in res["batches"]] == [(1, 4, []), (4, 4, [])]
+    model = init_random(LlamaConfig.tiny(), seed=0)
+    model.setup_caches(max_batch_size=1, max_seq_len=MAX_SEQ)
+    prompt, want = [5, 9, 11], [7, 8, 9, 10]
+    gap, best, second = greedy_parity.top2_gap(model, prompt + want[:2], MAX_SEQ)
+    other = next(t for t in range(3, 256) if t not in (best, second))
+    for got_token, tie_gap, tie in ((second, gap + 1.0, True), (second, gap / 2, False), (other, 1e9, False)):
+        got = want[:2] + [got_token, 1]
+        [row] = greedy_parity.compare([prompt], [want[:2] + [best, 1]], [got], model, MAX_SEQ, tie_gap)
+        assert (row["parted_at"], row["triton"], row["fp32_gap"], row["near_tie"]) == (2, got_token, round(gap, 4), tie)
+    [longer] = greedy_parity.compare([prompt], [want], [want + [3]], model, MAX_SEQ, 0.1)
+    assert longer["parted_at"] == 4 and not longer["near_tie"]
+    assert greedy_parity.compare([prompt], [want], [list(want)], model, MAX_SEQ, 0.1) == []
+
+
 def test_kernels_compile_for_an_h100() -> None:
     """What the interpreter never runs (Triton's compiler down to sm_90 machine code), in a process of
     its own without the interpreter."""
