@@ -193,6 +193,19 @@ def _or_na(v: object) -> str:
     return "n/a" if v is None else str(v)
 
 
+def kernels_device(name: str) -> torch.device | None:
+    """Where the fused kernels run: CUDA if asked for and present (None, the reason printed, if
+    absent), or the CPU under the Triton interpreter, turned on here: before triton_decode defines
+    its kernels, which CPU runs need."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu --tiny (with TRITON_INTERPRET=1) for a smoke run", file=sys.stderr)
+        return None
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return device
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for decode_kernels.json and .md")
@@ -218,12 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --device cpu --tiny (with TRITON_INTERPRET=1) for a smoke run", file=sys.stderr)
+    device = kernels_device(args.device)
+    if device is None:
         return 2
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton_decode defines its kernels; CPU runs need it
     import triton
 
     if args.tiny:

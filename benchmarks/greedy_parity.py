@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from servekit.benchmarks.decode_kernels import kernels_device
 from servekit.benchmarks.llm_inprocess import chat_prompt, environment, identical_prefix
 from servekit.optimizations.device import DTYPES
 
@@ -117,12 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.prompts < 1 or args.max_tokens < 1 or min(args.batches) < 1 or args.tie_gap <= 0:
         p.error("--prompts, --max-tokens and --batches must be >= 1, --tie-gap > 0")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --device cpu --tiny (with TRITON_INTERPRET=1) for a smoke run", file=sys.stderr)
+    device = kernels_device(args.device)
+    if device is None:
         return 2
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton_decode defines its kernels; CPU runs need it
     import triton
 
     from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
