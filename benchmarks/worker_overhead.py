@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from servekit.benchmarks.bench.payloads import body_texts
 from servekit.resources import config_dir, package_dir
 
 PAYLOADS = package_dir("servekit.benchmarks") / "payloads" / "texts.jsonl"
@@ -262,7 +263,7 @@ def run(batches: Sequence[int], reps: int, texts: int = 1) -> dict[str, Any]:
         else:  # OpenAI bodies of `texts` texts each, every text of the file in turn
             chosen = [json.dumps({"input": [pool[(r * texts + k) % len(pool)] for k in range(texts)],
                                   "model": "minilm"}).encode() for r in range(b)]
-        batch_texts = [t for x in chosen for t in (lambda body: body.get("input") or [body["text"]])(json.loads(x))]
+        batch_texts = [t for x in chosen for t in body_texts(json.loads(x))]
         frame = predict_frame(chosen)
         row: dict[str, Any] = {"batch": b, "texts_per_request": texts, "frame_bytes": len(frame)}
         args: dict[str, Any] = {"decode": frame, "metrics": b, "tokenize": batch_texts}

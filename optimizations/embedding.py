@@ -113,13 +113,14 @@ def pad_chunk(seqs: Sequence[Sequence[int]], chunk: Chunk, pad_id: int) -> tuple
     benchmarks/results/worker-overhead-cpu)."""
     rows = [seqs[i] for i in chunk.indices]
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    filled = np.arange(chunk.seq) < lengths[:, None]  # each text's own cells
     mask = np.zeros((chunk.batch, chunk.seq), dtype=np.int64)
-    mask[: len(rows)] = np.arange(chunk.seq) < lengths[:, None]
+    mask[: len(rows)] = filled
     mask[len(rows):, 0] = 1  # padding rows get one attended token so their (discarded) mean is finite
     ids = np.full((chunk.batch, chunk.seq), pad_id, dtype=np.int64)
-    # Row-major order of the mask's True cells is the concatenation order of the rows' tokens.
-    ids[: len(rows)][mask[: len(rows)].astype(bool)] = np.fromiter(
-        itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    # Row-major order of the filled cells is the concatenation order of the rows' tokens.
+    ids[: len(rows)][filled] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64,
+                                           count=int(lengths.sum()))
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 

@@ -77,7 +77,7 @@ def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = 
 GEMV_ROWS = 4
 # 3-4 rows only for weights up to this many elements: under PDL, Qwen2.5-0.5B's 4864-wide gate/up
 # projection at 3-4 rows (~1,200 programs of 4 columns) made the whole step slower than tl.dot
-# (1.52 instead of 1.08 ms at batch 4), where SmolLM2's layers ran faster (0.65 instead of 0.82).
+# (1.54 instead of 1.08 ms at batch 4), where SmolLM2's layers ran faster (0.66 instead of 0.91).
 _GEMV_ROWS_WEIGHTS = 4 * 1024 * 1024
 _K_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
 _COLS = (4, 8, 16, 32)  # 4 and 8: GEMV only (tl.dot needs 16 columns)
@@ -98,10 +98,12 @@ def _tiles_fit(tiles: int, cols: int, k: int, elt: int) -> bool:
     return tiles * cols * triton.next_power_of_2(k) * elt <= _TILE_BUDGET
 
 
-def gemv_fits(m: int, k: int, tiles: int, elt: int) -> bool:
-    """Whether ``m`` rows run as a GEMV: at most ``GEMV_ROWS``, ``tiles`` weight tiles of 4 columns
-    by the whole of K within one program's ``_TILE_BUDGET``, and the rows' fp32 x tile too."""
-    return m <= GEMV_ROWS and _tiles_fit(tiles, 4, k, elt) and _tiles_fit(1, triton.next_power_of_2(m), k, 4)
+def gemv_fits(m: int, k: int, tiles: int, weight: Tensor) -> bool:
+    """Whether ``m`` rows run as a GEMV: at most ``GEMV_ROWS`` (3-4 only for weights up to
+    ``_GEMV_ROWS_WEIGHTS`` elements), ``tiles`` weight tiles of 4 columns by the whole of K within
+    one program's ``_TILE_BUDGET``, and the rows' fp32 x tile too."""
+    return (m <= GEMV_ROWS and (m <= 2 or weight.numel() <= _GEMV_ROWS_WEIGHTS)
+            and _tiles_fit(tiles, 4, k, weight.element_size()) and _tiles_fit(1, triton.next_power_of_2(m), k, 4))
 
 
 def _k_prune(tiles: int, cols: str):
@@ -494,9 +496,8 @@ def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_
 
 def _block_m(m: int, k: int, tiles: int, weight: Tensor) -> int:
     """Rows per program: all of them, as a power of two, up to 64 (weights read once); below 16
-    (the GEMV path) only where ``gemv_fits`` (3-4 rows: for weights up to ``_GEMV_ROWS_WEIGHTS``
-    elements), else at least 16 (tl.dot's minimum)."""
-    if gemv_fits(m, k, tiles, weight.element_size()) and (m <= 2 or weight.numel() <= _GEMV_ROWS_WEIGHTS):
+    (the GEMV path) only where ``gemv_fits``, else at least 16 (tl.dot's minimum)."""
+    if gemv_fits(m, k, tiles, weight):
         return triton.next_power_of_2(m)
     return max(16, min(64, triton.next_power_of_2(m)))
 
