@@ -10,8 +10,10 @@ Runs TorchServe 0.12's own code on real bytes, in this process, without a model:
     observation per request) written to a pipe that a thread drains, as the frontend drains a
     worker's stdout: once through `CachingMetric.add_or_update` + `logging` (TorchServe's emitter,
     what the handler used before) and once through `servekit.handlers.metrics.HandlerMetrics`;
-  - tokenize: the same B texts with MiniLM's tokenizer on one thread, `encode_batch` (before) and
-    `encode_batch_fast` (the runner now: no character offsets).
+  - tokenize: the same B texts with MiniLM's tokenizer on one thread, `encode_batch_fast` (before)
+    and `optimizations.segment_cache.SegmentCache` (the runner now), its cache holding only the golden
+    texts' segments at the start of every timed call, so the payload's segments are met for the first
+    time in each call (only repeats within the batch hit).
 With `--texts N` (N > 1) each request is an OpenAI `/v1/embeddings` body of N texts, as indexing
 jobs send them, and three more stages are timed per batch:
   - pad: the batch's token ids into the (batch, seq) chunks the model runs (MiniLM's GPU buckets),
@@ -177,13 +179,26 @@ def bench_metrics(batch: int, reps: int, batched: bool) -> float:
         drain.close()
 
 
-def bench_tokenize(texts: Sequence[str], reps: int, fast: bool) -> float:
+def bench_tokenize(texts: Sequence[str], reps: int, cached: bool) -> float:
     """Seconds to tokenize `texts` with MiniLM's tokenizer on one thread (as a GPU worker does):
-    `encode_batch` (what the runner used before) or `encode_batch_fast` (no character offsets)."""
+    the library's `encode_batch_fast` (before), or the segment cache (now) starting every call from
+    the state the golden texts leave it in."""
+    from servekit.optimizations.embedding import GOLDEN_TEXTS
+    from servekit.optimizations.segment_cache import SegmentCache
+
     tok = _tokenizer()
-    encode = tok.encode_batch_fast if fast else tok.encode_batch
     texts = list(texts)
-    return _best_of(lambda: encode(texts), reps)
+    if not cached:
+        return _best_of(lambda: tok.encode_batch_fast(texts, add_special_tokens=False), reps)
+    cache = SegmentCache(tok, 200_000)
+    cache.encode(GOLDEN_TEXTS.read_text().splitlines())
+    start = dict(cache._ids)
+
+    def first_sight() -> None:
+        cache._ids = dict(start)
+        cache.encode(texts)
+
+    return _best_of(first_sight, reps)
 
 
 def _pad_per_row(seqs: Sequence[Sequence[int]], chunks: Sequence[Any], pad_id: int) -> None:

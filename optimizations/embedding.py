@@ -31,6 +31,7 @@ from servekit.optimizations.sentence_model import SentenceModel, read_sentence_m
 from servekit.optimizations.device import DTYPES, capability, pick_device
 from servekit.optimizations.plan import Plan, PlanError, resolve_for_device
 from servekit.optimizations.quantize import quantize
+from servekit.optimizations.segment_cache import SegmentCache
 
 log = logging.getLogger(__name__)
 # Package data (importlib.resources): found the same way in a checkout, a wheel and an archive.
@@ -124,6 +125,20 @@ def pad_chunk(seqs: Sequence[Sequence[int]], chunk: Chunk, pad_id: int) -> tuple
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU. From a GPU, the worker thread sleeps until the device is done rather than
+    spinning in `.cpu()`: with a few workers per GPU the spinning threads took cores from the
+    tokenizer's."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event(blocking=True)
+    done.record()
+    done.synchronize()
+    return host
+
+
 class EmbeddingRunner:
     """Texts or token ids -> sentence embeddings as the model's own files define them, on the fast
     path the plan describes."""
@@ -141,6 +156,8 @@ class EmbeddingRunner:
         encoder = load_encoder(encoder_dir)
         self.tokenizer = load_tokenizer(encoder_dir / "tokenizer.json", self.spec.do_lower_case)
         self.prefix, self.suffix = special_tokens(self.tokenizer)
+        golden = list(golden_texts) if golden_texts is not None else GOLDEN_TEXTS.read_text().splitlines()
+        self.segments = SegmentCache(self.tokenizer, self.plan.tokenizer_cache, probes=golden)
         self.pad_id = encoder.cfg.pad_token_id
         self.vocab_size = encoder.cfg.vocab_size
         # What the model accepts (sentence-transformers' max_seq_length, capped by its positions) and,
@@ -159,7 +176,6 @@ class EmbeddingRunner:
                         self.max_tokens, self.model_max_tokens)
         self._model_key = hashlib.sha256((encoder_dir / "config.json").read_bytes() + repr(self.spec).encode()).hexdigest()[:12]
         model = SentenceEncoder(encoder, SentenceHead(model_dir, self.spec)).eval().to(self.device)
-        golden = list(golden_texts) if golden_texts is not None else GOLDEN_TEXTS.read_text().splitlines()
         golden_ids = self.tokenize(golden)[0]
         self._forward = self._eager_forward(model)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -283,10 +299,9 @@ class EmbeddingRunner:
 
     def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
         """Each text's own tokens, without special tokens and uncut."""
-        if not texts:
-            return []
-        # encode_batch_fast skips character offsets, which nothing here reads: 20-30% less CPU per text (VM).
-        return [enc.ids for enc in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
+        # Most of a bulk request's worker time was the tokenizer's (benchmarks/results/worker-overhead-cpu):
+        # cached segments make it a few dictionary lookups per text where the tokenizer allows it.
+        return self.segments.encode(texts)
 
     def wrap(self, token_lists: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[bool]]:
         """A text's tokens (no special tokens, e.g. an OpenAI token-array input) -> model input ids:
@@ -309,7 +324,7 @@ class EmbeddingRunner:
             ids, mask = pad_chunk(seqs, chunk, self.pad_id)
             parts.append(self._run(chunk.batch, chunk.seq, ids, mask)[: len(chunk.indices)])
             order.extend(chunk.indices)
-        out = torch.cat(parts).float().cpu() if parts else torch.empty(0, 0)
+        out = _to_host(torch.cat(parts).float()) if parts else torch.empty(0, 0)
         result = torch.empty_like(out)
         result[torch.as_tensor(order, dtype=torch.long)] = out
         return result
@@ -348,6 +363,7 @@ class EmbeddingRunner:
                 "model_max_tokens": self.model_max_tokens, "prompts": sorted(self.spec.prompts),
                 "load_s": round(self.load_s, 3), "warmup_s": round(self.warmup_s, 3),
                 "compile_cache_hit": self.compile_cache_hit, "accuracy": self.accuracy,
+                "segment_cache": "on" if self.segments.enabled else f"off: {self.segments.off_reason}",
                 "buckets": self.bucket_stats}
 
 

@@ -69,6 +69,9 @@ class Plan:
     # Threads that tokenize a batch (the tokenizer's own parallelism). None: one per GPU worker
     # (several workers share the host's cores), the library's default (every core) on CPU.
     tokenizer_threads: int | None = None
+    # Whitespace-delimited segments whose token ids each worker keeps (optimizations/segment_cache.py);
+    # 0 sends every text through the tokenizer's whole pipeline.
+    tokenizer_cache: int = 200_000
 
     @property
     def accuracy_threshold(self) -> float:
@@ -146,6 +149,11 @@ def parse_plan(raw: Any, path: str = "servekit") -> Plan:
         kw["compile_cache"] = raw["compile_cache"]
     if raw.get("tokenizer_threads") is not None:
         kw["tokenizer_threads"] = _positive_int(f"{path}.tokenizer_threads", raw["tokenizer_threads"])
+    if "tokenizer_cache" in raw:
+        v = raw["tokenizer_cache"]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise PlanError(f"{path}.tokenizer_cache: expected a number of entries >= 0 (0: off), got {v!r}")
+        kw["tokenizer_cache"] = v
     if raw.get("min_cosine") is not None:
         v = raw["min_cosine"]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v <= 1.0:

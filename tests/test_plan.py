@@ -70,3 +70,13 @@ def test_tokenizer_threads_key() -> None:
     assert parse_plan({"tokenizer_threads": 4}).tokenizer_threads == 4
     with pytest.raises(PlanError, match=r"servekit.tokenizer_threads: expected a positive integer, got 0"):
         parse_plan({"tokenizer_threads": 0})
+
+
+def test_tokenizer_cache_key() -> None:
+    from servekit.optimizations.plan import PlanError, parse_plan
+
+    assert parse_plan({}).tokenizer_cache == 200_000
+    assert parse_plan({"tokenizer_cache": 0}).tokenizer_cache == 0
+    for bad in (-1, True, "big", 1.5):
+        with pytest.raises(PlanError, match=r"servekit.tokenizer_cache: expected a number of entries >= 0"):
+            parse_plan({"tokenizer_cache": bad})
