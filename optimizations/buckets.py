@@ -6,8 +6,10 @@ shapes, all captured at start-up, keeps serving on the fast path.
 """
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 def pick_bucket(n: int, sizes: Sequence[int]) -> int:
@@ -36,20 +38,53 @@ class Chunk:
     seq: int
 
 
-def plan_chunks(lengths: Sequence[int], batch_sizes: Sequence[int], seq_lens: Sequence[int]) -> list[Chunk]:
-    """Group sequences into bucketed forward passes with little padding.
+# Fixed cost of one forward pass in token positions, for plans whose passes are not timed at
+# start-up (eager, compile without CUDA graphs): on the 2-core VM MiniLM's eager pass costs
+# ~1 ms beyond its ~4 µs per token position.
+PASS_OVERHEAD_TOKENS = 256
 
-    Sequences are sorted by length so that each chunk holds similar lengths, then cut into chunks
-    of at most the largest batch bucket. Lengths must already fit in the largest seq bucket.
+
+def token_cost(batch: int, seq: int) -> float:
+    """A forward pass's cost in token positions: padded positions plus the fixed cost of a pass."""
+    return batch * seq + PASS_OVERHEAD_TOKENS
+
+
+def plan_chunks(lengths: Sequence[int], batch_sizes: Sequence[int], seq_lens: Sequence[int],
+                cost: Callable[[int, int], float] = token_cost) -> list[Chunk]:
+    """Group sequences into bucketed forward passes of least total `cost(batch, seq)`.
+
+    Sequences are sorted by length and cut into runs, each padded to a (batch, seq) bucket. Cutting
+    a batch of many lengths into fixed runs of the largest batch bucket padded ~half of a bulk
+    batch's positions (H100, 32-text requests: benchmarks/results/minilm-bulk-cache-h100). Here the
+    cuts minimise the summed cost, by dynamic programming over the sorted lengths: a run other than
+    the first is best exactly a batch bucket long (a shorter one pays for the same padded shape),
+    so each cut point tries one run per batch bucket. Lengths must fit in the largest seq bucket.
     """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    max_b = batch_sizes[-1]
+    if not order:
+        return []
+    if lengths[order[-1]] > seq_lens[-1]:
+        raise ValueError(f"{lengths[order[-1]]} exceeds the largest bucket {seq_lens[-1]}")
+    seq_of = [seq_lens[bisect_left(seq_lens, lengths[i])] for i in order]
+    n = len(order)
+    best = [0.0] + [math.inf] * n  # best[j]: least cost of the j shortest sequences
+    cut: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # cut[j]: (start, batch bucket) of its last run
+    for j in range(1, n + 1):
+        seq = seq_of[j - 1]
+        for b in batch_sizes:
+            start = max(0, j - b)
+            c = best[start] + cost(b, seq)
+            if c < best[j]:
+                best[j], cut[j] = c, (start, b)
+            if start == 0:  # larger buckets would only pad the same sequences more
+                break
     chunks = []
-    for start in range(0, len(order), max_b):
-        idx = tuple(order[start:start + max_b])
-        longest = max(lengths[i] for i in idx)
-        chunks.append(Chunk(idx, pick_bucket(len(idx), batch_sizes), pick_bucket(longest, seq_lens)))
-    return chunks
+    j = n
+    while j > 0:
+        start, b = cut[j]
+        chunks.append(Chunk(tuple(order[start:j]), b, seq_of[j - 1]))
+        j = start
+    return chunks[::-1]
 
 
 def padding_ratio(lengths: Sequence[int], chunks: Sequence[Chunk]) -> float:

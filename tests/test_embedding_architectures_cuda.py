@@ -26,7 +26,10 @@ def test_compiled_captured_fp16_equals_eager_fp32(family: str, tmp_path: Path) -
     graphs = EmbeddingRunner(folder, parse_plan({"device": "cuda", "precision": "fp16", "compile": "default",
                                                  "cuda_graphs": True, "buckets": {"batch_sizes": [1, 4, 8]}}))
     assert not graphs.downgrades and "cudagraphs" in graphs.plan.label()  # nothing fell back to eager
-    texts = TEXTS * 3  # 18 texts: two chunks of 8 and one of 2, long ones beyond the 64-token bucket
+    # Every captured bucket's replay was timed at warm-up, and chunks are cut by those times.
+    stats = graphs.report()["buckets"]
+    assert stats and all(b["replay_ms"] is not None and b["replay_ms"] > 0 for b in stats)
+    texts = TEXTS * 3  # 18 texts in several chunks, long ones beyond the 64-token bucket
     ref = eager.embed(texts)
     got = graphs.embed(texts)
     cos = torch.nn.functional.cosine_similarity(got.float(), ref.float())
@@ -34,3 +37,6 @@ def test_compiled_captured_fp16_equals_eager_fp32(family: str, tmp_path: Path) -
     single = graphs.embed(texts[:1])
     assert torch.nn.functional.cosine_similarity(single.float(), ref[:1].float()).item() > 0.999
     assert graphs.recompiles() == 0
+    chunks = graphs.chunks(graphs.tokenize(texts)[0])
+    assert sorted(i for c in chunks for i in c.indices) == list(range(len(texts)))
+    assert all((c.batch, c.seq) in graphs._graphs for c in chunks)  # only captured shapes run

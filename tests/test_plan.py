@@ -80,3 +80,56 @@ def test_tokenizer_cache_key() -> None:
     for bad in (-1, True, "big", 1.5):
         with pytest.raises(PlanError, match=r"servekit.tokenizer_cache: expected a number of entries >= 0"):
             parse_plan({"tokenizer_cache": bad})
+
+
+def _brute_force_cost(lengths: list[int], batch_sizes: list[int], seq_lens: list[int], cost) -> float:
+    """Least total cost over every way to cut the sorted lengths into contiguous runs."""
+    from functools import lru_cache
+
+    srt = sorted(lengths)
+
+    @lru_cache(maxsize=None)
+    def best(j: int) -> float:
+        if j == 0:
+            return 0.0
+        return min(best(i) + cost(pick_bucket(j - i, batch_sizes), pick_bucket(srt[j - 1], seq_lens))
+                   for i in range(max(0, j - batch_sizes[-1]), j))
+
+    return best(len(srt))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_plan_chunks_finds_the_cheapest_cuts(seed: int) -> None:
+    """Against every contiguous cut of the sorted lengths, under a random cost table that grows
+    with batch and sequence (as measured replay times do)."""
+    import random
+
+    rng = random.Random(seed)
+    batch_sizes, seq_lens = [1, 2, 4, 8], [8, 16, 32, 64]
+    table, acc = {}, 0.0
+    for b in batch_sizes:
+        row = rng.uniform(0.5, 3.0)
+        for s in seq_lens:
+            row += rng.uniform(0.1, 2.0) * b
+            table[(b, s)] = row + acc
+        acc += rng.uniform(0.1, 1.0)
+    lengths = [rng.randint(1, 64) for _ in range(rng.randint(1, 11))]
+    cost = lambda b, s: table[(b, s)]  # noqa: E731
+    chunks = plan_chunks(lengths, batch_sizes, seq_lens, cost)
+    assert sorted(i for c in chunks for i in c.indices) == list(range(len(lengths)))
+    for c in chunks:
+        assert len(c.indices) <= c.batch and max(lengths[i] for i in c.indices) <= c.seq
+    got = sum(table[(c.batch, c.seq)] for c in chunks)
+    assert got == pytest.approx(_brute_force_cost(lengths, batch_sizes, seq_lens, cost))
+
+
+def test_plan_chunks_pads_a_mixed_bulk_batch_less() -> None:
+    """96 texts of mixed lengths: cut by cost rather than into runs of the largest batch bucket."""
+    lengths = [12] * 40 + [30] * 30 + [100] * 20 + [250] * 6
+    chunks = plan_chunks(lengths, [1, 2, 4, 8, 16, 32, 64], [16, 32, 64, 128, 256])
+    # Runs of 64 would pad everything up to 32 and 256: 64*32 + 32*256 = 10,240 positions.
+    assert sum(c.batch * c.seq for c in chunks) < 0.75 * 10_240
+    assert padding_ratio(lengths, chunks) < 0.35
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        plan_chunks([300], [1], [256])
+    assert plan_chunks([], [1], [16]) == []
