@@ -139,9 +139,9 @@ def _replay_seconds(graph: torch.cuda.CUDAGraph, device: torch.device, reps: int
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` on the CPU. From a GPU, the worker thread sleeps until the device is done rather than
-    spinning in `.cpu()`: with a few workers per GPU the spinning threads took cores from the
-    tokenizer's."""
+    """`t` on the CPU. From a GPU, the worker thread sleeps until the device is done (a blocking
+    event) rather than spinning in `.cpu()`'s wait, which holds a host core for the whole device
+    time of the batch; up to 16 workers share one GPU host's cores."""
     if t.device.type != "cuda":
         return t.cpu()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
