@@ -61,6 +61,7 @@ class EmbeddingHandler:
         self.batch_size = registered_batch_size(context)
         self.dim = self.runner.dim
         self.metrics = HandlerMetrics(context, self.model_name)
+        self._segments_seen = (self.runner.segments.lookups, self.runner.segments.misses)  # reported so far
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
         self.metrics.emit("servekit_recompiles", "gauge", 0)
         log.info("servekit plan %s ready: %s", self.plan.label(),
@@ -172,6 +173,10 @@ class EmbeddingHandler:
         m.emit("servekit_tokens_total", "counter", n_tokens)
         computed = sum(c.batch * c.seq for c in chunks)
         m.emit("servekit_padded_tokens_total", "counter", computed - n_tokens)
+        segments = self.runner.segments
+        m.emit("servekit_tokenizer_segments_total", "counter", segments.lookups - self._segments_seen[0])
+        m.emit("servekit_tokenizer_segment_misses_total", "counter", segments.misses - self._segments_seen[1])
+        self._segments_seen = (segments.lookups, segments.misses)
         m.emit("servekit_padding_ratio", "histogram", (computed - n_tokens) / computed if computed else 0.0, "Ratio")
         m.emit("servekit_batch_fill_ratio", "histogram", min(1.0, n_requests / max(1, self.batch_size)), "Ratio")
         m.emit("servekit_preprocess_seconds", "histogram", t1 - t0, "Seconds")

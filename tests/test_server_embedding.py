@@ -2,6 +2,7 @@
 import base64
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -153,6 +154,29 @@ def test_metrics_endpoint_exposes_servekit_metrics(minilm_server):
     # Other tests may register more models on the shared server: look at minilm's label only.
     assert [p["Plan"] for p in plans if p["ModelName"] == "minilm"] == ["fp32"]
     assert metric_sum(minilm_server, "servekit_recompiles") == 0
+
+
+def test_segment_cache_metrics_count_lookups_and_misses(minilm_server):
+    """A text never sent before misses on its new segments; the same text again is all lookups."""
+    text = f"segment cache probe {time.time_ns()} zyxwvut"
+    looked0 = metric_sum(minilm_server, "servekit_tokenizer_segments_total")
+    missed0 = metric_sum(minilm_server, "servekit_tokenizer_segment_misses_total")
+    post(f"{minilm_server.inference_url}/predictions/minilm", {"text": text})
+    looked1 = _metric_reaches(minilm_server, "servekit_tokenizer_segments_total", looked0 + 5)
+    missed1 = metric_sum(minilm_server, "servekit_tokenizer_segment_misses_total")
+    assert looked1 - looked0 == 5 and missed1 - missed0 >= 1  # the number at least is new
+    post(f"{minilm_server.inference_url}/predictions/minilm", {"text": text})
+    assert _metric_reaches(minilm_server, "servekit_tokenizer_segments_total", looked1 + 5) - looked1 == 5
+    assert metric_sum(minilm_server, "servekit_tokenizer_segment_misses_total") == missed1
+
+
+def _metric_reaches(ts, name: str, value: float, timeout_s: float = 10.0) -> float:
+    """The metric once it has reached `value` (the frontend reads workers' metric lines on its own
+    schedule), or its value at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while (got := metric_sum(ts, name)) < value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
 
 
 def _name(pid: int) -> str:

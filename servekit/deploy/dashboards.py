@@ -126,6 +126,12 @@ def serving_panels() -> list[dict]:
                       f"(sum(rate(servekit_tokens_total{{{MODEL}}}{RATE})) + "
                       f"sum(rate(servekit_padded_tokens_total{{{MODEL}}}{RATE})))", "overall")],
               unit="percentunit", max_value=1),
+        panel("Tokenizer segment cache (share of segments answered from it)",
+              [target(f"1 - sum(rate(servekit_tokenizer_segment_misses_total{{{MODEL}}}{RATE})) / "
+                      f"sum(rate(servekit_tokenizer_segments_total{{{MODEL}}}{RATE}))", "hit ratio")],
+              unit="percentunit", max_value=1,
+              description="Text segments whose token ids came from the cache (tokenizer_cache); the "
+                          "rest went through the tokenizer. No series while the cache is off."),
         panel("Time per stage (mean per batch)",
               [target(mean("servekit_preprocess_seconds"), "preprocess"),
                target(mean("servekit_inference_seconds"), "inference"),
