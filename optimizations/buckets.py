@@ -14,10 +14,10 @@ from typing import Callable, Sequence
 
 def pick_bucket(n: int, sizes: Sequence[int]) -> int:
     """Smallest bucket size >= n. `sizes` is increasing; n must fit in the largest."""
-    for size in sizes:
-        if size >= n:
-            return size
-    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+    k = bisect_left(sizes, n)
+    if k == len(sizes):
+        raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+    return sizes[k]
 
 
 def seq_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
@@ -63,9 +63,7 @@ def plan_chunks(lengths: Sequence[int], batch_sizes: Sequence[int], seq_lens: Se
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     if not order:
         return []
-    if lengths[order[-1]] > seq_lens[-1]:
-        raise ValueError(f"{lengths[order[-1]]} exceeds the largest bucket {seq_lens[-1]}")
-    seq_of = [seq_lens[bisect_left(seq_lens, lengths[i])] for i in order]
+    seq_of = [pick_bucket(lengths[i], seq_lens) for i in order]
     n = len(order)
     best = [0.0] + [math.inf] * n  # best[j]: least cost of the j shortest sequences
     cut: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # cut[j]: (start, batch bucket) of its last run

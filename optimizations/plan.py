@@ -119,17 +119,20 @@ def _int_list(path: str, raw: Any) -> tuple[int, ...]:
     if not isinstance(raw, list) or not raw:
         raise PlanError(f"{path}: expected a non-empty list of positive integers")
     for i, v in enumerate(raw):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise PlanError(f"{path}[{i}]: expected a positive integer, got {v!r}")
+        _positive_int(f"{path}[{i}]", v)
     if sorted(set(raw)) != list(raw):
         raise PlanError(f"{path}: values must be strictly increasing, got {raw}")
     return tuple(raw)
 
 
-def _positive_int(path: str, v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise PlanError(f"{path}: expected a positive integer, got {v!r}")
+def _int_at_least(path: str, v: Any, low: int, expected: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise PlanError(f"{path}: expected {expected}, got {v!r}")
     return v
+
+
+def _positive_int(path: str, v: Any) -> int:
+    return _int_at_least(path, v, 1, "a positive integer")
 
 
 def parse_plan(raw: Any, path: str = "servekit") -> Plan:
@@ -150,10 +153,8 @@ def parse_plan(raw: Any, path: str = "servekit") -> Plan:
     if raw.get("tokenizer_threads") is not None:
         kw["tokenizer_threads"] = _positive_int(f"{path}.tokenizer_threads", raw["tokenizer_threads"])
     if "tokenizer_cache" in raw:
-        v = raw["tokenizer_cache"]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise PlanError(f"{path}.tokenizer_cache: expected a number of entries >= 0 (0: off), got {v!r}")
-        kw["tokenizer_cache"] = v
+        kw["tokenizer_cache"] = _int_at_least(f"{path}.tokenizer_cache", raw["tokenizer_cache"], 0,
+                                              "a number of entries >= 0 (0: off)")
     if raw.get("min_cosine") is not None:
         v = raw["min_cosine"]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v <= 1.0:

@@ -87,9 +87,10 @@ class SegmentCache:
         added = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content]
         self._added = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True))),
                                  re.IGNORECASE) if added else None
-        self._marker = self._find_marker()
+        self._marker: tuple[str, int] | None = None
         self.off_reason = segment_wise(tokenizer) if max_entries > 0 else "tokenizer_cache is 0"
         if self.off_reason is None:
+            self._marker = self._find_marker()
             self.off_reason = self._check(list(PROBES) + list(probes))
             self._ids.clear()
             self.lookups = self.misses = self.whole = 0
@@ -133,7 +134,6 @@ class SegmentCache:
         return out
 
     def _check(self, texts: list[str]) -> str | None:
-        self.off_reason = None
         for text, want, got in zip(texts, self._library(texts), self._segmented(texts)):
             if want != got:
                 return f"segment-wise ids differ from the tokenizer's on {text[:60]!r}"
