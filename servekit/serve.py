@@ -17,17 +17,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, default=Path("config/config.properties"),
                    help="config.properties, ports taken from it (default: ./config/config.properties, else "
                         "servekit's packaged one)")
+    p.add_argument("--log-config", type=Path, default=None,
+                   help="the frontend's log4j2 configuration (default: ./config/log4j2.xml, else servekit's "
+                        "packaged one: an access log line per request, no lines per batch)")
     p.add_argument("--run-dir", type=Path, default=Path(".run/serve"),
                    help="logs, pid file, resolved config (default: .run/serve)")
     args = p.parse_args(argv)
     args.config = resolve(args.config)
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")
+    args.log_config = resolve(args.log_config or Path("config/log4j2.xml"))
+    if not args.log_config.is_file():
+        p.error(f"--log-config {args.log_config}: no such file")
     props = read_properties(args.config)
     port = lambda key: int(props[key].rsplit(":", 1)[1])  # noqa: E731
     ports = Ports(port("inference_address"), port("management_address"), port("metrics_address"),
                   int(props.get("grpc_inference_port", 7070)), int(props.get("grpc_management_port", 7071)))
-    ts = TorchServe(args.run_dir, args.model_store, ports, args.config, models=args.models)
+    ts = TorchServe(args.run_dir, args.model_store, ports, args.config, models=args.models,
+                    log_config=args.log_config)
     with ts:
         print(f"TorchServe: inference {ts.inference_url}, management {ts.management_url}, metrics {ts.metrics_url}")
         print(f"logs in {ts.log_dir}; Ctrl-C to stop")

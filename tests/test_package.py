@@ -152,7 +152,7 @@ def test_wheel_holds_one_namespace_and_its_data(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"servekit", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for data in ("servekit/config/config.properties", "servekit/config/metrics.yaml",
+    for data in ("servekit/config/config.properties", "servekit/config/metrics.yaml", "servekit/config/log4j2.xml",
                  "servekit/config/models/minilm.yaml", "servekit/config/models/smollm2-cpu.yaml",
                  "servekit/benchmarks/sweeps/minilm-cpu-demo.yaml", "servekit/benchmarks/payloads/texts.jsonl",
                  "servekit/k8s/base/kustomization.yaml", "servekit/k8s/monitoring/dashboards/servekit-llm.json",

@@ -242,3 +242,35 @@ def test_an_openai_sized_input_list_is_one_request(minilm_server, reference):
     assert np.allclose(np.array([d.embedding for d in got.data]), reference(texts).numpy(), atol=1e-4)
     status, body = post(f"{minilm_server.inference_url}/predictions/minilm/1.0/v1/embeddings", {"input": ["a"] * 2049})
     assert status == 413 and "at most 2048" in body["error"]["message"]
+
+
+def test_frontend_logs_one_line_per_request_and_none_per_batch(minilm_server):
+    """config/log4j2.xml: each request leaves one access-log line; the per-batch and per-metric-line
+    chatter of TorchServe's own configuration is gone; lifecycle lines and metrics remain."""
+    logs = minilm_server.log_dir
+    access = logs / "access_log.log"
+
+    def posts() -> int:
+        return access.read_text(errors="replace").count('"POST /predictions/minilm ') if access.exists() else 0
+
+    before, served0 = posts(), metric_sum(minilm_server, "servekit_requests_total")
+    with ThreadPoolExecutor(12) as pool:
+        statuses = list(pool.map(lambda i: post(f"{minilm_server.inference_url}/predictions/minilm",
+                                                {"text": f"log line {i}"})[0], range(12)))
+    assert statuses == [200] * 12
+    deadline = time.monotonic() + 10  # the frontend logs asynchronously
+    while posts() < before + 12 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert posts() == before + 12
+    # The metric lines are still parsed though no longer logged.
+    assert _metric_reaches(minilm_server, "servekit_requests_total", served0 + 12) == served0 + 12
+    ts_log = (logs / "ts_log.log").read_text(errors="replace")
+    stdout = (logs / "server.out").read_text(errors="replace")
+    model_log = (logs / "model_log.log").read_text(errors="replace")
+    for text in (ts_log, stdout):
+        for chatter in ("Looping backend response", "Backend response time", "result=[METRICS]",
+                        "Sending response for jobId", "Waiting time ns", "ACCESS_LOG"):
+            assert chatter not in text, chatter
+        assert "Connecting to: " in text  # a worker's start is still told, in the file and on stdout
+    assert "Backend received inference" not in model_log and "servekit plan" in model_log
+    assert "servekit plan" in stdout  # what workers print reaches `kubectl logs` too
