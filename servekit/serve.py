@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, default=Path("config/config.properties"),
                    help="config.properties, ports taken from it (default: ./config/config.properties, else "
                         "servekit's packaged one)")
-    p.add_argument("--log-config", type=Path, default=None,
+    p.add_argument("--log-config", type=Path, default=Path("config/log4j2.xml"),
                    help="the frontend's log4j2 configuration (default: ./config/log4j2.xml, else servekit's "
                         "packaged one: an access log line per request, no lines per batch)")
     p.add_argument("--run-dir", type=Path, default=Path(".run/serve"),
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args.config = resolve(args.config)
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")
-    args.log_config = resolve(args.log_config or Path("config/log4j2.xml"))
+    args.log_config = resolve(args.log_config)
     if not args.log_config.is_file():
         p.error(f"--log-config {args.log_config}: no such file")
     props = read_properties(args.config)
