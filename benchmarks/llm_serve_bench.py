@@ -204,7 +204,7 @@ def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from servekit.benchmarks.llm_inprocess import bench_hf, chat_prompt
-    from servekit.optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency values and --rounds must be >= 1, --max-tokens >= 2")
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")
-    from servekit.optimizations.train_speculator import load_prompts, split_prompts
+    from servekit.optimizations.training.train_speculator import load_prompts, split_prompts
 
     prompts = split_prompts(load_prompts())[1]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ class TransformersEncoder:
         from transformers import AutoModel
 
         from servekit.optimizations.device import DTYPES
-        from servekit.optimizations.sentence_model import read_sentence_model
+        from servekit.optimizations.models.sentence_model import read_sentence_model
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         path = folder / read_sentence_model(folder).transformer_path
@@ -137,7 +137,7 @@ def time_bucket(runner, b: int, s: int, iters: int, repeats: int = 5) -> float:
 
 
 def bench_plan(name: str, raw: dict, iters: int, folder: Path) -> dict:
-    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.embed.runner import EmbeddingRunner
     from servekit.optimizations.plan import parse_plan
 
     t0 = time.perf_counter()
@@ -270,7 +270,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from servekit.optimizations.embedding import EmbeddingRunner, unique_graphs
+    from servekit.optimizations.embed.runner import EmbeddingRunner, unique_graphs
     from servekit.optimizations.plan import parse_plan
 
     t = time.perf_counter()

@@ -68,7 +68,7 @@ def qwen25_05b(out: Path, seed: int = 0) -> Path:
     from tokenizers import AddedToken, Tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from servekit.optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     vocab = 151936
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

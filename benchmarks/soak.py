@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import requests
 
-from servekit.optimizations.embedding import GOLDEN_TEXTS
+from servekit.optimizations.embed.runner import GOLDEN_TEXTS
 from servekit.torchserve import TorchServe
 
 GOLDEN = GOLDEN_TEXTS.read_text().splitlines()

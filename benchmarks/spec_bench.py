@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: heads for SmolLM2-135M, tokens/s with and without speculation.
 
-1. Speculator heads: trained on the spot (``servekit.optimizations.train_speculator``'s recipe, on the
+1. Speculator heads: trained on the spot (``servekit.optimizations.training.train_speculator``'s recipe, on the
    training split of ``optimizations/data/speculator_prompts.txt``) or loaded with ``--heads-dir``.
 2. One ``LlamaRunner`` (CUDA graphs on GPU) and a ``SpeculativeDecoding`` on top of it, warmed up.
 3. Acceptance per draft position and mean accepted length on the held-out prompts (never seen
@@ -33,10 +33,10 @@ import torch
 
 from servekit.benchmarks.llm_inprocess import environment, identical_prefix, sync_device
 from servekit.optimizations.device import DTYPES
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-from servekit.optimizations.llama import LlamaConfig, init_random, load_llama
-from servekit.optimizations.speculative import SpecStats, SpeculativeDecoding, generate_speculative, load_speculator, save_speculator
-from servekit.optimizations import train_speculator as ts
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.models.llama import LlamaConfig, init_random, load_llama
+from servekit.optimizations.llm.speculative import SpecStats, SpeculativeDecoding, generate_speculative, load_speculator, save_speculator
+from servekit.optimizations.training import train_speculator as ts
 
 
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -46,7 +46,7 @@ def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:  # an fp32 conversion serves both the --dtype run and the fp32 check
-        from servekit.optimizations.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
+        from servekit.optimizations.models.gguf_weights import convert_gguf_to_safetensors, smollm2_archive_files
 
         if args.gguf:
             model_dir = Path(args.cache_dir or Path.home() / ".cache" / "servekit") / f"{Path(args.gguf).stem}-fp32"

@@ -11,13 +11,13 @@ Runs TorchServe 0.12's own code on real bytes, in this process, without a model:
     worker's stdout: once through `CachingMetric.add_or_update` + `logging` (TorchServe's emitter,
     what the handler used before) and once through `servekit.handlers.metrics.HandlerMetrics`;
   - tokenize: the same B texts with MiniLM's tokenizer on one thread, `encode_batch_fast` (before)
-    and `optimizations.segment_cache.SegmentCache` (the runner now), its cache holding only the golden
+    and `optimizations.embed.segment_cache.SegmentCache` (the runner now), its cache holding only the golden
     texts' segments at the start of every timed call, so the payload's segments are met for the first
     time in each call (only repeats within the batch hit).
 With `--texts N` (N > 1) each request is an OpenAI `/v1/embeddings` body of N texts, as indexing
 jobs send them, and three more stages are timed per batch:
   - pad: the batch's token ids into the (batch, seq) chunks the model runs (MiniLM's GPU buckets),
-    one torch slice assignment per text (before) and `optimizations.embedding.pad_chunk` (now);
+    one torch slice assignment per text (before) and `optimizations.embed.runner.pad_chunk` (now);
   - answer: each request's JSON answer (`embedding_answer`), floats and base64;
   - frame: TorchServe's own response frame for the batch's answers (`create_predict_response`).
 Prints a table and writes `worker-overhead.json` (or `worker-overhead-<N>texts.json`) into `--out`.
@@ -183,8 +183,8 @@ def bench_tokenize(texts: Sequence[str], reps: int, cached: bool) -> float:
     """Seconds to tokenize `texts` with MiniLM's tokenizer on one thread (as a GPU worker does):
     the library's `encode_batch_fast` (before), or the segment cache (now) starting every call from
     the state the golden texts leave it in."""
-    from servekit.optimizations.embedding import GOLDEN_TEXTS
-    from servekit.optimizations.segment_cache import SegmentCache
+    from servekit.optimizations.embed.runner import GOLDEN_TEXTS
+    from servekit.optimizations.embed.segment_cache import SegmentCache
 
     tok = _tokenizer()
     texts = list(texts)
@@ -216,7 +216,7 @@ def _pad_per_row(seqs: Sequence[Sequence[int]], chunks: Sequence[Any], pad_id: i
 def bench_pad(texts: Sequence[str], reps: int, vectorised: bool) -> float:
     """Seconds to pad the batch's tokenized texts into MiniLM's GPU chunks."""
     from servekit.optimizations.buckets import plan_chunks
-    from servekit.optimizations.embedding import pad_chunk
+    from servekit.optimizations.embed.runner import pad_chunk
 
     seqs = [[101, *e.ids[:254], 102] for e in _tokenizer().encode_batch_fast(list(texts), add_special_tokens=False)]
     chunks = plan_chunks([len(s) for s in seqs], (1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256))

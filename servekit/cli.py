@@ -11,7 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("servekit.serve", "start TorchServe with config/ and the archives, in the foreground"),
     "demo": ("servekit.demo", "archive, serve, send real requests, print results, stop"),
     "bench": ("servekit.benchmarks.bench.runner", "SLA-driven auto-benchmark from a YAML sweep: report + recommendation"),
-    "train-speculator": ("servekit.optimizations.train_speculator", "train speculative-decoding heads for a Llama model"),
+    "train-speculator": ("servekit.optimizations.training.train_speculator", "train speculative-decoding heads for a Llama model"),
     "dashboards": ("servekit.deploy.dashboards", "build the Grafana dashboards, or push them to a Grafana URL"),
     "overlay": ("servekit.deploy.overlay", "write a Kubernetes overlay from a benchmark's recommendation.json"),
 }

@@ -17,8 +17,8 @@ from typing import Any, Union
 import yaml
 
 from servekit.optimizations.buckets import seq_buckets
-from servekit.optimizations.encoder import FAMILIES, UnsupportedModel, check_checkpoint
-from servekit.optimizations.weights import safetensors_files
+from servekit.optimizations.models.encoder import FAMILIES, UnsupportedModel, check_checkpoint
+from servekit.optimizations.models.weights import safetensors_files
 from servekit.resources import model_config
 
 EMBEDDING, LLM = "embedding", "llm"
@@ -82,7 +82,7 @@ def _here(model_dir: Path, rel: str) -> Weight:
 
 def embedding_source(model_dir: Path) -> ModelSource:
     """The files of a sentence-transformers or plain encoder folder, checked as the runner will read them."""
-    from servekit.optimizations.sentence_model import read_sentence_model
+    from servekit.optimizations.models.sentence_model import read_sentence_model
 
     model_dir = Path(model_dir)
     spec = read_sentence_model(model_dir)

@@ -50,8 +50,8 @@ def smollm2_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """3 speculator heads for SmolLM2 trained by `servekit train-speculator` (~35 s) on the live
     tests' own prompts, so that drafts are accepted often and several tokens per step reach the
     handler."""
-    from servekit.optimizations import train_speculator
-    from servekit.optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations.training import train_speculator
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     tmp = tmp_path_factory.mktemp("smollm2-heads")
     (tmp / "prompts.txt").write_text("\n".join(SPEC_PROMPTS) + "\n")
@@ -72,7 +72,7 @@ def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFac
     """A model store holding smollm2.mar: the CPU plan plus speculation with `smollm2_heads`."""
     import yaml
 
-    from servekit.optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     tmp = tmp_path_factory.mktemp("smollm2-spec")
     config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())
@@ -88,8 +88,8 @@ def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    """A tiny random-init Llama (servekit.optimizations.llama), the same weights every time."""
-    from servekit.optimizations.llama import LlamaConfig, init_random
+    """A tiny random-init Llama (servekit.optimizations.models.llama), the same weights every time."""
+    from servekit.optimizations.models.llama import LlamaConfig, init_random
 
     return init_random(LlamaConfig.tiny(), seed=0)
 
@@ -97,7 +97,7 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def tiny_trained_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Speculator heads (4) trained by the CLI recipe on the tiny model of ``tiny_llama`` (seconds)."""
-    from servekit.optimizations import train_speculator
+    from servekit.optimizations.training import train_speculator
 
     out = tmp_path_factory.mktemp("spec-tiny")
     old = torch.get_num_threads()

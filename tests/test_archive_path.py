@@ -30,7 +30,7 @@ def st_dir(tmp_path_factory) -> Path:
 
 
 def test_archive_of_a_sentence_transformers_folder(st_dir, tmp_path, one_thread):
-    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.embed.runner import EmbeddingRunner
     from servekit.optimizations.plan import parse_plan
 
     out = tmp_path / "store"
@@ -96,7 +96,7 @@ def test_unservable_models_fail_in_one_line_leaving_nothing(st_dir, tmp_path, br
         (tmp_path / "heads").mkdir()
         extra = ["--speculator", tmp_path / "heads"]
     if breakage == "no-heads":  # an LLM folder, and heads that are not there
-        from servekit.optimizations.gguf_weights import smollm2_archive_files
+        from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
         d, extra = smollm2_archive_files(torch.bfloat16)[0].parent, ["--speculator", tmp_path / "no-such-heads"]
     r = archive(d, "--out", out, "--device", "cpu", "--no-compress", *extra)
@@ -110,7 +110,7 @@ def test_sharded_checkpoint_and_kind_override(st_dir, tmp_path, one_thread):
     """A checkpoint split into shards with an index archives and loads as the single file does."""
     from safetensors.torch import load_file, save_file
 
-    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.embed.runner import EmbeddingRunner
     from servekit.optimizations.plan import parse_plan
 
     d = _copy(st_dir, tmp_path / "sharded")
@@ -139,7 +139,7 @@ def test_sharded_checkpoint_and_kind_override(st_dir, tmp_path, one_thread):
 def test_llm_folder_and_gguf_file_archive_as_llm(tmp_path):
     """A Llama-family folder (the bundled SmolLM2, converted) and a GGUF file: kind llm inferred, the
     model's files shipped, a model-config fitted to its context length generated."""
-    from servekit.optimizations.gguf_weights import find_smollm2_gguf, smollm2_archive_files
+    from servekit.optimizations.models.gguf_weights import find_smollm2_gguf, smollm2_archive_files
 
     folder = smollm2_archive_files(torch.bfloat16)[0].parent
     for src, name in ((folder, "from-folder"), (find_smollm2_gguf(), "from-gguf")):

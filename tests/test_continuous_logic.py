@@ -1,13 +1,13 @@
-"""Continuous batching (servekit.optimizations.continuous) on a tiny random Llama, CPU: requests
+"""Continuous batching (servekit.optimizations.llm.continuous) on a tiny random Llama, CPU: requests
 join and leave a running batch, and every request still gets exactly its solo output."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from servekit.optimizations.continuous import ContinuousBatcher, SeqUpdate
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-from servekit.optimizations.llama import Transformer
+from servekit.optimizations.llm.continuous import ContinuousBatcher, SeqUpdate
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.models.llama import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -160,7 +160,7 @@ def test_bad_requests_are_refused_at_add_and_the_rest_runs(runner: LlamaRunner) 
 def test_a_failed_prefill_ends_only_the_requests_it_admitted(runner: LlamaRunner, monkeypatch) -> None:
     """An out-of-memory prefill (a real one needs a GPU: simulated here by a prefill that raises for
     a marker prompt) ends the requests it was admitting; the running one goes on unharmed."""
-    import servekit.optimizations.continuous as continuous
+    import servekit.optimizations.llm.continuous as continuous
 
     real = continuous.prefill
     marker = _prompt(12, 9)
@@ -243,7 +243,7 @@ def _collect(engine, keys: list, timeout: float = 60.0) -> dict:
 
 
 def test_the_engine_thread_serves_requests_and_survives_a_failed_step(runner: LlamaRunner) -> None:
-    from servekit.optimizations.continuous import EngineThread
+    from servekit.optimizations.llm.continuous import EngineThread
 
     batcher = ContinuousBatcher(runner)
     engine = EngineThread(batcher)
@@ -280,7 +280,7 @@ K = 4
 def spec_runner(runner: LlamaRunner, tiny_trained_heads) -> LlamaRunner:
     """The module's runner with trained speculator heads verifying in its slots, up to batch 2:
     three or four busy slots decode with plain steps, so the batch moves between the two."""
-    from servekit.optimizations.speculative import SpeculativeDecoding, load_speculator
+    from servekit.optimizations.llm.speculative import SpeculativeDecoding, load_speculator
 
     runner.speculation = SpeculativeDecoding(runner, load_speculator(tiny_trained_heads), max_spec_batch=2,
                                              in_slots=True)
@@ -352,7 +352,7 @@ def test_speculate_false_and_sampled_requests_accept_no_drafts(spec_runner: Llam
 
 
 def test_a_static_speculation_is_refused(runner: LlamaRunner, tiny_trained_heads) -> None:
-    from servekit.optimizations.speculative import SpeculativeDecoding, load_speculator
+    from servekit.optimizations.llm.speculative import SpeculativeDecoding, load_speculator
 
     runner.speculation = SpeculativeDecoding(runner, load_speculator(tiny_trained_heads), max_spec_batch=2)
     try:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from decoder_checkpoints import CHAT_TEMPLATE, EOS, EOT, FAMILIES, write_checkpoint
-from servekit.optimizations.chat_template import ChatTokenizer
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, collect, generate
-from servekit.optimizations.llama import LlamaConfig, generation_stop_ids, load_config, load_llama
-from servekit.optimizations.llm import LlmPlan, SpecPlan, load_llm_runner, stop_token_ids
+from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, collect, generate
+from servekit.optimizations.models.llama import LlamaConfig, generation_stop_ids, load_config, load_llama
+from servekit.optimizations.llm.plan import LlmPlan, SpecPlan, load_llm_runner, stop_token_ids
 from servekit.optimizations.plan import PlanError
 
 transformers = pytest.importorskip("transformers")
@@ -224,7 +224,7 @@ def test_checkpoint_with_unannounced_bias_is_refused(checkpoints, tmp_path: Path
 def test_speculator_trained_on_a_model_dir_serves_plain_greedy_output(checkpoints, tmp_path: Path) -> None:
     """`servekit train-speculator --model-dir` on a Qwen2 checkpoint (sharded, biases), then the
     heads served from the model folder: speculative greedy output equals plain greedy output."""
-    from servekit.optimizations import train_speculator
+    from servekit.optimizations.training import train_speculator
 
     folder = tmp_path / "model"
     shutil.copytree(checkpoints["qwen2"], folder)

@@ -12,9 +12,9 @@ import torch
 
 from decoder_checkpoints import FAMILIES, write_checkpoint
 from greedy_parity import check_same_or_tie
-from servekit.optimizations.chat_template import ChatTokenizer
-from servekit.optimizations.generate import SamplingParams, generate
-from servekit.optimizations.llm import LlmPlan, load_llm_runner, stop_token_ids
+from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.llm.generate import SamplingParams, generate
+from servekit.optimizations.llm.plan import LlmPlan, load_llm_runner, stop_token_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servekit.optimizations.embedding import EmbeddingRunner
+from servekit.optimizations.embed.runner import EmbeddingRunner
 from servekit.optimizations.plan import parse_plan
 from tiny_encoders import LONG, SHORT, TEXTS, hf_encoder, reference, st_model
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servekit.optimizations.embedding import EmbeddingRunner
+from servekit.optimizations.embed.runner import EmbeddingRunner
 from servekit.optimizations.plan import parse_plan
 from tiny_encoders import TEXTS, hf_encoder
 

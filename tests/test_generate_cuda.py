@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servekit.optimizations.generate import Completion, LlamaRunner, SamplingParams, generate
-from servekit.optimizations.llama import LlamaConfig, init_random
+from servekit.optimizations.llm.generate import Completion, LlamaRunner, SamplingParams, generate
+from servekit.optimizations.models.llama import LlamaConfig, init_random
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -47,7 +47,7 @@ def test_compiled_and_captured_decode_equals_eager() -> None:
 
 
 def test_captured_speculative_steps_equal_plain_decoding() -> None:
-    from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
+    from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
 
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64),
@@ -77,7 +77,7 @@ def test_logprobs_and_penalties_with_graphs_and_compile_equal_eager() -> None:
 def test_continuous_batching_with_graphs_and_compile_equals_solo_eager() -> None:
     """Requests joining a running batch on a compiled, captured runner (prefill captured into
     slots) get what each gets alone from the eager runner."""
-    from servekit.optimizations.continuous import ContinuousBatcher
+    from servekit.optimizations.llm.continuous import ContinuousBatcher
 
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64), kv_buckets=(32, 64),
@@ -102,8 +102,8 @@ def test_speculation_inside_the_continuous_batch_with_graphs_and_compile_equals_
     """Captured verify steps on the slots of a compiled, captured continuous runner (plain steps
     above the speculative batch bucket, a sampled request riding along) give each request what the
     eager runner gives it alone."""
-    from servekit.optimizations.continuous import ContinuousBatcher
-    from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding
+    from servekit.optimizations.llm.continuous import ContinuousBatcher
+    from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding
 
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(16, 64),

@@ -1,4 +1,4 @@
-"""servekit.optimizations.generate on a tiny random-init Llama (CPU, eager: the same static-buffer decode
+"""servekit.optimizations.llm.generate on a tiny random-init Llama (CPU, eager: the same static-buffer decode
 path that CUDA graphs replay on GPU)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servekit.optimizations.generate import (LlamaRunner, SamplingParams, default_kv_buckets, default_prefill_buckets,
+from servekit.optimizations.llm.generate import (LlamaRunner, SamplingParams, default_kv_buckets, default_prefill_buckets,
                                     generate, pad_prompts, pick_bucket)
-from servekit.optimizations.llama import LlamaConfig, Transformer, init_random
+from servekit.optimizations.models.llama import LlamaConfig, Transformer, init_random
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -182,7 +182,7 @@ def _tiny_checkpoint(tmp_path) -> str:
 
     from safetensors.torch import save_file
 
-    from servekit.optimizations.llama import ours_to_hf
+    from servekit.optimizations.models.llama import ours_to_hf
 
     model = init_random(LlamaConfig.tiny(), seed=0)
     save_file({ours_to_hf(k): v.contiguous() for k, v in model.state_dict().items() if k != "output.weight"},
@@ -192,7 +192,7 @@ def _tiny_checkpoint(tmp_path) -> str:
 
 
 def test_llm_plan_errors_name_the_key() -> None:
-    from servekit.optimizations.llm import parse_llm_plan
+    from servekit.optimizations.llm.plan import parse_llm_plan
     from servekit.optimizations.plan import PlanError
 
     plan = parse_llm_plan({"precision": "bf16", "buckets": {"batch_sizes": [1, 4]}, "limits": {"max_tokens": 100}})
@@ -218,9 +218,9 @@ def test_llm_plan_errors_name_the_key() -> None:
 
 
 def test_plan_with_speculation_gives_the_runner_the_archived_heads_as_its_strategy(tmp_path) -> None:
-    from servekit.optimizations.llm import load_llm_runner, parse_llm_plan
+    from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan
     from servekit.optimizations.plan import PlanError
-    from servekit.optimizations.speculative import (SpecStats, Speculator, SpeculatorConfig, SpeculativeDecoding,
+    from servekit.optimizations.llm.speculative import (SpecStats, Speculator, SpeculatorConfig, SpeculativeDecoding,
                                            generate_speculative, save_speculator)
 
     ckpt = _tiny_checkpoint(tmp_path)
@@ -253,7 +253,7 @@ def test_plan_with_speculation_gives_the_runner_the_archived_heads_as_its_strate
 
 
 def test_load_llm_runner_fails_loudly_or_falls_back_as_the_plan_says(tmp_path) -> None:
-    from servekit.optimizations.llm import load_llm_runner, parse_llm_plan
+    from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan
     from servekit.optimizations.plan import PlanError
 
     ckpt = _tiny_checkpoint(tmp_path)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from decoder_checkpoints import BOS, CHAT_TEMPLATE, EOS, EOT, byte_tokenizer, write_checkpoint
-from servekit.optimizations.chat_template import ChatTokenizer
-from servekit.optimizations.gguf_weights import convert_gguf_to_safetensors, llama3_scaling_from_divisors
-from servekit.optimizations.llama import load_config, load_llama
-from servekit.optimizations.llm import stop_token_ids
+from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.models.gguf_weights import convert_gguf_to_safetensors, llama3_scaling_from_divisors
+from servekit.optimizations.models.llama import load_config, load_llama
+from servekit.optimizations.llm.plan import stop_token_ids
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

@@ -59,7 +59,7 @@ def test_embedding_handler_answers_a_mixed_batch(embedding, capsys) -> None:
 @pytest.fixture(scope="module")
 def llm(one_thread):
     from servekit.handlers.llm_handler import LlmService
-    from servekit.optimizations.gguf_weights import smollm2_archive_files
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     cfg = yaml.safe_load(model_config("smollm2-cpu").read_text())
     cfg["servekit"].update({"max_seq_len": 256, "buckets": {"batch_sizes": [1, 2, 4], "prompt_lens": [64, 128],

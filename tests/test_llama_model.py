@@ -1,4 +1,4 @@
-"""Logic of servekit.optimizations.llama on a tiny random-init model (fast, CPU)."""
+"""Logic of servekit.optimizations.models.llama on a tiny random-init model (fast, CPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servekit.optimizations.llama import (LlamaConfig, Transformer, hf_to_ours, init_random, model_from_hf_state_dict,
+from servekit.optimizations.models.llama import (LlamaConfig, Transformer, hf_to_ours, init_random, model_from_hf_state_dict,
                                  ours_to_hf)
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-from servekit.optimizations.gguf_weights import find_smollm2_gguf, smollm2_archive_files
-from servekit.optimizations.llama import Transformer, load_llama
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.models.gguf_weights import find_smollm2_gguf, smollm2_archive_files
+from servekit.optimizations.models.llama import Transformer, load_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -126,7 +126,7 @@ CHATS = [
 
 @pytest.mark.parametrize("messages", CHATS)
 def test_chat_tokenizer_matches_transformers_chat_template(converted: Path, tokenizer, messages) -> None:
-    from servekit.optimizations.chat_template import ChatTokenizer
+    from servekit.optimizations.llm.chat_template import ChatTokenizer
 
     ours = ChatTokenizer(converted)
     assert ours.encode_chat(messages) == _chat_ids_of(tokenizer, messages)
@@ -140,7 +140,7 @@ def _chat_ids_of(tokenizer, messages) -> list[int]:
 
 
 def test_incremental_detokenizer_streams_whole_characters_and_honours_stop_strings(converted: Path) -> None:
-    from servekit.optimizations.chat_template import ChatTokenizer, IncrementalDetokenizer
+    from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer
 
     tok = ChatTokenizer(converted)
     text = "Ünïcödé ✓ 你好 🚀 and the end. STOP here, never this."
@@ -168,7 +168,7 @@ def test_token_bytes_spell_the_text_whatever_the_decoder_wrapping(converted: Pat
     versions save it)."""
     from tokenizers import decoders
 
-    from servekit.optimizations.chat_template import ChatTokenizer, is_byte_level
+    from servekit.optimizations.llm.chat_template import ChatTokenizer, is_byte_level
 
     text = "Rhône, 日本語 ✓ and <|im_end|>"
     for wrap in (False, True):

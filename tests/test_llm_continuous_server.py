@@ -19,10 +19,10 @@ import torch
 import yaml
 
 from servekit.archive import LLM, SPECS, ArchiveSpec, build_archive
-from servekit.optimizations.chat_template import ChatTokenizer
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-from servekit.optimizations.gguf_weights import smollm2_archive_files
-from servekit.optimizations.llama import load_llama
+from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+from servekit.optimizations.models.llama import load_llama
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 

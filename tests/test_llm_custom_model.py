@@ -36,7 +36,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def heads(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Speculator heads trained on the model's own greedy completions (`servekit train-speculator`)."""
-    from servekit.optimizations import train_speculator
+    from servekit.optimizations.training import train_speculator
 
     out = tmp_path_factory.mktemp("custom-heads")
     (out / "prompts.txt").write_text("\n".join(f"Say {w}." for w in "one two three four five six seven eight nine "

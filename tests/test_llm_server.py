@@ -3,7 +3,7 @@ conftest's fixture): the official openai client, streaming and not, text complet
 errors inside a shared batch, the LLM and speculative-decoding metrics.
 
 Expected texts come from the same weights run in-process without speculation (fp32, greedy,
-servekit.optimizations.generate), so the server must produce exactly what plain greedy decoding produces
+servekit.optimizations.llm.generate), so the server must produce exactly what plain greedy decoding produces
 while it accepts several drafted tokens per step.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from servekit.torchserve import TorchServe
-from servekit.optimizations.chat_template import ChatTokenizer
-from servekit.optimizations.generate import Completion, LlamaRunner, SamplingParams, generate
-from servekit.optimizations.gguf_weights import smollm2_archive_files
-from servekit.optimizations.llama import load_llama
+from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.llm.generate import Completion, LlamaRunner, SamplingParams, generate
+from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+from servekit.optimizations.models.llama import load_llama
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.server

@@ -21,7 +21,7 @@ import torch
 
 from servekit.archive import build_archive
 from servekit.deploy import dashboards
-from servekit.optimizations.gguf_weights import smollm2_archive_files
+from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 from test_k8s_pod_live import http, promql, running_prometheus, substitute

@@ -22,7 +22,7 @@ from servekit.benchmarks.faults import (OOM_MARKER, VERSION, Answer, BadInput, b
 from servekit.torchserve import TorchServe
 from servekit.archive import LLM, SPECS, ArchiveSpec, build_archive
 from servekit.resources import model_config
-from servekit.optimizations.gguf_weights import smollm2_archive_files
+from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
 pytestmark = pytest.mark.server
 MODEL = "smollm2"

@@ -1,4 +1,4 @@
-"""servekit.optimizations.sampling: greedy, seeded Gumbel sampling, top-k / top-p filters (CPU)."""
+"""servekit.optimizations.llm.sampling: greedy, seeded Gumbel sampling, top-k / top-p filters (CPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servekit.optimizations.sampling import (FILTER, GREEDY, SAMPLE, SamplingTensors, sample, sampling_mode,
+from servekit.optimizations.llm.sampling import (FILTER, GREEDY, SAMPLE, SamplingTensors, sample, sampling_mode,
                                     top_k_top_p_filter, uniform_noise)
 
 

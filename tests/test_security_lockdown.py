@@ -233,7 +233,7 @@ def no_unpickling(monkeypatch):
 
 
 def test_loader_ignores_pickles_beside_the_safetensors(tmp_path, no_unpickling):
-    from servekit.optimizations.encoder import load_encoder
+    from servekit.optimizations.models.encoder import load_encoder
 
     d, marker = _weights_dir(tmp_path, "real")
     model = load_encoder(d)
@@ -242,7 +242,7 @@ def test_loader_ignores_pickles_beside_the_safetensors(tmp_path, no_unpickling):
 
 
 def test_loader_refuses_a_pickle_named_model_safetensors(tmp_path, no_unpickling):
-    from servekit.optimizations.encoder import load_encoder
+    from servekit.optimizations.models.encoder import load_encoder
 
     d, marker = _weights_dir(tmp_path, "pickle")
     with pytest.raises(Exception) as info:
@@ -253,7 +253,7 @@ def test_loader_refuses_a_pickle_named_model_safetensors(tmp_path, no_unpickling
 
 
 def test_loader_without_safetensors_fails_instead_of_reading_the_pickle(tmp_path, no_unpickling):
-    from servekit.optimizations.encoder import load_encoder
+    from servekit.optimizations.models.encoder import load_encoder
 
     d, marker = _weights_dir(tmp_path, "absent")
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
@@ -263,7 +263,7 @@ def test_loader_without_safetensors_fails_instead_of_reading_the_pickle(tmp_path
 
 def test_the_handler_loader_refuses_a_smuggled_pickle(tmp_path, no_unpickling):
     """The whole load path of the handler (EmbeddingRunner) with the pickle as model.safetensors."""
-    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.embed.runner import EmbeddingRunner
     from servekit.optimizations.plan import Plan
 
     d, marker = _weights_dir(tmp_path, "pickle")

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from servekit.optimizations.embedding import GOLDEN_TEXTS, load_tokenizer
-from servekit.optimizations.segment_cache import SegmentCache, segment_wise
+from servekit.optimizations.embed.runner import GOLDEN_TEXTS, load_tokenizer
+from servekit.optimizations.embed.segment_cache import SegmentCache, segment_wise
 
 PAYLOADS = Path(__file__).resolve().parents[1] / "benchmarks" / "payloads" / "texts.jsonl"
 # Pieces that stress normalization and splitting: accents precomposed and combining, CJK, emoji,

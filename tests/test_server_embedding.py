@@ -16,7 +16,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from servekit.torchserve import TorchServe, group_alive
-from servekit.optimizations.embedding import EmbeddingRunner
+from servekit.optimizations.embed.runner import EmbeddingRunner
 from servekit.optimizations.plan import parse_plan
 
 pytestmark = pytest.mark.server

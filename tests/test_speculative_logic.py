@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate, pad_prompts
-from servekit.optimizations.llama import LlamaConfig, Transformer, init_random
-from servekit.optimizations.sampling import SamplingTensors
-from servekit.optimizations.speculative import (SPEC_CONFIG, SPEC_WEIGHTS, SpecStats, Speculator, SpeculatorConfig,
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate, pad_prompts
+from servekit.optimizations.models.llama import LlamaConfig, Transformer, init_random
+from servekit.optimizations.llm.sampling import SamplingTensors
+from servekit.optimizations.llm.speculative import (SPEC_CONFIG, SPEC_WEIGHTS, SpecStats, Speculator, SpeculatorConfig,
                                        SpeculativeDecoding, forward_hidden, generate_speculative, load_speculator,
                                        save_speculator, spec_prefill, verify_step)
-from servekit.optimizations import train_speculator
+from servekit.optimizations.training import train_speculator
 
 MAX_SEQ = 96
 K = 4

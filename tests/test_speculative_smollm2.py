@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-from servekit.optimizations.llama import Transformer
-from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.models.llama import Transformer
+from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
 from test_speculative_logic import OracleSpeculator
 
 pytest.importorskip("gguf")
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    from servekit.optimizations.gguf_weights import find_smollm2_gguf, load_llama_from_gguf
+    from servekit.optimizations.models.gguf_weights import find_smollm2_gguf, load_llama_from_gguf
 
     return load_llama_from_gguf(find_smollm2_gguf(), "cpu", torch.float32)
 

@@ -1,5 +1,5 @@
-"""The fused Triton decode kernels (optimizations/triton_decode.py) under the Triton interpreter on
-CPU, in fp32, against the eager layers of optimizations/llama.py: each kernel, a whole block, a
+"""The fused Triton decode kernels (optimizations/kernels/triton_decode.py) under the Triton interpreter on
+CPU, in fp32, against the eager layers of optimizations/models/llama.py: each kernel, a whole block, a
 decode step after a prefill, greedy generation through the runner (plain, speculative verify
 steps, continuous batching), the plan key, and the GPU benchmark's CPU smoke mode.
 
@@ -20,10 +20,10 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from servekit.optimizations import triton_decode as td  # noqa: E402
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate  # noqa: E402
-from servekit.optimizations.llama import LlamaConfig, Transformer, apply_rope, init_random  # noqa: E402
-from servekit.optimizations.llm import LlmPlan, parse_llm_plan  # noqa: E402
+from servekit.optimizations.kernels import triton_decode as td  # noqa: E402
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate  # noqa: E402
+from servekit.optimizations.models.llama import LlamaConfig, Transformer, apply_rope, init_random  # noqa: E402
+from servekit.optimizations.llm.plan import LlmPlan, parse_llm_plan  # noqa: E402
 from servekit.optimizations.plan import PlanError, resolve_for_device  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -215,7 +215,7 @@ def test_greedy_generation_with_triton_kernels_equals_torch(runners: dict[str, L
 
 
 def test_continuous_batching_decodes_through_the_fused_kernels(runners: dict[str, LlamaRunner]) -> None:
-    from servekit.optimizations.continuous import ContinuousBatcher
+    from servekit.optimizations.llm.continuous import ContinuousBatcher
 
     batcher = ContinuousBatcher(runners["triton"])
     prompts, got = _prompts(), {}
@@ -230,7 +230,7 @@ def test_continuous_batching_decodes_through_the_fused_kernels(runners: dict[str
 
 
 def test_speculative_verify_steps_run_the_fused_kernels(runners: dict[str, LlamaRunner]) -> None:
-    from servekit.optimizations.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
+    from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
 
     base = runners["triton"]
     heads = Speculator(SpeculatorConfig.for_model(base.model, 2)).reset_parameters(seed=1, random_out=True)

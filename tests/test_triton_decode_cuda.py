@@ -20,9 +20,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton")
 
 from greedy_parity import check_same_or_tie  # noqa: E402
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate  # noqa: E402
-from servekit.optimizations.llama import LlamaConfig, Transformer, init_random  # noqa: E402
-from servekit.optimizations.triton_decode import TritonDecode, pdl_supported  # noqa: E402
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate  # noqa: E402
+from servekit.optimizations.models.llama import LlamaConfig, Transformer, init_random  # noqa: E402
+from servekit.optimizations.kernels.triton_decode import TritonDecode, pdl_supported  # noqa: E402
 
 MAX_SEQ = 256
 CONFIGS = {  # SmolLM2-like (GQA 3) and Qwen2-like (GQA 7, q/k/v biases), small

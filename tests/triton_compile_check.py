@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from servekit.optimizations import triton_decode as td  # noqa: E402
+from servekit.optimizations.kernels import triton_decode as td  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"*bf16": torch.bfloat16, "*fp32": torch.float32}

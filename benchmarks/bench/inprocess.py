@@ -65,7 +65,7 @@ def measure(model: str, model_config: dict[str, Any], bodies_path: Path, batch_s
         return {"skipped": "in-process reference only for embedding models"}
     import torch
 
-    from servekit.optimizations.embedding import EmbeddingRunner
+    from servekit.optimizations.embed.runner import EmbeddingRunner
     from servekit.optimizations.plan import parse_plan
 
     per_body, mean_texts = payload_texts(bodies_path)

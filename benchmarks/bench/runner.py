@@ -331,7 +331,7 @@ class Run(RunRecord):
 def check_heads(v: Variant) -> None:
     """The variant's speculator folder holds trained heads (checked when the run starts, not at
     load: heads are often trained after the sweep file is written)."""
-    from servekit.optimizations.speculative import SPEC_CONFIG, SPEC_WEIGHTS
+    from servekit.optimizations.llm.speculative import SPEC_CONFIG, SPEC_WEIGHTS
 
     missing = [n for n in (SPEC_CONFIG, SPEC_WEIGHTS) if not (v.speculator / n).is_file()]
     if missing:

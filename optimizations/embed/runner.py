@@ -25,17 +25,17 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from servekit.optimizations.buckets import Chunk, plan_chunks, seq_buckets, token_cost
-from servekit.optimizations.encoder import Encoder, UnsupportedModel, load_encoder
-from servekit.optimizations.pooling import SentenceHead
-from servekit.optimizations.sentence_model import SentenceModel, read_sentence_model
+from servekit.optimizations.models.encoder import Encoder, UnsupportedModel, load_encoder
+from servekit.optimizations.models.pooling import SentenceHead
+from servekit.optimizations.models.sentence_model import SentenceModel, read_sentence_model
 from servekit.optimizations.device import DTYPES, capability, pick_device
 from servekit.optimizations.plan import Plan, PlanError, resolve_for_device
 from servekit.optimizations.quantize import quantize
-from servekit.optimizations.segment_cache import SegmentCache
+from servekit.optimizations.embed.segment_cache import SegmentCache
 
 log = logging.getLogger(__name__)
 # Package data (importlib.resources): found the same way in a checkout, a wheel and an archive.
-GOLDEN_TEXTS = Path(str(files(__package__))) / "data" / "golden_texts.txt"
+GOLDEN_TEXTS = Path(str(files("servekit.optimizations"))) / "data" / "golden_texts.txt"
 
 
 def _sdpa_context(attention: str):

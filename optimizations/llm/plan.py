@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from servekit.optimizations.device import DTYPES, capability, pick_device
-from servekit.optimizations.generate import KERNELS, LlamaRunner
-from servekit.optimizations.llama import generation_stop_ids, load_config, load_llama
-from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, _check_bools, _check_choice,
-                                         _check_keys, _int_list, _positive_int, resolve_for_device)
-from servekit.optimizations.speculative import DEFAULT_MAX_SPEC_BATCH, SPEC_CONFIG, SpeculativeDecoding, load_speculator
+from servekit.optimizations.llm.generate import KERNELS, LlamaRunner
+from servekit.optimizations.models.llama import generation_stop_ids, load_config, load_llama
+from servekit.optimizations.plan import (DEVICES, FALLBACKS, PRECISIONS, PlanError, check_bools, check_choice,
+                                         check_keys, int_list, positive_int, resolve_for_device)
+from servekit.optimizations.llm.speculative import DEFAULT_MAX_SPEC_BATCH, SPEC_CONFIG, SpeculativeDecoding, load_speculator
 
 if TYPE_CHECKING:
-    from servekit.optimizations.chat_template import ChatTokenizer
+    from servekit.optimizations.llm.chat_template import ChatTokenizer
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class LlmLimits:
 
 @dataclass(frozen=True)
 class SpecPlan:
-    """``servekit.speculation``: speculator heads packed in the archive (optimizations/speculative.py)."""
+    """``servekit.speculation``: speculator heads packed in the archive (optimizations/llm/speculative.py)."""
 
     heads: str = "speculator"  # folder in the archive holding speculator.json + speculator.safetensors
     n_heads: int | None = None  # drafts per step (default: every trained head)
@@ -46,7 +46,7 @@ class LlmPlan:
     compile: str = "off"  # off | default | max-autotune-no-cudagraphs: prefill and decode, dynamic shapes
     cuda_graphs: bool = False  # decode steps captured per (batch, kv length, sampling mode)
     prefill_graphs: int = 0  # prefill of prompt buckets up to this many tokens from graphs too (0: off)
-    kernels: str = "torch"  # torch | triton: decode/verify steps through fused Triton kernels (optimizations/triton_decode.py)
+    kernels: str = "torch"  # torch | triton: decode/verify steps through fused Triton kernels (optimizations/kernels/triton_decode.py)
     warmup: bool = True
     fallback: str = "error"  # error | eager: what to do when compile/graphs cannot be applied
     max_seq_len: int = 2048  # KV cache length: prompt + completion
@@ -78,33 +78,33 @@ LLM_COMPILE_MODES = ("off", "default", "max-autotune-no-cudagraphs")
 
 def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     """Validate the ``servekit:`` mapping of an LLM model-config; errors name the key."""
-    raw = _check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
+    raw = check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
                                   "max_seq_len", "buckets", "limits", "cpu_threads", "speculation",
                                   "prefill_graphs", "prefill_chunk", "kernels"})
     kw: dict[str, object] = {}
     for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
                          ("fallback", FALLBACKS), ("kernels", KERNELS)):
         if key in raw:
-            kw[key] = _check_choice(f"{path}.{key}", raw[key], choices)
-    kw.update(_check_bools(path, raw, ("cuda_graphs", "warmup")))
+            kw[key] = check_choice(f"{path}.{key}", raw[key], choices)
+    kw.update(check_bools(path, raw, ("cuda_graphs", "warmup")))
     for key in ("max_seq_len", "cpu_threads", "prefill_chunk"):
         if raw.get(key) is not None:
-            kw[key] = _positive_int(f"{path}.{key}", raw[key])
+            kw[key] = positive_int(f"{path}.{key}", raw[key])
     if raw.get("prefill_graphs") is not None:
         v = raw["prefill_graphs"]
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise PlanError(f"{path}.prefill_graphs: expected a prompt length >= 0 (0: off), got {v!r}")
         kw["prefill_graphs"] = v
     max_seq = int(kw.get("max_seq_len", LlmPlan.max_seq_len))  # type: ignore[call-overload]
-    buckets = _check_keys(f"{path}.buckets", raw.get("buckets"), {"batch_sizes", "prompt_lens", "kv_lens"})
+    buckets = check_keys(f"{path}.buckets", raw.get("buckets"), {"batch_sizes", "prompt_lens", "kv_lens"})
     for key in ("batch_sizes", "prompt_lens", "kv_lens"):
         if key in buckets:
-            values = _int_list(f"{path}.buckets.{key}", buckets[key])
+            values = int_list(f"{path}.buckets.{key}", buckets[key])
             if key != "batch_sizes" and values[-1] > max_seq:
                 raise PlanError(f"{path}.buckets.{key}: {values[-1]} exceeds max_seq_len {max_seq}")
             kw[key] = values
-    lim = _check_keys(f"{path}.limits", raw.get("limits"), {"max_tokens", "default_max_tokens"})
-    limits = LlmLimits(**{k: _positive_int(f"{path}.limits.{k}", v) for k, v in lim.items()})
+    lim = check_keys(f"{path}.limits", raw.get("limits"), {"max_tokens", "default_max_tokens"})
+    limits = LlmLimits(**{k: positive_int(f"{path}.limits.{k}", v) for k, v in lim.items()})
     if "default_max_tokens" not in lim:
         limits = LlmLimits(limits.max_tokens, min(limits.max_tokens, LlmLimits.default_max_tokens))
     if limits.max_tokens >= max_seq:
@@ -119,7 +119,7 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
 
 
 def _parse_spec_plan(raw: object, path: str) -> SpecPlan:
-    raw = _check_keys(path, raw, {"heads", "n_heads", "max_batch"})
+    raw = check_keys(path, raw, {"heads", "n_heads", "max_batch"})
     kw: dict[str, object] = {}
     if "heads" in raw:
         heads = raw["heads"]
@@ -127,7 +127,7 @@ def _parse_spec_plan(raw: object, path: str) -> SpecPlan:
             raise PlanError(f"{path}.heads: expected a folder inside the archive, got {heads!r}")
         kw["heads"] = heads
     if raw.get("n_heads") is not None:
-        kw["n_heads"] = _positive_int(f"{path}.n_heads", raw["n_heads"])
+        kw["n_heads"] = positive_int(f"{path}.n_heads", raw["n_heads"])
     if "max_batch" in raw:  # 0 turns speculation off for every batch
         v = raw["max_batch"]
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from servekit.optimizations.encoder import UnsupportedModel
+from servekit.optimizations.models.encoder import UnsupportedModel
 
 log = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ from typing import Collection, Hashable
 import torch
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
+from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
                                              TokenLogprob, prefill, read_row, token_ids)
-from servekit.optimizations.sampling import MODES, SamplingTensors, sampling_mode
-from servekit.optimizations.speculative import SpecStats
+from servekit.optimizations.llm.sampling import MODES, SamplingTensors, sampling_mode
+from servekit.optimizations.llm.speculative import SpecStats
 
 log = logging.getLogger(__name__)
 

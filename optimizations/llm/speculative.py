@@ -57,11 +57,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.optimizations.generate import (FINISH_LENGTH, FINISH_STOP, Completion, DecodeState, GenerationStream,
+from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, Completion, DecodeState, GenerationStream,
                                              GraphedStep, HostCopies, LlamaRunner, PrefillStep, RegionalCompiled, SamplingParams,
                                              StepOutput, collect, decode_order, pad_prompts, prefill_order, warm_steps)
-from servekit.optimizations.llama import RMSNorm, Transformer
-from servekit.optimizations.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
+from servekit.optimizations.models.llama import RMSNorm, Transformer
+from servekit.optimizations.llm.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
 
 SPEC_FORMAT = "servekit-mlp-speculator"
 SPEC_WEIGHTS = "speculator.safetensors"

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the decode steps of ``servekit.optimizations.llama`` models.
+"""Fused Triton kernels for the decode steps of ``servekit.optimizations.models.llama`` models.
 
 A decode step of a small model is bound by kernel launches, not by bandwidth: SmolLM2-135M runs
 ~11 kernels per layer (norm, matmul, bias, RoPE, cache write, attention, ...), a few microseconds
@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from servekit.optimizations.llama import Transformer, TransformerBlock, WithBlocks
+from servekit.optimizations.models.llama import Transformer, TransformerBlock, WithBlocks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 try:  # grid dependency control (Triton 3.4+); absent: programmatic dependent launch stays off

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servekit.optimizations.weights import load_safetensors
+from servekit.optimizations.models.weights import load_safetensors
 
 # model_type (config.json) -> family; also what `servekit archive` recognises as an encoder.
 FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "distilbert": "distilbert",
@@ -235,7 +235,7 @@ def check_checkpoint(model_dir: Path) -> EncoderConfig:
     a supported config and safetensors whose tensors are exactly those the encoder needs."""
     from safetensors import safe_open
 
-    from servekit.optimizations.weights import INDEX, safetensors_files
+    from servekit.optimizations.models.weights import INDEX, safetensors_files
 
     model_dir = Path(model_dir)
     cfg = EncoderConfig.from_json(model_dir / "config.json")

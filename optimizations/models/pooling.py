@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from servekit.optimizations.sentence_model import DenseSpec, SentenceModel
+from servekit.optimizations.models.sentence_model import DenseSpec, SentenceModel
 
 _ACTIVATIONS = {"Tanh": nn.Tanh, "Identity": nn.Identity, "ReLU": nn.ReLU, "GELU": nn.GELU, "Sigmoid": nn.Sigmoid}
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from servekit.optimizations.weights import INDEX, safetensors_files
+from servekit.optimizations.models.weights import INDEX, safetensors_files
 
 
 # Architectures served by this module: Llama-style decoders that differ only in the details below.
@@ -458,7 +458,7 @@ class Transformer(nn.Module):
         projection of every other position). Attention reads cache slots ``:kv_len`` only (default:
         the whole cache); the caller guarantees every position that matters is below ``kv_len``,
         which saves reading the cache's unused tail. ``blocks``: callables run instead of
-        ``self.layers`` (compiled copies of them, see ``servekit.optimizations.generate.RegionalCompiled``).
+        ``self.layers`` (compiled copies of them, see ``servekit.optimizations.llm.generate.RegionalCompiled``).
         ``rows`` ``(B,)``: the cache rows the batch's rows use (default ``0..B-1``); a prefill into
         free slots of a running batch passes them (``max_batch_size`` is the spare row).
         """

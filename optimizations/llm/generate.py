@@ -1,4 +1,4 @@
-"""Batched generation for ``servekit.optimizations.llama``: prefill, CUDA-graph decode, streaming.
+"""Batched generation for ``servekit.optimizations.models.llama``: prefill, CUDA-graph decode, streaming.
 
 Batching choice: **per-row positions, right padding** (no left padding). Prompts of a batch are
 right-padded to a length bucket; every row's tokens sit at positions ``0..len-1`` of its own KV
@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.optimizations.llama import Transformer, WithBlocks
-from servekit.optimizations.sampling import (FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, sample,
+from servekit.optimizations.models.llama import Transformer, WithBlocks
+from servekit.optimizations.llm.sampling import (FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, sample,
                                              sample_full, sampling_mode)
 
 KERNELS = ("torch", "triton")  # what runs a decode step's layers: torch ops (eager or compiled), or triton_decode
@@ -525,7 +525,7 @@ class LlamaRunner:
         self.kernels = kernels
         self.triton_model = None
         if kernels == "triton":
-            from servekit.optimizations.triton_decode import TritonDecode  # imports triton: only when asked for
+            from servekit.optimizations.kernels.triton_decode import TritonDecode  # imports triton: only when asked for
 
             self.triton_model = TritonDecode(model)
         decode_model = self.triton_model or (compiled if compile_decode else None)

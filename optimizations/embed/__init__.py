@@ -1,0 +1,1 @@
+"""The sentence-embedding runner and its tokenizer segment cache."""

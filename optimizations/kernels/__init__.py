@@ -1,0 +1,1 @@
+"""Triton kernels (imported only when a plan asks for them: they import triton)."""

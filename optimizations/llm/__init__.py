@@ -1,0 +1,1 @@
+"""The LLM engine: generation, continuous batching, sampling, speculation, chat template, and the LLM plan."""

@@ -1,0 +1,1 @@
+"""Training code (speculator heads): never imported by the serving path."""
