@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     port = lambda key: int(props[key].rsplit(":", 1)[1])  # noqa: E731
     ports = Ports(port("inference_address"), port("management_address"), port("metrics_address"),
                   int(props.get("grpc_inference_port", 7070)), int(props.get("grpc_management_port", 7071)))
-    ts = TorchServe(args.run_dir, args.model_store, ports, args.config, models=args.models,
+    # The models load at start (--models); the config decides the model API (shipped: off).
+    ts = TorchServe(args.run_dir, args.model_store, ports, args.config, models=args.models, model_api=False,
                     log_config=args.log_config)
     with ts:
         print(f"TorchServe: inference {ts.inference_url}, management {ts.management_url}, metrics {ts.metrics_url}")

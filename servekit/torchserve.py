@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -122,6 +123,19 @@ class Registration:
 
 # What register() does when the model name is taken (TorchServe answers 409).
 IF_EXISTS = ("error", "replace", "keep")
+# What register() sends as `url`: the file name of an archive in the server's model store. TorchServe
+# 0.12 itself registers any absolute folder holding MAR-INF/MANIFEST.json and runs its handler
+# (allowed_urls checks only http(s)/s3/file URLs), so the client admits no path, URL or folder.
+STORE_ARCHIVE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\.mar")
+
+
+def check_store_archive(mar: str) -> None:
+    """Raise ValueError unless `mar` is a plain archive file name (`minilm.mar`), nothing that could
+    name a file or folder outside the model store."""
+    if not isinstance(mar, str) or not STORE_ARCHIVE_NAME.fullmatch(mar) or ".." in mar:
+        shown = mar if not isinstance(mar, str) or len(mar) <= 200 else mar[:200] + "... (truncated)"
+        raise ValueError(f"archive {shown!r} is not a plain .mar file name in the model store: servekit "
+                         f"registers only archives of the store (no path, URL or folder)")
 
 
 class ManagementClient:
@@ -187,6 +201,7 @@ class ManagementClient:
         unregisters the old model first (left over from an interrupted run), "keep" scales it."""
         if if_exists not in IF_EXISTS:
             raise ValueError(f"if_exists must be one of {IF_EXISTS}, got {if_exists!r}")
+        check_store_archive(reg.mar)
         t0 = time.monotonic()
         query = urllib.parse.urlencode(reg.params())
         status, body = self._call("POST", f"/models?{query}")
@@ -273,8 +288,12 @@ class TorchServe:
 
     def __init__(self, run_dir: Path, model_store: Path = Path("model_store"), ports: Ports | None = None,
                  config: Path = DEFAULT_CONFIG, extra_props: dict[str, str] | None = None,
-                 models: str | None = None, log_config: Path | None = DEFAULT_LOG_CONFIG) -> None:
-        """`log_config`: the frontend's log4j2 configuration (None: TorchServe's own)."""
+                 models: str | None = None, log_config: Path | None = DEFAULT_LOG_CONFIG,
+                 model_api: bool = True) -> None:
+        """`log_config`: the frontend's log4j2 configuration (None: TorchServe's own). `model_api`:
+        turn TorchServe's register/unregister API on, which this harness's register() needs (its
+        client admits only archive names of the store); False keeps the config's setting (the
+        shipped config turns it off and loads `models` at start)."""
         self.run_dir = Path(run_dir).resolve()
         self.model_store = Path(model_store).resolve()
         self.ports = ports or Ports.free()
@@ -282,6 +301,7 @@ class TorchServe:
         self.extra_props = extra_props or {}
         self.models = models
         self.log_config = Path(log_config).resolve() if log_config is not None else None
+        self.model_api = model_api
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -316,6 +336,8 @@ class TorchServe:
         if "metrics_config" in props and not Path(props["metrics_config"]).is_absolute():
             # `config/metrics.yaml`: the current directory's, else servekit's packaged one.
             props["metrics_config"] = str(resolve(props["metrics_config"]).resolve())
+        if self.model_api:
+            props["enable_model_api"] = "true"
         props.update(self.extra_props)
         path = self.run_dir / "config.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))

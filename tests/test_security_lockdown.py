@@ -115,6 +115,73 @@ def test_registering_an_archive_from_a_url_is_refused(minilm_server):
     assert _Recorder.hits == [], f"TorchServe fetched {_Recorder.hits}"
 
 
+# -- nothing runs from outside the model store -------------------------------------------------------
+def test_config_keeps_the_model_api_off():
+    """TorchServe registers any absolute folder through POST /models: the shipped config turns that API off."""
+    assert read_properties(CONFIG)["enable_model_api"] == "false"
+
+
+@pytest.mark.parametrize("mar", ["/tmp/x/evildir", "/tmp/x/evil.mar", "../evil.mar", "sub/evil.mar", "evil",
+                                 "file:///tmp/x/evil.mar", "https://example.com/evil.mar", ".evil.mar",
+                                 "evil..mar", "evil.mar?x=1", "C:\\x\\evil.mar", "a" * 300])
+def test_client_registers_only_archive_names_of_the_store(mar):
+    """The client refuses before any HTTP call: its management URL is a closed port, so a call would
+    raise ServerError (unreachable) instead of the ValueError naming the rule."""
+    client = server.ManagementClient(f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ValueError, match="not a plain .mar file name in the model store") as e:
+        client.register(server.Registration(mar, "evil"))
+    assert len(str(e.value)) < 400, "the refused name is echoed without bound"
+
+
+def _evil_folder(root: Path) -> tuple[Path, Path]:
+    """A folder TorchServe takes for an extracted archive, whose handler writes a marker file at import."""
+    folder, marker = root / "evildir", root / "handler-ran"
+    (folder / "MAR-INF").mkdir(parents=True)
+    (folder / "MAR-INF" / "MANIFEST.json").write_text(json.dumps(
+        {"runtime": "python", "model": {"modelName": "evil", "handler": "evil_handler.py", "modelVersion": "1.0"}}))
+    (folder / "evil_handler.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n\n"
+        "def handle(data, context):\n    return data\n")
+    return folder, marker
+
+
+def _register_folder(ts: TorchServe, folder: Path) -> requests.Response:
+    return requests.post(f"{ts.management_url}/models", timeout=120, params={
+        "url": str(folder), "model_name": "evil", "initial_workers": "1", "synchronous": "true"})
+
+
+@pytest.mark.server
+def test_a_folder_outside_the_store_never_runs_on_the_shipped_config(model_store, tmp_path):
+    """POST /models?url=/abs/folder against a server started with config/config.properties as shipped
+    (the models load at start): refused with 405, and the folder's handler never ran."""
+    folder, marker = _evil_folder(tmp_path / "outside")
+    with TorchServe(tmp_path / "run", model_store, models="minilm=minilm.mar", model_api=False) as ts:
+        r = _register_folder(ts, folder)
+        assert r.status_code == 405, (r.status_code, r.text[:300])
+        assert ts.api.describe("evil") is None
+        assert requests.delete(f"{ts.management_url}/models/minilm", timeout=30).status_code == 405
+        ts.wait_ready("minilm", timeout=300)  # what the server is for still loads and scales
+        assert ts.api.scale("minilm", 1, timeout=120) >= 0
+    assert not marker.exists(), "the handler of a folder outside the model store ran"
+
+
+@pytest.mark.server
+def test_with_the_model_api_on_torchserve_itself_runs_the_folder(minilm_server, tmp_path):
+    """What remains where the model API is on (the harness's servers): TorchServe 0.12 registers the folder
+    and runs its handler; only servekit's client refuses the name. The marker proves the folder above is a
+    real exploit, so the shipped-config test fails on a server that admits it."""
+    folder, marker = _evil_folder(tmp_path / "outside")
+    with pytest.raises(ValueError):
+        minilm_server.api.register(server.Registration(str(folder), "evil"))
+    assert not marker.exists()
+    try:
+        r = _register_folder(minilm_server, folder)
+        assert r.status_code == 200, (r.status_code, r.text[:300])
+        assert marker.read_text() == "ran"
+    finally:
+        minilm_server.unregister("evil")
+
+
 # -- token authorization ----------------------------------------------------------------------------
 @pytest.mark.server
 def test_token_authorization_when_enabled(model_store, tmp_path):
