@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                     log_config=args.log_config)
     with ts:
         print(f"TorchServe: inference {ts.inference_url}, management {ts.management_url}, metrics {ts.metrics_url}")
-        print(f"logs in {ts.log_dir}; Ctrl-C to stop")
+        print(f"logs in {ts.log_dir}, worker sockets and pid file in {ts.temp_dir}; Ctrl-C to stop")
         try:
             signal.pause()
         except KeyboardInterrupt:

@@ -2,7 +2,14 @@
 unregister, describe, wait-ready) for local and remote servers alike.
 
 All TorchServe-specific process handling lives here. A server gets its own run folder (logs, pid
-file, resolved config) and its own ports, so several can run side by side and none leaks.
+file, resolved config, temp folder) and its own ports, so several can run side by side and none leaks.
+
+Why the temp folder must be private: TorchServe 0.12's frontend puts each worker's Unix socket at
+`<java.io.tmpdir>/.ts.sock.<port>`, with java.io.tmpdir taken from `TEMP` (not `TMPDIR`), and
+every server numbers its workers' ports from 9000; a starting worker deletes whatever socket file
+has its name. Two servers sharing a temp folder therefore replace each other's workers. The
+launcher's pid file (`.model_server.pid`, in Python's temp dir: `TMPDIR` first) is shared the same
+way, and a second server refuses to start while it names a live one.
 """
 from __future__ import annotations
 
@@ -283,6 +290,20 @@ def group_alive(pgid: int) -> list[int]:
     return alive
 
 
+# sun_path holds 108 bytes with its terminating NUL; a worker's socket is <dir>/.ts.sock.<port>.
+UNIX_SOCKET_PATH_MAX = 107
+WORKER_SOCKET_NAME = ".ts.sock.65535"
+
+
+def check_socket_dir(folder: Path) -> None:
+    """Raise ServerError when worker sockets in `folder` would exceed the Unix socket path limit
+    (the worker would die at start with a bare OSError in the model log)."""
+    longest = len(os.fsencode(Path(folder) / WORKER_SOCKET_NAME))
+    if longest > UNIX_SOCKET_PATH_MAX:
+        raise ServerError(f"run folder too deep for TorchServe's worker sockets: {folder / WORKER_SOCKET_NAME} "
+                          f"is {longest} bytes, Unix sockets allow {UNIX_SOCKET_PATH_MAX}; use a shorter --run-dir")
+
+
 class TorchServe:
     """A local TorchServe process with its own run folder and ports. Use as a context manager."""
 
@@ -320,6 +341,11 @@ class TorchServe:
     def log_dir(self) -> Path:
         return self.run_dir / "logs"
 
+    @property
+    def temp_dir(self) -> Path:
+        """This server's own TEMP and TMPDIR: its workers' sockets and its launcher's pid file."""
+        return self.run_dir / "tmp"
+
     def _write_config(self) -> Path:
         props = read_properties(self.config)
         props.update({
@@ -347,10 +373,12 @@ class TorchServe:
         if not self.model_store.is_dir():
             raise ServerError(f"model store {self.model_store} does not exist; run `servekit archive` first")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / "tmp"
+        tmp = self.temp_dir
         tmp.mkdir(exist_ok=True)
+        check_socket_dir(tmp)
         env = java_env()
-        # TorchServe keeps its pid file in the temp dir and writes logs/ under the cwd: keep both here.
+        # Worker sockets go to TEMP, the pid file to TMPDIR, logs/ under the cwd: all private to this
+        # run folder (see the module docstring).
         env.update({"TMPDIR": str(tmp), "TEMP": str(tmp), "LOG_LOCATION": str(self.log_dir),
                     "METRICS_LOCATION": str(self.log_dir)})
         cmd = [sys.executable, "-m", "ts.model_server", "--start", "--foreground",

@@ -161,14 +161,25 @@ def test_metrics_config_is_the_projects():
     assert "mode:" not in yaml.safe_load(data["metrics.yaml"])
 
 
-def test_models_line_registers_archives_of_the_store():
+def snapshot_models(props: dict[str, str]) -> dict:
+    """The models of a config's `model_snapshot` line (TorchServe's snapshot format)."""
+    return json.loads(props["model_snapshot"])["models"]
+
+
+def test_pods_load_archives_of_the_store_at_start_with_the_model_api_off():
+    """No registering through the management API (it would run a handler from any absolute folder):
+    TorchServe registers the snapshot's archives at start, with every key its restore requires."""
     props = properties((K8S / "base/config.properties").read_text())
-    models = json.loads(props["models"])
-    assert "minilm" in models
+    assert props["enable_model_api"] == "false"
+    assert "models" not in props and "load_models" not in props
+    snapshot = json.loads(props["model_snapshot"])
+    models = snapshot["models"]
+    assert "minilm" in models and snapshot["modelCount"] == sum(len(v) for v in models.values())
     for versions in models.values():
         for spec in versions.values():
-            assert spec["marName"].endswith(".mar")
+            assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*\.mar", spec["marName"]), spec["marName"]
             assert spec["minWorkers"] == spec["maxWorkers"] >= 1
+            assert {"defaultVersion", "batchSize", "maxBatchDelay", "responseTimeout", "startupTimeout"} <= set(spec)
 
 
 # -- the pod ---------------------------------------------------------------------------------------
@@ -195,7 +206,8 @@ def test_everything_written_goes_to_writable_volumes():
                 if not m.get("readOnly") and "emptyDir" in volumes[m["name"]]]
     assert {"/tmp", "/run/servekit", "/dev/shm"} <= set(writable)
     env = {e["name"]: e["value"] for e in c["env"]}
-    for path in (c["workingDir"], env["LOG_LOCATION"], env["METRICS_LOCATION"], env["TMPDIR"], env["HOME"]):
+    for path in (c["workingDir"], env["LOG_LOCATION"], env["METRICS_LOCATION"], env["TMPDIR"], env["TEMP"],
+                 env["HOME"]):
         assert any(path == w or path.startswith(w + "/") for w in writable), f"{path} is not writable"
     assert all("sizeLimit" in volumes[n]["emptyDir"] for n in volumes if "emptyDir" in volumes[n])
 
@@ -204,7 +216,7 @@ def test_probes():
     docs = rendered("overlays/gpu")
     c = container(docs)
     props = properties(config_map(docs)["data"]["config.properties"])
-    models = json.loads(props["models"])
+    models = snapshot_models(props)
     for probe in ("startupProbe", "readinessProbe"):
         cmd = c[probe]["exec"]["command"]
         assert cmd[:4] == ["python", "-m", "servekit.probe", "ready"]
@@ -213,7 +225,7 @@ def test_probes():
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "load + compile + capture need minutes"
     assert c["livenessProbe"]["httpGet"] == {"path": "/ping", "port": "inference"}
-    assert c["lifecycle"]["postStart"]["exec"]["command"][:4] == ["python", "-m", "servekit.probe", "register"]
+    assert "postStart" not in c["lifecycle"], "nothing registers models after start: the model API is off"
     assert "torchserve --stop" in " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
     assert pod_spec(docs)["terminationGracePeriodSeconds"] > 5 + 30
 
@@ -341,7 +353,7 @@ def test_dashboards_ship_as_sidecar_configmaps():
 def test_benchmark_overlay_carries_the_recommendation(all_rendered):
     docs = all_rendered["benchmark overlay"]
     props = properties(config_map(docs)["data"]["config.properties"])
-    spec = json.loads(props["models"])["minilm"]["1.0"]
+    spec = snapshot_models(props)["minilm"]["1.0"]
     assert (spec["minWorkers"], spec["maxWorkers"], spec["batchSize"], spec["maxBatchDelay"]) == (2, 2, 16, 5)
     assert props["management_address"] == "http://127.0.0.1:8081"  # the rest of the config is the base's
     hpa = one(docs, "HorizontalPodAutoscaler")
@@ -365,7 +377,7 @@ def test_benchmark_overlay_for_another_model_points_the_probes_at_it(tmp_path):
     for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["exec"]["command"][c[probe]["exec"]["command"].index("--model") + 1] == "smollm2"
     assert c["startupProbe"]["failureThreshold"] == 6  # the floor: 60 s
-    models = json.loads(properties(config_map(docs)["data"]["config.properties"])["models"])
+    models = snapshot_models(properties(config_map(docs)["data"]["config.properties"]))
     assert list(models) == ["smollm2"] and models["smollm2"]["1.0"]["marName"] == "smollm2.mar"
     hpa = one(docs, "HorizontalPodAutoscaler")
     assert hpa["spec"]["minReplicas"] == 1
@@ -499,7 +511,7 @@ def test_dockerfile_java_home_command_finds_java(tmp_path):
 @pytest.mark.parametrize("source", ["overlays/gpu", "overlays/cpu", "benchmark overlay"])
 def test_inflight_target_is_one_full_batch_per_worker(source, all_rendered):
     docs = all_rendered[source]
-    models = json.loads(properties(config_map(docs)["data"]["config.properties"])["models"])
+    models = snapshot_models(properties(config_map(docs)["data"]["config.properties"]))
     (spec,) = [s for versions in models.values() for s in versions.values()]
     hpa = one(docs, "HorizontalPodAutoscaler")
     target = next(m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]
