@@ -5,7 +5,7 @@ The archive holds the handler, the `servekit.handlers` and `servekit.optimizatio
 (under `servekit/`, so the worker imports them by the same names as an installed servekit), the
 weights and tokenizer, and the model-config. torch-model-archiver flattens directories given in
 --extra-files, so the packages are staged under one folder first; the equivalent plain commands
-are in the README.
+are in docs/archive.md.
 """
 from __future__ import annotations
 
