@@ -85,7 +85,8 @@ def test_every_results_entry_is_cited() -> None:
 
 @pytest.mark.parametrize("folder", [p for p in results_entries() if p.is_dir()], ids=lambda p: p.name)
 def test_results_folder_says_its_command(folder: Path) -> None:
-    readme = folder / "README.md"
-    assert readme.is_file(), f"{folder.relative_to(ROOT)} has no README.md saying how it was made"
-    assert COMMAND.search(readme.read_text(encoding="utf-8")), \
-        f"{readme.relative_to(ROOT)} names no command (python -m servekit..., servekit bench ...)"
+    """A README.md, or a file named command*, says the command that made the run."""
+    notes = [p for p in (folder / "README.md", *sorted(folder.glob("command*"))) if p.is_file()]
+    assert notes, f"{folder.relative_to(ROOT)} has no README.md or command file saying how it was made"
+    assert any(COMMAND.search(n.read_text(encoding="utf-8")) for n in notes), \
+        f"{folder.relative_to(ROOT)}: {[n.name for n in notes]} name no command (python -m servekit..., servekit bench ...)"
