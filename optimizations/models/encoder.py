@@ -151,14 +151,17 @@ class Encoder(nn.Module):
         self.emb_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         s = input_ids.shape[1]
         # Rows are right-padded, so every real token sits at its index: positions need no cumsum
         # over the ids (padding positions differ from transformers' but are never attended or pooled).
         pos = torch.arange(s, device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.position_embeddings(pos + self.cfg.position_offset)
         if self.cfg.type_vocab_size:
-            x = x + self.token_type_embeddings.weight[0]
+            # Single texts are all segment 0; a BERT text pair (cross-encoders) marks its second text 1.
+            x = x + (self.token_type_embeddings.weight[0] if token_type_ids is None
+                     else self.token_type_embeddings(token_type_ids))
         x = self.emb_norm(x)
         # Additive bias in the activation dtype: 0 where attended, a large negative where padded.
         bias = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min

@@ -1,0 +1,1 @@
+"""Cross-encoder and sequence-classifier runtime (rerank, score, classify)."""
