@@ -153,6 +153,39 @@ def streams(batcher: ContinuousBatcher, rng: random.Random, vocab: int, n_stream
             "tpot_p50_ms": round(_pct(tpot, 0.5), 3) if tpot else None}
 
 
+def attention_paths(batcher: ContinuousBatcher, repeats: int = 10) -> dict[str, Any]:
+    """ms per packed prefill forward for a few packings, by attention path: the torch reference
+    (per-request loop, eager), the Triton kernel eager, and the engine's own (captured) forward."""
+    from servekit.optimizations.llm.packed import Chunk, PackedPrefill
+
+    model, dev = batcher.r.model, batcher.r.device
+    budget = batcher.max_num_batched_tokens
+    packings = {"1x2048": [(2048, 0)], "4x512": [(512, 0)] * 4, "32x64": [(64, 0)] * 32,
+                "512_at_1024+3x512": [(512, 1024)] + [(512, 0)] * 3}
+    engines = {"torch-eager": PackedPrefill(model, budget, batcher.max_num_seqs, attention="torch"),
+               "triton-eager": PackedPrefill(model, budget, batcher.max_num_seqs, attention="triton"),
+               "engine": batcher.packed}
+    out: dict[str, Any] = {}
+    for name, lengths in packings.items():
+        if sum(n for n, _ in lengths) > budget:
+            continue
+        chunks = [Chunk([5] * n, start, row, True) for row, (n, start) in enumerate(lengths)]
+        out[name] = {}
+        for label, engine in engines.items():
+            if label == "engine" and not getattr(engine, "graphs", False):
+                continue
+            engine.run(chunks)
+            torch.cuda.synchronize(dev)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                engine.run(chunks)
+                torch.cuda.synchronize(dev)
+                times.append(1000 * (time.perf_counter() - t0))
+            out[name][label] = round(statistics.median(times), 3)
+    return out
+
+
 def build(device: torch.device, small: bool, budget: int | None) -> tuple[ContinuousBatcher, dict[str, Any]]:
     config = LlamaConfig.tiny(max_position_embeddings=2048) if small else LlamaConfig()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -190,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     n, short_max = (4, 16) if args.small else (32, 128)
     results: dict[str, Any] = {"warmup": warm}
+    if device.type == "cuda" and hasattr(batcher, "packed"):
+        results["attention_paths_ms"] = attention_paths(batcher)
+        print("attention paths (ms per packed forward):", json.dumps(results["attention_paths_ms"]), flush=True)
     results["ttft_600"] = ttft_single(batcher, rng, vocab, [600, 613, 587, 644, 600, 571, 600])
     print("(a) ttft-600:", json.dumps(results["ttft_600"]), flush=True)
     results["prefill_32"] = [burst(batcher, rng, vocab, n, 600, 16, f"burst{r}") for r in range(2)]

@@ -57,8 +57,12 @@ class ContinuousFrontend:
         """``service``: the ``LlmService``; ``generation(service, {0: request}, context, t0)``: its
         ``Generation``; ``device_error``: how a failed generation is answered."""
         self.s, self._generation, self._device_error = service, generation, device_error
-        batcher = ContinuousBatcher(service.runner, service.batch_size, service.plan.prefill_chunk)
-        log.info("continuous batching: long-prompt chunks warmed up in %.1f s", batcher.warmup())
+        plan = service.plan
+        batcher = ContinuousBatcher(service.runner, service.batch_size, plan.prefill_chunk, plan.max_num_batched_tokens)
+        built = batcher.warmup()
+        log.info("continuous batching: packed prefill (%s attention, %s) over token buckets %s built in %.1f s",
+                 built["attention"], "CUDA graphs" if built["graphs"] else "eager", built["token_buckets"],
+                 built["seconds"])
         self.engine = EngineThread(batcher, service.runner.device)
         stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
         self._spec_sent = ([0] * len(stats.proposed), [0] * len(stats.accepted)) if stats is not None else None

@@ -85,28 +85,6 @@ def test_requests_joining_mid_generation_get_their_solo_output(runner: LlamaRunn
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
 
 
-def test_prefill_from_static_inputs_into_slots(tiny_llama: Transformer, runner: LlamaRunner) -> None:
-    model = tiny_llama
-    """The captured-prefill path (static inputs, eager on CPU) fills the slots it is given."""
-    with pytest.raises(ValueError, match="slot_prefill"):
-        ContinuousBatcher(LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
-                                      prefill_graphs=64))
-    slots = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
-                        prefill_graphs=64, slot_prefill=True)
-    slots.warmup()
-    rec = Recorder(ContinuousBatcher(slots))
-    cases = {k: (_prompt(n, seed), SamplingParams(max_tokens=m)) for k, n, seed, m in
-             (("a", 12, 1, 30), ("b", 40, 2, 10), ("c", 3, 3, 20))}
-    rec.add("a", *cases["a"])
-    rec.step()
-    rec.step()
-    rec.add("b", *cases["b"])
-    rec.add("c", *cases["c"])
-    rec.run()
-    for key, (prompt, params) in cases.items():
-        assert rec.tokens[key] == _solo(runner, prompt, params).tokens, key
-
-
 def test_a_short_request_behind_a_long_one_starts_within_steps(runner: LlamaRunner) -> None:
     rec = Recorder(ContinuousBatcher(runner))
     rec.add("long", _prompt(30, 5), SamplingParams(max_tokens=80))
@@ -157,37 +135,8 @@ def test_bad_requests_are_refused_at_add_and_the_rest_runs(runner: LlamaRunner) 
         ContinuousBatcher(runner, max_num_seqs=8)
 
 
-def test_a_failed_prefill_ends_only_the_requests_it_admitted(runner: LlamaRunner, monkeypatch) -> None:
-    """An out-of-memory prefill (a real one needs a GPU: simulated here by a prefill that raises for
-    a marker prompt) ends the requests it was admitting; the running one goes on unharmed."""
-    import servekit.optimizations.llm.continuous as continuous
-
-    real = continuous.prefill
-    marker = _prompt(12, 9)
-
-    def failing(model, tokens, *args, **kw):
-        if tokens[0, :len(marker)].tolist() == marker:
-            raise torch.OutOfMemoryError("simulated")
-        return real(model, tokens, *args, **kw)
-
-    monkeypatch.setattr(continuous, "prefill", failing)
-    rec = Recorder(ContinuousBatcher(runner))
-    rec.add("run", _prompt(7, 1), SamplingParams(max_tokens=20))
-    for _ in range(3):
-        rec.step()
-    rec.add("oom", marker, SamplingParams(max_tokens=5))
-    rec.add("mate", _prompt(5, 2), SamplingParams(max_tokens=6))  # admitted in the same prefill
-    updates = rec.step()  # the batch prefill fails: both go back, to be prefilled alone
-    assert "oom" not in updates and "mate" not in updates
-    updates = rec.step()
-    assert updates["oom"].finish_reason == "error" and isinstance(updates["oom"].error, torch.OutOfMemoryError)
-    rec.run()
-    assert rec.tokens["run"] == _solo(runner, _prompt(7, 1), SamplingParams(max_tokens=20)).tokens
-    assert rec.tokens["mate"] == _solo(runner, _prompt(5, 2), SamplingParams(max_tokens=6)).tokens
-
-
 def test_long_prompts_go_in_chunks_while_the_others_keep_decoding(runner: LlamaRunner) -> None:
-    batcher = ContinuousBatcher(runner, prefill_chunk=16)
+    batcher = ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=16)
     rec = Recorder(batcher)
     cases = {"run": (_prompt(6, 1), SamplingParams(max_tokens=30)),
              "long": (_prompt(60, 2), SamplingParams(max_tokens=8, temperature=0.7, seed=5)),
@@ -197,7 +146,7 @@ def test_long_prompts_go_in_chunks_while_the_others_keep_decoding(runner: LlamaR
     rec.add("long", *cases["long"])
     rec.add("full", *cases["full"])
     before = len(rec.tokens["run"])
-    for _ in range(4):  # 60 tokens in chunks of 16: the long prompt is in after its 4th chunk
+    for _ in range(4):  # 60 tokens, 16 per step: the long prompt is in after its 4th chunk
         updates = rec.step()
         assert len(updates["run"].tokens) == 1  # the running request got its token every step
     assert len(rec.tokens["run"]) == before + 4 and rec.first_step["long"] == rec.steps
@@ -209,7 +158,7 @@ def test_long_prompts_go_in_chunks_while_the_others_keep_decoding(runner: LlamaR
 
 
 def test_a_request_cancelled_while_its_prompt_goes_in_frees_its_slot(runner: LlamaRunner) -> None:
-    batcher = ContinuousBatcher(runner, max_num_seqs=1, prefill_chunk=8)
+    batcher = ContinuousBatcher(runner, max_num_seqs=1, prefill_chunk=8, max_num_batched_tokens=8)
     rec = Recorder(batcher)
     rec.add("long", _prompt(40, 4), SamplingParams(max_tokens=5))
     rec.add("next", _prompt(5, 5), SamplingParams(max_tokens=5))
@@ -219,12 +168,11 @@ def test_a_request_cancelled_while_its_prompt_goes_in_frees_its_slot(runner: Lla
     assert rec.tokens["long"] == [] and rec.tokens["next"] == _solo(runner, _prompt(5, 5), SamplingParams(max_tokens=5)).tokens
 
 
-def test_warmup_runs_long_prompts_on_compiled_runners_only(tiny_llama: Transformer, runner: LlamaRunner) -> None:
-    assert ContinuousBatcher(runner, prefill_chunk=16).warmup() == 0.0  # eager: nothing to compile
-    compiled = LlamaRunner(tiny_llama, max_seq_len=128, batch_buckets=(1, 2), prefill_buckets=(16, 64),
-                           compile_prefill=True, compile_decode=True)
-    batcher = ContinuousBatcher(compiled, prefill_chunk=16)
-    assert batcher.warmup() > 0 and not batcher.has_work and batcher.running == 0
+def test_warmup_builds_the_packed_prefill_and_leaves_nothing_running(runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=32)
+    built = batcher.warmup()
+    assert built["attention"] == "torch" and built["graphs"] is False  # CPU: eager, nothing to capture
+    assert built["seconds"] >= 0 and not batcher.has_work and batcher.running == 0
     rec = Recorder(batcher)
     rec.add("a", _prompt(40, 1), SamplingParams(max_tokens=6))
     rec.run()
@@ -363,18 +311,18 @@ def test_a_static_speculation_is_refused(runner: LlamaRunner, tiny_trained_heads
 
 
 def test_kv_usage_counts_the_running_requests_positions(runner: LlamaRunner) -> None:
-    batcher = ContinuousBatcher(runner, prefill_chunk=16)
+    batcher = ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=16)
     assert batcher.kv_usage == 0.0
     batcher.add("a", _prompt(10, 41), SamplingParams(max_tokens=20))
-    batcher.add("long", _prompt(40, 42), SamplingParams(max_tokens=5))  # goes in 16-token chunks
+    batcher.add("long", _prompt(40, 42), SamplingParams(max_tokens=5))  # 16 prompt tokens per step in all
     got = {"a": 0, "long": 0}
     for _ in range(2):
         for key, u in batcher.step().items():
             got[key] += len(u.tokens)
     capacity = batcher.max_num_seqs * runner.max_seq_len
-    # "a": its prompt and the tokens read so far; "long": the chunks that went in (no token yet).
+    # "a": its prompt and the tokens read so far; "long": what went in (6 beside "a", then 16).
     assert got["long"] == 0
-    assert batcher.kv_usage == pytest.approx((10 + got["a"] + 32) / capacity)
+    assert batcher.kv_usage == pytest.approx((10 + got["a"] + 22) / capacity)
     while batcher.has_work:
         batcher.step()
     assert batcher.kv_usage == 0.0

@@ -2,37 +2,44 @@
 leave it the moment they finish, instead of a batch running until its last row ends.
 
 Slots: the runner's KV cache rows ``0..max_num_seqs-1``. A request gets the lowest free slot; its
-prompt is prefilled straight into that cache row (``Transformer.forward(rows=...)``) while the
-other rows keep their state, and from then on it is one row of the decode steps. Every decode step
-runs the runner's step (a CUDA graph on GPU) of the smallest batch bucket that covers the highest
-busy slot; free slots below it decode garbage that nobody reads, as padding rows always did. A
-row's state (token, position, sampling parameters, penalty counts) lives in the runner's one
-``DecodeState`` whose bucket views share memory, so changing bucket moves nothing.
+prompt goes into that cache row while the other rows keep their state, and from then on it is one
+row of the decode steps. Every decode step runs the runner's step (a CUDA graph on GPU) of the
+smallest batch bucket that covers the highest busy slot; free slots below it decode garbage that
+nobody reads, as padding rows always did. A row's state (token, position, sampling parameters,
+penalty counts) lives in the runner's one ``DecodeState`` whose bucket views share memory, so
+changing bucket moves nothing.
+
+Prefill (packed.py): each ``step()`` runs one packed forward over chunks of as many prefilling
+prompts as fit the token budget (``max_num_batched_tokens``), laid end to end without padding
+between requests, then the decode step of the running rows. ``plan_prefill`` splits the budget:
+first up to ``prefill_chunk`` tokens for each prompt, oldest first, then what is left to the oldest
+ones again. So a decode row waits for at most one packed forward per token, a long prompt holds a
+short one back by at most one chunk, and the oldest prompt always advances (no starvation). A
+prompt's last chunk samples its first token and starts its row decoding.
 
 Each row computes exactly what it computes alone (its own cache row, its own positions, noise
 keyed by its own seed and position), so greedy output does not depend on who else is running.
 
 Pipelining as in ``LlamaRunner.stream``: each ``step()`` launches decode step t+1 before it reads
 step t, so the device never waits for the host's bookkeeping; a row that finished at step t has one
-wasted token computed in step t+1, which is dropped. Admission (prefill) is queued on the same
+wasted token computed in step t+1, which is dropped. The packed prefill is queued on the same
 stream after the step in flight, so it never races with it.
 
 Speculative decoding (``runner.speculation`` built ``in_slots``): while the busy slots fit its
 largest batch bucket, no running request needs logprobs or penalties and one of them is greedy, a
 step is a verify step over the same rows instead of a plain one; each row accepts what it accepts
 and the plain and verify steps share the rows' state, so the batch moves between the two from one
-step to the next. A request starts with stale drafts (the slot prefill makes none): its first
-verify step yields one token and drafts for the next. Sampled rows and requests with
-``speculate=False`` accept no drafts and get exactly their plain tokens.
+step to the next. A request starts with stale drafts (the prefill makes none): its first verify
+step yields one token and drafts for the next. Sampled rows and requests with ``speculate=False``
+accept no drafts and get exactly their plain tokens.
 """
 from __future__ import annotations
 
 import collections
 import logging
+import random
 import sys
 import threading
-import time
-from functools import partial
 from dataclasses import dataclass, field
 from typing import Collection, Hashable
 
@@ -40,13 +47,34 @@ import torch
 
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
-                                             TokenLogprob, prefill, read_row, token_ids)
-from servekit.optimizations.llm.sampling import MODES, SamplingTensors, sampling_mode
+                                                 TokenLogprob, read_row, token_ids)
+from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
+from servekit.optimizations.llm.sampling import FULL, MODES, SamplingTensors, sample, sample_full, sampling_mode
 from servekit.optimizations.llm.speculative import SpecStats
 
 log = logging.getLogger(__name__)
 
 FINISH_ERROR = "error"
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def plan_prefill(remaining: list[int], budget: int, chunk: int) -> list[int]:
+    """How many tokens each prefilling prompt (oldest first; ``remaining``: its tokens not yet in the
+    cache) puts into this step's packed forward: up to ``chunk`` each in order, then the budget
+    left over to the oldest first. The total never exceeds ``budget``; the oldest always gets
+    ``min(remaining, chunk, budget)`` at least."""
+    take, left = [], budget
+    for r in remaining:
+        n = min(r, chunk, left)
+        take.append(n)
+        left -= n
+    for i, r in enumerate(remaining):
+        if left == 0:
+            break
+        extra = min(r - take[i], left)
+        take[i] += extra
+        left -= extra
+    return take
 
 
 @dataclass
@@ -75,6 +103,7 @@ class _Seq:
     prompt: list[int]
     params: SamplingParams
     stops: frozenset[int]
+    seed: int  # the request's seed, or one drawn for it at add()
     speculate: bool = True  # accepts drafts (greedy requests that did not opt out)
     slot: int = -1
     prefilled: int = 0  # prompt tokens in the cache so far (a long prompt goes in chunks)
@@ -99,30 +128,36 @@ class ContinuousBatcher:
     """The scheduler: ``add()`` / ``cancel()`` requests at any time, ``step()`` to advance.
 
     Not thread-safe: one thread drives it (the LLM handler's engine thread). FIFO admission up to
-    ``max_num_seqs`` running requests; the rest wait in order.
+    ``max_num_seqs`` running requests (prefilling ones included); the rest wait in order.
+    ``warmup()`` builds every packed-prefill shape before the first request.
     """
 
-    def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None, prefill_chunk: int = 512) -> None:
-        if runner.prefill_steps and not runner.slot_prefill:
-            raise ValueError("the runner's captured prefill fills rows 0..B-1: build it with slot_prefill=True")
+    def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None, prefill_chunk: int = 512,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> None:
         self.r = runner
         self.max_num_seqs = max_num_seqs or runner.max_batch
         if not 1 <= self.max_num_seqs <= runner.max_batch:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be between 1 and the largest batch "
                              f"bucket {runner.max_batch}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        if max_num_batched_tokens < prefill_chunk:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below prefill_chunk={prefill_chunk}")
+        self.prefill_chunk, self.max_num_batched_tokens = prefill_chunk, max_num_batched_tokens
         self.slots: list[_Seq | None] = [None] * self.max_num_seqs
         self.waiting: collections.deque[_Seq] = collections.deque()
+        self.prefilling: collections.deque[_Seq] = collections.deque()  # in slots, prompts not all in yet; oldest first
         self.by_key: dict[Hashable, _Seq] = {}
         # A launched output not read yet: its host copy, the sampling mode, and (output row, request) pairs.
         self._inflight: _Pending | None = None
         self._hosts: dict[tuple, HostCopies] = {}
-        self._alone = 0  # admissions left to prefill one request at a time (after a failed batch prefill)
-        # Prompts longer than this go into the cache one chunk per step, so that a long prompt holds
-        # the running rows back by one chunk's prefill per step, not by its whole prefill.
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
-        self.chunking: collections.deque[_Seq] = collections.deque()
+        # Requests of a packed forward that failed: prefilled alone, one at a time, so that only the culprit fails.
+        self._suspects: set[Hashable] = set()
+        self._rng = random.Random()
+        # Captured per token bucket where decode steps are (CUDA graphs) and the Triton attention serves the model.
+        graphs = runner.cuda_graphs and triton_fits(runner.model) is None
+        self.packed = PackedPrefill(runner.model, max_num_batched_tokens, self.max_num_seqs, graphs=graphs,
+                                    pad_id=runner.pad_id)
         spec = runner.speculation
         if spec is not None and not getattr(spec, "in_slots", False):
             raise ValueError("the runner's speculation runs static batches: build it with in_slots=True")
@@ -130,20 +165,11 @@ class ContinuousBatcher:
         # Draft positions proposed and accepted so far (the handler's metrics read these).
         self.spec_stats = SpecStats.empty(spec.n_heads) if spec is not None else None
 
-    def warmup(self) -> float:
-        """Run a few prompts longer than ``prefill_chunk`` through (compiled runners only): the
-        chunks' shapes (any length, any offset) compile here, not in the first long request
-        (measured on an H100: ~1 s per new shape). Returns the seconds it took."""
-        longest = self.r.max_prompt_len
-        if not self.r.compile_prefill or longest <= self.prefill_chunk:
-            return 0.0
-        t0 = time.perf_counter()
-        for n in sorted({longest, longest - self.prefill_chunk // 3, self.prefill_chunk + 1,
-                         (longest + self.prefill_chunk) // 2}):
-            self.add(("warmup", n), [self.r.pad_id] * n, SamplingParams(max_tokens=1))
-            while self.has_work:
-                self.step()
-        return time.perf_counter() - t0
+    def warmup(self) -> dict[str, object]:
+        """Build every packed-prefill shape (captures each token bucket on CUDA, compiles the
+        attention kernel): the first request of any length then costs what later ones do.
+        Returns what was built and the seconds it took."""
+        return self.packed.warmup()
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, key: Hashable, prompt: list[int], params: SamplingParams, speculate: bool = True) -> None:
@@ -153,7 +179,8 @@ class ContinuousBatcher:
             raise ValueError(f"request {key!r} is already running")
         if (err := self.r.check(prompt, params)) is not None:
             raise ValueError(err)
-        seq = _Seq(key, list(prompt), params, frozenset(params.stop_token_ids),
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        seq = _Seq(key, list(prompt), params, frozenset(params.stop_token_ids), seed,
                    speculate=speculate and params.temperature == 0 and not params.full)
         self.by_key[key] = seq
         self.waiting.append(seq)
@@ -174,7 +201,7 @@ class ContinuousBatcher:
     @property
     def kv_usage(self) -> float:
         """The share of the KV cache's positions (``max_num_seqs`` rows x ``max_seq_len``) that
-        running requests fill: prompt and generated tokens so far (a chunked prompt: what is in)."""
+        running requests fill: prompt and generated tokens so far (a prefilling prompt: what is in)."""
         used = sum((len(s.prompt) + s.generated) if s.launched else s.prefilled
                    for s in self.slots if s is not None)
         return used / (self.max_num_seqs * self.r.max_seq_len)
@@ -186,23 +213,22 @@ class ContinuousBatcher:
     # -- one iteration -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> dict[Hashable, SeqUpdate]:
-        """Admit waiting requests into free slots (prefill), launch the next decode step, read the
-        previous one. Returns the new tokens of every request that got some."""
+        """Admit waiting requests into free slots, run one packed prefill forward, launch the next
+        decode step, read the previous one. Returns the new tokens of every request that got some."""
         updates: dict[Hashable, SeqUpdate] = {}
-        admitted = self._admit(updates)
-        chunked = self._prefill_chunk(updates)
+        self._admit()
+        prefilled = self._prefill(updates)
         launched = self._launch()
         if self._inflight is not None:
             self._read(self._inflight, updates)
-        for pending in (admitted, chunked):
-            if pending is not None:
-                self._read(pending, updates)
+        if prefilled is not None:
+            self._read(prefilled, updates)
         self._inflight = launched
         return updates
 
     def _host(self, out: torch.Tensor) -> tuple[HostCopies, int]:
         """Start copying ``out`` to the host; returns where it lands. At most three copies are
-        outstanding (the step in flight, an admission's first tokens, the step just launched), so
+        outstanding (the step in flight, a prefill's first tokens, the step just launched), so
         a ring of four buffers per shape never overwrites one before it is read."""
         key = (tuple(out.shape), out.dtype)
         if key not in self._hosts:
@@ -210,81 +236,79 @@ class ContinuousBatcher:
         host = self._hosts[key]
         return host, host.start_next(out)
 
-    def _admit(self, updates: dict[Hashable, SeqUpdate]) -> _Pending | None:
+    def _admit(self) -> None:
+        """Waiting requests into free slots, in order; their prompts go in from this step on."""
         free = [i for i, s in enumerate(self.slots) if s is None]
-        n = min(len(free), len(self.waiting), 1 if self._alone else len(free))
-        if n == 0:
-            return None
-        self._alone = max(0, self._alone - 1)
-        seqs = [self.waiting.popleft() for _ in range(n)]
-        for s in [s for s in seqs if len(s.prompt) > self.prefill_chunk]:  # in chunks, from the next step on
-            seqs.remove(s)
+        while free and self.waiting:
+            s = self.waiting.popleft()
             s.slot = free.pop(0)
             self.slots[s.slot] = s
             # Until its prompt is in, the row is idle inside the decode batch: park its position at
             # the cache's last slot, whose garbage the request overwrites before it could read it.
             self.r.state.input_pos[s.slot] = self.r.max_seq_len - 1
-            self.chunking.append(s)
-        n = len(seqs)
-        if n == 0:
-            return None
-        rows_list = free[:n]
-        try:
-            b = self.r.prepare([s.prompt for s in seqs], [s.params for s in seqs], self.r.batch_buckets)
-            rows = torch.tensor(rows_list + [self.r.model.spare_row] * (b.batch - n), device=self.r.device)
-            out = self.r.run_prefill(self.r.prefill_steps, b, partial(prefill, self.r._prefill_model), rows)
-            live = rows[:n]
-            self.r.state.load_rows(live, token_ids(out, b.mode)[:n], b.positions[:n],
-                                   SamplingTensors(*(t[:n] for t in b.sampling)))
-        except Exception as e:  # e.g. out of memory on a long prompt: that request fails, the others run on
-            if n > 1:  # which one? each of them is prefilled alone next, so only the culprit fails
-                self.waiting.extendleft(reversed(seqs))
-                self._alone = n
-                return None
-            for s in seqs:
-                self.by_key.pop(s.key, None)
-                s.done = True
-                updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
-            return None
-        for s, row in zip(seqs, rows_list):
-            s.slot, s.launched, s.pos_hi = row, 1, len(s.prompt)
-            self.slots[row] = s
-        self._set_spec_rows(seqs)
-        host, slot = self._host(out)
-        return _Pending(host, slot, b.mode, list(enumerate(seqs)))  # prefill output row i: admitted request i
+            self.prefilling.append(s)
 
-    def _prefill_chunk(self, updates: dict[Hashable, SeqUpdate]) -> _Pending | None:
-        """The next chunk of the oldest long prompt; its last chunk samples the first token and
-        starts the request decoding, like an admission."""
-        while self.chunking and self.chunking[0].done:  # cancelled meanwhile
-            self.chunking.popleft()
-        if not self.chunking:
+    def _prefill(self, updates: dict[Hashable, SeqUpdate]) -> _Pending | None:
+        """One packed forward over the next chunks of the prefilling prompts (``plan_prefill``);
+        prompts whose last chunk went in get their first token and start decoding."""
+        while self.prefilling and self.prefilling[0].done:  # cancelled meanwhile
+            self.prefilling.popleft()
+        queue = [s for s in self.prefilling if not s.done]
+        suspects = [s for s in queue if s.key in self._suspects]
+        if suspects:
+            queue = suspects[:1]
+        if not queue:
             return None
-        s = self.chunking[0]
-        start, end = s.prefilled, min(s.prefilled + self.prefill_chunk, len(s.prompt))
-        dev = self.r.device
+        take = plan_prefill([len(s.prompt) - s.prefilled for s in queue], self.max_num_batched_tokens,
+                            self.prefill_chunk)
+        chunks, seqs = [], []
+        for s, n in zip(queue, take):
+            if n:
+                end = s.prefilled + n
+                chunks.append(Chunk(s.prompt[s.prefilled:end], s.prefilled, s.slot, end == len(s.prompt)))
+                seqs.append(s)
+        finishing = [s for s, c in zip(seqs, chunks) if c.last]
         try:
-            b = self.r.prepare([s.prompt[start:end]], [s.params], (1,))  # the chunk's sampling tensors and mode
-            out = prefill(self.r._prefill_model, torch.tensor([s.prompt[start:end]], device=dev),
-                          torch.arange(start, end, device=dev)[None], torch.tensor([end - start - 1], device=dev),
-                          b.sampling, b.mode, torch.tensor([s.slot], device=dev), kv_len=end)
-            if end == len(s.prompt):
-                self.r.state.load_rows(torch.tensor([s.slot], device=dev), token_ids(out, b.mode)[:1],
-                                       torch.tensor([end], device=dev), b.sampling)
-        except Exception as e:  # this request fails, the others run on
-            self.chunking.popleft()
+            logits = self.packed.run(chunks)
+            out, mode = self._start_rows(logits, finishing) if finishing else (None, "")
+        except Exception as e:  # e.g. out of memory: which request? each is prefilled alone next
+            if len(seqs) > 1:
+                self._suspects.update(s.key for s in seqs)
+                return None
+            s = seqs[0]
+            self._suspects.discard(s.key)
+            self.prefilling.remove(s)
             self.by_key.pop(s.key, None)
             self._finish(s)
             updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
             return None
-        s.prefilled = end
-        if end < len(s.prompt):
+        for s, c in zip(seqs, chunks):
+            s.prefilled += len(c.tokens)
+        for s in finishing:
+            self.prefilling.remove(s)
+            self._suspects.discard(s.key)
+            s.launched, s.pos_hi = 1, len(s.prompt)
+        if not finishing:
             return None
-        self.chunking.popleft()
-        s.launched, s.pos_hi = 1, len(s.prompt)
-        self._set_spec_rows([s])
+        self._set_spec_rows(finishing)
         host, slot = self._host(out)
-        return _Pending(host, slot, b.mode, [(0, s)])
+        return _Pending(host, slot, mode, list(enumerate(finishing)))  # output row i: finishing request i
+
+    def _start_rows(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, str]:
+        """Sample the first token of each request from its prompt's last logits and load its decode
+        row (token, position, sampling parameters). Returns the sampled output and its mode."""
+        ps = [s.params for s in seqs]
+        temperature, top_k, top_p = [float(p.temperature) for p in ps], [p.top_k for p in ps], [float(p.top_p) for p in ps]
+        dev = self.r.device
+        sampling = SamplingTensors.build(temperature, top_k, top_p, [s.seed for s in seqs], dev,
+                                         [float(p.presence_penalty) for p in ps],
+                                         [float(p.frequency_penalty) for p in ps])
+        mode = sampling_mode(temperature, top_k, top_p, any(p.full for p in ps))
+        last = torch.tensor([len(s.prompt) - 1 for s in seqs], device=dev)  # the position each sample is keyed by
+        out = sample_full(logits, sampling, last, None) if mode == FULL else sample(logits, sampling, last, mode)
+        self.r.state.load_rows(torch.tensor([s.slot for s in seqs], device=dev), token_ids(out, mode), last + 1,
+                               sampling)
+        return out, mode
 
     def _set_spec_rows(self, seqs: list[_Seq]) -> None:
         """Tell the verify steps which of these newly started rows accept drafts."""
@@ -367,6 +391,8 @@ class ContinuousBatcher:
             self._finish(seq)
         self.by_key.clear()
         self.waiting.clear()
+        self.prefilling.clear()
+        self._suspects.clear()
         self._inflight = None
         return out
 

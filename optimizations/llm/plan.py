@@ -56,7 +56,10 @@ class LlmPlan:
     limits: LlmLimits = field(default_factory=LlmLimits)
     cpu_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
     speculation: SpecPlan | None = None  # None: plain decoding
-    prefill_chunk: int = 512  # continuous batching: longer prompts go into the cache this many tokens per step
+    # Continuous batching: each step runs one packed prefill forward of at most this many prompt
+    # tokens (several prompts' chunks, no padding between them), then the decode step.
+    max_num_batched_tokens: int = 2048
+    prefill_chunk: int = 512  # ... of which one prompt takes at most this many while others wait for the budget
 
     def label(self) -> str:
         parts = [self.precision]
@@ -80,16 +83,21 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     """Validate the ``servekit:`` mapping of an LLM model-config; errors name the key."""
     raw = check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
                                   "max_seq_len", "buckets", "limits", "cpu_threads", "speculation",
-                                  "prefill_graphs", "prefill_chunk", "kernels"})
+                                  "prefill_graphs", "prefill_chunk", "max_num_batched_tokens", "kernels"})
     kw: dict[str, object] = {}
     for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
                          ("fallback", FALLBACKS), ("kernels", KERNELS)):
         if key in raw:
             kw[key] = check_choice(f"{path}.{key}", raw[key], choices)
     kw.update(check_bools(path, raw, ("cuda_graphs", "warmup")))
-    for key in ("max_seq_len", "cpu_threads", "prefill_chunk"):
+    for key in ("max_seq_len", "cpu_threads", "prefill_chunk", "max_num_batched_tokens"):
         if raw.get(key) is not None:
             kw[key] = positive_int(f"{path}.{key}", raw[key])
+    budget = int(kw.get("max_num_batched_tokens", LlmPlan.max_num_batched_tokens))  # type: ignore[call-overload]
+    chunk = int(kw.get("prefill_chunk", LlmPlan.prefill_chunk))  # type: ignore[call-overload]
+    if budget < chunk:
+        raise PlanError(f"{path}.max_num_batched_tokens: {budget} is below prefill_chunk {chunk} (the most one "
+                        "prompt puts into a step)")
     if raw.get("prefill_graphs") is not None:
         v = raw["prefill_graphs"]
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:

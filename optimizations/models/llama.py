@@ -321,6 +321,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
         self.wqkv: nn.Linear | None = None  # set by fuse()
         self.kv_cache: KVCache | None = None
+        # Set while a packed prefill runs (servekit.optimizations.llm.packed): it writes k/v and attends instead.
+        self.packed: Callable[..., Tensor] | None = None
 
     def fuse(self) -> None:
         """Replace wq, wk, wv by one projection: a decode step is bound by kernel launches, and one
@@ -345,6 +347,8 @@ class Attention(nn.Module):
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.packed is not None:  # one row of several requests' tokens, each attending over its own cache row
+            return self.wo(self.packed(self, q, k, v).reshape(b, t, -1))
         if self.kv_cache is None:
             raise RuntimeError("call Transformer.setup_caches() before forward()")
         k, v = self.kv_cache.update(input_pos, k, v, mask.shape[-1], rows)

@@ -1,0 +1,304 @@
+"""Packed prefill: chunks of several prompts in one forward, as one flat batch of tokens.
+
+The continuous engine (continuous.py) puts the prompts it is prefilling into the KV cache through
+this one call per step: each chunk (a prompt's next tokens, the positions they take, the cache row
+of its request) is laid end to end after the others, with no padding between requests. The model
+runs its layers unchanged over that one row of ``N`` tokens (``Transformer.hidden`` with batch 1);
+only attention differs: each layer's ``Attention.packed`` hook writes every token's k/v at its own
+(cache row, position) and makes each token attend over its own row up to its own position, which
+covers a later chunk of a long prompt (its earlier chunks are in the row already) as well as a
+whole short prompt.
+
+Two attention paths compute the same thing:
+
+* ``triton``: one kernel over the packed queries and the cache (optimizations/kernels/triton_prefill.py),
+  driven by small tables on the device, so a whole packed forward is captured as one CUDA graph
+  per token bucket and replays for any mix of requests that fits it (CUDA);
+* ``torch``: per request, scores against its cache row, masked and soft-maxed in fp32 (CPU, and
+  the reference the kernel is tested against). Its loop runs on the host, so it is never captured.
+
+With graphs, the packed batch is padded to the smallest token bucket that holds it (powers of two
+from 16 up to the token budget): padding tokens write into the cache's spare row and no block
+attends for them. Every bucket is captured by ``warmup()``, so no request compiles anything.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from servekit.optimizations.buckets import pick_bucket
+from servekit.optimizations.llm.generate import GraphedStep
+from servekit.optimizations.models.llama import Attention, Transformer
+
+ATTENTIONS = ("triton", "torch")
+BLOCK_M = 64  # query block of the Triton kernel: the block table's unit
+SMALLEST_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A prompt's next tokens for one packed forward: ``tokens`` at positions ``start ..`` of cache
+    row ``row``; ``last``: the prompt's final chunk, whose last token's logits are wanted."""
+
+    tokens: list[int]
+    start: int
+    row: int
+    last: bool
+
+
+def token_buckets(max_tokens: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` below ``max_tokens``, then ``max_tokens`` itself."""
+    out, n = [], smallest
+    while n < max_tokens:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (max_tokens,)
+
+
+def triton_fits(model: Transformer) -> str | None:
+    """Why the Triton kernel cannot serve this model, or None."""
+    if model.tok_embeddings.weight.device.type != "cuda":
+        return "not a CUDA model"
+    d = model.config.head_dim
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d} is not a power of two >= 16"
+    if getattr(model.layers[0].attention, "softcap", None):
+        return "attention soft-capping"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def _sliding(model: Transformer) -> tuple[bool, ...]:
+    return tuple(getattr(model.config, "sliding_layers", ())) or (False,) * len(model.layers)
+
+
+def _write_kv(attn: Attention, k: Tensor, v: Tensor, rows: Tensor, positions: Tensor) -> None:
+    """This step's k/v ``(1, n_kv, N, D)`` into the cache at each token's (row, position)."""
+    cache = attn.kv_cache
+    if cache is None:
+        raise RuntimeError("call Transformer.setup_caches() before a packed prefill")
+    cache.k_cache[rows, :, positions] = k[0].transpose(0, 1)
+    cache.v_cache[rows, :, positions] = v[0].transpose(0, 1)
+
+
+def _scale(attn: Attention) -> float:
+    scale = getattr(attn, "scale", None)
+    return attn.head_dim ** -0.5 if scale is None else scale
+
+
+class TorchAttention:
+    """Packed attention by a loop over the requests on the host (segments known as Python ints)."""
+
+    def __init__(self, segments: list[tuple[int, int, int, int]], rows: Tensor, positions: Tensor) -> None:
+        self.segments, self.rows, self.positions = segments, rows, positions  # (start, length, pos0, row)
+
+    def __call__(self, attn: Attention, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+        _write_kv(attn, k, v, self.rows, self.positions)
+        _, n_heads, n, d = q.shape
+        n_kv = k.shape[1]
+        out = q.new_zeros(n, n_heads, d)
+        cache, scale, softcap = attn.kv_cache, _scale(attn), getattr(attn, "softcap", None)
+        for start, length, pos0, row in self.segments:
+            span = pos0 + length
+            keys, values = cache.k_cache[row, :, :span], cache.v_cache[row, :, :span]  # (n_kv, S, D)
+            slots = torch.arange(span, device=q.device)
+            qpos = pos0 + torch.arange(length, device=q.device)[:, None]
+            seen = slots[None] <= qpos  # (T, S)
+            if window:
+                seen = seen & (slots[None] > qpos - window)
+            # GQA as the model's own attention does it: each kv head's query group folded into the
+            # query axis, (n_kv, group*T, D), the mask repeated to match.
+            group = n_heads // n_kv
+            qs = q[0, :, start:start + length].reshape(n_kv, group * length, d)
+            mask = seen.repeat(group, 1)
+            if softcap:  # Gemma 2's capped scores, which SDPA has no option for: softmax in fp32
+                scores = torch.tanh(torch.matmul(qs, keys.transpose(-1, -2)) * scale / softcap) * softcap
+                probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+                y = torch.matmul(probs, values)
+            else:
+                y = F.scaled_dot_product_attention(qs[None], keys[None], values[None], attn_mask=mask, scale=scale)[0]
+            out[start:start + length] = y.reshape(n_heads, length, d).transpose(0, 1)
+        return out[None]
+
+
+class TritonAttention:
+    """Packed attention by the Triton kernel, from tables on the device (capturable)."""
+
+    def __init__(self, seq: Tensor, block_seq: Tensor, block_off: Tensor, rows: Tensor, positions: Tensor) -> None:
+        self.seq, self.block_seq, self.block_off, self.rows, self.positions = seq, block_seq, block_off, rows, positions
+
+    def __call__(self, attn: Attention, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+        from servekit.optimizations.kernels.triton_prefill import packed_attention
+
+        _write_kv(attn, k, v, self.rows, self.positions)
+        cache = attn.kv_cache
+        y = packed_attention(q[0].transpose(0, 1), cache.k_cache, cache.v_cache, self.seq, self.block_seq,
+                             self.block_off, _scale(attn), window)
+        return y[None]
+
+
+@contextmanager
+def packed_attention(model: Transformer, attend: TorchAttention | TritonAttention) -> Iterator[None]:
+    """Every layer's attention goes through ``attend`` inside the block (sliding layers with their window)."""
+    window = getattr(model.config, "sliding_window", None)
+    try:
+        for layer, local in zip(model.layers, _sliding(model)):
+            layer.attention.packed = partial(attend, window=window) if local else attend
+        yield
+    finally:
+        for layer in model.layers:
+            layer.attention.packed = None
+
+
+def packed_logits(model: Transformer, tokens: Tensor, positions: Tensor, last_idx: Tensor,
+                  attend: TorchAttention | TritonAttention) -> Tensor:
+    """fp32 logits ``(S, V)`` at packed indices ``last_idx`` of tokens ``(N,)`` at ``positions``."""
+    with packed_attention(model, attend):
+        # Batch 1: hidden()'s own mask is unused (the hook attends), kv_len=1 keeps it tiny.
+        h = model.hidden(tokens[None], positions[None], kv_len=1)
+    return model.output(h[0, last_idx]).float()
+
+
+class _PackedStep(GraphedStep):
+    """The packed forward of one token bucket on the static tables (a CUDA graph after ``capture``)."""
+
+    def __init__(self, owner: "PackedPrefill", n: int) -> None:
+        self.owner, self.n = owner, n
+
+    @torch.no_grad()
+    def _body(self) -> Tensor:
+        o, n = self.owner, self.n
+        blocks = n // BLOCK_M + o.max_seqs  # each request adds at most one partial block
+        attend = TritonAttention(o.seq, o.block_seq[:blocks], o.block_off[:blocks], o.rows[:n], o.positions[:n])
+        return packed_logits(o.model, o.tokens[:n], o.positions[:n], o.last_idx, attend)
+
+
+class PackedPrefill:
+    """One packed forward per call over up to ``max_tokens`` tokens of up to ``max_seqs`` requests.
+
+    ``graphs`` (CUDA with the Triton path): each token bucket is a captured graph; ``run`` pads to
+    the bucket. Otherwise the forward runs eagerly on exactly the tokens given.
+    """
+
+    def __init__(self, model: Transformer, max_tokens: int, max_seqs: int, graphs: bool = False,
+                 attention: str | None = None, pad_id: int = 0) -> None:
+        if max_tokens < 1 or max_seqs < 1:
+            raise ValueError(f"max_tokens ({max_tokens}) and max_seqs ({max_seqs}) must be positive")
+        self.model, self.max_tokens, self.max_seqs, self.pad_id = model, max_tokens, max_seqs, pad_id
+        self.device = model.tok_embeddings.weight.device
+        why_not = triton_fits(model)
+        if attention is None:
+            attention = "torch" if why_not else "triton"
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTIONS)}")
+        if attention == "triton" and why_not:
+            raise ValueError(f"the Triton packed attention cannot serve this model: {why_not}")
+        if graphs and (attention != "triton" or self.device.type != "cuda"):
+            raise ValueError("packed prefill graphs need a CUDA model and the triton attention")
+        self.attention, self.graphs = attention, graphs
+        self.buckets = token_buckets(max_tokens) if graphs else ()
+        # The static tables, one int64 buffer (one host-to-device copy per step): tokens, positions,
+        # cache rows (max_tokens each), last_idx (max_seqs), seq (4 per request), block table (2 x blocks).
+        n, s = max_tokens, max_seqs
+        self._blocks = max_tokens // BLOCK_M + max_seqs
+        sizes = [n, n, n, s, 4 * s, self._blocks, self._blocks]
+        self._dev = torch.zeros(sum(sizes), dtype=torch.int64, device=self.device)
+        views = torch.split(self._dev, sizes)
+        self.tokens, self.positions, self.rows, self.last_idx, seq, self.block_seq, self.block_off = views
+        self.seq = seq.view(s, 4)
+        blank = torch.zeros(sum(sizes), dtype=torch.int64)
+        b = torch.split(blank, sizes)
+        b[0].fill_(pad_id)
+        b[2].fill_(model.spare_row)  # padding tokens write into the row no request uses
+        b[5].fill_(-1)  # no request: the program exits
+        self._blank, self._host = blank, blank.clone()
+        self._host_views = torch.split(self._host, sizes)
+        self._steps: dict[int, _PackedStep] = {}
+
+    def _load(self, chunks: list[Chunk]) -> tuple[int, list[tuple[int, int, int, int]]]:
+        """Fill the tables for ``chunks``; returns the token count and the segments."""
+        if not chunks or len(chunks) > self.max_seqs:
+            raise ValueError(f"a packed prefill takes 1..{self.max_seqs} chunks, got {len(chunks)}")
+        total = sum(len(c.tokens) for c in chunks)
+        if total > self.max_tokens or any(not c.tokens for c in chunks):
+            raise ValueError(f"chunks of {total} tokens (empty ones refused) exceed the budget of {self.max_tokens}")
+        host = self._host
+        host.copy_(self._blank)
+        tokens, positions, rows, last_idx, seq, block_seq, block_off = self._host_views
+        segments, tok, pos, row, last, blocks = [], [], [], [], [], []
+        start = 0
+        for i, c in enumerate(chunks):
+            length = len(c.tokens)
+            segments.append((start, length, c.start, c.row))
+            tok += c.tokens
+            pos += range(c.start, c.start + length)
+            row += [c.row] * length
+            if c.last:
+                last.append(start + length - 1)
+            blocks += [(i, off) for off in range(0, length, BLOCK_M)]
+            start += length
+        tokens[:total] = torch.tensor(tok)
+        positions[:total] = torch.tensor(pos)
+        rows[:total] = torch.tensor(row)
+        if last:
+            last_idx[:len(last)] = torch.tensor(last)
+        seq[:4 * len(segments)] = torch.tensor(segments).flatten()
+        block_seq[:len(blocks)] = torch.tensor([b[0] for b in blocks])
+        block_off[:len(blocks)] = torch.tensor([b[1] for b in blocks])
+        self._dev.copy_(host)
+        return total, segments
+
+    @torch.no_grad()
+    def run(self, chunks: list[Chunk]) -> Tensor:
+        """Prefill ``chunks`` (each request at most once); returns fp32 logits ``(L, V)`` of the
+        last token of each chunk with ``last`` set, in order. With graphs the result is the graph's
+        output: read it before the next ``run``."""
+        total, segments = self._load(chunks)
+        n_last = sum(c.last for c in chunks)
+        if self.graphs:
+            return self._steps[pick_bucket(total, self.buckets)].run()[:n_last]
+        n = total
+        if self.attention == "triton":
+            blocks = n // BLOCK_M + len(chunks)
+            attend = TritonAttention(self.seq, self.block_seq[:blocks], self.block_off[:blocks], self.rows[:n],
+                                     self.positions[:n])
+        else:
+            attend = TorchAttention(segments, self.rows[:n], self.positions[:n])
+        return packed_logits(self.model, self.tokens[:n], self.positions[:n], self.last_idx[:n_last], attend)
+
+    @torch.no_grad()
+    def warmup(self) -> dict[str, object]:
+        """Capture (graphs) or run once every token bucket: the Triton kernel compiles here, and no
+        request shape is new at serving time. Returns what was built and how long it took."""
+        t0 = time.perf_counter()
+        spare, span = self.model.spare_row, self.model.max_seq_len
+        sizes = self.buckets or (min(self.max_tokens, span),)
+        pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        for n in sorted(sizes, reverse=True):  # largest first: the smaller graphs fit in its pool
+            # Chunks of one request each into the spare row (the cache's garbage row), at most a context long.
+            lengths = [span] * (n // span) + ([n % span] if n % span else [])
+            chunks = [Chunk([self.pad_id] * m, 0, spare, True) for m in lengths[:self.max_seqs]]
+            if self.graphs:
+                self._load(chunks)
+                self._steps[n] = _PackedStep(self, n)
+                self._steps[n].capture(pool)
+            else:
+                self.run(chunks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"attention": self.attention, "graphs": self.graphs, "token_buckets": list(sizes),
+                "max_seqs": self.max_seqs, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+__all__ = ["ATTENTIONS", "Chunk", "PackedPrefill", "TorchAttention", "TritonAttention", "packed_logits",
+           "token_buckets", "triton_fits"]

@@ -1,0 +1,297 @@
+"""Packed prefill (servekit.optimizations.llm.packed) and the engine's token-budget scheduling
+(continuous.plan_prefill, ContinuousBatcher), on CPU: a packed forward over several requests'
+chunks computes what each request's own prefill computes, for every decoder family; the
+scheduler keeps its budget, starves nobody, and lets no long prompt hold a short one or a
+decoding row back by more than one step."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoder_checkpoints import FAMILIES, write_checkpoint
+from servekit.optimizations.llm.continuous import ContinuousBatcher, plan_prefill
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.packed import Chunk, PackedPrefill, token_buckets
+from servekit.optimizations.models.llama import Transformer, load_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def _prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# --- the budget split -------------------------------------------------------------------------------
+
+def test_plan_prefill_keeps_the_budget_advances_the_oldest_and_shares_chunks_first() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        remaining = [rng.randint(1, 3000) for _ in range(rng.randint(1, 12))]
+        budget = rng.randint(1, 4096)
+        chunk = rng.randint(1, budget)
+        take = plan_prefill(remaining, budget, chunk)
+        assert sum(take) == min(budget, sum(remaining))  # within the budget, and none of it idle
+        assert all(0 <= t <= r for t, r in zip(take, remaining))
+        assert take[0] >= min(remaining[0], chunk)  # the oldest always advances: no starvation
+        if any(t > chunk for t in take):  # nobody gets more than a chunk before everyone got theirs
+            assert all(t >= min(r, chunk) for t, r in zip(take, remaining))
+
+
+def test_token_buckets_cover_the_budget() -> None:
+    assert token_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert token_buckets(600) == (16, 32, 64, 128, 256, 512, 600)
+    assert token_buckets(10) == (10,)
+
+
+# --- packed forward == per-request prefill, every family ----------------------------------------
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Transformer]:
+    root = tmp_path_factory.mktemp("packed-families")
+    return {f: load_llama(write_checkpoint(f, root / f, seed=i), "cpu", torch.float32) for i, f in enumerate(FAMILIES)}
+
+
+def _caches(model: Transformer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.attention.kv_cache.k_cache.clone(), layer.attention.kv_cache.v_cache.clone())
+            for layer in model.layers]
+
+
+def _zero_caches(model: Transformer) -> None:
+    for layer in model.layers:
+        layer.attention.kv_cache.k_cache.zero_()
+        layer.attention.kv_cache.v_cache.zero_()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_prefill_equals_per_request_prefill(family_models: dict[str, Transformer], family: str) -> None:
+    """Requests of 5, 23 and 41 tokens, and a 50-token one in two chunks (the second packed beside
+    a fresh prompt): logits of every prompt's last token and every cache row match the request's
+    own prefill (the runner's batch-of-one path) within fp32 tolerance."""
+    model = family_models[family]
+    model.setup_caches(4, 96)
+    vocab = model.config.vocab_size
+    prompts = {0: _prompt(5, 1, vocab), 1: _prompt(23, 2, vocab), 2: _prompt(50, 3, vocab), 3: _prompt(41, 4, vocab)}
+    with torch.no_grad():
+        _zero_caches(model)
+        want = {}
+        for row, p in prompts.items():
+            n = len(p)
+            want[row] = model(torch.tensor([p]), torch.arange(n)[None], torch.tensor([n - 1]), kv_len=n,
+                              rows=torch.tensor([row]))[0]
+        want_cache = _caches(model)
+        _zero_caches(model)
+        packed = PackedPrefill(model, max_tokens=96, max_seqs=4)
+        first = packed.run([Chunk(prompts[0], 0, 0, True), Chunk(prompts[2][:30], 0, 2, False),
+                            Chunk(prompts[1], 0, 1, True)])
+        second = packed.run([Chunk(prompts[3], 0, 3, True), Chunk(prompts[2][30:], 30, 2, True)])
+    got = {0: first[0], 1: first[1], 3: second[0], 2: second[1]}
+    assert first.shape[0] == 2 and second.shape[0] == 2
+    for row in prompts:
+        torch.testing.assert_close(got[row], want[row], atol=2e-4, rtol=1e-4, msg=f"{family} row {row}")
+    for (k, v), (wk, wv) in zip(_caches(model), want_cache):
+        for row, p in prompts.items():
+            torch.testing.assert_close(k[row, :, :len(p)], wk[row, :, :len(p)], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v[row, :, :len(p)], wv[row, :, :len(p)], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_prefill_refuses_what_it_cannot_run(tiny_llama: Transformer) -> None:
+    tiny_llama.setup_caches(4, 128)
+    packed = PackedPrefill(tiny_llama, max_tokens=32, max_seqs=2)
+    with pytest.raises(ValueError, match="budget"):
+        packed.run([Chunk([5] * 20, 0, 0, True), Chunk([5] * 20, 0, 1, True)])
+    with pytest.raises(ValueError, match="chunks"):
+        packed.run([Chunk([5], 0, i, True) for i in range(3)])
+    with pytest.raises(ValueError, match="CUDA"):
+        PackedPrefill(tiny_llama, max_tokens=32, max_seqs=2, graphs=True)
+    with pytest.raises(ValueError, match="Triton"):
+        PackedPrefill(tiny_llama, max_tokens=32, max_seqs=2, attention="triton")
+    assert packed.warmup()["attention"] == "torch"
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama: Transformer) -> LlamaRunner:
+    return LlamaRunner(tiny_llama, max_seq_len=160, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64, 128))
+
+
+class Counted:
+    """The batcher's packed forward, recording the tokens of each call and the step it ran in."""
+
+    def __init__(self, batcher: ContinuousBatcher) -> None:
+        self.b, self.calls, self.steps = batcher, [], 0
+        real = batcher.packed.run
+
+        def run(chunks: list[Chunk]) -> torch.Tensor:
+            self.calls.append((self.steps, sum(len(c.tokens) for c in chunks), [len(c.tokens) for c in chunks]))
+            return real(chunks)
+
+        batcher.packed.run = run
+
+    def step(self) -> dict:
+        self.steps += 1
+        return self.b.step()
+
+
+def test_engine_output_equals_solo_with_mixed_prompt_lengths(runner: LlamaRunner) -> None:
+    """Prompts of 3 to 120 tokens arriving over time, greedy and sampled, packed 48 tokens at a
+    time in chunks of 16: each request's tokens are exactly its solo generation's."""
+    batcher = ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=48)
+    counted = Counted(batcher)
+    cases = {"a": (_prompt(90, 1), SamplingParams(max_tokens=20)),
+             "b": (_prompt(3, 2), SamplingParams(max_tokens=15, temperature=0.9, top_k=30, seed=7)),
+             "c": (_prompt(120, 3), SamplingParams(max_tokens=12)),
+             "d": (_prompt(40, 4), SamplingParams(max_tokens=10, presence_penalty=1.0, logprobs=2)),
+             "e": (_prompt(17, 5), SamplingParams(max_tokens=25, temperature=1.1, top_p=0.8, seed=8)),
+             "f": (_prompt(64, 6), SamplingParams(max_tokens=8))}
+    tokens = {k: [] for k in cases}
+    arrivals = {0: "abc", 2: "d", 3: "e", 6: "f"}
+    step = 0
+    while step in arrivals or batcher.has_work or any(s > step for s in arrivals):
+        for key in arrivals.get(step, ""):
+            batcher.add(key, *cases[key])
+        for key, u in counted.step().items():
+            tokens[key] += u.tokens
+        step += 1
+    assert max(n for _, n, _ in counted.calls) == 48 and len({s for s, _, _ in counted.calls}) == len(counted.calls)
+    assert any(len(sizes) >= 3 for _, _, sizes in counted.calls)  # several requests' chunks in one forward
+    for key, (prompt, params) in cases.items():
+        assert tokens[key] == generate(runner, [prompt], [params])[0].tokens, key
+
+
+def test_each_step_keeps_the_budget_and_decoding_rows_never_wait_more_than_one_step(runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=32)
+    counted = Counted(batcher)
+    batcher.add("run", _prompt(6, 1), SamplingParams(max_tokens=40))
+    counted.step()
+    for i, n in enumerate((120, 100, 70)):
+        batcher.add(f"long{i}", _prompt(n, 10 + i), SamplingParams(max_tokens=3))
+    while any(f"long{i}" in batcher.by_key for i in range(3)):
+        updates = counted.step()
+        assert len(updates["run"].tokens) == 1  # a token every step while the long prompts go in
+    steps = [s for s, _, _ in counted.calls]
+    assert len(steps) == len(set(steps))  # at most one packed forward per step
+    assert all(n <= 32 for _, n, _ in counted.calls)
+    assert sum(n for _, n, _ in counted.calls) == 6 + 120 + 100 + 70  # every prompt token went in exactly once
+
+
+def test_a_short_prompt_behind_long_ones_starts_at_once_and_the_long_ones_are_not_starved(runner: LlamaRunner) -> None:
+    batcher = ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=48)
+    first: dict[str, int] = {}
+    step = 0
+
+    def advance() -> None:
+        nonlocal step
+        step += 1
+        for key, u in batcher.step().items():
+            if u.tokens and key not in first:
+                first[key] = step
+
+    batcher.add("long0", _prompt(120, 1), SamplingParams(max_tokens=4))
+    batcher.add("long1", _prompt(110, 2), SamplingParams(max_tokens=4))
+    advance()
+    batcher.add("short", _prompt(10, 3), SamplingParams(max_tokens=4))
+    advance()
+    assert first["short"] == 2  # prefilled whole in the very next forward, beside both long prompts
+    # Short prompts keep arriving into the free slots: the oldest long prompt still gets its chunk
+    # every step, so it finishes within ceil(120 / 16) steps of its arrival.
+    n = 0
+    while "long0" not in first:
+        if batcher.running < batcher.max_num_seqs:
+            batcher.add(f"s{n}", _prompt(12, 100 + n), SamplingParams(max_tokens=2))
+            n += 1
+        advance()
+    assert first["long0"] <= 8 and n > 0
+    while batcher.has_work:
+        advance()
+    assert "long1" in first
+
+
+def test_a_failed_packed_forward_ends_only_the_request_that_fails_alone(runner: LlamaRunner) -> None:
+    """An out-of-memory prefill (a real one needs a GPU: simulated by a packed forward that raises
+    whenever a marker prompt is in it): its requests are prefilled alone next, so the marker's
+    request fails with the error and the one packed beside it, and the running one, go on."""
+    batcher = ContinuousBatcher(runner)
+    marker = _prompt(12, 9)
+    real = batcher.packed.run
+
+    def failing(chunks: list[Chunk]) -> torch.Tensor:
+        if any(c.tokens[:len(marker)] == marker for c in chunks):
+            raise torch.OutOfMemoryError("simulated")
+        return real(chunks)
+
+    batcher.packed.run = failing
+    got: dict[str, list[int]] = {"run": [], "oom": [], "mate": []}
+    batcher.add("run", _prompt(7, 1), SamplingParams(max_tokens=20))
+    for _ in range(3):
+        for key, u in batcher.step().items():
+            got[key] += u.tokens
+    batcher.add("mate", _prompt(5, 2), SamplingParams(max_tokens=6))
+    batcher.add("oom", marker, SamplingParams(max_tokens=5))
+    updates = batcher.step()  # the packed forward of both fails: each is prefilled alone next
+    assert "oom" not in updates and "mate" not in updates and len(updates["run"].tokens) == 1
+    got["run"] += updates["run"].tokens
+    errors = {}
+    while batcher.has_work:
+        for key, u in batcher.step().items():
+            got[key] += u.tokens
+            if u.error is not None:
+                errors[key] = u.error
+    assert set(errors) == {"oom"} and isinstance(errors["oom"], torch.OutOfMemoryError) and got["oom"] == []
+    assert got["run"] == generate(runner, [_prompt(7, 1)], [SamplingParams(max_tokens=20)])[0].tokens
+    assert got["mate"] == generate(runner, [_prompt(5, 2)], [SamplingParams(max_tokens=6)])[0].tokens
+
+
+def test_the_engine_refuses_a_budget_below_its_chunk(runner: LlamaRunner) -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8 is below prefill_chunk=16"):
+        ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=8)
+
+
+def test_the_plan_takes_a_token_budget_and_refuses_one_below_the_chunk() -> None:
+    from servekit.optimizations.llm.plan import LlmPlan, parse_llm_plan
+    from servekit.optimizations.plan import PlanError
+
+    assert LlmPlan().max_num_batched_tokens == 2048
+    assert parse_llm_plan({"max_num_batched_tokens": 1024}).max_num_batched_tokens == 1024
+    with pytest.raises(PlanError, match="max_num_batched_tokens: 256 is below prefill_chunk 512"):
+        parse_llm_plan({"max_num_batched_tokens": 256})
+    with pytest.raises(PlanError, match="max_num_batched_tokens"):
+        parse_llm_plan({"max_num_batched_tokens": 0})
+
+
+# --- the Triton kernel and the captured buckets (GPU machine) ----------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3"])
+def test_triton_packed_prefill_equals_the_torch_reference_on_cuda(tmp_path: Path, family: str) -> None:
+    """bf16 on the GPU: the Triton attention (eager, and replayed from each bucket's CUDA graph)
+    gives the torch reference's logits and cache rows, for packs of fresh prompts and a later
+    chunk (gemma3: sliding-window layers)."""
+    overrides = {"head_dim": 32} if family == "llama3" else {}  # the kernel takes power-of-two head sizes
+    model = load_llama(write_checkpoint(family, tmp_path / family, **overrides), "cuda", torch.bfloat16)
+    model.setup_caches(4, 256)
+    vocab = model.config.vocab_size
+    prompts = [_prompt(n, i, vocab) for i, n in enumerate((7, 130, 64, 200))]
+    packs = [[Chunk(prompts[0], 0, 0, True), Chunk(prompts[3][:150], 0, 3, False), Chunk(prompts[1], 0, 1, True)],
+             [Chunk(prompts[3][150:], 150, 3, True), Chunk(prompts[2], 0, 2, True)]]
+    results = {}
+    for name, kw in {"torch": dict(attention="torch"), "triton": dict(attention="triton"),
+                     "graphs": dict(attention="triton", graphs=True)}.items():
+        _zero_caches(model)
+        packed = PackedPrefill(model, max_tokens=256, max_seqs=4, **kw)
+        packed.warmup()
+        _zero_caches(model)
+        logits = [packed.run(p).clone() for p in packs]
+        results[name] = (logits, _caches(model))
+    want_logits, want_cache = results["torch"]
+    for name in ("triton", "graphs"):
+        logits, cache = results[name]
+        for got, want in zip(logits, want_logits):
+            torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2, msg=name)
+        for (k, v), (wk, wv) in zip(cache, want_cache):
+            for row, p in enumerate(prompts):
+                torch.testing.assert_close(k[row, :, :len(p)], wk[row, :, :len(p)], atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(v[row, :, :len(p)], wv[row, :, :len(p)], atol=2e-2, rtol=2e-2)
