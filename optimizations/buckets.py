@@ -2,7 +2,9 @@
 
 Compiled graphs and CUDA graphs are shape-specialised; serving arbitrary shapes would recompile
 (dynamo gives up after a few shapes and silently runs eager). Padding to a small fixed set of
-shapes, all captured at start-up, keeps serving on the fast path.
+shapes, all captured at start-up, keeps serving on the fast path. Where nothing is captured or
+compiled (eager, as on CPU), `exact_chunks` cuts length-sorted runs padded only to their own
+longest text: padding there buys nothing and costs compute.
 """
 from __future__ import annotations
 
@@ -89,3 +91,32 @@ def padding_ratio(lengths: Sequence[int], chunks: Sequence[Chunk]) -> float:
     """Fraction of computed token positions that are padding."""
     computed = sum(c.batch * c.seq for c in chunks)
     return 0.0 if computed == 0 else 1.0 - sum(lengths) / computed
+
+
+def exact_chunks(lengths: Sequence[int], max_batch: int,
+                 cost: Callable[[int, int], float] = token_cost) -> list[Chunk]:
+    """Group sequences into eager forward passes of least total `cost(batch, seq)`, each pass exactly
+    as large as its run of texts and as long as the run's longest one (no bucket shapes).
+
+    Sorted by length, every run is contiguous; the cuts minimise the summed cost by dynamic
+    programming over the sorted lengths (each cut point tries every run size up to `max_batch`).
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0.0] + [math.inf] * n
+    cut = [0] * (n + 1)  # cut[j]: start of the last run of the j shortest sequences
+    for j in range(1, n + 1):
+        seq = lengths[order[j - 1]]
+        for start in range(max(0, j - max_batch), j):
+            c = best[start] + cost(j - start, seq)
+            if c < best[j]:
+                best[j], cut[j] = c, start
+    chunks = []
+    j = n
+    while j > 0:
+        start = cut[j]
+        chunks.append(Chunk(tuple(order[start:j]), j - start, lengths[order[j - 1]]))
+        j = start
+    return chunks[::-1]

@@ -31,6 +31,23 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     # Mistral: untied, a head_dim that is not hidden/heads, a window longer than any test context.
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, head_dim=24, sliding_window=4096,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Qwen3: RMSNorm of each q/k head, no q/k/v bias, an explicit head_dim, untied.
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # Gemma 3: sandwich norms (1 + weight), q/k norms, GeGLU, scaled embeddings, a window of 6 tokens
+    # in its sliding layers (shorter than every test prompt) with their own RoPE base, linear scaling
+    # on the global ones, a query_pre_attn_scalar that is not head_dim.
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=20, sliding_window=6,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        num_hidden_layers=3, rope_parameters={
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 1000000.0}})),
+    # Gemma 2: attention and final logit soft-capping (caps low enough to bite on random weights),
+    # alternating sliding (window 5) and global layers, no q/k norms.
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+                                    attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 

@@ -3,6 +3,7 @@ biases, sharded safetensors) and Mistral checkpoints written by transformers, se
 runtime from exactly the files an archive ships. transformers (fp32) is the reference throughout."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -85,6 +86,46 @@ def test_rope_scaling_is_applied(checkpoints) -> None:
         assert diff > 1e-2, family
 
 
+def _rebuilt(folder: Path, **changes: object) -> torch.nn.Module:
+    """The checkpoint's weights under its config with ``changes`` (switches turned off)."""
+    from servekit.optimizations.models.llama import model_from_hf_state_dict
+    from servekit.optimizations.models.weights import load_safetensors
+
+    config = dataclasses.replace(load_config(folder), **changes)
+    return model_from_hf_state_dict(config, load_safetensors(folder))
+
+
+@pytest.mark.parametrize("family, changes", [
+    ("gemma3", {"layer_types": ("full_attention",) * 3}),  # the sliding window
+    ("gemma3", {"rope_local_base": None}),  # the local layers' own RoPE base
+    ("gemma3", {"rope_scaling": None}),  # linear scaling of the global layers
+    ("gemma3", {"qk_norm": False}),
+    ("gemma3", {"attn_scalar": None}),  # query_pre_attn_scalar
+    ("gemma2", {"attn_softcap": None}),
+    ("gemma2", {"logit_softcap": None}),
+    ("gemma2", {"layer_types": ("full_attention",) * 2}),
+    ("qwen3", {"qk_norm": False}),
+])
+def test_each_family_switch_changes_the_logits(family: str, changes: dict, checkpoints) -> None:
+    """Each switch a family sets matters on these checkpoints (so the parity above checks it)."""
+    folder = checkpoints[family]
+    if changes.get("qk_norm") is False:  # the norms' weights are then unused: drop them
+        from servekit.optimizations.models.llama import model_from_hf_state_dict
+        from servekit.optimizations.models.weights import load_safetensors
+
+        state = {k: v for k, v in load_safetensors(folder).items() if "_norm" not in k.rsplit(".", 2)[-2]}
+        plain = model_from_hf_state_dict(dataclasses.replace(load_config(folder), **changes), state)
+    else:
+        plain = _rebuilt(folder, **changes)
+    models = [load_llama(folder), plain]
+    tokens = torch.arange(3, 27)[None]
+    for m in models:
+        m.setup_caches(1, 32)
+    with torch.no_grad():
+        a, b = (m(tokens, torch.arange(24)[None]) for m in models)
+    assert (a - b).abs().max() > 1e-2
+
+
 def _hf_greedy(reference, prompt: list[int], new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     out = reference.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
@@ -111,6 +152,46 @@ def test_runner_greedy_and_logprobs_equal_transformers_generate(family: str, che
         assert (ours.finish_reason == "stop") == (len(ours.tokens) < n or ours.tokens[-1] in stops)
         ref_lp = [torch.log_softmax(lg.float(), -1)[t].item() for lg, t in zip(ref_logits, ours.tokens)]
         assert [lp.logprob for lp in ours_lp.logprobs] == pytest.approx(ref_lp, abs=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma2"])
+def test_continuous_engine_output_equals_solo_output(family: str, checkpoints) -> None:
+    """Requests joining a running batch, long prompts in chunks (across the sliding windows),
+    greedy, sampled and with logprobs: each gets what it gets alone."""
+    from servekit.optimizations.llm.continuous import ContinuousBatcher
+
+    runner = LlamaRunner(load_llama(checkpoints[family]), max_seq_len=96, batch_buckets=(1, 2, 4),
+                         prefill_buckets=(8, 16, 32, 64), slot_prefill=True)
+    gen = torch.Generator().manual_seed(1)
+    cases = {"a": (20, SamplingParams(max_tokens=20)),
+             "b": (37, SamplingParams(max_tokens=12, temperature=0.9, top_k=30, seed=7)),
+             "c": (9, SamplingParams(max_tokens=16, logprobs=2))}
+    prompts = {k: torch.randint(3, 260, (n,), generator=gen).tolist() for k, (n, _) in cases.items()}
+    batcher = ContinuousBatcher(runner, prefill_chunk=8)
+    got: dict[str, list[int]] = {k: [] for k in cases}
+    logprobs: dict[str, list] = {k: [] for k in cases}
+    batcher.add("a", prompts["a"], cases["a"][1])
+    for step in range(200):
+        if step == 3:
+            batcher.add("b", prompts["b"], cases["b"][1])
+            batcher.add("c", prompts["c"], cases["c"][1])
+        for key, update in batcher.step().items():
+            got[key] += update.tokens
+            logprobs[key] += update.logprobs
+        if step > 3 and not batcher.has_work:
+            break
+    for key, (_, params) in cases.items():
+        solo = generate(runner, [prompts[key]], [params])[0]
+        assert got[key] == solo.tokens, key
+        assert [lp.logprob for lp in logprobs[key]] == pytest.approx([lp.logprob for lp in solo.logprobs], abs=1e-5)
+
+
+def test_triton_kernels_are_refused_for_blocks_they_do_not_fuse(checkpoints) -> None:
+    pytest.importorskip("triton")
+    from servekit.optimizations.kernels.triton_decode import TritonDecode
+
+    with pytest.raises(ValueError, match="kernels: torch"):
+        TritonDecode(load_llama(checkpoints["qwen3"]))
 
 
 def _first_occurrences(tokens: list[int], skip: set[int]) -> list[int]:
@@ -184,7 +265,7 @@ def test_transformers_4_and_5_config_keys_read_the_same() -> None:
 
 
 @pytest.mark.parametrize("hf, message", [
-    (_hf("gemma2"), "model_type 'gemma2'"),
+    (_hf("phi3"), "model_type 'phi3'"),
     (_hf("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE type 'dynamic' is not supported"),
     (_hf("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "RoPE type 'yarn'"),
     (_hf("llama", rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}), "lack 'factor'"),

@@ -104,3 +104,14 @@ def test_compiled_plan_serves_every_bucket_without_recompiling(golden, tmp_path,
         runner.embed(texts)
     assert runner.recompiles() == 0
     assert runner.accuracy["mean_cosine"] >= 0.9999
+
+
+def test_eager_plan_pads_no_text_to_a_bucket():
+    """Nothing is captured on an eager CPU plan: each pass is its texts exactly, as long as its longest."""
+    runner = EmbeddingRunner(MODEL_DIR, parse_plan(SMALL))
+    seqs = runner.tokenize(["hi", "a somewhat longer sentence about serving models", "ok then", "x " * 40])[0]
+    chunks = runner.chunks(seqs)
+    assert sorted(i for c in chunks for i in c.indices) == [0, 1, 2, 3]
+    for c in chunks:
+        assert c.batch == len(c.indices)
+        assert c.seq == max(len(seqs[i]) for i in c.indices)

@@ -133,3 +133,30 @@ def test_plan_chunks_pads_a_mixed_bulk_batch_less() -> None:
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         plan_chunks([300], [1], [256])
     assert plan_chunks([], [1], [16]) == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_exact_chunks_pad_nothing_past_a_run_and_find_the_cheapest_cuts(seed: int) -> None:
+    """Eager passes (nothing captured): every pass holds exactly its texts, as long as its longest,
+    and the cuts cost no more than any contiguous cut of the sorted lengths."""
+    import itertools
+    import random
+
+    from servekit.optimizations.buckets import exact_chunks, token_cost
+
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 9))]
+    max_batch = rng.choice([1, 2, 3, 8])
+    chunks = exact_chunks(lengths, max_batch)
+    assert sorted(i for c in chunks for i in c.indices) == list(range(len(lengths)))
+    for c in chunks:
+        assert c.batch == len(c.indices) <= max_batch
+        assert c.seq == max(lengths[i] for i in c.indices)
+    srt = sorted(lengths)
+    best = min(sum(token_cost(b - a, srt[b - 1]) for a, b in zip((0,) + cuts, cuts + (len(srt),)))
+               for k in range(len(srt)) for cuts in itertools.combinations(range(1, len(srt)), k)
+               if all(b - a <= max_batch for a, b in zip((0,) + cuts, cuts + (len(srt),))))
+    assert sum(token_cost(c.batch, c.seq) for c in chunks) == pytest.approx(best)
+    assert exact_chunks([], 4) == []
+    with pytest.raises(ValueError, match="max_batch"):
+        exact_chunks([3], 0)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
-from servekit.optimizations.buckets import Chunk, plan_chunks, seq_buckets, token_cost
+from servekit.optimizations.buckets import Chunk, exact_chunks, plan_chunks, seq_buckets, token_cost
 from servekit.optimizations.models.encoder import Encoder, UnsupportedModel, load_encoder
 from servekit.optimizations.models.pooling import SentenceHead
 from servekit.optimizations.models.sentence_model import SentenceModel, read_sentence_model
@@ -330,11 +330,16 @@ class EmbeddingRunner:
         return out, cut
 
     def chunks(self, seqs: Sequence[Sequence[int]]) -> list[Chunk]:
+        lengths = [len(s) for s in seqs]
+        if self.plan.compile == "off" and not self.plan.cuda_graphs:
+            # Eager (CPU): no shape is captured, so a pass is exactly its texts, none padded past the
+            # longest of its length-sorted run.
+            return exact_chunks(lengths, self.buckets.max_batch)
         # With every bucket's replay timed at warm-up, the chunks minimise measured device time;
         # otherwise padded token positions plus a fixed cost per pass.
         replay = self._replay_s
         cost = (lambda b, s: replay[(b, s)]) if replay else token_cost
-        return plan_chunks([len(s) for s in seqs], self.buckets.batch_sizes, self.buckets.seq_lens, cost)
+        return plan_chunks(lengths, self.buckets.batch_sizes, self.buckets.seq_lens, cost)
 
     def embed_ids(self, seqs: Sequence[Sequence[int]], chunks: Sequence[Chunk] | None = None) -> torch.Tensor:
         """Embeddings (n, dim) as float32 on the CPU; one device-to-host copy for the whole batch."""

@@ -640,6 +640,9 @@ class TritonDecode(WithBlocks):
     CUDA graph around the step removes the launch cost of what is left."""
 
     def __init__(self, model: Transformer, splits: int | None = None, pdl: bool | None = None) -> None:
+        if not model.config.family.triton_decode:  # q/k norms, sandwich norms, windows: not in these kernels
+            raise ValueError(f"kernels: triton fuses Llama-style blocks only, not {model.config.model_type}'s "
+                             "(optimizations/models/families.py); use kernels: torch")
         model.fuse_projections()
         if pdl is None:  # on wherever the GPU and Triton support it
             pdl = pdl_supported(model.tok_embeddings.weight.device)

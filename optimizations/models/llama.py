@@ -1,8 +1,9 @@
 """A plain PyTorch Llama-family decoder with a static, preallocated KV cache.
 
-Llama 2 / 3.x, Mistral, Qwen2 / 2.5, SmolLM: the same layers, told apart by their ``config.json``
-(q/k/v biases, RoPE scaling, tied embeddings, sliding window), never by name. One readable module
-in the spirit of gpt-fast's ``model.py``:
+Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3, SmolLM, Gemma 2 / 3: the same layers, told apart by
+their ``config.json`` (q/k/v biases, q/k norms, RoPE scaling, tied embeddings, sliding-window
+layers, Gemma's sandwich norms and soft-capping), never by name; ``families.py`` lists each family's
+mapping. One readable module in the spirit of gpt-fast's ``model.py``:
 
 * ``LlamaConfig``: the handful of numbers that define the architecture, read from / written to a
   Hugging Face ``config.json`` so a converted checkpoint stays loadable by ``transformers`` too.
@@ -11,8 +12,10 @@ in the spirit of gpt-fast's ``model.py``:
 * RoPE from precomputed cos/sin tables (no complex numbers), in the Hugging Face "rotate half"
   layout, with ``linear`` or ``llama3`` frequency scaling folded into the tables. GGUF files store q/k rows permuted for llama.cpp's interleaved RoPE; ``gguf_weights``
   undoes that permutation when it reads them, so every checkpoint we load is in this layout.
-* RMSNorm computed in fp32 (as transformers does), grouped-query attention, SwiGLU MLP, tied
-  input/output embeddings when the checkpoint ties them.
+* RMSNorm computed in fp32 (as transformers does; Gemma's scales by ``1 + weight`` in fp32),
+  grouped-query attention, SwiGLU (or Gemma's tanh-GELU) MLP, tied input/output embeddings when
+  the checkpoint ties them. Sliding-window layers (Gemma) attend through a windowed mask over the
+  same full-length cache, with their own RoPE tables where their base differs.
 * ``KVCache``: buffers of shape ``(max_batch, n_kv_heads, max_seq_len, head_dim)`` written at
   per-row positions. Every row carries its own positions (``input_pos`` has shape ``(B, T)``), so
   prompts of different lengths share a batch without left padding: a row's token at position p
@@ -24,6 +27,8 @@ No TorchServe imports here.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -34,12 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from servekit.optimizations.models.families import (ACTIVATIONS, DECODER_FAMILIES, SANDWICH, SLIDING,
+                                                   DecoderFamily, decoder_family)
 from servekit.optimizations.models.weights import INDEX, safetensors_files
 
-
-# Architectures served by this module: Llama-style decoders that differ only in the details below.
-# Mistral: Llama's layers (its sliding window is checked against the context); Qwen2: biased q/k/v.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Architectures served by this module (families.py says what each one sets).
+SUPPORTED_MODEL_TYPES = tuple(DECODER_FAMILIES)
 ROPE_TYPES = ("default", "linear", "llama3")  # dynamic NTK, YaRN, LongRoPE: not implemented
 
 
@@ -84,7 +89,18 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     rope_scaling: RopeScaling | None = None
-    sliding_window: int | None = None  # attention span; served only where it covers the whole context
+    # Attention span. Without layer_types every layer would use it, which is served only where it
+    # covers the whole context; with layer_types, the "sliding_attention" layers use it (Gemma).
+    sliding_window: int | None = None
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3)
+    activation: str = "silu"  # silu (SwiGLU) | gelu_tanh (Gemma's GeGLU)
+    norm_offset: float = 0.0  # 1.0: norms scale by 1 + weight, in fp32 (Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(dim), rounded to the model's dtype (Gemma)
+    attn_scalar: float | None = None  # scores scaled by attn_scalar ** -0.5 (default head_dim; Gemma's query_pre_attn_scalar)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    logit_softcap: float | None = None  # the same on the output logits (Gemma 2)
+    layer_types: tuple[str, ...] = ()  # per layer, "full_attention" or "sliding_attention"; () all full
+    rope_local_base: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_base
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -95,6 +111,21 @@ class LlamaConfig:
             raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         if self.rope_scaling is not None and self.rope_scaling.rope_type not in ROPE_TYPES[1:]:
             raise ValueError(f"RoPE type {self.rope_scaling.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        if self.activation not in ACTIVATIONS.values():
+            raise ValueError(f"activation {self.activation!r} is not supported; supported: {', '.join(ACTIVATIONS.values())}")
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+
+    @property
+    def family(self) -> DecoderFamily:
+        return DECODER_FAMILIES[self.model_type]
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether it attends through the sliding window (implemented by its mask)."""
+        return tuple(t == SLIDING for t in self.layer_types) or (False,) * self.n_layers
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -106,9 +137,9 @@ class LlamaConfig:
         if max_seq_len > self.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's "
                              f"max_position_embeddings={self.max_position_embeddings}")
-        # Attention here is full causal attention; it equals the model's sliding-window attention
-        # only while no token is further than the window from another.
-        if self.sliding_window is not None and max_seq_len > self.sliding_window:
+        # Without layer_types, attention here is full causal attention; it equals the model's
+        # sliding-window attention only while no token is further than the window from another.
+        if self.sliding_window is not None and not self.layer_types and max_seq_len > self.sliding_window:
             raise ValueError(f"the model attends over a sliding window of {self.sliding_window} tokens, which is not "
                              f"implemented; use a max_seq_len of at most {self.sliding_window}")
 
@@ -123,17 +154,16 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
-        """Build from a Hugging Face ``config.json`` dict of a Llama, Mistral or Qwen2 model
-        (transformers 4.x or 5.x keys); anything this module would compute differently is refused."""
+        """Build from a Hugging Face ``config.json`` dict of a family in ``families.py`` (transformers
+        4.x or 5.x keys); anything this module would compute differently is refused."""
         model_type = hf.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} ({', '.join(hf.get('architectures') or [])}) is not "
-                             f"supported; supported decoder architectures: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        family = decoder_family(model_type, hf.get("architectures"))
+        fields = family.hf_fields(hf)
+        act = fields.pop("activation", hf.get("hidden_act", "silu"))
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         n_heads = hf["num_attention_heads"]
-        theta, scaling = _rope_from_hf(hf)
-        attention_bias = bool(hf.get("attention_bias", False))
+        theta, scaling = _rope_from_hf(fields.pop("rope_hf", hf))
         eos = hf.get("eos_token_id")
         return cls(
             vocab_size=hf["vocab_size"],
@@ -144,26 +174,23 @@ class LlamaConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
             intermediate_size=hf["intermediate_size"],
             rope_base=theta,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default for all three
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default for every family here
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", model_type.startswith("gemma"))),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),
             model_type=model_type,
-            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2's q/k/v always carry a bias
-            o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            activation=ACTIVATIONS[act],
             rope_scaling=scaling,
-            sliding_window=_sliding_window(hf, model_type),
+            **fields,
         )
 
     def to_hf(self, dtype: torch.dtype = torch.float32) -> dict:
         """A ``config.json`` dict that both transformers 4.x and 5.x load as this architecture."""
         rope = self.rope_scaling.to_hf() if self.rope_scaling else {"rope_type": "default"}
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
         out = {
-            "architectures": [arch[self.model_type]],
+            "architectures": [self.family.architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
@@ -172,7 +199,7 @@ class LlamaConfig:
             "num_key_value_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
+            "hidden_act": {v: k for k, v in ACTIVATIONS.items()}[self.activation],
             "rms_norm_eps": self.norm_eps,
             # Both spellings: 4.x reads rope_theta and rope_scaling, 5.x reads rope_parameters.
             "rope_theta": self.rope_base,
@@ -185,13 +212,7 @@ class LlamaConfig:
             "pad_token_id": self.pad_token_id,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
-        if self.model_type == "qwen2":
-            out.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window)
-        else:
-            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-            if self.model_type == "mistral":
-                out["sliding_window"] = self.sliding_window
-        return out
+        return {**out, **self.family.hf_extra(self)}
 
 
 def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
@@ -214,20 +235,6 @@ def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
                                   int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"]))
     except KeyError as e:
         raise ValueError(f"{rope_type} RoPE parameters {params} lack {e.args[0]!r}") from None
-
-
-def _sliding_window(hf: dict, model_type: str) -> int | None:
-    """The attention window a model's layers use, or None for full attention everywhere."""
-    if model_type == "llama":
-        return None
-    window = hf.get("sliding_window")
-    if model_type == "qwen2":
-        # Qwen2 uses its window only when use_sliding_window is set (4.x), or in the layers that
-        # layer_types marks as sliding (5.x).
-        sliding_layers = "sliding_attention" in (hf.get("layer_types") or [])
-        if not (hf.get("use_sliding_window", False) or sliding_layers):
-            return None
-    return int(window) if window else None
 
 
 class KVCache(nn.Module):
@@ -261,16 +268,29 @@ class KVCache(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset  # Gemma: the weight is stored as (scale - 1)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         # fp32 statistics as in transformers' LlamaRMSNorm, so bf16 runs match it closely.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma scales in fp32 before casting back (transformers' Gemma RMSNorm)
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def local_rope_config(config: LlamaConfig) -> LlamaConfig | None:
+    """The RoPE settings of the sliding layers where they differ from the global ones (Gemma 3:
+    their own base, no scaling), else None."""
+    if config.rope_local_base is None or not any(config.sliding_layers):
+        return None
+    if config.rope_local_base == config.rope_base and config.rope_scaling is None:
+        return None
+    return dataclasses.replace(config, rope_base=config.rope_local_base, rope_scaling=None)
 
 
 def rope_inv_freq(config: LlamaConfig, device: torch.device | str | None = None) -> Tensor:
@@ -323,6 +343,12 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         # Set while a packed prefill runs (servekit.optimizations.llm.packed): it writes k/v and attends instead.
         self.packed: Callable[..., Tensor] | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
+        self.qk_norm = config.qk_norm
+        self.scale = None if config.attn_scalar is None else config.attn_scalar ** -0.5  # None: SDPA's 1/sqrt(head_dim)
+        self.softcap = config.attn_softcap
 
     def fuse(self) -> None:
         """Replace wq, wk, wv by one projection: a decode step is bound by kernel launches, and one
@@ -343,8 +369,11 @@ class Attention(nn.Module):
                 rows: Tensor | None = None) -> Tensor:
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x)
-        q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.reshape(b, t, self.n_heads, self.head_dim)
+        k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.packed is not None:  # one row of several requests' tokens, each attending over its own cache row
@@ -357,9 +386,19 @@ class Attention(nn.Module):
         group = self.n_heads // self.n_kv_heads
         q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)
         m = mask[:, None, None].expand(b, 1, group, t, mask.shape[-1]).reshape(b, 1, group * t, -1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        y = self._softcapped(q, k, v, m) if self.softcap else F.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                                                           scale=self.scale)
         y = y.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.wo(y)
+
+    def _softcapped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """Attention with Gemma 2's score soft-capping (which SDPA has no option for), softmax in
+        fp32 as transformers' eager attention does."""
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
 
 class FeedForward(nn.Module):
@@ -370,6 +409,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=bias)  # up
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=bias)  # down
         self.w13: nn.Linear | None = None  # set by fuse()
+        self.act = F.silu if config.activation == "silu" else functools.partial(F.gelu, approximate="tanh")
 
     def fuse(self) -> None:
         """Replace the gate and up projections by one (see ``Attention.fuse``)."""
@@ -380,9 +420,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.w13 is None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(self.act(self.w1(x)) * self.w3(x))
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.act(gate) * up)
 
 
 def _concat_linears(*linears: nn.Linear) -> nn.Linear:
@@ -402,13 +442,32 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(config)
         self.feed_forward = FeedForward(config)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
+        self.sandwich = config.family.block == SANDWICH
+        if self.sandwich:  # Gemma: each sub-block's output normed too, before the residual add
+            self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
+            self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
                 rows: Tensor | None = None) -> Tensor:
+        if self.sandwich:
+            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, mask, input_pos, rows))
+            return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos, rows)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+class SoftCappedLinear(nn.Linear):
+    """The output projection with Gemma 2's final logit soft-capping, cap * tanh(logits / cap), so
+    every caller of ``model.output`` (plain and speculative steps) gets the capped logits."""
+
+    def __init__(self, in_features: int, out_features: int, cap: float) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.cap = cap
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(super().forward(x) / self.cap) * self.cap
 
 
 class Transformer(nn.Module):
@@ -417,8 +476,9 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
+        self.output = (SoftCappedLinear(config.dim, config.vocab_size, config.logit_softcap) if config.logit_softcap
+                       else nn.Linear(config.dim, config.vocab_size, bias=False))
         self.tie_weights()
         self.max_batch_size = 0
         self.max_seq_len = 0
@@ -449,6 +509,11 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.config, max_seq_len, w.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        local = local_rope_config(self.config)
+        if local is not None:  # the sliding layers' own tables (Gemma 3)
+            cos, sin = rope_tables(local, max_seq_len, w.device)
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
         self.register_buffer("cache_positions", torch.arange(max_seq_len, device=w.device), persistent=False)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
@@ -481,13 +546,26 @@ class Transformer(nn.Module):
         if tokens.shape[0] > self.max_batch_size:
             raise ValueError(f"batch {tokens.shape[0]} exceeds the cache's max_batch_size={self.max_batch_size}")
         x = self.tok_embeddings(tokens)
+        if self.config.embed_scale:
+            x = x * _rounded(self.config.dim ** 0.5, x.dtype)
         cos = self.rope_cos[input_pos].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[input_pos].unsqueeze(1).to(x.dtype)
         # (B, T, S): a token at position p sees cache slots 0..p of its own row.
         kv_len = self.max_seq_len if kv_len is None else kv_len
-        mask = self.cache_positions[None, None, :kv_len] <= input_pos[:, :, None]
-        for layer in self.layers if blocks is None else blocks:
-            x = layer(x, cos, sin, mask, input_pos, rows)
+        slots = self.cache_positions[None, None, :kv_len]
+        mask = slots <= input_pos[:, :, None]
+        sliding = self.config.sliding_layers
+        local_mask, local_cos, local_sin = mask, cos, sin
+        if any(sliding):  # ... and, in a sliding layer, only the last sliding_window of them.
+            local_mask = mask & (slots > input_pos[:, :, None] - self.config.sliding_window)
+            if hasattr(self, "rope_local_cos"):
+                local_cos = self.rope_local_cos[input_pos].unsqueeze(1).to(x.dtype)
+                local_sin = self.rope_local_sin[input_pos].unsqueeze(1).to(x.dtype)
+        for layer, local in zip(self.layers if blocks is None else blocks, sliding):
+            if local:
+                x = layer(x, local_cos, local_sin, local_mask, input_pos, rows)
+            else:
+                x = layer(x, cos, sin, mask, input_pos, rows)
         if last_idx is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_idx]
         return self.norm(x)
@@ -514,21 +592,16 @@ class WithBlocks:
                kv_len: int | None = None) -> Tensor:
         return self._model.hidden(tokens, input_pos, last_idx, kv_len, blocks=self.blocks)
 
-# Hugging Face parameter names <-> ours. Checkpoints on disk use the Hugging Face names so that
-# transformers can load them too (the GPU benchmark's baseline does).
-_HF_LAYER_MODULES = {
-    "input_layernorm": "attention_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attention.wq",
-    "self_attn.k_proj": "attention.wk",
-    "self_attn.v_proj": "attention.wv",
-    "self_attn.o_proj": "attention.wo",
-    "mlp.gate_proj": "feed_forward.w1",
-    "mlp.up_proj": "feed_forward.w3",
-    "mlp.down_proj": "feed_forward.w2",
-}
-_HF_LAYER_NAMES = {f"{hf}.{kind}": f"{ours}.{kind}" for hf, ours in _HF_LAYER_MODULES.items()
-                   for kind in ("weight", "bias")}
+@functools.lru_cache(maxsize=None)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` as ``dtype`` stores it: Gemma's embedding scale is a tensor of the model's dtype in
+    transformers (sqrt(640) becomes 25.25 in bf16), and products must round the same way."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
+# Hugging Face parameter names <-> ours (per family: families.py's layer_names). Checkpoints on
+# disk use the Hugging Face names so that transformers can load them too (the GPU benchmark's
+# baseline does).
 _HF_TOP_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
@@ -536,21 +609,29 @@ _HF_TOP_NAMES = {
 }
 
 
-def hf_to_ours(name: str) -> str:
+@functools.lru_cache(maxsize=None)
+def _layer_names(family: str) -> dict[str, str]:
+    return {f"{hf}.{kind}": f"{ours}.{kind}" for hf, ours in DECODER_FAMILIES[family].layer_names.items()
+            for kind in ("weight", "bias")}
+
+
+def hf_to_ours(name: str, config: LlamaConfig | None = None) -> str:
+    """Our parameter name of a Hugging Face tensor name (of ``config``'s family; default Llama)."""
     if name in _HF_TOP_NAMES:
         return _HF_TOP_NAMES[name]
+    family = config.model_type if config else "llama"
     parts = name.split(".", 3)  # model, layers, i, rest
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_LAYER_NAMES:
-        return f"layers.{parts[2]}.{_HF_LAYER_NAMES[parts[3]]}"
-    raise KeyError(f"unexpected Llama checkpoint tensor {name!r}")
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _layer_names(family):
+        return f"layers.{parts[2]}.{_layer_names(family)[parts[3]]}"
+    raise KeyError(f"unexpected {family} checkpoint tensor {name!r}")
 
 
-def ours_to_hf(name: str) -> str:
+def ours_to_hf(name: str, config: LlamaConfig | None = None) -> str:
     top = {v: k for k, v in _HF_TOP_NAMES.items()}
     if name in top:
         return top[name]
     layers, i, rest = name.split(".", 2)
-    hf = {v: k for k, v in _HF_LAYER_NAMES.items()}
+    hf = {v: k for k, v in _layer_names(config.model_type if config else "llama").items()}
     if layers != "layers" or rest not in hf:
         raise KeyError(f"unexpected parameter {name!r}")
     return f"model.layers.{i}.{hf[rest]}"
@@ -567,7 +648,7 @@ def model_from_hf_state_dict(config: LlamaConfig, state_dict: dict[str, Tensor],
     """Build a ``Transformer`` from Hugging Face-named tensors, without a random init pass."""
     with torch.device("meta"):
         model = Transformer(config)
-    ours = {hf_to_ours(k): v.to(device=device, dtype=dtype) for k, v in state_dict.items() if not _is_derived(k)}
+    ours = {hf_to_ours(k, config): v.to(device=device, dtype=dtype) for k, v in state_dict.items() if not _is_derived(k)}
     if config.tie_embeddings:
         ours.pop("output.weight", None)  # tied: the embedding is the output projection
         ours["output.weight"] = ours["tok_embeddings.weight"]
@@ -622,12 +703,12 @@ def init_random(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.f
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_(1.0 - config.norm_offset + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
     return model.to(dtype).eval()
 
 
 __all__ = ["LlamaConfig", "RopeScaling", "KVCache", "Transformer", "load_llama", "load_config", "model_from_hf_state_dict",
-           "hf_to_ours", "ours_to_hf", "init_random", "rope_inv_freq", "rope_tables", "apply_rope",
+           "hf_to_ours", "ours_to_hf", "init_random", "rope_inv_freq", "rope_tables", "apply_rope", "local_rope_config",
            "generation_stop_ids"]
