@@ -300,3 +300,31 @@ def test_analysis_ranks_picks_the_winner_and_the_pareto_front(tmp_path) -> None:
     assert a.margin == pytest.approx(15.0)
     assert analyze(RunRecord(cfg, tmp_path, results=[stock])).winner is stock  # only the baseline passed
     assert analyze(RunRecord(cfg, tmp_path, results=[failed])).margin is None
+
+
+def test_a_search_cut_short_by_the_budget_is_never_the_winner(tmp_path) -> None:
+    """A configuration whose search ran out of time has only a lower bound: it is reported as such,
+    never ranked or recommended, and a winner slower than stock is said to lose."""
+    from pathlib import Path
+
+    from servekit.benchmarks.bench.analysis import ConfigResult, RunRecord, analyze
+    from servekit.benchmarks.bench.report import answer_lines
+    from servekit.benchmarks.bench.schema import load_config
+    from servekit.benchmarks.bench.search import BUDGET_EXHAUSTED, SearchResult
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "benchmarks/sweeps/minilm-cpu-demo.yaml")
+
+    def result(variant: str, batch: int, rate: float, bound: str = "") -> ConfigResult:
+        summary = summarize(records(np.arange(int(rate * 10)) / rate, 0.005), 0, 10)
+        conf = ServingConfig(variant, 1, batch, 10)
+        best = PointResult(conf, LoadSpec("open", rate), PASS, [], summary)
+        return ConfigResult(conf, status="measured", search=SearchResult(best=best, bound=bound))
+
+    stock, cut_short, slow = (result("stock", 1, 40), result("servekit", 8, 90, BUDGET_EXHAUSTED),
+                              result("servekit", 1, 30, "bracketed within 10%"))
+    run = RunRecord(cfg, tmp_path, results=[stock, cut_short, slow])
+    a = analyze(run)
+    assert a.winner is slow and cut_short not in a.ranked
+    text = "\n".join(answer_lines(run, a).lines)
+    assert "LOSES" in text
+    assert "ran out of time budget mid-search" in text and cut_short.config.label() in text

@@ -13,7 +13,7 @@ from typing import Any
 
 from servekit.benchmarks.bench.measure import PointResult, ServingConfig
 from servekit.benchmarks.bench.schema import SLA, BenchConfig
-from servekit.benchmarks.bench.search import SearchResult
+from servekit.benchmarks.bench.search import BUDGET_EXHAUSTED, SearchResult
 from servekit.model_source import sanitize_name
 
 
@@ -41,6 +41,11 @@ class ConfigResult:
     @property
     def best(self) -> PointResult | None:
         return self.search.best if self.search else None
+
+    @property
+    def finished(self) -> bool:
+        """Its search ended on its own terms, not cut short by the sweep's time budget."""
+        return self.search is not None and self.search.bound != BUDGET_EXHAUSTED
 
 
 @dataclass
@@ -158,7 +163,8 @@ def analyze(run: RunRecord) -> Analysis:
     # Requests of 1 and of 32 texts are different work: with the texts per request as an axis,
     # configurations compare by the texts they embed per second.
     by_texts = any(r.config.texts_per_request for r in results)
-    ranked = sorted([r for r in measured if r.capacity > 0],
+    # A search the time budget cut short only has a lower bound: never ranked, never recommended.
+    ranked = sorted([r for r in measured if r.capacity > 0 and r.finished],
                     key=lambda r: (-score(r, by_texts), r.config.workers, r.best.p99))
     baseline = [r for r in results if r.config.variant == base_name]
     base_best = max(baseline, key=lambda r: score(r, by_texts)) if baseline else None

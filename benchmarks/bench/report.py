@@ -142,6 +142,8 @@ def answer_lines(run: RunRecord, a: Analysis) -> Answer:
             unit, stock_texts = (" in texts/s", texts_text(b)) if a.by_texts else ("", "")
             lines.append(f"{a.margin:.1f} x the stock throughput{unit} at the same SLA "
                          f"(stock {b.config.label()}: {b.capacity:.1f} requests/s{stock_texts}).")
+            if a.margin is not None and a.margin < 1:
+                lines.append("LOSES: the best non-stock configuration serves less than stock at this SLA.")
             doubt = baseline_doubt(b)
             if doubt:
                 lines.append(f"WARNING: {doubt}.")
@@ -163,6 +165,10 @@ def answer_lines(run: RunRecord, a: Analysis) -> Answer:
     if skipped:
         lines.append(f"{len(skipped)} configuration(s) skipped (time budget): "
                      + ", ".join(r.config.label() for r in skipped))
+    unfinished = [r for r in run.results if r.status == "measured" and not r.finished]
+    if unfinished:
+        lines.append(f"{len(unfinished)} configuration(s) ran out of time budget mid-search (their capacity is only "
+                     "a lower bound) and are not recommended: " + ", ".join(r.config.label() for r in unfinished))
     unstable = [p for p in run.points if p.status == "unstable"]
     if unstable:
         lines.append(f"{len(unstable)} point(s) were unstable (windows never agreed) and count as not passing.")

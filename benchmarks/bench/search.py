@@ -32,6 +32,10 @@ class SearchResult:
         return self.best.sustained_rps if self.best else 0.0
 
 
+# A search cut short by the sweep's time budget: its capacity is a lower bound, never a recommendation.
+BUDGET_EXHAUSTED = "time budget exhausted"
+
+
 class BudgetExceeded(Exception):
     pass
 
@@ -130,7 +134,7 @@ def search_capacity(load: Load, measure: Callable[[LoadSpec, str], PointResult],
         else:
             res.bound = f"bracketed within {(hi - lo) / lo:.0%}"
     except BudgetExceeded:
-        res.bound = "time budget exhausted"
+        res.bound = BUDGET_EXHAUSTED
     return _finish(res, hi)
 
 
