@@ -1,5 +1,6 @@
 """The rendered pod, run for real: the Deployment's container command, args and env with the
-rendered ConfigMap files start TorchServe here; its postStart hook registers the model; its startup,
+rendered ConfigMap files start TorchServe here, which registers the model of its `model_snapshot` at
+start (the model API is off: a registration through it is refused); its startup,
 readiness and liveness probes answer as written; a real Prometheus scrapes its metrics port while
 it serves load, and every serving-dashboard panel query (the LLM dashboard's: in
 test_prometheus_llm_dashboard.py), every prometheus-adapter query and every alert
@@ -271,7 +272,7 @@ class Load:
 
 @pytest.fixture(scope="module")
 def serving(pod, prometheus):
-    """Start the container as written, run postStart, follow the probes, serve load, kill a worker."""
+    """Start the container as written, follow the probes, serve load, kill a worker."""
     c = pod.container
     pod.log = pod.path(c["workingDir"]) + "/container.out"
     before = pod.probe("readinessProbe")
@@ -282,9 +283,6 @@ def serving(pod, prometheus):
     facts: dict = {"ready_before_start": before}
     try:
         t0 = time.monotonic()
-        hook = pod.run(c["lifecycle"]["postStart"]["exec"]["command"], timeout=130)
-        facts["post_start"] = hook
-        assert hook.returncode == 0, hook.stdout + hook.stderr + Path(pod.log).read_text()[-3000:]
         budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
         seen = []
         while time.monotonic() - t0 < budget:
@@ -327,7 +325,6 @@ def serving(pod, prometheus):
 
 def test_readiness_false_until_the_model_is_loaded(serving):
     assert serving["ready_before_start"] is False
-    assert serving["post_start"].returncode == 0 and "registered minilm" in serving["post_start"].stdout
     seen = serving["seen"]
     assert seen[0][0] is False, "ready before the worker loaded?"
     assert any(live and not ready for ready, live in seen), "liveness (/ping) should pass while loading"
@@ -336,7 +333,7 @@ def test_readiness_false_until_the_model_is_loaded(serving):
           f"{sum(1 for r, live in seen if live and not r)} of them not ready while /ping was healthy)")
 
 
-def test_the_pods_models_line_wins_over_the_archive(serving):
+def test_the_pods_snapshot_wins_over_the_archive(serving):
     model = serving["model"]
     assert (model["batchSize"], model["maxBatchDelay"]) == (4, 20)
     assert len(model["workers"]) == 1 and model["minWorkers"] == model["maxWorkers"] == 1
@@ -347,6 +344,18 @@ def test_readiness_follows_a_worker_restart_while_liveness_holds(serving):
     assert any(not ready for ready, _ in restart), "readiness stayed true while the only worker was dead"
     assert restart[-1][0] is True, "the worker did not come back"
     assert all(live for _, live in restart), "liveness failed: kubelet would restart the whole pod"
+
+
+def test_the_pods_model_api_refuses_registration(serving, pod, tmp_path):
+    """Even through the loopback management port, nothing registers: not a folder, not a store archive."""
+    folder = tmp_path / "evildir"
+    (folder / "MAR-INF").mkdir(parents=True)
+    (folder / "MAR-INF" / "MANIFEST.json").write_text('{"model": {"modelName": "evil", "handler": "h.py"}}')
+    for url in (str(folder), "minilm.mar"):
+        status, body = http("POST", f"{pod.management}/models?" + urllib.parse.urlencode(
+            {"url": url, "model_name": "evil", "initial_workers": "1"}))
+        assert status == 405, (url, status, body[:300])
+    assert http("GET", f"{pod.management}/models/evil")[0] == 404
 
 
 def test_load_was_served(serving):

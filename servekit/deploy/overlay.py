@@ -9,7 +9,7 @@ The recommendation is the auto-benchmark's choice for one model on one GPU type:
      "per_pod_capacity_rps": 850.0, "target_rps": 2000.0, "warmup_seconds": 95.0}
 
 The overlay builds on k8s/overlays/gpu (or --base) and changes only what the benchmark measured:
-- config.properties: the `models` line (workers, batchSize, maxBatchDelay) registered by the pod;
+- config.properties: the `model_snapshot` line (workers, batchSize, maxBatchDelay) the pod loads at start;
 - the startup probe: twice the measured warm-up plus a minute, so a slower node or a cold compile
   cache does not kill a pod that is still capturing graphs;
 - the HorizontalPodAutoscaler: minReplicas carries target_rps with every pod at `headroom` of its
@@ -81,25 +81,31 @@ def sizing(rec: dict, headroom: float = 0.7, burst: float = 2.0) -> dict:
             "startup_failure_threshold": max(6, math.ceil(startup_s / PROBE_PERIOD_S))}
 
 
-def models_line(rec: dict, base_config: Path) -> str:
+SNAPSHOT_KEY = "model_snapshot="
+
+
+def snapshot_line(rec: dict, base_config: Path) -> str:
+    """The `model_snapshot` line for `rec`: TorchServe registers it at start with these workers and
+    batch settings (they win over the archive's model-config); the timeouts stay the base's."""
     current = {}
     for line in base_config.read_text().splitlines():
-        if line.startswith("models="):
-            current = json.loads(line.split("=", 1)[1])
+        if line.startswith(SNAPSHOT_KEY):
+            current = json.loads(line.split("=", 1)[1]).get("models", {})
     old = next(iter(current.get(rec["model"], {}).values()), {})
-    spec = {"marName": f"{rec['model']}.mar", "minWorkers": rec["workers"], "maxWorkers": rec["workers"],
-            "batchSize": rec["batch_size"], "maxBatchDelay": int(round(rec["max_batch_delay_ms"])),
-            "responseTimeout": old.get("responseTimeout", 120)}
-    return "models=" + json.dumps({rec["model"]: {"1.0": spec}})
+    spec = {"defaultVersion": True, "marName": f"{rec['model']}.mar", "minWorkers": rec["workers"],
+            "maxWorkers": rec["workers"], "batchSize": rec["batch_size"],
+            "maxBatchDelay": int(round(rec["max_batch_delay_ms"])),
+            "responseTimeout": old.get("responseTimeout", 120), "startupTimeout": old.get("startupTimeout", 300)}
+    return SNAPSHOT_KEY + json.dumps({"name": "servekit", "modelCount": 1, "models": {rec["model"]: {"1.0": spec}}})
 
 
 def config_properties(rec: dict, base_config: Path | str = BASE_CONFIG) -> str:
     base_config = resolve(base_config)
     lines = base_config.read_text().splitlines()
-    index = [i for i, line in enumerate(lines) if line.startswith("models=")]
+    index = [i for i, line in enumerate(lines) if line.startswith(SNAPSHOT_KEY)]
     if len(index) != 1:
-        raise ValueError(f"{base_config} must have exactly one `models=` line, found {len(index)}")
-    lines[index[0]] = models_line(rec, base_config)
+        raise ValueError(f"{base_config} must have exactly one `{SNAPSHOT_KEY}` line, found {len(index)}")
+    lines[index[0]] = snapshot_line(rec, base_config)
     return "\n".join(lines) + "\n"
 
 
@@ -108,7 +114,7 @@ def write_overlay(recommendation: dict, out_dir: Path, base: Path | str = GPU_OV
     """Write a kustomize overlay for `recommendation` into `out_dir`; returns the kustomization path.
 
     `base` is the overlay or base it builds on (a folder with a kustomization), `base_config` the
-    config.properties whose `models` line is replaced. `headroom` is the fraction of the measured
+    config.properties whose `model_snapshot` line is replaced. `headroom` is the fraction of the measured
     per-pod capacity a pod is planned to run at; `burst` the ratio maxReplicas / minReplicas.
     """
     rec = check(dict(recommendation))
