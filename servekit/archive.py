@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from servekit.model_source import EMBEDDING, LLM, Weight, generated_config, model_source, sanitize_name
+from servekit.model_source import CLASSIFY, EMBEDDING, LLM, RERANK, Weight, generated_config, model_source, sanitize_name
 from servekit.resources import model_config, package_dir, resolve
 
 
@@ -67,7 +67,7 @@ def plan_parser(kind: str) -> Callable[[Any, str], Any] | None:
     if kind == LLM:
         from servekit.optimizations.llm.plan import parse_llm_plan
         return parse_llm_plan
-    if kind == EMBEDDING:
+    if kind in (EMBEDDING, RERANK, CLASSIFY):
         from servekit.optimizations.plan import parse_plan
         return parse_plan
     return None
@@ -80,6 +80,10 @@ SPECS: dict[str, ArchiveSpec] = {
     "smollm2": ArchiveSpec(LLM, handler_file("servekit.handlers.llm_handler"), model_config("smollm2"),
                            smollm2_weights),
 }
+
+# The handler module of each kind a user's model may be.
+KIND_HANDLERS = {EMBEDDING: "servekit.handlers.embedding_handler", LLM: "servekit.handlers.llm_handler",
+                 RERANK: "servekit.handlers.score_handler", CLASSIFY: "servekit.handlers.score_handler"}
 
 # What goes under `servekit/` in every archive: the serving layer and the runtime.
 ARCHIVED_PACKAGES = ("servekit.handlers", "servekit.optimizations")
@@ -206,8 +210,7 @@ def archive_path(path: Path, out_dir: Path, name: str | None = None, kind: str |
         else:
             model_dir = path
         source = model_source(model_dir, kind)
-        spec = ArchiveSpec(source.kind, handler_file("servekit.handlers.embedding_handler" if source.kind == EMBEDDING
-                                                     else "servekit.handlers.llm_handler"),
+        spec = ArchiveSpec(source.kind, handler_file(KIND_HANDLERS[source.kind]),
                            Path(config) if config else Path(tmp) / f"{name}.yaml", lambda: source.files)
         written = None
         if config is None:
@@ -231,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, help="model-config YAML (default: config/models/<model>.yaml; for a path, "
                                                "one generated for --device and written beside the archive)")
     p.add_argument("--name", help="archive/model name (default: the model, or the folder's / file's name)")
-    p.add_argument("--kind", choices=(EMBEDDING, LLM), help="model kind (default: read from its config.json)")
+    p.add_argument("--kind", choices=tuple(KIND_HANDLERS),
+                   help="model kind (default: read from its config.json: an encoder is an embedding model, a sequence "
+                        "classifier with one label a rerank model, with several a classify model)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="device of the generated model-config (default: cuda if available, else cpu)")
     p.add_argument("--out", type=Path, default=Path("model_store"), help="export folder (default: model_store/)")

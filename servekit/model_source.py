@@ -2,8 +2,10 @@
 model-config to start from.
 
 PATH is a Hugging Face model folder (config.json + safetensors, sharded or not), a
-sentence-transformers folder, or a `.gguf` file. The kind is read from the model's own config
-(`model_type`, `architectures`), never from a name. Every problem raises UnsupportedModel or
+sentence-transformers folder (SentenceTransformer or CrossEncoder), or a `.gguf` file. The kind is
+read from the model's own config (`model_type`, `architectures`, `id2label`), never from a name:
+an encoder is an embedding model, a `*ForSequenceClassification` (or CrossEncoder) with one label
+a reranker, with several labels a classifier. Every problem raises UnsupportedModel or
 FileNotFoundError with one line naming what and why, before anything is written.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Union
 import yaml
 
 from servekit.optimizations.buckets import seq_buckets
+from servekit.optimizations.models.classifier import CLASSIFY, RERANK, check_classifier, is_sequence_classifier
 from servekit.optimizations.models.encoder import FAMILIES, UnsupportedModel, check_checkpoint
 from servekit.optimizations.models.families import DECODER_FAMILIES
 from servekit.optimizations.models.weights import safetensors_files
@@ -30,6 +33,9 @@ LLM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generati
 ENCODER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "sentence_bert_config.json")
 ST_ROOT_FILES = ("modules.json", "config_sentence_transformers.json")
+# Encoders with a task head servekit does not serve: refused rather than served as embeddings.
+OTHER_HEADS = {"ForTokenClassification": "a token classifier", "ForQuestionAnswering": "a question-answering model",
+               "ForMultipleChoice": "a multiple-choice model"}
 
 # A file for the archive: a Path goes to the archive's top by its name; (Path, "dir/name") keeps a folder.
 Weight = Union[Path, tuple[Path, str]]
@@ -65,8 +71,18 @@ def _config(model_dir: Path) -> dict[str, Any]:
 
 
 def infer_kind(model_dir: Path) -> str:
-    """embedding for the encoders servekit serves, llm for Llama-family causal LMs."""
+    """embedding for the encoders servekit serves, rerank / classify for their sequence classifiers
+    (one label / several), llm for Llama-family causal LMs."""
+    from servekit.optimizations.models.classifier import read_classifier
+
     raw = _config(Path(model_dir))
+    if is_sequence_classifier(raw, Path(model_dir)):
+        return read_classifier(Path(model_dir)).kind
+    for arch in raw.get("architectures") or []:
+        for suffix, what in OTHER_HEADS.items():
+            if str(arch).endswith(suffix):
+                raise UnsupportedModel(f"{Path(model_dir) / 'config.json'}: {arch} is {what}; servekit serves "
+                                       "sentence embeddings, cross-encoders and sequence classifiers of these encoders")
     if raw.get("model_type") in FAMILIES:
         return EMBEDDING
     if raw.get("model_type") in LLM_MODEL_TYPES:
@@ -108,6 +124,21 @@ def embedding_source(model_dir: Path) -> ModelSource:
     return ModelSource(EMBEDDING, [_here(model_dir, r) for r in dict.fromkeys(rels)], max_tokens)
 
 
+def classifier_source(model_dir: Path, kind: str | None = None) -> ModelSource:
+    """The files of a cross-encoder or sequence classifier (Hugging Face or sentence-transformers
+    CrossEncoder folder), checked as the runner will read them; `kind` must match what it is."""
+    model_dir = Path(model_dir)
+    spec = check_classifier(model_dir)
+    if kind is not None and kind != spec.kind:
+        raise UnsupportedModel(f"{model_dir}: --kind {kind} does not fit a model with {len(spec.labels)} labels "
+                               f"(a {spec.kind} model: rerank takes one label used as a score, classify several)")
+    if not (model_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{model_dir / 'tokenizer.json'}: missing (a fast tokenizer's tokenizer.json is required)")
+    files: list[Weight] = [model_dir / n for n in ENCODER_FILES + ST_ROOT_FILES if (model_dir / n).is_file()]
+    files += safetensors_files(model_dir)
+    return ModelSource(spec.kind, files, spec.max_tokens)
+
+
 def llm_source(model_dir: Path) -> ModelSource:
     """The files of a Llama-family causal LM folder (weights, tokenizer, generation and chat settings)."""
     model_dir = Path(model_dir)
@@ -128,6 +159,8 @@ def model_source(model_dir: Path, kind: str | None = None) -> ModelSource:
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: not a model folder or a .gguf file")
     kind = kind or infer_kind(model_dir)
+    if kind in (RERANK, CLASSIFY):
+        return classifier_source(model_dir, kind)
     return embedding_source(model_dir) if kind == EMBEDDING else llm_source(model_dir)
 
 
@@ -137,8 +170,11 @@ def generated_config(source: ModelSource, device: str, origin: str, speculation:
     buckets and lengths fitted to the model; `speculation`: with a `speculation` section for the
     heads the archive packs (LLMs). Returns (YAML text with a header, the mapping)."""
     note = ""  # what the plan turns off for this model, said in the header
-    if source.kind == EMBEDDING:
-        template = "minilm-gpu-fp16-graphs" if device == "cuda" else "minilm"
+    if source.kind in (EMBEDDING, RERANK, CLASSIFY):
+        if source.kind == EMBEDDING:
+            template = "minilm-gpu-fp16-graphs" if device == "cuda" else "minilm"
+        else:
+            template = "cross-encoder-gpu" if device == "cuda" else "cross-encoder"
         cfg = yaml.safe_load(model_config(template).read_text())
         plan = cfg["servekit"]
         plan["device"] = device

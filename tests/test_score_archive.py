@@ -1,0 +1,97 @@
+"""`servekit archive PATH` on cross-encoders and sequence classifiers: the kind read from the model's
+files (rerank for one label, classify for several), a model-config from the cross-encoder template
+written beside the archive, and a one-line exit-2 error with nothing written for what is not served."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from servekit.archive import main
+from servekit.model_source import infer_kind, model_source
+from tiny_classifiers import cross_encoder, hf_classifier
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def archive(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "servekit.archive", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"ce": cross_encoder(root / "ce", "bert", max_length=24),
+            "multi": hf_classifier(root / "multi", "distilbert", ("toxic", "insult", "threat"),
+                                   "multi_label_classification"),
+            "single": hf_classifier(root / "single", "roberta", ("neg", "pos"))}
+
+
+def test_kinds_and_files_read_from_the_models_own_files(models):
+    assert infer_kind(models["ce"]) == "rerank" and infer_kind(models["multi"]) == "classify"
+    assert infer_kind(models["single"]) == "classify"
+    ce = model_source(models["ce"])
+    names = {w.name for w in ce.files}
+    assert {"config.json", "tokenizer.json", "model.safetensors", "config_sentence_transformers.json"} <= names
+    assert ce.max_tokens == 24  # the CrossEncoder's own max_length (tokenizer_config.json)
+    assert model_source(models["single"]).max_tokens == 80  # no limit given: the position table's
+
+
+def test_archive_of_a_crossencoder_writes_the_mar_and_its_model_config(models, tmp_path):
+    out = tmp_path / "store"
+    r = archive(models["ce"], "--out", out, "--device", "cpu", "--no-compress", "--name", "reranker")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["reranker.mar", "reranker.yaml"]
+    cfg = yaml.safe_load((out / "reranker.yaml").read_text())
+    assert cfg["servekit"]["buckets"]["seq_lens"] == [16, 24]
+    assert cfg["servekit"]["limits"]["max_texts_per_request"] == 1000
+    with zipfile.ZipFile(out / "reranker.mar") as z:
+        names = set(z.namelist())
+        manifest = json.loads(z.read("MAR-INF/MANIFEST.json"))
+    assert manifest["model"]["handler"] == "score_handler.py"
+    assert {"config_sentence_transformers.json", "servekit/optimizations/score/runner.py",
+            "servekit/optimizations/models/classifier.py"} <= names
+
+
+def _break(path: Path, **changes) -> Path:
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(changes)
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize("breakage, kind, message", [
+    ("gpt2", None, "a sequence classifier of model_type 'gpt2'"),
+    ("token", None, "BertForTokenClassification is a token classifier"),
+    ("activation", None, "cross-encoder activation 'torch.nn.modules.activation.ReLU' is not supported"),
+    ("labels", None, "classifier.weight has 1 outputs but config.json names 2 labels"),
+    ("problem", None, "problem_type 'ranking' is not one of"),
+    ("kind", "rerank", "--kind rerank does not fit a model with 2 labels"),
+])
+def test_unservable_classifiers_fail_in_one_line_leaving_nothing(tmp_path, capsys, breakage, kind, message):
+    path = hf_classifier(tmp_path / "m", "bert")
+    if breakage == "gpt2":
+        _break(path, model_type="gpt2", architectures=["GPT2ForSequenceClassification"])
+    elif breakage == "token":
+        _break(path, architectures=["BertForTokenClassification"])
+    elif breakage == "activation":
+        _break(path, sentence_transformers={"activation_fn": "torch.nn.modules.activation.ReLU"})
+    elif breakage == "labels":
+        _break(path, id2label={"0": "a", "1": "b"}, label2id={"a": 0, "b": 1})
+    elif breakage == "problem":
+        _break(path, problem_type="ranking")
+    elif breakage == "kind":
+        path = hf_classifier(tmp_path / "two", "bert", ("a", "b"))
+    out = tmp_path / "store"
+    capsys.readouterr()  # the model builders' progress bars
+    code = main([str(path), "--out", str(out), "--device", "cpu", *(["--kind", kind] if kind else [])])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists() or not any(out.iterdir())
