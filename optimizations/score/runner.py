@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from servekit.optimizations.buckets import Chunk, plan_chunks, seq_buckets, token_cost
+from servekit.optimizations.buckets import Chunk, exact_chunks, plan_chunks, seq_buckets, token_cost
 from servekit.optimizations.device import DTYPES, capability, pick_device
 from servekit.optimizations.embed.runner import (GOLDEN_TEXTS, _cache_env, _replay_seconds, _sdpa_context, _to_host,
                                                  load_tokenizer, pad_chunk, unique_graphs)
@@ -147,9 +147,14 @@ class ScoreRunner:
         return self._unpack(self.tokenizer.encode_batch(list(inputs)))
 
     def chunks(self, seqs: Sequence[Sequence[int]]) -> list[Chunk]:
+        """Forward passes for `seqs`: eager plans pad each length-sorted run only to its longest input;
+        compiled or captured ones pad to buckets, cut by least replay time (or padded positions)."""
+        lengths = [len(s) for s in seqs]
+        if self.plan.compile == "off" and not self.plan.cuda_graphs:
+            return exact_chunks(lengths, self.buckets.max_batch)
         replay = self._replay_s
         cost = (lambda b, s: replay[(b, s)]) if replay else token_cost
-        return plan_chunks([len(s) for s in seqs], self.buckets.batch_sizes, self.buckets.seq_lens, cost)
+        return plan_chunks(lengths, self.buckets.batch_sizes, self.buckets.seq_lens, cost)
 
     def logits(self, seqs: Sequence[Sequence[int]], types: Sequence[Sequence[int]],
                chunks: Sequence[Chunk] | None = None) -> torch.Tensor:
