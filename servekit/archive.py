@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from servekit.model_source import CLASSIFY, EMBEDDING, LLM, RERANK, Weight, generated_config, model_source, sanitize_name
+from servekit.model_source import (CLASSIFY, EMBEDDING, LLM, LLM_TEMPLATES, RERANK, Weight, generated_config, model_source,
+                                   sanitize_name)
 from servekit.resources import model_config, package_dir, resolve
 
 
@@ -182,6 +183,18 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def gguf_precision(config: Path | None, device: str) -> str:
+    """The precision a GGUF is dequantized to: that of the plan it is archived with (the given
+    model-config's, else the one generated for `device`)."""
+    import yaml
+
+    from servekit.optimizations.plan import PRECISIONS, check_choice
+
+    text = (resolve(config) if config else model_config(LLM_TEMPLATES[device])).read_text()
+    plan = (yaml.safe_load(text) or {}).get("servekit") or {}
+    return check_choice("servekit.precision", plan.get("precision", "fp32"), PRECISIONS)
+
+
 def archive_path(path: Path, out_dir: Path, name: str | None = None, kind: str | None = None,
                  device: str | None = None, config: Path | None = None, compress: bool = True,
                  speculator: Path | None = None) -> tuple[Path, Path | None]:
@@ -201,12 +214,14 @@ def archive_path(path: Path, out_dir: Path, name: str | None = None, kind: str |
                 raise FileNotFoundError(f"{path}: no such GGUF file")
             if kind not in (None, LLM):
                 raise ValueError(f"{path}: a GGUF file is a causal LM; --kind {kind} does not apply")
-            import torch
+            from servekit.optimizations.device import DTYPES
+            from servekit.optimizations.models.gguf_weights import check_gguf_architecture, convert_gguf_to_safetensors
 
-            from servekit.optimizations.models.gguf_weights import convert_gguf_to_safetensors
-
-            # Dequantised once here, so that workers load safetensors in a fraction of a second.
-            model_dir = convert_gguf_to_safetensors(path, Path(tmp) / "converted", torch.bfloat16)
+            check_gguf_architecture(path)  # from the header: an architecture servekit does not serve is refused at once
+            # Dequantised once here, in the plan's precision (an fp32 plan keeps the GGUF's own values,
+            # bf16 rounds them once more), so that workers load safetensors in a fraction of a second.
+            precision = gguf_precision(config, device)
+            model_dir = convert_gguf_to_safetensors(path, Path(tmp) / "converted", DTYPES[precision])
         else:
             model_dir = path
         source = model_source(model_dir, kind)

@@ -28,6 +28,7 @@ from servekit.resources import model_config
 EMBEDDING, LLM = "embedding", "llm"
 # Causal LMs the Llama-family runtime loads (model_type in config.json).
 LLM_MODEL_TYPES = tuple(DECODER_FAMILIES)  # optimizations/models/families.py
+LLM_TEMPLATES = {"cuda": "smollm2", "cpu": "smollm2-cpu"}  # the shipped model-config an LLM's generated one starts from
 LLM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
              "special_tokens_map.json", "chat_template.jinja")
 ENCODER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -180,7 +181,7 @@ def generated_config(source: ModelSource, device: str, origin: str, speculation:
         plan["device"] = device
         plan.setdefault("buckets", {})["seq_lens"] = seq_buckets(source.max_tokens)
     else:
-        template = "smollm2" if device == "cuda" else "smollm2-cpu"
+        template = LLM_TEMPLATES[device]
         cfg = yaml.safe_load(model_config(template).read_text())
         plan = cfg["servekit"]
         n = min(int(plan.get("max_seq_len", 2048)), source.max_tokens)

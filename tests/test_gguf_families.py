@@ -1,8 +1,10 @@
 """GGUF files of other Llama-family models than SmolLM2: a Llama 3.1-style one (llama.cpp's q/k row
-permutation, Llama 3.1 RoPE scaling as rope_freqs, an end-of-turn id) and a Qwen2 one (biases,
-no permutation), written here with the gguf package the way llama.cpp's converter lays them out,
-from checkpoints transformers made. Converted by ``convert_gguf_to_safetensors``, they must compute
-what the original checkpoints compute."""
+permutation, Llama 3.1 RoPE scaling as rope_freqs, an end-of-turn id), a Qwen2 one (biases,
+no permutation), a Qwen3 one (q/k norms) and a Gemma 3 one (sandwich norms stored as 1 + weight,
+sliding layers in llama.cpp's fixed pattern, linear RoPE scaling, no chat template), written here
+with the gguf package the way llama.cpp's converter lays them out, from checkpoints transformers
+made. Converted by ``convert_gguf_to_safetensors``, they must compute what the original checkpoints
+compute."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,8 @@ import torch
 
 from decoder_checkpoints import BOS, CHAT_TEMPLATE, EOS, EOT, byte_tokenizer, write_checkpoint
 from servekit.optimizations.llm.chat_template import ChatTokenizer
-from servekit.optimizations.models.gguf_weights import convert_gguf_to_safetensors, llama3_scaling_from_divisors
+from servekit.optimizations.models.gguf_weights import (check_gguf_architecture, convert_gguf_to_safetensors,
+                                                       gguf_architecture, llama3_scaling_from_divisors, read_gguf)
 from servekit.optimizations.models.llama import load_config, load_llama
 from servekit.optimizations.llm.plan import stop_token_ids
 
@@ -29,6 +32,10 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
+QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+GEMMA = {**LAYER, **QK_NORMS, "post_attention_layernorm": "post_attention_norm",
+         "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+ARCH_LAYERS = {"llama": LAYER, "qwen2": LAYER, "qwen3": {**LAYER, **QK_NORMS}, "gemma3": GEMMA}
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -59,6 +66,7 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
+    rope = config["rope_parameters"].get("full_attention", config["rope_parameters"])  # Gemma 3: per layer type
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     writer = gguf.GGUFWriter(str(path), arch)
@@ -71,7 +79,12 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "gemma3":  # llama.cpp's converter writes the window; pattern and local base are its defaults
+        writer.add_sliding_window(config["sliding_window"])
     writer.add_vocab_size(config["vocab_size"])
     tok = byte_tokenizer()
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
@@ -85,13 +98,14 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
     writer.add_bos_token_id(tok.token_to_id(BOS))
     writer.add_eos_token_id(tok.token_to_id(EOS))
     writer.add_eot_token_id(tok.token_to_id(EOT))
-    writer.add_chat_template(CHAT_TEMPLATE)
-    if config["rope_parameters"]["rope_type"] == "llama3":
-        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(config["rope_parameters"], head_dim))
+    if arch != "gemma3":  # like gemma-3-270m's own GGUF: a base model without a template
+        writer.add_chat_template(CHAT_TEMPLATE)
+    if rope["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope, head_dim))
     for name, t in load_file(str(checkpoint / "model.safetensors")).items():
         w = t.float().numpy()
         if name in TOP:
-            writer.add_tensor(TOP[name], w)
+            writer.add_tensor(TOP[name], w + 1 if arch == "gemma3" and name.endswith("norm.weight") else w)
             continue
         prefix, kind = name.rsplit(".", 1)  # model.layers.<i>.<module>.<weight|bias>
         _, _, i, module = prefix.split(".", 3)
@@ -99,7 +113,9 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
             w = llama_cpp_permute(w, n_heads)
         elif arch == "llama" and module == "self_attn.k_proj":
             w = llama_cpp_permute(w, n_kv)
-        writer.add_tensor(f"blk.{i}.{LAYER[module]}.{kind}", w)
+        elif arch == "gemma3" and module.endswith("norm"):
+            w = w + 1  # llama.cpp's converter stores Gemma's norms as 1 + weight
+        writer.add_tensor(f"blk.{i}.{ARCH_LAYERS[arch][module]}.{kind}", w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -107,16 +123,28 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("family, arch", [("llama3", "llama"), ("qwen2", "qwen2")])
+# Gemma 3 as llama.cpp knows it: five sliding layers per global one, local RoPE base 10000, scores
+# scaled by 1/sqrt(head_dim) (none of which its GGUF records).
+GEMMA3_LLAMA_CPP = dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16, rope_parameters={
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})
+
+
+@pytest.mark.parametrize("family, arch", [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
+                                          ("gemma3", "gemma3")])
 def test_converted_gguf_computes_what_the_checkpoint_computes(family: str, arch: str, tmp_path: Path) -> None:
     # Two heads of 24 dims: two of the 12 RoPE frequencies fall in llama3's smoothed band, which
     # is what recovering the scaling from rope_freqs needs (real Llama 3 heads have 64 or 128 dims).
-    checkpoint = write_checkpoint(family, tmp_path / "hf", seed=3, num_attention_heads=2, num_key_value_heads=1)
+    heads = dict(num_attention_heads=2, num_key_value_heads=1) if family != "gemma3" else GEMMA3_LLAMA_CPP
+    checkpoint = write_checkpoint(family, tmp_path / "hf", seed=3, **heads)
     path = write_gguf(checkpoint, tmp_path / f"{family}.gguf", arch)
+    assert gguf_architecture(path) == arch
     out = convert_gguf_to_safetensors(path, tmp_path / "converted", torch.float32)
     original, converted = load_config(checkpoint), load_config(out)
     assert converted.rope_scaling == original.rope_scaling and converted.qkv_bias == original.qkv_bias
-    assert converted.model_type == original.model_type and converted.tie_embeddings
+    assert (converted.qk_norm, converted.layer_types, converted.rope_local_base, converted.attn_scalar) == (
+        original.qk_norm, original.layer_types, original.rope_local_base, original.attn_scalar)
+    assert converted.model_type == original.model_type and converted.tie_embeddings == original.tie_embeddings
     ours = load_llama(out)
     ours.setup_caches(2, 48)
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
@@ -128,8 +156,41 @@ def test_converted_gguf_computes_what_the_checkpoint_computes(family: str, arch:
         again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         torch.testing.assert_close(again(tokens).logits, reference(tokens).logits, atol=2e-5, rtol=1e-4)
     tok = ChatTokenizer(out)
-    assert tok.render([{"role": "user", "content": "hi"}]) == f"{BOS}<|user|>hi{EOT}<|assistant|>"
+    turn = ("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n" if arch == "gemma3"  # Gemma's own format
+            else "<|user|>hi<|eot|><|assistant|>")
+    assert tok.render([{"role": "user", "content": "hi"}]) == BOS + turn
     assert {tok.token_id(EOS), tok.token_id(EOT)} <= set(stop_token_ids(out, tok))
+
+
+def test_gguf_precision_is_the_one_asked_for(tmp_path: Path) -> None:
+    """fp32 conversions keep gguf's dequantized values; bf16 ones round them once."""
+    checkpoint = write_checkpoint("qwen3", tmp_path / "hf", seed=4)
+    path = write_gguf(checkpoint, tmp_path / "qwen3.gguf", "qwen3")
+    _, fp32 = read_gguf(path, torch.float32)
+    _, bf16 = read_gguf(path, torch.bfloat16)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert fp32[name].dtype == torch.float32 and bf16[name].dtype == torch.bfloat16
+    assert not torch.equal(fp32[name], fp32[name].bfloat16().float())  # fp32 values bf16 cannot hold
+    torch.testing.assert_close(bf16[name], fp32[name].bfloat16(), atol=0, rtol=0)
+
+
+def test_unsupported_gguf_architecture_is_refused_from_the_header(tmp_path: Path) -> None:
+    """The refusal reads the header only: a file whose tensor data is cut off is still refused by name."""
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer.add_block_count(1)
+    writer.add_token_list([f"t{i}" for i in range(5000)])  # a vocabulary before the tensors, as in real files
+    writer.add_tensor("token_embd.weight", np.zeros((5000, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = (tmp_path / "phi.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported; supported: llama, qwen2, qwen3"):
+        check_gguf_architecture(tmp_path / "cut.gguf")
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04" + bytes(40))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_architecture(tmp_path / "not.gguf")
 
 
 def test_rope_freqs_that_are_not_llama3_scaling_are_refused() -> None:

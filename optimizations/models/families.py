@@ -190,7 +190,9 @@ def _gemma3_fields(hf: dict) -> dict:
 
 def _gemma_extra(c: Any) -> dict:
     return dict(hidden_activation={v: k for k, v in ACTIVATIONS.items()}[c.activation],
-                query_pre_attn_scalar=c.attn_scalar, attn_logit_softcapping=c.attn_softcap,
+                # transformers 5 validates it as an int
+                query_pre_attn_scalar=int(c.attn_scalar) if float(c.attn_scalar).is_integer() else c.attn_scalar,
+                attn_logit_softcapping=c.attn_softcap,
                 final_logit_softcapping=c.logit_softcap, sliding_window=c.sliding_window,
                 layer_types=list(c.layer_types), attention_bias=c.qkv_bias)
 
