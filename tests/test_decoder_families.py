@@ -194,6 +194,15 @@ def test_triton_kernels_are_refused_for_blocks_they_do_not_fuse(checkpoints) -> 
         TritonDecode(load_llama(checkpoints["qwen3"]))
 
 
+def test_the_families_page_lists_every_family_of_the_registry() -> None:
+    from servekit.optimizations.models.families import DECODER_FAMILIES
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "families.md").read_text()
+    for family in DECODER_FAMILIES.values():
+        assert f"`{family.model_type}`" in page, family.model_type
+        assert family.gguf_arch is None or f"`{family.gguf_arch}`" in page, family.gguf_arch
+
+
 def _first_occurrences(tokens: list[int], skip: set[int]) -> list[int]:
     """Positions j where tokens[j] appears for the first time (and is not in ``skip``)."""
     return [j for j, t in enumerate(tokens) if t not in skip and t not in tokens[:j]]
