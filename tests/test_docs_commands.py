@@ -70,12 +70,28 @@ def code_blocks(text: str) -> list[tuple[int, list[str]]]:
     return blocks
 
 
+def without_redirections(tokens: list[str]) -> list[str]:
+    """Drop `> file`, `2>&1`, `>>file` and the like: the shell's business, not the command's."""
+    kept: list[str] = []
+    skip_next = False
+    for token in tokens:
+        if skip_next:
+            skip_next = False
+        elif re.fullmatch(r"\d*(>>?|<|&>)", token):
+            skip_next = True
+        elif not re.fullmatch(r"\d*(>>?|<|&>)\S+|\d*>&\d+", token):
+            kept.append(token)
+    return kept
+
+
 def commands_of(page: Path) -> list[Command]:
     """Each simple command of each shell block, continuation lines joined, comments dropped, split
     at `&&`, `;` and `|`, leading VAR=value assignments removed."""
     rel = str(page.relative_to(ROOT))
     found: list[Command] = []
     for start, lines in code_blocks(page.read_text(encoding="utf-8")):
+        if any(line.startswith("$ ") for line in lines):  # a transcript: commands after "$ ", output between
+            lines = [line[2:] if line.startswith("$ ") else "" for line in lines]
         joined: list[tuple[int, str]] = []
         pending, first = "", 0
         for offset, line in enumerate(lines):
@@ -93,8 +109,9 @@ def commands_of(page: Path) -> list[Command]:
             except ValueError:  # not shell (a diagram, Python): nothing to check
                 continue
             part: list[str] = []
+            tokens = without_redirections(tokens)
             for token in [*tokens, "&&"]:
-                if token in ("&&", ";", "|", "||"):
+                if token in ("&&", ";", "|", "||", "&"):
                     while part and re.match(r"^\w+=", part[0]):
                         part.pop(0)
                     if part and "..." not in part:  # an elided command, e.g. a diagram of the path
@@ -110,7 +127,7 @@ ALL_COMMANDS = [c for page in PAGES for c in commands_of(page)]
 
 def servekit_target(argv: tuple[str, ...]) -> tuple[str, list[str]] | None:
     """(module, its arguments) for `servekit X ...`, `python -m servekit X ...` and
-    `python -m servekit.module ...`; None for any other command."""
+    `python -m servekit.module ...`; None for any other command; ValueError for an unknown X."""
     prog = Path(argv[0]).name
     if prog == "servekit":
         sub, args = argv[1], list(argv[2:])
@@ -120,7 +137,8 @@ def servekit_target(argv: tuple[str, ...]) -> tuple[str, list[str]] | None:
         sub, args = argv[3], list(argv[4:])
     else:
         return None
-    assert sub in COMMANDS, f"unknown servekit command {sub!r}"
+    if sub not in COMMANDS:
+        raise ValueError(f"unknown servekit command {sub!r}")
     return COMMANDS[sub][0], args
 
 
@@ -179,7 +197,10 @@ def check(command: Command, monkeypatch: pytest.MonkeyPatch, produced: set[str])
     """'' when the command checks out, else what is wrong."""
     argv = command.argv
     prog = Path(argv[0]).name
-    target = servekit_target(argv)
+    try:
+        target = servekit_target(argv)
+    except ValueError as exc:
+        return str(exc)
     if target:
         return dry_parse(module_main(*target), target[1], monkeypatch)
     if prog == "torchserve":
