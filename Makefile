@@ -29,8 +29,12 @@ tools:
 demo: install
 	$(BIN)/servekit demo
 
+# Test modules run in parallel, each whole on one worker (--dist loadscope: its module-scoped
+# servers start once), the slowest first in tests/conftest.py's order (--no-loadscope-reorder);
+# docs/testing.md says how tests share servers and archives.
+TEST_WORKERS ?= 2
 test: install tools
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 clean:
 	rm -rf build .run model_store/*.mar

@@ -1,6 +1,8 @@
-"""Shared fixtures. Server tests share one TorchServe per session (start-up costs ~20 s on 2 cores)."""
+"""Shared fixtures. Server tests share one TorchServe per session and worker (start-up costs ~20 s
+on 2 cores); archives and trained heads are built once per run, whatever the number of workers."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -9,16 +11,24 @@ import torch
 
 from servekit.torchserve import TorchServe
 from servekit.archive import build_archive
+from session_cache import build_once
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist every worker is a process of its own: one torch thread each keeps the
+    # workers from oversubscribing the cores (two OpenMP threads per worker on 2 cores run small
+    # matmuls many times slower). Fixtures that want more threads set them and restore this.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def model_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model store holding minilm.mar built from the working tree."""
-    store = tmp_path_factory.mktemp("model_store")
-    build_archive("minilm", store)
-    return store
+    """A model store holding minilm.mar built from the working tree (once per run). Tests may add
+    archives of their own names to it."""
+    return build_once(tmp_path_factory, "model_store", lambda store: build_archive("minilm", store))
 
 
 @pytest.fixture(scope="session")
@@ -53,18 +63,19 @@ def smollm2_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from servekit.optimizations.training import train_speculator
     from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
-    tmp = tmp_path_factory.mktemp("smollm2-heads")
-    (tmp / "prompts.txt").write_text("\n".join(SPEC_PROMPTS) + "\n")
-    old = torch.get_num_threads()
-    try:
-        assert train_speculator.main(["--model-dir", str(smollm2_archive_files(torch.bfloat16)[0].parent),
-                                      "--dtype", "fp32", "--out", str(tmp / "heads"), "--prompts",
-                                      str(tmp / "prompts.txt"), "--new-tokens", "32", "--samples", "0", "--steps",
-                                      "30", "--heads", "3", "--hidden-mult", "0.5", "--lr", "3e-3", "--threads", "2",
-                                      "--quiet"]) == 0
-    finally:
-        torch.set_num_threads(old)
-    return tmp / "heads"
+    def train(tmp: Path) -> None:
+        (tmp / "prompts.txt").write_text("\n".join(SPEC_PROMPTS) + "\n")
+        old = torch.get_num_threads()
+        try:
+            assert train_speculator.main(["--model-dir", str(smollm2_archive_files(torch.bfloat16)[0].parent),
+                                          "--dtype", "fp32", "--out", str(tmp / "heads"), "--prompts",
+                                          str(tmp / "prompts.txt"), "--new-tokens", "32", "--samples", "0",
+                                          "--steps", "30", "--heads", "3", "--hidden-mult", "0.5", "--lr", "3e-3",
+                                          "--threads", "2", "--quiet"]) == 0
+        finally:
+            torch.set_num_threads(old)
+
+    return build_once(tmp_path_factory, "smollm2-heads", train) / "heads"
 
 
 @pytest.fixture(scope="session")
@@ -74,16 +85,16 @@ def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFac
 
     from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
-    tmp = tmp_path_factory.mktemp("smollm2-spec")
-    config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())
-    config["servekit"]["speculation"] = {"heads": "speculator", "n_heads": 3, "max_batch": 4}
-    config["continuousBatching"] = False  # speculation serves static batching
-    (tmp / "smollm2-cpu-spec.yaml").write_text(yaml.safe_dump(config))
-    store = tmp / "store"
-    build_archive("smollm2", store, config=tmp / "smollm2-cpu-spec.yaml",
-                  weights=smollm2_archive_files(torch.bfloat16), speculator=smollm2_heads,
-                  compress=False)  # uncompressed: 3 s instead of 25 s
-    return store
+    def build(tmp: Path) -> None:
+        config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())
+        config["servekit"]["speculation"] = {"heads": "speculator", "n_heads": 3, "max_batch": 4}
+        config["continuousBatching"] = False  # speculation serves static batching
+        (tmp / "smollm2-cpu-spec.yaml").write_text(yaml.safe_dump(config))
+        build_archive("smollm2", tmp / "store", config=tmp / "smollm2-cpu-spec.yaml",
+                      weights=smollm2_archive_files(torch.bfloat16), speculator=smollm2_heads,
+                      compress=False)  # uncompressed: 3 s instead of 25 s
+
+    return build_once(tmp_path_factory, "smollm2-spec", build) / "store"
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +110,29 @@ def tiny_trained_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Speculator heads (4) trained by the CLI recipe on the tiny model of ``tiny_llama`` (seconds)."""
     from servekit.optimizations.training import train_speculator
 
-    out = tmp_path_factory.mktemp("spec-tiny")
-    old = torch.get_num_threads()
-    try:
-        assert train_speculator.main(["--tiny", "--out", str(out), "--prompts-limit", "30", "--new-tokens", "24",
-                                      "--steps", "40", "--batch-size", "128", "--device", "cpu", "--quiet",
-                                      "--topic-prompts", "12", "--draft-vocab", "192"]) == 0
-    finally:
-        torch.set_num_threads(old)
-    return out
+    def train(out: Path) -> None:
+        old = torch.get_num_threads()
+        try:
+            assert train_speculator.main(["--tiny", "--out", str(out), "--prompts-limit", "30", "--new-tokens",
+                                          "24", "--steps", "40", "--batch-size", "128", "--device", "cpu", "--quiet",
+                                          "--topic-prompts", "12", "--draft-vocab", "192"]) == 0
+        finally:
+            torch.set_num_threads(old)
+
+    return build_once(tmp_path_factory, "spec-tiny", train)
+
+
+# Modules that take minutes (compiles, quantization gates, live LLM servers), started first so that
+# no worker picks one up at the end while the other sits idle. Only a scheduling hint for
+# pytest-xdist (`make test` passes --no-loadscope-reorder so that this order holds): a module
+# missing here still runs, just later.
+SLOW_MODULES = (
+    "test_embedding_runner.py", "test_embedding_architectures.py", "test_generate_logic.py",
+    "test_archive_path.py", "test_reliability_llm.py", "test_llm_server.py", "test_llm_continuous_server.py",
+    "test_prometheus_llm_dashboard.py", "test_k8s_pod_live.py", "test_triton_decode.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order otherwise
