@@ -186,6 +186,24 @@ def attention_paths(batcher: ContinuousBatcher, repeats: int = 10) -> dict[str, 
     return out
 
 
+def profile_packed(batcher: ContinuousBatcher, out: Path) -> str:
+    """GPU kernel time of one eager packed forward (2048 tokens: 4 prompts of 512), by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from servekit.optimizations.llm.packed import Chunk, PackedPrefill
+
+    engine = PackedPrefill(batcher.r.model, batcher.max_num_batched_tokens, batcher.max_num_seqs, attention="triton")
+    chunks = [Chunk([5] * 512, 0, row, True) for row in range(4)]
+    engine.run(chunks)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.run(chunks)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+    (out / "packed_profile.txt").write_text(table)
+    return table
+
+
 def build(device: torch.device, small: bool, budget: int | None) -> tuple[ContinuousBatcher, dict[str, Any]]:
     config = LlamaConfig.tiny(max_position_embeddings=2048) if small else LlamaConfig()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -214,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (engines that have it)")
     p.add_argument("--per-stream", type=int, default=2, help="requests per closed-loop stream in (c) and (d)")
     p.add_argument("--label", default="", help="free text saved with the results (e.g. baseline)")
+    p.add_argument("--profile", action="store_true", help="also profile one eager packed forward by kernel")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -226,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and hasattr(batcher, "packed"):
         results["attention_paths_ms"] = attention_paths(batcher)
         print("attention paths (ms per packed forward):", json.dumps(results["attention_paths_ms"]), flush=True)
+        if args.profile:
+            args.out.mkdir(parents=True, exist_ok=True)
+            print(profile_packed(batcher, args.out), flush=True)
     results["ttft_600"] = ttft_single(batcher, rng, vocab, [600, 613, 587, 644, 600, 571, 600])
     print("(a) ttft-600:", json.dumps(results["ttft_600"]), flush=True)
     results["prefill_32"] = [burst(batcher, rng, vocab, n, 600, 16, f"burst{r}") for r in range(2)]

@@ -267,11 +267,11 @@ def test_the_plan_takes_a_token_budget_and_refuses_one_below_the_chunk() -> None
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3"])
 def test_triton_packed_prefill_equals_the_torch_reference_on_cuda(tmp_path: Path, family: str) -> None:
-    """bf16 on the GPU: the Triton attention (eager, and replayed from each bucket's CUDA graph)
-    gives the torch reference's logits and cache rows, for packs of fresh prompts and a later
-    chunk (gemma3: sliding-window layers)."""
+    """fp32 on the GPU (the kernel's dots in TF32): the Triton attention, eager and replayed from
+    each bucket's CUDA graph, gives the torch reference's logits and cache rows, for packs of fresh
+    prompts and a later chunk (gemma3: sliding-window layers, a window shorter than the prompts)."""
     overrides = {"head_dim": 32} if family == "llama3" else {}  # the kernel takes power-of-two head sizes
-    model = load_llama(write_checkpoint(family, tmp_path / family, **overrides), "cuda", torch.bfloat16)
+    model = load_llama(write_checkpoint(family, tmp_path / family, **overrides), "cuda", torch.float32)
     model.setup_caches(4, 256)
     vocab = model.config.vocab_size
     prompts = [_prompt(n, i, vocab) for i, n in enumerate((7, 130, 64, 200))]
@@ -280,8 +280,7 @@ def test_triton_packed_prefill_equals_the_torch_reference_on_cuda(tmp_path: Path
     results = {}
     for name, kw in {"torch": dict(attention="torch"), "triton": dict(attention="triton"),
                      "graphs": dict(attention="triton", graphs=True)}.items():
-        _zero_caches(model)
-        packed = PackedPrefill(model, max_tokens=256, max_seqs=4, **kw)
+        packed = PackedPrefill(model, max_tokens=512, max_seqs=4, **kw)
         packed.warmup()
         _zero_caches(model)
         logits = [packed.run(p).clone() for p in packs]
@@ -290,7 +289,9 @@ def test_triton_packed_prefill_equals_the_torch_reference_on_cuda(tmp_path: Path
     for name in ("triton", "graphs"):
         logits, cache = results[name]
         for got, want in zip(logits, want_logits):
-            torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2, msg=name)
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m: f"{family} {name}: {m}")
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+        # Layers after the first write k/v computed from TF32 attention: about 1e-2 apart at worst.
         for (k, v), (wk, wv) in zip(cache, want_cache):
             for row, p in enumerate(prompts):
                 torch.testing.assert_close(k[row, :, :len(p)], wk[row, :, :len(p)], atol=2e-2, rtol=2e-2)

@@ -48,9 +48,8 @@ def _packed_attention(Q, K, V, O, SEQ, BLOCK_SEQ, BLOCK_OFF,
         k_base = K + row * stride_kb + kv_head * stride_kh
         v_base = V + row * stride_kb + kv_head * stride_kh
         end = pos0 + tl.minimum(off + BLOCK_M, length)  # one past the block's last position
-        lo = 0
-        if window > 0:  # sliding-window layers: nothing before the block's first query's window
-            lo = tl.maximum(pos0 + off - window + 1, 0) // BLOCK_N * BLOCK_N
+        # Sliding-window layers start at the first key block inside the block's first query's window.
+        lo = tl.where(window > 0, tl.maximum(pos0 + off - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -65,8 +64,10 @@ def _packed_attention(Q, K, V, O, SEQ, BLOCK_SEQ, BLOCK_OFF,
                 seen = seen & (n[None, :] > qpos[:, None] - window)
             qk = tl.where(seen, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            # A row whose keys so far all lie outside its window has no maximum yet: subtract 0, not -inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
