@@ -43,6 +43,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                             "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                "rope_theta": 1000000.0}})),
+    # Phi-3: fused qkv_proj and gate_up_proj, its window (7 tokens, shorter than the test prompts) in every layer.
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False, sliding_window=7,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # Gemma 2: attention and final logit soft-capping (caps low enough to bite on random weights),
     # alternating sliding (window 5) and global layers, no q/k norms.
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,

@@ -105,6 +105,7 @@ def _rebuilt(folder: Path, **changes: object) -> torch.nn.Module:
     ("gemma2", {"logit_softcap": None}),
     ("gemma2", {"layer_types": ("full_attention",) * 2}),
     ("qwen3", {"qk_norm": False}),
+    ("phi3", {"layer_types": (), "sliding_window": None}),  # its window, in every layer
 ])
 def test_each_family_switch_changes_the_logits(family: str, changes: dict, checkpoints) -> None:
     """Each switch a family sets matters on these checkpoints (so the parity above checks it)."""
@@ -154,7 +155,7 @@ def test_runner_greedy_and_logprobs_equal_transformers_generate(family: str, che
         assert [lp.logprob for lp in ours_lp.logprobs] == pytest.approx(ref_lp, abs=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma2", "phi3"])
 def test_continuous_engine_output_equals_solo_output(family: str, checkpoints) -> None:
     """Requests joining a running batch, long prompts in chunks (across the sliding windows),
     greedy, sampled and with logprobs: each gets what it gets alone."""
@@ -274,7 +275,10 @@ def test_transformers_4_and_5_config_keys_read_the_same() -> None:
 
 
 @pytest.mark.parametrize("hf, message", [
-    (_hf("phi3"), "model_type 'phi3'"),
+    (_hf("phi"), "model_type 'phi'"),
+    (_hf("phi3", rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}),
+     "LongRoPE .* is not implemented: it switches between two sets of RoPE factors"),
+    (_hf("phi3", partial_rotary_factor=0.75), "partial_rotary_factor 0.75"),
     (_hf("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE type 'dynamic' is not supported"),
     (_hf("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "RoPE type 'yarn'"),
     (_hf("llama", rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}), "lack 'factor'"),

@@ -73,6 +73,9 @@ class DecoderFamily:
     gguf_rope_permuted: bool = False  # llama.cpp stores q/k rows interleaved (its "normal" RoPE)
     gguf_norm_shift: float = 0.0  # llama.cpp stores Gemma's norms as 1 + weight: subtract this on read
     qk_norm: bool = False
+    # Hugging Face modules that hold several of ours side by side (Phi-3's qkv_proj, gate_up_proj):
+    # split along the output dimension into the listed modules when loaded.
+    fused_weights: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # What the stack supports beyond the eager torch path (plan keys that would compute otherwise).
     triton_decode: bool = True  # optimizations/kernels/triton_decode.py fuses this block
     turn_end_tokens: tuple[str, ...] = ()  # chat-template tokens that end a turn (stop ids)
@@ -140,6 +143,31 @@ def _qwen3_extra(c: Any) -> dict:
 
 def _llama_gguf(key: GgufKey, n_layers: int) -> dict:
     return {}
+
+
+# --- Phi-3: fused projections, a window over every layer ------------------------------------------
+
+_PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _phi3_fields(hf: dict) -> dict:
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+        raise ValueError("LongRoPE (the 128k-context Phi-3 models) is not implemented: it switches between two sets "
+                         "of RoPE factors when a sequence passes original_max_position_embeddings, which the static "
+                         "cos/sin tables here cannot; use a 4k-context Phi-3")
+    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} (RoPE on part of each head) is not implemented")
+    window = hf.get("sliding_window")
+    # transformers' Phi-3 applies its window in every layer: implemented by each layer's mask.
+    return dict(sliding_window=int(window) if window else None,
+                layer_types=(SLIDING,) * hf["num_hidden_layers"] if window else ())
+
+
+def _phi3_extra(c: Any) -> dict:
+    return dict(sliding_window=c.sliding_window)
 
 
 # --- Gemma 2 and 3 ----------------------------------------------------------------------------------
@@ -268,6 +296,10 @@ DECODER_FAMILIES: Mapping[str, DecoderFamily] = {f.model_type: f for f in (
     DecoderFamily("qwen3", "Qwen3ForCausalLM", hf_fields=_qwen3_fields, hf_extra=_qwen3_extra, gguf_arch="qwen3",
                   qk_norm=True, triton_decode=False,
                   notes="RMSNorm of each q/k head before RoPE; decode kernels: torch"),
+    DecoderFamily("phi3", "Phi3ForCausalLM", hf_fields=_phi3_fields, hf_extra=_phi3_extra,
+                  fused_weights=_PHI3_FUSED, triton_decode=False,
+                  notes="fused qkv_proj and gate_up_proj split at load; its window in every layer; LongRoPE and "
+                        "partial rotary refused; no GGUF; kernels: torch"),
     DecoderFamily("gemma2", "Gemma2ForCausalLM", hf_fields=_gemma2_fields, hf_extra=_gemma_extra, gguf_arch="gemma2",
                   gguf_fields=_gemma2_gguf, **_GEMMA,  # type: ignore[arg-type]
                   notes="attention and final logit soft-capping; alternating local/global layers; kernels: torch"),

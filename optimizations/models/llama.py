@@ -643,11 +643,36 @@ def _is_derived(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
+def _split_fused(config: LlamaConfig, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Checkpoint tensors of modules that hold several of ours (``families.py``'s fused_weights:
+    Phi-3's qkv_proj, gate_up_proj) split, along the output dimension, into those modules."""
+    fused = config.family.fused_weights
+    if not fused:
+        return state_dict
+    kv = config.n_kv_heads * config.head_dim
+    rows = {"self_attn.q_proj": config.n_heads * config.head_dim, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
+            "mlp.gate_proj": config.intermediate_size, "mlp.up_proj": config.intermediate_size}
+    out: dict[str, Tensor] = {}
+    for name, t in state_dict.items():
+        parts = name.split(".")  # model.layers.<i>.<module...>.<weight|bias>
+        module = ".".join(parts[3:-1])
+        if parts[:2] != ["model", "layers"] or module not in fused:
+            out[name] = t
+            continue
+        sizes = [rows[m] for m in fused[module]]
+        if t.shape[0] != sum(sizes):
+            raise KeyError(f"{name} has {t.shape[0]} rows, expected {sum(sizes)} ({' + '.join(fused[module])})")
+        for m, piece in zip(fused[module], t.split(sizes)):
+            out[f"model.layers.{parts[2]}.{m}.{parts[-1]}"] = piece
+    return out
+
+
 def model_from_hf_state_dict(config: LlamaConfig, state_dict: dict[str, Tensor],
                              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
     """Build a ``Transformer`` from Hugging Face-named tensors, without a random init pass."""
     with torch.device("meta"):
         model = Transformer(config)
+    state_dict = _split_fused(config, state_dict)
     ours = {hf_to_ours(k, config): v.to(device=device, dtype=dtype) for k, v in state_dict.items() if not _is_derived(k)}
     if config.tie_embeddings:
         ours.pop("output.weight", None)  # tied: the embedding is the output projection
