@@ -173,10 +173,14 @@ def test_warmup_builds_the_packed_prefill_and_leaves_nothing_running(runner: Lla
     built = batcher.warmup()
     assert built["attention"] == "torch" and built["graphs"] is False  # CPU: eager, nothing to capture
     assert built["seconds"] >= 0 and not batcher.has_work and batcher.running == 0
+    hosts = dict(batcher._hosts)  # every output shape's host copies exist before the first request
     rec = Recorder(batcher)
     rec.add("a", _prompt(40, 1), SamplingParams(max_tokens=6))
+    rec.add("b", _prompt(9, 2), SamplingParams(max_tokens=5, logprobs=1))
+    rec.add("c", _prompt(3, 3), SamplingParams(max_tokens=7, temperature=0.8, seed=1))
     rec.run()
     assert rec.tokens["a"] == _solo(runner, _prompt(40, 1), SamplingParams(max_tokens=6)).tokens
+    assert batcher._hosts == hosts
 
 
 def _collect(engine, keys: list, timeout: float = 60.0) -> dict:

@@ -41,7 +41,7 @@ import random
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Collection, Hashable
+from typing import TYPE_CHECKING, Collection, Hashable
 
 import torch
 
@@ -49,8 +49,11 @@ from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
                                                  TokenLogprob, read_row, token_ids)
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
-from servekit.optimizations.llm.sampling import FULL, MODES, SamplingTensors, sample, sample_full, sampling_mode
+from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sample, sample_full, sampling_mode
 from servekit.optimizations.llm.speculative import SpecStats
+
+if TYPE_CHECKING:
+    from servekit.optimizations.llm.grammar import RowConstraint
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ class _Seq:
     # advance a row by 1..k+1 positions: the bound assumes k+1 until its output is read).
     pos_hi: int = 0
     done: bool = False
+    constraint: RowConstraint | None = None  # grammar, logit_bias, min_tokens: the row's bias per step
 
 
 @dataclass
@@ -167,9 +171,24 @@ class ContinuousBatcher:
 
     def warmup(self) -> dict[str, object]:
         """Build every packed-prefill shape (captures each token bucket on CUDA, compiles the
-        attention kernel): the first request of any length then costs what later ones do.
-        Returns what was built and the seconds it took."""
-        return self.packed.warmup()
+        attention kernel) and the host copies of every output shape a step can produce: the first
+        request of any length then costs what later ones do. Returns what was built and the
+        seconds it took."""
+        built = self.packed.warmup()
+        # Host copies are pinned on CUDA (slow to allocate): one ring per output shape, made here.
+        # First tokens: 1..max_num_seqs rows; decode steps: each batch bucket; both in plain and FULL modes.
+        dev = self.r.device
+        for full in (False, True):
+            sampling = SamplingTensors.build([0.0], [0], [1.0], [0], dev)
+            logits = torch.zeros(1, self.r.model.config.vocab_size, device=dev)
+            last = torch.zeros(1, dtype=torch.int64, device=dev)
+            probe = sample_full(logits, sampling, last, None) if full else sample(logits, sampling, last, GREEDY)
+            for rows in sorted(set(range(1, self.max_num_seqs + 1)) | set(self.r.batch_buckets)):
+                key = ((rows, *probe.shape[1:]), probe.dtype)
+                if key not in self._hosts:
+                    self._hosts[key] = HostCopies(key[0], dev, probe.dtype, count=4)
+        built["host_copies"] = len(self._hosts)
+        return built
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, key: Hashable, prompt: list[int], params: SamplingParams, speculate: bool = True) -> None:
@@ -181,7 +200,8 @@ class ContinuousBatcher:
             raise ValueError(err)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = _Seq(key, list(prompt), params, frozenset(params.stop_token_ids), seed,
-                   speculate=speculate and params.temperature == 0 and not params.full)
+                   speculate=speculate and params.temperature == 0 and not params.full and params.constraint is None,
+                   constraint=params.constraint.start() if params.constraint is not None else None)
         self.by_key[key] = seq
         self.waiting.append(seq)
 
@@ -218,6 +238,14 @@ class ContinuousBatcher:
         updates: dict[Hashable, SeqUpdate] = {}
         self._admit()
         prefilled = self._prefill(updates)
+        if self._per_step_bias():
+            # A row whose bias depends on its last token (a grammar, min_tokens not reached) needs
+            # that token on the host before its next step is launched: read first, then launch.
+            for pending in (self._inflight, prefilled):
+                if pending is not None:
+                    self._read(pending, updates)
+            self._inflight = prefilled = None
+            self._load_bias()
         launched = self._launch()
         if self._inflight is not None:
             self._read(self._inflight, updates)
@@ -225,6 +253,19 @@ class ContinuousBatcher:
             self._read(prefilled, updates)
         self._inflight = launched
         return updates
+
+    def _per_step_bias(self) -> bool:
+        return any(s is not None and not s.done and s.launched and s.constraint is not None and s.constraint.per_step
+                   for s in self.slots)
+
+    def _load_bias(self) -> None:
+        """Each decoding row with a per-step bias gets its bias for its next token (host -> device)."""
+        rows = [s for s in self.slots if s is not None and not s.done and s.launched and s.constraint is not None
+                and s.constraint.per_step]
+        if rows:
+            dev = self.r.device
+            self.r.state.params.bias.index_copy_(0, torch.tensor([s.slot for s in rows], device=dev),
+                                                 torch.stack([s.constraint.bias() for s in rows]).to(dev))
 
     def _host(self, out: torch.Tensor) -> tuple[HostCopies, int]:
         """Start copying ``out`` to the host; returns where it lands. At most three copies are
@@ -300,9 +341,11 @@ class ContinuousBatcher:
         ps = [s.params for s in seqs]
         temperature, top_k, top_p = [float(p.temperature) for p in ps], [p.top_k for p in ps], [float(p.top_p) for p in ps]
         dev = self.r.device
+        vocab = self.r.state.params.bias.shape[1]
+        bias = torch.stack([s.constraint.bias() if s.constraint is not None else torch.zeros(vocab) for s in seqs])
         sampling = SamplingTensors.build(temperature, top_k, top_p, [s.seed for s in seqs], dev,
                                          [float(p.presence_penalty) for p in ps],
-                                         [float(p.frequency_penalty) for p in ps])
+                                         [float(p.frequency_penalty) for p in ps], bias)
         mode = sampling_mode(temperature, top_k, top_p, any(p.full for p in ps))
         last = torch.tensor([len(s.prompt) - 1 for s in seqs], device=dev)  # the position each sample is keyed by
         out = sample_full(logits, sampling, last, None) if mode == FULL else sample(logits, sampling, last, mode)
@@ -325,7 +368,8 @@ class ContinuousBatcher:
         buckets, no row needs the plain steps' FULL mode, and some row accepts drafts."""
         spec = self.spec
         return (spec is not None and bool(spec.spec_buckets) and batch <= spec.spec_buckets[-1]
-                and mode in _SPEC_MODES and any(s.speculate for s in active))
+                and mode in _SPEC_MODES and any(s.speculate for s in active)
+                and all(s.constraint is None for s in active))  # verify steps take no bias
 
     def _launch(self) -> _Pending | None:
         active = [s for s in self.slots if s is not None and not s.done and s.launched > 0]
@@ -365,6 +409,9 @@ class ContinuousBatcher:
                 tok, logprob = read_row(rows[row], pending.mode, s.params.logprobs)
                 new, logprobs = [tok], logprob
             for tok in new:
+                if s.constraint is not None and not s.constraint.accept(tok):
+                    u.finish_reason, u.error = FINISH_ERROR, RuntimeError(f"the grammar rejected token {tok}")
+                    break
                 u.tokens.append(tok)
                 s.generated += 1
                 if tok in s.stops:
