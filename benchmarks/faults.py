@@ -19,6 +19,7 @@ import argparse
 import base64
 import dataclasses
 import datetime as dt
+import gzip
 import json
 import os
 import signal
@@ -191,6 +192,16 @@ def bad_inputs() -> list[BadInput]:
           path="/predictions/{model}/9.9", answered_by="torchserve"),
         B("wrong_method", "GET instead of POST (no body)", b"", 400, "empty request body", method="GET",
           content_type=None),
+        B("gzip_body", "gzip-compressed JSON (Content-Encoding: gzip, which TorchServe does not undo)",
+          gzip.compress(_j({"text": "hello"})), 415, "Content-Encoding is not supported"),
+        B("comment_then_json", "a '//' comment line before a JSON body, sent as text/plain",
+          b'// note\n{"text": "hello"}', 400, "JSON has no comments", content_type="text/plain"),
+        B("bom_then_comment", "a UTF-8 byte order mark, then a '/*' comment", b'\xef\xbb\xbf/* x */ {"input": "a"}', 400,
+          "JSON has no comments", path=OPENAI),
+        B("echo_1mb_value", "a 1 MB value echoed by the error ('encoding_format')",
+          _j({"input": "a", "encoding_format": "x" * 1_000_000}), 400, "truncated: 1000002 characters", path=OPENAI),
+        B("echo_1mb_key", "a 1 MB unknown field name", _j({"input": "a", "k" * 1_000_000: 1}), 400,
+          "truncated: 1000002 characters", path=OPENAI),
     ]
 
 

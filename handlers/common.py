@@ -13,6 +13,7 @@ T = TypeVar("T")
 
 # Bodies nested deeper than this are refused before any recursion can hurt the worker.
 MAX_JSON_DEPTH = 32
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass
@@ -28,9 +29,32 @@ class RequestError(Exception):
         return error_json(self.status, self.type, self.message, self.code)
 
 
+# Longest error message sent: an error body stays small (and reaches the client before TorchServe
+# closes the connection) whatever the request held.
+MAX_MESSAGE_CHARS = 600
+# Longest request value quoted in a message.
+MAX_SHOWN_CHARS = 200
+
+
 def error_json(status: int, err_type: str, message: str, code: str | None = None) -> str:
-    """OpenAI-style error body: {"error": {"message", "type", "code"}}."""
-    return json.dumps({"error": {"message": message, "type": err_type, "code": code or str(status)}})
+    """OpenAI-style error body: {"error": {"message", "type", "code"}}, its message cut to
+    MAX_MESSAGE_CHARS (saying so)."""
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = f"{message[:MAX_MESSAGE_CHARS]}... (message truncated: {len(message)} characters)"
+    code = code or str(status)
+    return json.dumps({"error": {"message": message, "type": err_type, "code": code[:MAX_SHOWN_CHARS]}})
+
+
+def clip(text: str) -> str:
+    """Request text for an error message, cut to MAX_SHOWN_CHARS, saying so."""
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[:MAX_SHOWN_CHARS]}... (truncated: {len(text)} characters)"
+
+
+def shown(value: Any) -> str:
+    """A request value quoted in an error message (its repr), cut to MAX_SHOWN_CHARS, saying so."""
+    return clip(repr(value))
 
 
 PHRASES = {400: "Bad Request", 404: "Not Found", 413: "Payload Too Large", 415: "Unsupported Media Type",
@@ -85,13 +109,24 @@ def decode_body(request: dict[str, Any]) -> Any:
         raise RequestError(400, "invalid_request_error", "empty request body: this route takes a POST with a "
                            "JSON body", "empty_body")
     if isinstance(body, (bytes, bytearray)):
+        if bytes(body[:2]) == GZIP_MAGIC:
+            raise RequestError(415, "invalid_request_error", "body is gzip-compressed: Content-Encoding is not "
+                               "supported here, send the body uncompressed", "unsupported_content_encoding")
         try:
             body = bytes(body).decode("utf-8")
         except UnicodeDecodeError as e:
             raise RequestError(400, "invalid_request_error", f"body is not valid UTF-8 (byte {e.start})",
                                "invalid_utf8") from None
-    if isinstance(body, str) and body.lstrip()[:1] in ("{", "["):
-        body = _parse_json(body)
+    if isinstance(body, str):
+        # A UTF-8 byte order mark is no content (TorchServe's own JSON parsing fails on it and hands
+        # the body over as bytes): what follows is read as if it had none.
+        body = body.removeprefix("\ufeff")
+        start = body.lstrip()[:2]
+        if start in ("//", "/*"):
+            raise RequestError(400, "invalid_request_error", "body starts with a comment ('//' or '/*'): JSON has no "
+                               "comments; send a text that starts with one in a JSON body", "invalid_json")
+        if start[:1] in ("{", "["):
+            body = _parse_json(body)
     if isinstance(body, (dict, list)):
         if _depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             raise RequestError(400, "invalid_request_error", f"JSON body is nested deeper than {MAX_JSON_DEPTH} levels",

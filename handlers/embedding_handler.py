@@ -24,6 +24,7 @@ import orjson
 import torch
 
 from servekit.handlers.common import RequestError, fail_request, freeze_heap, parse_each, registered_batch_size
+from servekit.handlers.embedding_budget import DEFAULT_RESPONSE_TIMEOUT_S, WorkBudget, best_seconds, derive_budget
 from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
@@ -60,13 +61,31 @@ class EmbeddingHandler:
         # The batch size the model was registered with (the management API may override the archive's).
         self.batch_size = registered_batch_size(context)
         self.dim = self.runner.dim
+        timeout = float((context.model_yaml_config or {}).get("responseTimeout", DEFAULT_RESPONSE_TIMEOUT_S))
+        self.budget = self._measure_budget(timeout)
         self.metrics = HandlerMetrics(context, self.model_name)
         self._segments_seen = (self.runner.segments.lookups, self.runner.segments.misses)  # reported so far
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
         self.metrics.emit("servekit_recompiles", "gauge", 0)
         log.info("servekit plan %s ready: %s", self.plan.label(),
-                 json.dumps({**self.runner.report(), "gc_frozen_objects": freeze_heap(),
+                 json.dumps({**self.runner.report(), "budget": self.budget.report(), "gc_frozen_objects": freeze_heap(),
                              "buffered_reads": install_buffered_reads()}))
+
+    def _measure_budget(self, response_timeout_s: float) -> WorkBudget:
+        """This worker's speeds, measured once after warm-up: embedding full-length inputs (one on
+        CPU, where time grows with the batch; a full batch bucket elsewhere) and tokenizing text of
+        words it has never seen (its segment cache does not help a hostile request either)."""
+        runner = self.runner
+        n = 1 if runner.device.type == "cpu" else max(runner.buckets.batch_sizes)
+        seqs, _ = runner.wrap([runner.encode_texts(["the"])[0] * runner.max_tokens] * n)
+        tokens_per_s = sum(map(len, seqs)) / best_seconds(lambda: runner.embed_ids(seqs))
+        rng = np.random.default_rng(0)
+        letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+        texts = iter(" ".join("".join(rng.choice(letters, 7)) for _ in range(2500)) for _ in range(2))
+        text_chars = 2500 * 8 - 1
+        chars_per_s = text_chars / best_seconds(lambda: runner.encode_texts([next(texts)]))
+        return derive_budget(tokens_per_s, chars_per_s, response_timeout_s, self.batch_size,
+                             min_tokens=runner.max_tokens, min_chars=self.plan.limits.max_chars_per_text)
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str | bytes]:
         self.metrics.begin_batch()
@@ -83,7 +102,19 @@ class EmbeddingHandler:
                         prompts=self.runner.spec.prompts)
         requests, given = parse_each(data, context, self.metrics, self.model_name, self.created, parse)
         answers: list[str | None] = [given.get(i) for i in range(len(data))]
+        for i, req in list(requests.items()):  # before tokenizing: its time grows with the characters
+            try:
+                self.budget.check_chars("input" if req.openai else "text", sum(map(len, req.texts)))
+            except RequestError as e:
+                answers[i] = fail_request(context, i, self.metrics, e)
+                del requests[i]
         ids, cut, spans = self._tokenize(requests)
+        for i, (a, b) in list(spans.items()):
+            try:
+                self.budget.check_tokens(sum(len(ids[j]) for j in range(a, b)))
+            except RequestError as e:
+                answers[i] = fail_request(context, i, self.metrics, e)
+                del spans[i]
         if limits.too_long == "reject":
             for i, (a, b) in list(spans.items()):
                 if any(cut[a:b]):

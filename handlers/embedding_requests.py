@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection
 
-from servekit.handlers.common import RequestError, decode_body, int_field, shown_number, without_nulls
+from servekit.handlers.common import RequestError, decode_body, int_field, shown, shown_number, without_nulls
 
 OPENAI_ROUTE = "v1/embeddings"
 OPENAI_KEYS = {"input", "model", "encoding_format", "dimensions", "user", "prompt_name"}
@@ -88,7 +88,7 @@ def _prompt_name(body: dict[str, Any], prompts: Collection[str]) -> str | None:
         raise _bad(f"'prompt_name' must be a string, got {type(name).__name__}", "invalid_type")
     if name not in prompts:
         known = f"this model's prompts: {', '.join(sorted(prompts))}" if prompts else "this model has no prompts"
-        raise _bad(f"unknown prompt_name {name[:80]!r}; {known}", "invalid_value")
+        raise _bad(f"unknown prompt_name {shown(name)}; {known}", "invalid_value")
     return name
 
 
@@ -109,12 +109,12 @@ def parse_embedding_request(request: dict[str, Any], route: str, dim: int, max_t
         body = without_nulls(body)
         unknown = sorted(set(body) - OPENAI_KEYS)
         if unknown:
-            raise _bad(f"unknown field '{unknown[0]}'", "unknown_field")
+            raise _bad(f"unknown field {shown(unknown[0])}", "unknown_field")
         if "input" not in body:
             raise _bad("missing required field 'input'", "missing_field")
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
-            raise _bad(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "invalid_value")
+            raise _bad(f"'encoding_format' must be 'float' or 'base64', got {shown(fmt)}", "invalid_value")
         dims = int_field(body, "dimensions", 1, dim)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -134,7 +134,7 @@ def parse_embedding_request(request: dict[str, Any], route: str, dim: int, max_t
         if "text" not in body:
             raise _bad("missing required field 'text'", "missing_field")
         if unknown:
-            raise _bad(f"unknown field '{unknown[0]}'", "unknown_field")
+            raise _bad(f"unknown field {shown(unknown[0])}", "unknown_field")
         return EmbeddingRequest(_texts(body["text"], "text", max_texts, max_chars), False,
                                 prompt_name=_prompt_name(without_nulls(body), prompts))
     return EmbeddingRequest(_texts(body, "text", max_texts, max_chars), False)

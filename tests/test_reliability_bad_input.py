@@ -8,13 +8,15 @@ an in-process reference; the worker must be the same process afterwards.
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import numpy as np
 import pytest
 import requests
 
 from servekit.benchmarks.faults import (MAX_REQUEST_SIZE, bad_inputs, check_with_good, good_requests,
-                               reference_embedder, send_together, vectors, worker_identity)
+                                        reference_embedder, send_together, vectors, worker_identity)
 
 pytestmark = pytest.mark.server
 MODEL = "minilm"
@@ -115,3 +117,92 @@ def test_many_bad_and_good_requests_at_once(minilm_server, reference, worker):
             assert a.status == 200, a
             assert np.abs(vectors(a.json()) - reference(e)).max() < 1e-4
     assert worker_identity(minilm_server, MODEL) == worker
+
+
+# -- work bounded by what the worker does in its responseTimeout ------------------------------------------
+PARAGRAPH = " ".join(("servekit answers every valid request within the limits it documents and refuses "
+                      "larger ones at once with a clear message naming the limit it applies").split() * 12)[:1700]
+OPENAI_URL = "/predictions/{model}/1.0/v1/embeddings"
+
+
+def _post(ts, body: dict, timeout: float = 180) -> tuple[requests.Response, float]:
+    t0 = time.monotonic()
+    r = requests.post(ts.inference_url + OPENAI_URL.format(model=MODEL), json=body, timeout=timeout)
+    return r, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def budget(minilm_server, worker) -> dict:
+    """The limits the worker derived at start from its measured speeds (its ready line in the model log)."""
+    lines = [line for line in (minilm_server.log_dir / "model_log.log").read_text().splitlines()
+             if "servekit plan" in line and '"budget"' in line]
+    assert lines, "the worker logged no budget"
+    return json.loads(lines[-1].split(" ready: ", 1)[1])["budget"]
+
+
+def test_bulk_beyond_the_budget_is_refused_at_once(minilm_server, worker, budget):
+    """1,024 texts of ~280 words (1.7 MB, inside the 2,048-text and 100,000-character limits): on CPU this
+    batch outlived responseTimeout (60 s) and took its worker and its batch-mates down. Now it exceeds what
+    the worker admits (262,144 tokens, 1.7 M characters) and gets its 413 at once, naming the limit."""
+    r, seconds = _post(minilm_server, {"input": [f"{i} {PARAGRAPH}" for i in range(1024)]})
+    assert r.status_code == 413, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large", err
+    assert (f"at most {budget['chars_per_request']} per request" in err["message"]
+            or f"at most {budget['tokens_per_request']} tokens per request" in err["message"]), (err, budget)
+    assert seconds < 30, f"refused only after {seconds:.1f} s"
+    assert worker_identity(minilm_server, MODEL) == worker
+
+
+def test_a_full_batch_of_requests_at_the_budget_is_answered(minilm_server, reference, worker, budget):
+    """Eight requests (the registered batch) each holding as many full-length texts as the limits admit,
+    sent at once: all answered right, by the same worker, within the timeout."""
+    text = f"0 {PARAGRAPH}"
+    n = min(budget["tokens_per_request"] // 256, budget["chars_per_request"] // (len(text) + 8))
+    assert n >= 1, budget
+    texts = [f"{k} {PARAGRAPH}" for k in range(n)]  # each cut to 256 tokens, its special tokens included
+    url = minilm_server.inference_url + OPENAI_URL.format(model=MODEL)
+    t0 = time.monotonic()
+    answers = send_together([("POST", url, json.dumps({"input": texts}).encode(), "application/json")] * 8,
+                            timeout=180)
+    seconds = time.monotonic() - t0
+    assert [a.status for a in answers] == [200] * 8, [a.body[:200] for a in answers]
+    want = reference(texts[:2])
+    for a in answers:
+        got = vectors(a.json())
+        assert got.shape == (n, 384) and np.abs(got[:2] - want).max() < 1e-4
+    assert worker_identity(minilm_server, MODEL) == worker
+    print(f"8 requests x {n} texts of 256 tokens (budget {budget}) answered in {seconds:.1f} s")
+
+
+def test_bulk_beyond_the_character_budget_is_refused_before_tokenizing(minilm_server, worker):
+    """2,048 texts of 30,000 characters (61 MB, inside every per-text limit): refused on its characters,
+    before the tokenizer spends minutes on it."""
+    r, seconds = _post(minilm_server, {"input": ["b" * 29_990 + f" {i:08d}" for i in range(2048)]})
+    assert r.status_code == 413, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and "characters in all" in err["message"], err
+    assert seconds < 30, f"refused only after {seconds:.1f} s"
+    assert worker_identity(minilm_server, MODEL) == worker
+
+
+def test_handler_error_bodies_stay_small(minilm_server):
+    """Every echoed value is cut to 200 characters (saying so) and every message to 600: a 1 MB value
+    comes back as a small 400 that reaches the client, not as a 1 MB body or a connection reset."""
+    for case in (c for c in CASES if c.answered_by == "handler" and c.name.startswith("echo_")):
+        r = requests.post(case.url(minilm_server.inference_url, MODEL), data=case.body,
+                          headers={"Content-Type": case.content_type}, timeout=60)
+        assert r.status_code == 400 and len(r.content) < 1000, (case.name, r.status_code, len(r.content))
+        assert "truncated" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [("/predictions/{model}", {"text": "a cat sat on the mat"}),
+                                        (OPENAI_URL, {"input": "a cat sat on the mat"})])
+@pytest.mark.parametrize("ctype", ["application/json", "text/plain"])
+def test_a_body_with_a_byte_order_mark_is_read_as_its_json(minilm_server, reference, path, body, ctype):
+    """A UTF-8 BOM before the JSON (Windows tools write one): the JSON is read, its text embedded, never the
+    raw body as text (which gave a vector at cosine 0.46 to the intended one)."""
+    r = requests.post(minilm_server.inference_url + path.format(model=MODEL),
+                      data=b"\xef\xbb\xbf" + json.dumps(body).encode(), headers={"Content-Type": ctype}, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    assert np.abs(vectors(r.json()) - reference(["a cat sat on the mat"])).max() < 1e-4
