@@ -80,7 +80,6 @@ class DecoderFamily:
     triton_decode: bool = True  # optimizations/kernels/triton_decode.py fuses this block
     turn_end_tokens: tuple[str, ...] = ()  # chat-template tokens that end a turn (stop ids)
     default_chat_template: str | None = None  # for GGUFs of base models that carry none
-    notes: str = ""  # what is refused, shown by docs/families.md
 
     @property
     def layer_names(self) -> dict[str, str]:
@@ -139,10 +138,6 @@ def _qwen3_fields(hf: dict) -> dict:
 
 def _qwen3_extra(c: Any) -> dict:
     return {**_qwen_extra(c), "attention_bias": c.qkv_bias}
-
-
-def _llama_gguf(key: GgufKey, n_layers: int) -> dict:
-    return {}
 
 
 # --- Phi-3: fused projections, a window over every layer ------------------------------------------
@@ -285,28 +280,23 @@ _GEMMA = dict(block=SANDWICH, gguf_norm_shift=1.0, triton_decode=False, turn_end
               default_chat_template=GEMMA_CHAT_TEMPLATE)
 
 DECODER_FAMILIES: Mapping[str, DecoderFamily] = {f.model_type: f for f in (
+    # Llama 2/3.x and SmolLM; llama.cpp writes Mistral GGUFs as "llama" too.
     DecoderFamily("llama", "LlamaForCausalLM", hf_fields=_llama_fields, hf_extra=_llama_extra, gguf_arch="llama",
-                  gguf_fields=_llama_gguf, gguf_rope_permuted=True,
-                  notes="Llama 2/3.x and SmolLM; Mistral GGUFs are written as llama"),
+                  gguf_rope_permuted=True),
+    # A window shorter than the context is refused (every layer would use it).
     DecoderFamily("mistral", "MistralForCausalLM", hf_fields=_mistral_fields,
-                  hf_extra=lambda c: {**_llama_extra(c), "sliding_window": c.sliding_window},
-                  notes="a sliding window shorter than the context is refused"),
-    DecoderFamily("qwen2", "Qwen2ForCausalLM", hf_fields=_qwen2_fields, hf_extra=_qwen_extra, gguf_arch="qwen2",
-                  notes="q/k/v biases; a sliding window shorter than the context is refused"),
+                  hf_extra=lambda c: {**_llama_extra(c), "sliding_window": c.sliding_window}),
+    DecoderFamily("qwen2", "Qwen2ForCausalLM", hf_fields=_qwen2_fields, hf_extra=_qwen_extra, gguf_arch="qwen2"),
     DecoderFamily("qwen3", "Qwen3ForCausalLM", hf_fields=_qwen3_fields, hf_extra=_qwen3_extra, gguf_arch="qwen3",
-                  qk_norm=True, triton_decode=False,
-                  notes="RMSNorm of each q/k head before RoPE; decode kernels: torch"),
+                  qk_norm=True, triton_decode=False),
+    # Its GGUFs (attn_qkv, ffn_up holding gate and up) are not read yet.
     DecoderFamily("phi3", "Phi3ForCausalLM", hf_fields=_phi3_fields, hf_extra=_phi3_extra,
-                  fused_weights=_PHI3_FUSED, triton_decode=False,
-                  notes="fused qkv_proj and gate_up_proj split at load; its window in every layer; LongRoPE and "
-                        "partial rotary refused; no GGUF; kernels: torch"),
+                  fused_weights=_PHI3_FUSED, triton_decode=False),
     DecoderFamily("gemma2", "Gemma2ForCausalLM", hf_fields=_gemma2_fields, hf_extra=_gemma_extra, gguf_arch="gemma2",
-                  gguf_fields=_gemma2_gguf, **_GEMMA,  # type: ignore[arg-type]
-                  notes="attention and final logit soft-capping; alternating local/global layers; kernels: torch"),
+                  gguf_fields=_gemma2_gguf, **_GEMMA),  # type: ignore[arg-type]
+    # Text models only: model_type gemma3 (with a vision tower) is not in this table.
     DecoderFamily("gemma3_text", "Gemma3ForCausalLM", hf_fields=_gemma3_fields, hf_extra=_gemma3_extra,
-                  gguf_arch="gemma3", gguf_fields=_gemma3_gguf, qk_norm=True, **_GEMMA,  # type: ignore[arg-type]
-                  notes="text model only (gemma3 with a vision tower is refused); local layers with their own "
-                        "RoPE base; kernels: torch"),
+                  gguf_arch="gemma3", gguf_fields=_gemma3_gguf, qk_norm=True, **_GEMMA),  # type: ignore[arg-type]
 )}
 
 GGUF_FAMILIES: Mapping[str, DecoderFamily] = {f.gguf_arch: f for f in DECODER_FAMILIES.values() if f.gguf_arch}
