@@ -35,7 +35,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import Tensor
@@ -44,6 +44,9 @@ from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.models.llama import Transformer, WithBlocks
 from servekit.optimizations.llm.sampling import (FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, sample,
                                              sample_full, sampling_mode)
+
+if TYPE_CHECKING:
+    from servekit.optimizations.llm.grammar import DecodeConstraint
 
 KERNELS = ("torch", "triton")  # what runs a decode step's layers: torch ops (eager or compiled), or triton_decode
 FINISH_STOP = "stop"
@@ -67,6 +70,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # report each token's logprob and this many top alternatives (None: off)
+    # Grammar, logit_bias and min_tokens (optimizations/llm/grammar.py): continuous batching only.
+    constraint: "DecodeConstraint | None" = None
 
     @property
     def full(self) -> bool:
@@ -238,7 +243,9 @@ class DecodeState:
     def __init__(self, batch: int, device: torch.device, vocab_size: int) -> None:
         self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.input_pos = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-        self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
+        # A bias row per cache row (continuous batching loads logit_bias and grammar masks there).
+        self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device,
+                                            vocab_size=vocab_size)
         # Times each token was generated so far, per row: the penalties' input (FULL mode only).
         self.counts = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
 

@@ -37,18 +37,27 @@ class SamplingTensors(NamedTuple):
     seed: Tensor  # int64 in [0, 2**32)
     presence: Tensor  # float32; presence penalty, 0 means off
     frequency: Tensor  # float32; frequency penalty, 0 means off
+    # float32 (B, V), or (B, 1) zeros where no row can have one: added to the logits before
+    # anything else (logit_bias, a grammar's -inf mask, stop tokens masked before min_tokens).
+    bias: Tensor
 
     @classmethod
     def build(cls, temperature: list[float], top_k: list[int], top_p: list[float], seed: list[int],
               device: torch.device | str = "cpu", presence: list[float] | None = None,
-              frequency: list[float] | None = None) -> "SamplingTensors":
+              frequency: list[float] | None = None, bias: Tensor | None = None,
+              vocab_size: int = 1) -> "SamplingTensors":
+        """``bias``: the rows' additive logit bias ``(B, V)``; without it, zeros ``(B, vocab_size)``
+        (a decode state that rows with a bias may join is built with the model's vocabulary)."""
         zeros = [0.0] * len(temperature)
+        if bias is None:
+            bias = torch.zeros(len(temperature), vocab_size, dtype=torch.float32, device=device)
         return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
                    torch.tensor(top_k, dtype=torch.int64, device=device),
                    torch.tensor(top_p, dtype=torch.float32, device=device),
                    torch.tensor([s & _M32 for s in seed], dtype=torch.int64, device=device),
                    torch.tensor(presence or zeros, dtype=torch.float32, device=device),
-                   torch.tensor(frequency or zeros, dtype=torch.float32, device=device))
+                   torch.tensor(frequency or zeros, dtype=torch.float32, device=device),
+                   bias.to(device=device, dtype=torch.float32))
 
     def copy_(self, other: "SamplingTensors") -> None:
         for dst, src in zip(self, other):
@@ -115,18 +124,25 @@ def sampling_mode(temperature: list[float], top_k: list[int], top_p: list[float]
     return SAMPLE
 
 
+_GUMBEL_MAX = 20.0  # above any finite draw of the noise (at most ~16.6)
+
+
 def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str = FILTER) -> Tensor:
     """Next token ids ``(B,)`` from fp32 logits ``(B, V)``; ``position`` ``(B,)`` keys the noise.
 
     ``mode`` must cover every row (``sampling_mode``); rows with temperature 0 are greedy in any mode.
+    The rows' ``bias`` is added first (a (B, 1) zero bias changes nothing).
     """
+    logits = logits + params.bias
     greedy = logits.argmax(dim=-1)
     if mode == GREEDY:
         return greedy
     scaled = logits / params.temperature.clamp(min=1e-5)[:, None]
     if mode == FILTER:
         scaled = top_k_top_p_filter(scaled, params.top_k, params.top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))
+    # float32 rounds the noise's largest values to exactly 1.0, whose Gumbel is +inf: bounded, so
+    # that a token masked to -inf (a grammar, logit_bias) never becomes NaN and wins the argmax.
+    gumbel = (-torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))).clamp(max=_GUMBEL_MAX)
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(params.temperature > 0, sampled, greedy)
 

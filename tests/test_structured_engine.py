@@ -1,0 +1,229 @@
+"""Grammar-constrained decoding in the continuous engine (CPU): a tiny random Llama with SmolLM2's
+vocabulary and tokenizer, so a grammar compiled for SmolLM2 drives it. A random model under a
+grammar still writes only what the grammar allows: every output parses and validates over the
+schemas below; rows with a grammar, logit_bias or min_tokens share the batch with free, logprobs
+and sampled rows, and each row gets what it gets alone."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.grammar import (CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX, GrammarCompiler,
+                                                GrammarError, GrammarSpec)
+from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+from servekit.optimizations.models.llama import LlamaConfig, init_random
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+VOCAB = 49152  # SmolLM2's
+STR = {"type": "string", "maxLength": 8}  # strings end: a random model would otherwise write on
+
+# >= 20 schemas: nested objects, arrays with min/max items, enums, bounded numbers, string
+# patterns, optional fields, unions, constants.
+SCHEMAS: list[dict] = [
+    {"type": "object", "properties": {"name": STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": STR, "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["zip"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": -50, "maximum": 50}, "y": {"type": "integer", "minimum": -50,
+                                                                       "maximum": 50}},
+        "required": ["x", "y"], "additionalProperties": False}}, "required": ["point"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": STR, "b": STR}, "required": ["a"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
+                                                      {"enum": ["none"]}]}}, "required": ["v"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"const": "user"}, "id": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 999}},
+     "required": ["kind", "id"], "additionalProperties": False},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}},
+     "required": ["code"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "object", "properties": {"sku": STR, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["sku", "qty"], "additionalProperties": False}}}, "required": ["items"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"level": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["level"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"nothing": {"type": "null"}}, "required": ["nothing"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"matrix": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "boolean"}}}}, "required": ["matrix"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"day": {"enum": ["mon", "tue", "wed"]}, "note": STR},
+     "required": ["day"], "additionalProperties": False},
+    {"type": "object", "properties": {"hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}},
+     "required": ["hex"], "additionalProperties": False},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"name": STR, "address": {
+        "type": "object", "properties": {"city": STR}, "required": ["city"], "additionalProperties": False}},
+        "required": ["name", "address"], "additionalProperties": False}}, "required": ["user"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"flag": {"type": "boolean"}, "count": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 5}},
+     "required": ["flag", "count"], "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "why": {"type": ["string", "null"],
+                                                                                "maxLength": 6}},
+     "required": ["answer", "why"], "additionalProperties": False},
+    {"type": "object", "properties": {"pair": {"type": "array", "prefixItems": [STR, {"type": "boolean"}],
+                                               "items": False, "minItems": 2}},
+     "required": ["pair"], "additionalProperties": False},
+    {"type": "object", "properties": {"word": {"type": "string", "pattern": "^[a-z]{1,6}$"}}, "required": ["word"],
+     "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ChatTokenizer:
+    return ChatTokenizer(smollm2_archive_files(torch.bfloat16)[0].parent)
+
+
+@pytest.fixture(scope="module")
+def stops(tokenizer: ChatTokenizer) -> tuple[int, ...]:
+    return (tokenizer.eos_token_id, tokenizer.token_id("<|endoftext|>"))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: ChatTokenizer, stops: tuple[int, ...]) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, VOCAB, stops)
+
+
+@pytest.fixture(scope="module")
+def runner() -> LlamaRunner:
+    model = init_random(LlamaConfig.tiny(vocab_size=VOCAB), seed=0)
+    return LlamaRunner(model, max_seq_len=256, batch_buckets=(1, 2, 4), prefill_buckets=(16, 32, 64),
+                       kv_buckets=(128, 256))
+
+
+def _run(runner: LlamaRunner, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple[list, str]]:
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+    out: dict[str, list] = {k: [] for k in requests}
+    finish: dict[str, str] = {}
+    for key, (prompt, params) in requests.items():
+        b.add(key, prompt, params)
+    for _ in range(5000):
+        if not b.has_work:
+            break
+        for key, u in b.step().items():
+            out[key] += u.tokens
+            if u.finish_reason is not None:
+                finish[key] = u.finish_reason
+    assert not b.has_work
+    return {k: (out[k], finish[k]) for k in requests}
+
+
+def _text(tokenizer: ChatTokenizer, tokens: list[int], finish: str) -> str:
+    return tokenizer.decode(tokens[:-1] if finish == "stop" else tokens)
+
+
+def test_every_output_parses_and_validates(runner, compiler, tokenizer, stops) -> None:
+    assert len(SCHEMAS) >= 20
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Give me JSON."}])
+    requests = {}
+    for i, schema in enumerate(SCHEMAS):
+        c = compiler.constraint(GrammarSpec.of(JSON, schema))
+        for seed in (i,):  # a sampled draw per schema, and greedy
+            requests[f"{i}-{seed}"] = (prompt, SamplingParams(max_tokens=160, temperature=1.0, seed=seed,
+                                                              stop_token_ids=stops, constraint=c))
+        requests[f"{i}-g"] = (prompt, SamplingParams(max_tokens=160, stop_token_ids=stops, constraint=c))
+    results = _run(runner, requests)
+    for key, (tokens, finish) in results.items():
+        schema = SCHEMAS[int(key.split("-")[0])]
+        text = _text(tokenizer, tokens, finish)
+        assert finish == "stop", (key, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("kind,value,check", [
+    (REGEX, r"[0-9]{3}-[a-z]{2}", lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+    (CHOICE, ["alpha", "beta gamma", 'quote"d'], lambda t: t in ("alpha", "beta gamma", 'quote"d')),
+    (GRAMMAR, 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?', lambda t: re.fullmatch(
+        r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", t) and len(t) < 200),
+    (JSON_OBJECT, None, lambda t: isinstance(json.loads(t), dict)),
+])
+def test_regex_choice_grammar_and_json_object(runner, compiler, tokenizer, stops, kind, value, check) -> None:
+    c = compiler.constraint(GrammarSpec.of(kind, value))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Answer."}])
+    requests = {str(seed): (prompt, SamplingParams(max_tokens=200, temperature=1.0, seed=seed, stop_token_ids=stops,
+                                                   constraint=c)) for seed in range(3)}
+    for key, (tokens, finish) in _run(runner, requests).items():
+        text = _text(tokenizer, tokens, finish)
+        if kind == JSON_OBJECT and finish == "length":  # free-form JSON may run long: its prefix is still JSON-ish
+            continue
+        assert finish == "stop" and check(text), (key, text)
+
+
+def test_a_mixed_batch_gives_each_row_its_solo_output(runner, compiler, tokenizer, stops) -> None:
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Mixed batch."}])
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[0]))
+    bias = compiler.constraint(logit_bias=((tokenizer.encode("Hello")[0], 6.0),), min_tokens=4)
+    rows = {
+        "constrained": (prompt, SamplingParams(max_tokens=40, stop_token_ids=stops, constraint=c)),
+        "free": (prompt[:-2], SamplingParams(max_tokens=12, stop_token_ids=stops)),
+        "logprobs": (prompt[1:], SamplingParams(max_tokens=10, stop_token_ids=stops, logprobs=2)),
+        "sampled": (prompt, SamplingParams(max_tokens=14, temperature=0.9, top_k=40, seed=7, stop_token_ids=stops,
+                                           constraint=c)),
+        "biased": (prompt[2:], SamplingParams(max_tokens=9, stop_token_ids=stops, constraint=bias)),
+    }
+    together = _run(runner, rows)
+    for key, request in rows.items():
+        assert _run(runner, {key: request})[key] == together[key], key
+
+
+def test_logit_bias_and_min_tokens(runner, compiler, tokenizer, stops) -> None:
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    word = tokenizer.encode(" banana")[0]
+    forced = compiler.constraint(logit_bias=((word, 100.0),))
+    tokens, _ = _run(runner, {"a": (prompt, SamplingParams(max_tokens=6, stop_token_ids=stops, constraint=forced))})["a"]
+    assert tokens == [word] * 6
+    # The stop token pushed to the top: without min_tokens the row ends at once, with it after 5 tokens.
+    eager_stop = compiler.constraint(logit_bias=((stops[0], 100.0),))
+    held = compiler.constraint(logit_bias=((stops[0], 100.0),), min_tokens=5)
+    out = _run(runner, {"now": (prompt, SamplingParams(max_tokens=20, stop_token_ids=stops, constraint=eager_stop)),
+                        "held": (prompt, SamplingParams(max_tokens=20, stop_token_ids=stops, constraint=held))})
+    assert out["now"] == ([stops[0]], "stop")
+    assert len(out["held"][0]) == 6 and out["held"][0][-1] == stops[0] and stops[0] not in out["held"][0][:-1]
+
+
+@pytest.mark.parametrize("kind,value,message", [
+    (JSON, {"type": "objekt"}, "invalid JSON schema at type"),
+    (JSON, "{not json", "not valid JSON"),
+    (REGEX, "[a-", "regex cannot be used"),
+    (GRAMMAR, "root ::= ", "grammar cannot be used"),
+    (CHOICE, [], "non-empty list"),
+])
+def test_bad_specs_are_named(compiler, kind, value, message) -> None:
+    with pytest.raises(GrammarError, match=message):
+        compiler.compile(GrammarSpec.of(kind, value))
+
+
+def test_compiled_grammars_are_cached_by_canonical_text_and_bounded(tokenizer, stops) -> None:
+    small = GrammarCompiler(tokenizer, VOCAB, stops, cache_size=2)
+    a = small.compile(GrammarSpec.of(JSON, {"type": "object", "properties": {"x": {"type": "integer"}}}))
+    same = small.compile(GrammarSpec.of(JSON, '{"properties": {"x": {"type": "integer"}}, "type": "object"}'))
+    assert same is a and len(small) == 1
+    small.compile(GrammarSpec.of(REGEX, "a+"))
+    small.compile(GrammarSpec.of(REGEX, "b+"))
+    assert len(small) == 2
+    assert small.compile(GrammarSpec.of(JSON, {"type": "object", "properties": {"x": {"type": "integer"}}})) is not a
+
+
+def test_a_slow_compile_is_an_error_not_a_stall(tokenizer, stops) -> None:
+    impatient = GrammarCompiler(tokenizer, VOCAB, stops, timeout_s=0.0005)
+    # A large schema takes several milliseconds to compile, far over the limit.
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i}}}x$"}
+                                               for i in range(1, 60)}}
+    with pytest.raises(GrammarError, match="did not compile within"):
+        impatient.compile(GrammarSpec.of(JSON, schema))
