@@ -282,7 +282,8 @@ class PackedPrefill:
         request shape is new at serving time. Returns what was built and how long it took."""
         t0 = time.perf_counter()
         spare, span = self.model.spare_row, self.model.max_seq_len
-        sizes = self.buckets or (min(self.max_tokens, span),)
+        # Uncaptured, shapes do not matter: one small forward initialises the path (and compiles the kernel).
+        sizes = self.buckets or (min(SMALLEST_BUCKET, self.max_tokens, span),)
         pool = torch.cuda.graph_pool_handle() if self.graphs else None
         for n in sorted(sizes, reverse=True):  # largest first: the smaller graphs fit in its pool
             # Chunks of one request each into the spare row (the cache's garbage row), at most a context long.
