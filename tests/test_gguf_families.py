@@ -1,7 +1,8 @@
 """GGUF files of other Llama-family models than SmolLM2: a Llama 3.1-style one (llama.cpp's q/k row
 permutation, Llama 3.1 RoPE scaling as rope_freqs, an end-of-turn id), a Qwen2 one (biases,
-no permutation), a Qwen3 one (q/k norms) and a Gemma 3 one (sandwich norms stored as 1 + weight,
-sliding layers in llama.cpp's fixed pattern, linear RoPE scaling, no chat template), written here
+no permutation), a Qwen3 one (q/k norms), a Gemma 3 one (sandwich norms stored as 1 + weight,
+sliding layers in llama.cpp's fixed pattern, linear RoPE scaling, no chat template) and a Gemma 2
+one (its soft-capping values in the header, alternating sliding layers), written here
 with the gguf package the way llama.cpp's converter lays them out, from checkpoints transformers
 made. Converted by ``convert_gguf_to_safetensors``, they must compute what the original checkpoints
 compute."""
@@ -35,7 +36,8 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "o
 QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 GEMMA = {**LAYER, **QK_NORMS, "post_attention_layernorm": "post_attention_norm",
          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-ARCH_LAYERS = {"llama": LAYER, "qwen2": LAYER, "qwen3": {**LAYER, **QK_NORMS}, "gemma3": GEMMA}
+ARCH_LAYERS = {"llama": LAYER, "qwen2": LAYER, "qwen3": {**LAYER, **QK_NORMS}, "gemma3": GEMMA,
+               "gemma2": {k: v for k, v in GEMMA.items() if k not in QK_NORMS}}
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -83,8 +85,11 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    if arch == "gemma3":  # llama.cpp's converter writes the window; pattern and local base are its defaults
+    if arch.startswith("gemma"):  # llama.cpp's converter writes the window; the pattern is its own rule
         writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_vocab_size(config["vocab_size"])
     tok = byte_tokenizer()
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
@@ -98,14 +103,14 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
     writer.add_bos_token_id(tok.token_to_id(BOS))
     writer.add_eos_token_id(tok.token_to_id(EOS))
     writer.add_eot_token_id(tok.token_to_id(EOT))
-    if arch != "gemma3":  # like gemma-3-270m's own GGUF: a base model without a template
+    if not arch.startswith("gemma"):  # like gemma-3-270m's own GGUF: a base model without a template
         writer.add_chat_template(CHAT_TEMPLATE)
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope, head_dim))
     for name, t in load_file(str(checkpoint / "model.safetensors")).items():
         w = t.float().numpy()
         if name in TOP:
-            writer.add_tensor(TOP[name], w + 1 if arch == "gemma3" and name.endswith("norm.weight") else w)
+            writer.add_tensor(TOP[name], w + 1 if arch.startswith("gemma") and name.endswith("norm.weight") else w)
             continue
         prefix, kind = name.rsplit(".", 1)  # model.layers.<i>.<module>.<weight|bias>
         _, _, i, module = prefix.split(".", 3)
@@ -113,7 +118,7 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
             w = llama_cpp_permute(w, n_heads)
         elif arch == "llama" and module == "self_attn.k_proj":
             w = llama_cpp_permute(w, n_kv)
-        elif arch == "gemma3" and module.endswith("norm"):
+        elif arch.startswith("gemma") and module.endswith("norm"):
             w = w + 1  # llama.cpp's converter stores Gemma's norms as 1 + weight
         writer.add_tensor(f"blk.{i}.{ARCH_LAYERS[arch][module]}.{kind}", w)
     writer.write_header_to_file()
@@ -131,11 +136,11 @@ GEMMA3_LLAMA_CPP = dict(num_hidden_layers=6, layer_types=None, query_pre_attn_sc
 
 
 @pytest.mark.parametrize("family, arch", [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
-                                          ("gemma3", "gemma3")])
+                                          ("gemma3", "gemma3"), ("gemma2", "gemma2")])
 def test_converted_gguf_computes_what_the_checkpoint_computes(family: str, arch: str, tmp_path: Path) -> None:
     # Two heads of 24 dims: two of the 12 RoPE frequencies fall in llama3's smoothed band, which
     # is what recovering the scaling from rope_freqs needs (real Llama 3 heads have 64 or 128 dims).
-    heads = dict(num_attention_heads=2, num_key_value_heads=1) if family != "gemma3" else GEMMA3_LLAMA_CPP
+    heads = {"gemma3": GEMMA3_LLAMA_CPP, "gemma2": {}}.get(family, dict(num_attention_heads=2, num_key_value_heads=1))
     checkpoint = write_checkpoint(family, tmp_path / "hf", seed=3, **heads)
     path = write_gguf(checkpoint, tmp_path / f"{family}.gguf", arch)
     assert gguf_architecture(path) == arch
@@ -144,6 +149,7 @@ def test_converted_gguf_computes_what_the_checkpoint_computes(family: str, arch:
     assert converted.rope_scaling == original.rope_scaling and converted.qkv_bias == original.qkv_bias
     assert (converted.qk_norm, converted.layer_types, converted.rope_local_base, converted.attn_scalar) == (
         original.qk_norm, original.layer_types, original.rope_local_base, original.attn_scalar)
+    assert (converted.attn_softcap, converted.logit_softcap) == (original.attn_softcap, original.logit_softcap)
     assert converted.model_type == original.model_type and converted.tie_embeddings == original.tie_embeddings
     ours = load_llama(out)
     ours.setup_caches(2, 48)
@@ -156,7 +162,7 @@ def test_converted_gguf_computes_what_the_checkpoint_computes(family: str, arch:
         again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         torch.testing.assert_close(again(tokens).logits, reference(tokens).logits, atol=2e-5, rtol=1e-4)
     tok = ChatTokenizer(out)
-    turn = ("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n" if arch == "gemma3"  # Gemma's own format
+    turn = ("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n" if arch.startswith("gemma")  # Gemma's format
             else "<|user|>hi<|eot|><|assistant|>")
     assert tok.render([{"role": "user", "content": "hi"}]) == BOS + turn
     assert {tok.token_id(EOS), tok.token_id(EOT)} <= set(stop_token_ids(out, tok))
