@@ -17,6 +17,8 @@ PREFIX = "benchmarks/results/"
 # A cited path runs until a character that cannot be part of it (backtick, space, bracket, quote).
 CITED = re.compile(re.escape(PREFIX) + r"([^\s`'\")\]]*)")
 BACKTICKED = re.compile(r"`([^`\s]+)`")
+# Where a command writes a run (`--out benchmarks/results/x-h100`) is a destination, not a citation.
+OUTPUT = re.compile(r"--out[=\s]+" + re.escape(PREFIX) + r"\S*")
 # A command that reproduces a run: the servekit CLI, a servekit module, or a script of benchmarks/.
 COMMAND = re.compile(r"(python3? -m servekit|servekit (bench|archive|train-speculator)\b|bash benchmarks/)")
 
@@ -34,9 +36,9 @@ def expand_braces(token: str) -> list[str]:
 
 def cited_paths(text: str) -> set[str]:
     """Paths under benchmarks/results/ a page names, without a trailing slash or full stop.
-    Templates (`minilm-gpu-<gpu>`, `DIR`) and the bare folder are not paths."""
+    Templates (`minilm-gpu-<gpu>`), the bare folder and commands' output folders are not citations."""
     paths = set()
-    for match in CITED.finditer(text):
+    for match in CITED.finditer(OUTPUT.sub("", text)):
         path = match.group(1).rstrip(".,:;").rstrip("/")
         if path and "<" not in path and "*" not in path:
             paths.update(expand_braces(path))
@@ -67,7 +69,8 @@ def results_entries() -> list[Path]:
 def test_expand_braces_and_cited_paths() -> None:
     assert expand_braces("a.{json,md}") == ["a.json", "a.md"]
     text = ("see `benchmarks/results/x-h100/`, benchmarks/results/y/sub. and "
-            "`--out benchmarks/results/minilm-gpu-<gpu>` or `--out benchmarks/results`")
+            "`--out benchmarks/results/minilm-gpu-<gpu>`, `--out benchmarks/results/new-h100` or "
+            "`--out benchmarks/results`")
     assert cited_paths(text) == {"x-h100", "y/sub"}
 
 
