@@ -315,13 +315,15 @@ def test_checkpoint_with_unannounced_bias_is_refused(checkpoints, tmp_path: Path
         load_llama(folder)
 
 
-def test_speculator_trained_on_a_model_dir_serves_plain_greedy_output(checkpoints, tmp_path: Path) -> None:
-    """`servekit train-speculator --model-dir` on a Qwen2 checkpoint (sharded, biases), then the
-    heads served from the model folder: speculative greedy output equals plain greedy output."""
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "gemma2"])
+def test_speculator_trained_on_a_model_dir_serves_plain_greedy_output(family: str, checkpoints, tmp_path: Path) -> None:
+    """`servekit train-speculator --model-dir` on a Qwen2 checkpoint (sharded, biases) and on Gemma
+    ones (scaled embeddings, sliding layers, soft-capped logits), then the heads served from the
+    model folder: speculative greedy output equals plain greedy output."""
     from servekit.optimizations.training import train_speculator
 
     folder = tmp_path / "model"
-    shutil.copytree(checkpoints["qwen2"], folder)
+    shutil.copytree(checkpoints[family], folder)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"Say {w}." for w in "one two three four five six seven eight nine ten".split()))
     assert train_speculator.main(["--model-dir", str(folder), "--dtype", "fp32", "--out", str(folder / "speculator"),
