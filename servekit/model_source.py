@@ -20,7 +20,7 @@ import yaml
 
 from servekit.optimizations.buckets import seq_buckets
 from servekit.optimizations.models.classifier import CLASSIFY, RERANK, check_classifier, is_sequence_classifier
-from servekit.optimizations.models.encoder import FAMILIES, UnsupportedModel, check_checkpoint
+from servekit.optimizations.models.encoder import FAMILIES, ROTARY_FAMILIES, UnsupportedModel, check_checkpoint
 from servekit.optimizations.models.families import DECODER_FAMILIES
 from servekit.optimizations.models.weights import safetensors_files
 from servekit.resources import model_config
@@ -84,13 +84,13 @@ def infer_kind(model_dir: Path) -> str:
             if str(arch).endswith(suffix):
                 raise UnsupportedModel(f"{Path(model_dir) / 'config.json'}: {arch} is {what}; servekit serves "
                                        "sentence embeddings, cross-encoders and sequence classifiers of these encoders")
-    if raw.get("model_type") in FAMILIES:
+    if raw.get("model_type") in FAMILIES or raw.get("model_type") in ROTARY_FAMILIES:
         return EMBEDDING
     if raw.get("model_type") in LLM_MODEL_TYPES:
         return LLM
     arch = ", ".join(raw.get("architectures") or []) or "none given"
     raise UnsupportedModel(f"{Path(model_dir) / 'config.json'}: model_type {raw.get('model_type')!r} (architectures: "
-                           f"{arch}) is not supported; encoders: {', '.join(sorted(FAMILIES))}; causal LMs: "
+                           f"{arch}) is not supported; encoders: {', '.join(sorted({**FAMILIES, **ROTARY_FAMILIES}))}; causal LMs: "
                            f"{', '.join(LLM_MODEL_TYPES)}")
 
 

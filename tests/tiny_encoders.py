@@ -19,7 +19,7 @@ def tokenizer(family: str):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    if family in ("bert", "distilbert"):
+    if family in ("bert", "distilbert", "modernbert"):
         specials = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
                     "mask_token": "[MASK]"}
         order = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -38,9 +38,10 @@ def tokenizer(family: str):
 
 
 def hf_encoder(path: Path, family: str, seed: int = 0, max_positions: int = 80) -> Path:
-    """A random tiny Hugging Face encoder of `family` (bert, roberta, xlm-roberta, distilbert, mpnet)."""
-    from transformers import (BertConfig, BertModel, DistilBertConfig, DistilBertModel, MPNetConfig, MPNetModel,
-                              RobertaConfig, RobertaModel, XLMRobertaConfig, XLMRobertaModel)
+    """A random tiny Hugging Face encoder of `family` (bert, roberta, xlm-roberta, distilbert, mpnet, modernbert)."""
+    from transformers import (BertConfig, BertModel, DistilBertConfig, DistilBertModel, ModernBertConfig,
+                              ModernBertModel, MPNetConfig, MPNetModel, RobertaConfig, RobertaModel, XLMRobertaConfig,
+                              XLMRobertaModel)
 
     tok, vocab = tokenizer(family)
     common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
@@ -57,6 +58,14 @@ def hf_encoder(path: Path, family: str, seed: int = 0, max_positions: int = 80) 
     elif family == "distilbert":
         model = DistilBertModel(DistilBertConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=48,
                                                  max_position_embeddings=max_positions))
+    elif family == "modernbert":
+        # Four layers: global, local, local, global. A window of 8 (4 keys either side) is shorter
+        # than most test texts, so the local layers really cut attention; biases on to cover them.
+        model = ModernBertModel(ModernBertConfig(
+            **{**common, "num_hidden_layers": 4}, max_position_embeddings=max_positions, global_attn_every_n_layers=3,
+            local_attention=8, global_rope_theta=160000.0, local_rope_theta=10000.0, norm_bias=True,
+            attention_bias=True, mlp_bias=True, pad_token_id=0, cls_token_id=2, sep_token_id=3, bos_token_id=2,
+            eos_token_id=3))
     else:
         raise ValueError(family)
     # Random init leaves LayerNorms at 1/0 and biases at 0: perturb every tensor so that each one matters.

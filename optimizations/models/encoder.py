@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +24,14 @@ from torch import nn
 
 from servekit.optimizations.models.weights import load_safetensors
 
+if TYPE_CHECKING:  # rotary_encoder imports this module
+    from servekit.optimizations.models.rotary_encoder import RotaryEncoderConfig
+
 # model_type (config.json) -> family; also what `servekit archive` recognises as an encoder.
 FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "distilbert": "distilbert",
             "mpnet": "mpnet"}
+# Pre-norm rotary encoders (rotary_encoder.py), served as sentence embeddings only.
+ROTARY_FAMILIES = {"modernbert": "modernbert"}
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # MPNet's relative-position buckets: transformers computes them with these constants whatever the config says.
@@ -214,9 +220,19 @@ def _rename(key: str, family: str) -> str | None:
     raise UnsupportedModel(f"unexpected tensor {key!r} in a {family} checkpoint")
 
 
-def load_encoder(model_dir: Path) -> Encoder:
+def _is_rotary(model_dir: Path) -> bool:
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("model_type") in ROTARY_FAMILIES
+    except (OSError, ValueError, AttributeError):
+        return False  # EncoderConfig.from_json names what is wrong with the file
+
+
+def load_encoder(model_dir: Path) -> nn.Module:
     """Build the encoder from `config.json` + safetensors (one file or shards; no pickle is ever loaded)."""
     model_dir = Path(model_dir)
+    if _is_rotary(model_dir):
+        from servekit.optimizations.models.rotary_encoder import load_rotary_encoder
+        return load_rotary_encoder(model_dir)
     cfg = EncoderConfig.from_json(model_dir / "config.json")
     with torch.device("meta"):
         model = Encoder(cfg)
@@ -233,7 +249,7 @@ def load_encoder(model_dir: Path) -> Encoder:
     return model.eval()
 
 
-def check_checkpoint(model_dir: Path) -> EncoderConfig:
+def check_checkpoint(model_dir: Path) -> "EncoderConfig | RotaryEncoderConfig":
     """Check without loading any tensor data that `model_dir` holds an encoder servekit serves:
     a supported config and safetensors whose tensors are exactly those the encoder needs."""
     from safetensors import safe_open
@@ -241,6 +257,9 @@ def check_checkpoint(model_dir: Path) -> EncoderConfig:
     from servekit.optimizations.models.weights import INDEX, safetensors_files
 
     model_dir = Path(model_dir)
+    if _is_rotary(model_dir):
+        from servekit.optimizations.models.rotary_encoder import check_rotary_checkpoint
+        return check_rotary_checkpoint(model_dir)
     cfg = EncoderConfig.from_json(model_dir / "config.json")
     names = set()
     for f in safetensors_files(model_dir):
