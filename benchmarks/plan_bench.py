@@ -124,13 +124,13 @@ def time_bucket(runner, b: int, s: int, iters: int, repeats: int = 5) -> float:
     mask = torch.ones((b, s), dtype=torch.long)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     for _ in range(3):
-        runner._run(b, s, ids, mask)
+        runner.forward.run_shape(b, s, ids, mask)
     sync()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         for _ in range(iters):
-            runner._run(b, s, ids, mask)
+            runner.forward.run_shape(b, s, ids, mask)
         sync()
         times.append((time.perf_counter() - t) * 1000 / iters)
     return statistics.median(times)
@@ -147,7 +147,7 @@ def bench_plan(name: str, raw: dict, iters: int, folder: Path) -> dict:
     for b, s in sorted(runner.buckets.shapes()):
         ms = time_bucket(runner, b, s, iters)
         rows.append({"batch": b, "seq": s, "ms_per_batch": round(ms, 4), "seq_per_s": round(b / ms * 1000, 1)})
-    capture = {(c["batch"], c["seq"]): c for c in runner.bucket_stats}
+    capture = {(c["batch"], c["seq"]): c for c in runner.forward.bucket_stats}
     for r in rows:
         c = capture.get((r["batch"], r["seq"]), {})
         r["capture_s"], r["capture_mem_mb"] = c.get("capture_s"), c.get("mem_mb")
@@ -270,15 +270,16 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from servekit.optimizations.embed.runner import EmbeddingRunner, unique_graphs
+    from servekit.optimizations.bucketed import unique_graphs
+    from servekit.optimizations.embed.runner import EmbeddingRunner
     from servekit.optimizations.plan import parse_plan
 
     t = time.perf_counter()
     runner = EmbeddingRunner(model_dir(), parse_plan(json.loads(args.plan_json)))
-    slowest = sorted(runner.bucket_stats, key=lambda c: -c["capture_s"])[:4]
+    slowest = sorted(runner.forward.bucket_stats, key=lambda c: -c["capture_s"])[:4]
     print(json.dumps({"runner_ready_s": round(time.perf_counter() - t, 2), "load_s": round(runner.load_s, 2),
-                      "warmup_s": round(runner.warmup_s, 2), "compile_cache_hit": runner.compile_cache_hit,
-                      "buckets": len(runner.bucket_stats), "compiled_graphs": unique_graphs(),
+                      "warmup_s": round(runner.warmup_s, 2), "compile_cache_hit": runner.forward.compile_cache_hit,
+                      "buckets": len(runner.forward.bucket_stats), "compiled_graphs": unique_graphs(),
                       "slowest_buckets": [{k: c[k] for k in ("batch", "seq", "capture_s")} for c in slowest]}))
     return 0
 

@@ -17,7 +17,7 @@ Runs TorchServe 0.12's own code on real bytes, in this process, without a model:
 With `--texts N` (N > 1) each request is an OpenAI `/v1/embeddings` body of N texts, as indexing
 jobs send them, and three more stages are timed per batch:
   - pad: the batch's token ids into the (batch, seq) chunks the model runs (MiniLM's GPU buckets),
-    one torch slice assignment per text (before) and `optimizations.embed.runner.pad_chunk` (now);
+    one torch slice assignment per text (before) and `optimizations.bucketed.pad_chunk` (now);
   - answer: each request's JSON answer (`embedding_answer`), floats and base64;
   - frame: TorchServe's own response frame for the batch's answers (`create_predict_response`).
 Prints a table and writes `worker-overhead.json` (or `worker-overhead-<N>texts.json`) into `--out`.
@@ -216,7 +216,7 @@ def _pad_per_row(seqs: Sequence[Sequence[int]], chunks: Sequence[Any], pad_id: i
 def bench_pad(texts: Sequence[str], reps: int, vectorised: bool) -> float:
     """Seconds to pad the batch's tokenized texts into MiniLM's GPU chunks."""
     from servekit.optimizations.buckets import plan_chunks
-    from servekit.optimizations.embed.runner import pad_chunk
+    from servekit.optimizations.bucketed import pad_chunk
 
     seqs = [[101, *e.ids[:254], 102] for e in _tokenizer().encode_batch_fast(list(texts), add_special_tokens=False)]
     chunks = plan_chunks([len(s) for s in seqs], (1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256))

@@ -46,7 +46,7 @@ def test_padded_chunk_holds_each_text_left_aligned():
     """A chunk's ids and mask: each text's ids from the left, the pad id after them, mask 1 exactly
     over the text; padding rows (batch bucket above the texts) pad ids with one attended slot."""
     from servekit.optimizations.buckets import Chunk
-    from servekit.optimizations.embed.runner import pad_chunk
+    from servekit.optimizations.bucketed import pad_chunk
 
     seqs = [[101, 7, 102], [101, 102], [101, 5, 6, 7, 8, 102], [101, 9, 102]]
     ids, mask = pad_chunk(seqs, Chunk((2, 0, 3), 4, 8), 0)  # rows in the chunk's order, one padding row
@@ -96,8 +96,8 @@ def test_compiled_plan_serves_every_bucket_without_recompiling(golden, tmp_path,
     cache_dir()
     cache = tmp_path / "compile-cache"
     runner = EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "compile": "default", "compile_cache": str(cache)}))
-    assert len(runner.bucket_stats) == 4
-    assert not runner.compile_cache_hit and list(cache.glob("encoder-*.bin"))
+    assert len(runner.forward.bucket_stats) == 4
+    assert not runner.forward.compile_cache_hit and list(cache.glob("encoder-*.bin"))
     assert any(p.is_file() for p in (cache / "inductor").rglob("*")), "inductor's cache went elsewhere"
     # Mixed sizes and lengths that land in every (batch, seq) bucket.
     for texts in (golden[:1], golden[:3], golden, ["word " * 40], ["word " * 40] * 3, golden[:2] + ["word " * 200]):
