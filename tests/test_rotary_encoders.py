@@ -1,7 +1,13 @@
-"""ModernBERT (rotary, GeGLU, pre-norm, alternating global and sliding-window layers) against
-sentence-transformers on a tiny random model built with transformers' own ModernBertConfig (fp32, CPU):
+"""Rotary encoders, fp32 on CPU.
+
+ModernBERT (rotary, GeGLU, pre-norm, alternating global and sliding-window layers) against
+sentence-transformers on a tiny random model built with transformers' own ModernBertConfig:
 embeddings, padding, texts longer than the local window, prompts, the published config spelling,
-refusals, and `servekit archive PATH` through a live TorchServe."""
+refusals, and `servekit archive PATH` through a live TorchServe.
+
+Nomic BERT (nomic-embed-text: rotary, SwiGLU, post-norm) has no config class outside its own remote
+code, so its tiny checkpoint is written by hand and compared with a reference written here from the
+published formulas, one text at a time, with its task prefixes applied as sentence-transformers does."""
 from __future__ import annotations
 
 import json
@@ -14,7 +20,7 @@ from servekit.optimizations.embed.runner import EmbeddingRunner
 from servekit.optimizations.models.encoder import UnsupportedModel, check_checkpoint, load_encoder
 from servekit.optimizations.models.rotary_encoder import GLOBAL, LOCAL, RotaryEncoderConfig
 from servekit.optimizations.plan import parse_plan
-from tiny_encoders import LONG, SHORT, TEXTS, reference, st_model
+from tiny_encoders import LONG, SHORT, TEXTS, nomic_st_model, reference, st_model
 
 PLAN = {"device": "cpu", "buckets": {"batch_sizes": [1, 4], "seq_lens": [8, 16, 24]}}
 # nomic-embed-text's task prefixes, applied as sentence-transformers prompts.
@@ -135,3 +141,104 @@ def test_live_torchserve_serves_an_archived_modernbert(model_dir, tmp_path):
 
 def runner_encoder_cfg(model_dir: Path) -> RotaryEncoderConfig:
     return RotaryEncoderConfig.from_json(model_dir / "config.json")
+
+
+def nomic_reference(model_dir: Path, texts: list[str], prefix: str = "", max_len: int = 24) -> torch.Tensor:
+    """nomic-embed-text's sentence embedding from its published formulas, one unpadded text at a
+    time: emb_ln(word + token type 0); per layer h = norm1(h + out_proj(softmax(q k^T / sqrt(d)) v))
+    with q, k turned by rotary angles pos * base^(-2i/r) on pairs (i, i + r/2), or (2i, 2i + 1)
+    interleaved; h = norm2(h + fc2(fc11(h) * act(fc12(h)))); then mean over tokens, unit length.
+    Texts are cut at `max_len` tokens (the folder's max_seq_length)."""
+    from safetensors.torch import load_file
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    w = load_file(str(model_dir / "model.safetensors"))
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    act = {"swiglu": torch.nn.functional.silu, "geglu": torch.nn.functional.gelu}[cfg["activation_function"]]
+    h, heads = cfg["n_embd"], cfg["n_head"]
+    d = h // heads
+    r = int(d * cfg["rotary_emb_fraction"])
+    first, second = ((torch.arange(0, r, 2), torch.arange(1, r, 2)) if cfg["rotary_emb_interleaved"]
+                     else (torch.arange(r // 2), torch.arange(r // 2, r)))
+    inv = cfg["rotary_emb_base"] ** (-torch.arange(0, r, 2).double() / r)
+
+    def lin(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ w[name + ".weight"].double().T + (w[name + ".bias"].double() if name + ".bias" in w else 0)
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, (h,), w[name + ".weight"].double(), w[name + ".bias"].double(),
+                                              cfg["layer_norm_epsilon"])
+
+    def turn(x: torch.Tensor) -> torch.Tensor:  # (tokens, heads, d)
+        angle = torch.arange(x.shape[0]).double()[:, None, None] * inv  # (tokens, 1, r/2)
+        a, b = x[..., first], x[..., second]
+        out = x.clone()
+        out[..., first], out[..., second] = a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()
+        return out
+
+    rows = []
+    for text in texts:
+        ids = torch.tensor(tok(prefix + text, truncation=True, max_length=max_len)["input_ids"])
+        x = norm(w["embeddings.word_embeddings.weight"].double()[ids]
+                 + w["embeddings.token_type_embeddings.weight"].double()[0], "emb_ln")
+        for i in range(cfg["n_layer"]):
+            p = f"encoder.layers.{i}."
+            q, k, v = lin(x, p + "attn.Wqkv").view(len(ids), 3, heads, d).unbind(1)
+            scores = torch.einsum("qhd,khd->hqk", turn(q), turn(k)) / d ** 0.5
+            a = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(len(ids), h)
+            x = norm(x + lin(a, p + "attn.out_proj"), p + "norm1")
+            x = norm(x + lin(lin(x, p + "mlp.fc11") * act(lin(x, p + "mlp.fc12")), p + "mlp.fc2"), p + "norm2")
+        rows.append(torch.nn.functional.normalize(x.mean(0), dim=0))
+    return torch.stack(rows).float()
+
+
+NOMIC_VARIANTS = {
+    "nomic-embed-text": {},
+    # Partial rotary, interleaved pairs, every bias and a GeGLU gate: the other paths the config allows.
+    "partial-interleaved-biases": dict(rotary_emb_fraction=0.5, rotary_emb_interleaved=True, qkv_proj_bias=True,
+                                       mlp_fc1_bias=True, mlp_fc2_bias=True, activation_function="geglu",
+                                       rotary_emb_base=10000),
+}
+
+
+@pytest.mark.parametrize("variant", NOMIC_VARIANTS)
+def test_nomic_bert_equals_the_published_formulas(tmp_path, one_thread, variant):
+    path = nomic_st_model(tmp_path / "nomic", prompts=PROMPTS, **NOMIC_VARIANTS[variant])
+    r = EmbeddingRunner(path, parse_plan(PLAN), golden_texts=TEXTS)
+    assert r.max_tokens == 24 and r.normalized
+    torch.testing.assert_close(r.embed(TEXTS), nomic_reference(path, TEXTS), atol=2e-5, rtol=1e-4)
+    # Task prefixes: the prompt's text goes before each text, as sentence-transformers applies it.
+    for name, prefix in PROMPTS.items():
+        torch.testing.assert_close(r.embed(SHORT + LONG, prompt_name=name),
+                                   nomic_reference(path, SHORT + LONG, prefix), atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(r.embed(SHORT, "query"), r.embed(SHORT, "document"))
+
+
+def test_nomic_bert_padding_archive_and_refusals(tmp_path, one_thread):
+    from servekit.model_source import EMBEDDING, embedding_source, infer_kind
+
+    path = nomic_st_model(tmp_path / "nomic")
+    assert infer_kind(path) == EMBEDDING and embedding_source(path).max_tokens == 24
+    cfg = check_checkpoint(path)
+    assert (cfg.family, cfg.intermediate_size, cfg.vocab_size) == ("nomic_bert", 256, 40)  # rounded as published
+    encoder = load_encoder(path)
+    ids = [[2, 7, 8, 9, 10, 11, 3], [2, 12, 3]]
+    padded = torch.tensor([ids[0], ids[1] + [0] * 4])
+    with torch.no_grad():
+        batched = encoder(padded, (padded != 0).long())
+        torch.testing.assert_close(batched[1, :3], encoder(torch.tensor([ids[1]]), torch.ones(1, 3, dtype=torch.long))[0],
+                                   atol=1e-5, rtol=1e-5)
+    raw = json.loads((path / "config.json").read_text())
+    for change, message in [({"prenorm": True}, "prenorm=True .pre-norm blocks. is not supported"),
+                            ({"rotary_emb_fraction": 0.0}, "rotary_emb_fraction 0.0 is not supported"),
+                            ({"activation_function": "gelu"}, "activation_function 'gelu' is not supported")]:
+        (path / "config.json").write_text(json.dumps({**raw, **change}))
+        with pytest.raises(UnsupportedModel, match=message):
+            check_checkpoint(path)
+    (path / "config.json").write_text(json.dumps({**raw, "n_inner": 300}))
+    with pytest.raises(UnsupportedModel, match=r"mlp_value.weight has shape \(256, 32\), the config implies \(512, 32\)"):
+        load_encoder(path)
+    # Dynamic NTK scaling (past max_trained_positions) is not built: such a model is served up to there.
+    (path / "config.json").write_text(json.dumps({**raw, "rotary_scaling_factor": 2.0, "max_trained_positions": 16}))
+    assert check_checkpoint(path).max_tokens == 16

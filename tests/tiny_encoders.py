@@ -104,3 +104,56 @@ def reference(path: Path, texts: list[str], **kw) -> torch.Tensor:
 
     st = SentenceTransformer(str(path), device="cpu")
     return st.encode(texts, convert_to_tensor=True, **kw).float()
+
+
+# A tiny nomic-embed-text-shaped config (NomicBertConfig's fields as its published config.json
+# writes them): no config class for it exists outside the model's own remote code, so it is written here.
+NOMIC_CONFIG = dict(model_type="nomic_bert", architectures=["NomicBertModel"], n_embd=32, n_head=4, n_layer=2,
+                    n_inner=48, n_positions=80, layer_norm_epsilon=1e-12, activation_function="swiglu",
+                    rotary_emb_fraction=1.0, rotary_emb_base=1000, rotary_emb_interleaved=False,
+                    rotary_emb_scale_base=None, rotary_scaling_factor=None, max_trained_positions=2048,
+                    qkv_proj_bias=False, mlp_fc1_bias=False, mlp_fc2_bias=False, prenorm=False, causal=False,
+                    use_rms_norm=False, parallel_block=False, type_vocab_size=2, pad_vocab_size_multiple=8,
+                    pad_token_id=0)
+
+
+def nomic_weights(cfg: dict, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors under NomicBertModel's names, shaped as its published code builds them (the
+    gated MLP's width rounded up to 256, the vocabulary up to pad_vocab_size_multiple)."""
+    g = torch.Generator().manual_seed(seed)
+    h, inner = cfg["n_embd"], (cfg["n_inner"] + 255) // 256 * 256
+    vocab += -vocab % cfg["pad_vocab_size_multiple"]
+
+    def rnd(*shape: int, around: float = 0.0) -> torch.Tensor:
+        return around + torch.randn(*shape, generator=g) * (0.3 if around == 0.0 else 0.05)
+
+    w = {"embeddings.word_embeddings.weight": rnd(vocab, h), "embeddings.token_type_embeddings.weight": rnd(2, h),
+         "emb_ln.weight": rnd(h, around=1.0), "emb_ln.bias": rnd(h)}
+    for i in range(cfg["n_layer"]):
+        p = f"encoder.layers.{i}."
+        w |= {p + "attn.Wqkv.weight": rnd(3 * h, h), p + "attn.out_proj.weight": rnd(h, h),
+              p + "mlp.fc11.weight": rnd(inner, h), p + "mlp.fc12.weight": rnd(inner, h),
+              p + "mlp.fc2.weight": rnd(h, inner) / 4, p + "norm1.weight": rnd(h, around=1.0),
+              p + "norm1.bias": rnd(h), p + "norm2.weight": rnd(h, around=1.0), p + "norm2.bias": rnd(h)}
+        if cfg["qkv_proj_bias"]:
+            w |= {p + "attn.Wqkv.bias": rnd(3 * h), p + "attn.out_proj.bias": rnd(h)}
+        if cfg["mlp_fc1_bias"]:
+            w |= {p + "mlp.fc11.bias": rnd(inner), p + "mlp.fc12.bias": rnd(inner)}
+        if cfg["mlp_fc2_bias"]:
+            w |= {p + "mlp.fc2.bias": rnd(h)}
+    return w
+
+
+def nomic_st_model(path: Path, prompts: dict[str, str] | None = None, seed: int = 0, **overrides) -> Path:
+    """A nomic-embed-text-shaped sentence-transformers folder (mean pooling, normalised, its modules
+    saved by sentence-transformers' own `save()`), whose Transformer is a tiny NomicBertModel."""
+    import json
+
+    from safetensors.torch import save_file
+
+    st_model(path, "bert", "mean", prompts=prompts, seed=seed)
+    _, vocab = tokenizer("bert")
+    cfg = {**NOMIC_CONFIG, "vocab_size": vocab, **overrides}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(nomic_weights(cfg, vocab, seed), str(path / "model.safetensors"))
+    return path

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # rotary_encoder imports this module
 FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "distilbert": "distilbert",
             "mpnet": "mpnet"}
 # Pre-norm rotary encoders (rotary_encoder.py), served as sentence embeddings only.
-ROTARY_FAMILIES = {"modernbert": "modernbert"}
+ROTARY_FAMILIES = {"modernbert": "modernbert", "nomic_bert": "nomic_bert"}
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # MPNet's relative-position buckets: transformers computes them with these constants whatever the config says.

@@ -1,15 +1,21 @@
-"""Rotary encoders for sentence embeddings: ModernBERT, from safetensors.
+"""Rotary encoders for sentence embeddings: ModernBERT and Nomic BERT, from safetensors.
 
 Written out like `encoder.py`'s post-LayerNorm encoders so that the forward pass is one small
-static-shape function. What ModernBERT changes against BERT:
+static-shape function. Neither has a position table: rotary embeddings turn queries and keys
+(half-split as GPT-NeoX does, or interleaved pairs where the config says so).
 
-- no position table: rotary embeddings on queries and keys (half-split, GPT-NeoX style), with
-  one base for global layers and another for local ones;
+ModernBERT (transformers' ModernBertConfig):
 - pre-norm blocks (the first layer's attention input is the embeddings' norm itself), a final
   norm, LayerNorms and linears without biases unless the config asks for them;
 - a GeGLU MLP: one `Wi` projection split into an activated half and a gate half;
-- global attention every `global_attn_every_n_layers` layers and a sliding window elsewhere: a
-  token sees keys at most `local_attention // 2` positions away on either side.
+- global attention every `global_attn_every_n_layers` layers and a sliding window elsewhere (a
+  token sees keys at most `local_attention // 2` positions away on either side), each kind with
+  its own rotary base.
+
+Nomic BERT (nomic-embed-text; its `NomicBertConfig` is GPT-2's field names plus rotary settings):
+- BERT's post-norm blocks and embeddings LayerNorm, token type 0 added, no final norm;
+- a gated MLP from two projections, `fc2(fc11(x) * act(fc12(x)))` (SwiGLU: act = SiLU);
+- every layer global, one rotary base over `rotary_emb_fraction` of each head.
 
 Padding: rows are right-padded, so a real token's position is its index and its keys never
 include a padded one (the padding bias); what a padded row computes is never pooled.
@@ -29,6 +35,10 @@ from servekit.optimizations.models.weights import load_safetensors
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
+# Nomic BERT's activation_function -> the gate's activation (its gated MLPs; the plain ones are refused).
+NOMIC_GATES = {"swiglu": "silu", "geglu": "gelu", "glu": "sigmoid"}
+ACTIVATIONS["sigmoid"] = torch.sigmoid
+FAMILIES = ("modernbert", "nomic_bert")
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
 
 
@@ -48,8 +58,12 @@ class RotaryEncoderConfig:
     hidden_act: str = "gelu"
     norm_bias: bool = False
     attention_bias: bool = False
-    mlp_bias: bool = False
+    mlp_bias: bool = False                # ModernBERT's Wi and Wo; Nomic BERT's fc11/fc12
+    mlp_out_bias: bool = False            # Nomic BERT's fc2 (ModernBERT: mlp_bias)
     pad_token_id: int = 0
+    rotary_dim: int = 0                   # rotated dims of each head; 0: all
+    interleaved: bool = False             # rotate (even, odd) pairs instead of the two halves
+    type_vocab_size: int = 0              # Nomic BERT adds token type 0's embedding
 
     @property
     def max_tokens(self) -> int:
@@ -60,12 +74,25 @@ class RotaryEncoderConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def rotated(self) -> int:
+        return self.rotary_dim or self.head_dim
+
     @classmethod
     def from_json(cls, path: Path) -> "RotaryEncoderConfig":
+        try:
+            return cls._from_json(path)
+        except KeyError as e:
+            raise UnsupportedModel(f"{path}: {e.args[0]!r} is missing") from None
+
+    @classmethod
+    def _from_json(cls, path: Path) -> "RotaryEncoderConfig":
         raw = json.loads(Path(path).read_text())
+        if raw.get("model_type") == "nomic_bert":
+            return _nomic_config(raw, path)
         if raw.get("model_type") != "modernbert":
             raise UnsupportedModel(f"{path}: model_type {raw.get('model_type')!r} is not a rotary encoder servekit "
-                                   "serves (modernbert)")
+                                   f"serves ({', '.join(FAMILIES)})")
         n = int(raw["num_hidden_layers"])
         # transformers >= 5 writes layer_types and rope_parameters; earlier versions and the published
         # checkpoints write global_attn_every_n_layers and global/local_rope_theta.
@@ -95,38 +122,123 @@ class RotaryEncoderConfig:
                    rope_theta=theta, window=int(raw.get("local_attention", 128)) // 2,
                    norm_eps=float(raw.get("norm_eps", 1e-5)), hidden_act=act,
                    norm_bias=bool(raw.get("norm_bias", False)), attention_bias=bool(raw.get("attention_bias", False)),
-                   mlp_bias=bool(raw.get("mlp_bias", False)),
+                   mlp_bias=bool(raw.get("mlp_bias", False)), mlp_out_bias=bool(raw.get("mlp_bias", False)),
                    pad_token_id=int(raw["pad_token_id"] if raw.get("pad_token_id") is not None else 0))
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on the last dim, its two halves paired (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+def _nomic_config(raw: dict, path: Path) -> RotaryEncoderConfig:
+    """NomicBertConfig (GPT2Config's fields and defaults plus Nomic's) as the published modelling code reads it."""
+    refused = {"prenorm": "pre-norm blocks", "parallel_block": "parallel blocks", "use_rms_norm": "RMSNorm",
+               "causal": "causal attention", "rotary_emb_scale_base": "xPos rotary scaling"}
+    for key, what in refused.items():
+        if raw.get(key):
+            raise UnsupportedModel(f"{path}: {key}={raw[key]!r} ({what}) is not supported; servekit serves "
+                                   "nomic-embed-text's post-norm rotary blocks")
+    fraction = float(raw.get("rotary_emb_fraction", 0.0))
+    if not 0.0 < fraction <= 1.0:
+        raise UnsupportedModel(f"{path}: rotary_emb_fraction {fraction} is not supported (learnt positions are not "
+                               "built for nomic_bert; 0 < fraction <= 1)")
+    act = raw.get("activation_function", "gelu_new")
+    if act not in NOMIC_GATES:
+        raise UnsupportedModel(f"{path}: activation_function {act!r} is not supported; gated MLPs: "
+                               f"{', '.join(NOMIC_GATES)}")
+    h, heads = int(raw["n_embd"]), int(raw["n_head"])
+    if h % heads:
+        raise UnsupportedModel(f"{path}: n_embd {h} is not a multiple of n_head {heads}")
+    head_dim = h // heads
+    rotary_dim = int(head_dim * fraction)
+    if rotary_dim % 2:
+        raise UnsupportedModel(f"{path}: rotary_emb_fraction {fraction} rotates an odd number of dims ({rotary_dim})")
+    # The published code rounds the gated MLP's width up to a multiple of 256 and the vocabulary
+    # up to pad_vocab_size_multiple; the checkpoint's tensors have those shapes.
+    inner = int(raw.get("n_inner") or int(8 * h / 3))
+    inner = (inner + 255) // 256 * 256
+    vocab, multiple = int(raw["vocab_size"]), int(raw.get("pad_vocab_size_multiple", 1))
+    vocab += -vocab % multiple
+    positions = int(raw.get("n_positions", 1024))
+    if raw.get("rotary_scaling_factor"):
+        # Dynamic NTK scaling changes the rotary base only past max_trained_positions: not built,
+        # so such a model is served up to there.
+        positions = min(positions, int(raw.get("max_trained_positions", 2048)))
+    n = int(raw["n_layer"])
+    theta = float(raw.get("rotary_emb_base", 10000.0))
+    return RotaryEncoderConfig(
+        family="nomic_bert", vocab_size=vocab, hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
+        intermediate_size=inner, max_position_embeddings=positions, layer_types=(GLOBAL,) * n,
+        rope_theta={GLOBAL: theta}, window=0, norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        hidden_act=NOMIC_GATES[act], norm_bias=True, attention_bias=bool(raw.get("qkv_proj_bias", True)),
+        mlp_bias=bool(raw.get("mlp_fc1_bias", True)), mlp_out_bias=bool(raw.get("mlp_fc2_bias", True)),
+        pad_token_id=int(raw["pad_token_id"] if raw.get("pad_token_id") is not None else 0),
+        rotary_dim=rotary_dim, interleaved=bool(raw.get("rotary_emb_interleaved", False)),
+        type_vocab_size=int(raw.get("type_vocab_size", 2)))
 
 
-class RotaryLayer(nn.Module):
-    def __init__(self, cfg: RotaryEncoderConfig, first: bool) -> None:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding on the first cos.shape[-1] dims of the last one: each pair (a, b), the two
+    halves or (even, odd) neighbours, becomes (a cos - b sin, b cos + a sin); the rest pass through."""
+    d = cos.shape[-1]
+    r = x[..., :d].float()
+    if interleaved:
+        turned = torch.stack((-r[..., 1::2], r[..., ::2]), dim=-1).flatten(-2)
+    else:
+        a, b = r.chunk(2, dim=-1)
+        turned = torch.cat((-b, a), dim=-1)
+    return torch.cat(((r * cos + turned * sin).to(x.dtype), x[..., d:]), dim=-1)
+
+
+class RotaryAttention(nn.Module):
+    def __init__(self, cfg: RotaryEncoderConfig) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.n_heads = cfg.num_attention_heads
-        self.act = ACTIVATIONS[cfg.hidden_act]
-        # The first layer attends to the embeddings' norm directly: no second norm there.
-        self.attn_norm = nn.Identity() if first else nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
+        self.n_heads, self.interleaved = cfg.num_attention_heads, cfg.interleaved
         self.qkv = nn.Linear(h, 3 * h, bias=cfg.attention_bias)
         self.attn_out = nn.Linear(h, h, bias=cfg.attention_bias)
-        self.mlp_norm = nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
-        self.mlp_in = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.mlp_out = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.n_heads, h // self.n_heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, attn_mask=bias)
-        x = x + self.attn_out(a.transpose(1, 2).reshape(b, s, h))
+        q, k, v = self.qkv(x).view(b, s, 3, self.n_heads, h // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = rotate(q, cos, sin, self.interleaved), rotate(k, cos, sin, self.interleaved)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.attn_out(a.transpose(1, 2).reshape(b, s, h))
+
+
+class ModernBertLayer(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + GeGLU(norm(x)) from one split projection."""
+
+    def __init__(self, cfg: RotaryEncoderConfig, first: bool) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        # The first layer attends to the embeddings' norm directly: no second norm there.
+        self.attn_norm = nn.Identity() if first else nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
+        self.attn = RotaryAttention(cfg)
+        self.mlp_norm = nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
+        self.mlp_in = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp_out = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_out_bias)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), bias, cos, sin)
         value, gate = self.mlp_in(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.mlp_out(self.act(value) * gate)
+
+
+class NomicBertLayer(nn.Module):
+    """Post-norm: norm(x + attn(x)), then norm(x + fc2(fc11(x) * act(fc12(x))))."""
+
+    def __init__(self, cfg: RotaryEncoderConfig, first: bool) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.attn = RotaryAttention(cfg)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
+        self.mlp_value = nn.Linear(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp_gate = nn.Linear(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp_out = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_out_bias)
+        self.mlp_norm = nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.attn_norm(x + self.attn(x, bias, cos, sin))
+        return self.mlp_norm(x + self.mlp_out(self.mlp_value(x) * self.act(self.mlp_gate(x))))
 
 
 class RotaryEncoder(nn.Module):
@@ -136,10 +248,14 @@ class RotaryEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.type_vocab_size:
+            self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.emb_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
-        self.layers = nn.ModuleList(RotaryLayer(cfg, i == 0) for i in range(cfg.num_hidden_layers))
-        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
-        d = cfg.head_dim
+        layer = ModernBertLayer if cfg.family == "modernbert" else NomicBertLayer
+        self.layers = nn.ModuleList(layer(cfg, i == 0) for i in range(cfg.num_hidden_layers))
+        self.final_norm = (nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
+                           if cfg.family == "modernbert" else nn.Identity())
+        d = cfg.rotated
         for kind in set(cfg.layer_types):
             inv_freq = 1.0 / (cfg.rope_theta[kind] ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
             self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
@@ -147,7 +263,11 @@ class RotaryEncoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         s = input_ids.shape[1]
-        x = self.emb_norm(self.word_embeddings(input_ids))
+        x = self.word_embeddings(input_ids)
+        if self.cfg.type_vocab_size:
+            x = x + (self.token_type_embeddings.weight[0] if token_type_ids is None
+                     else self.token_type_embeddings(token_type_ids))
+        x = self.emb_norm(x)
         pos = torch.arange(s, device=input_ids.device)
         neg = torch.finfo(x.dtype).min
         padding = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * neg
@@ -157,31 +277,45 @@ class RotaryEncoder(nn.Module):
             biases[LOCAL] = padding.masked_fill(far, neg)
         for kind in set(self.cfg.layer_types):
             freqs = pos[:, None].float() * getattr(self, f"inv_freq_{kind}")
-            emb = torch.cat((freqs, freqs), dim=-1)
+            emb = freqs.repeat_interleave(2, dim=-1) if self.cfg.interleaved else torch.cat((freqs, freqs), dim=-1)
             rotary[kind] = (emb.cos(), emb.sin())
         for layer, kind in zip(self.layers, self.cfg.layer_types):
             x = layer(x, biases[kind], *rotary[kind])
         return self.final_norm(x)
 
 
-def _rename(key: str) -> str | None:
-    """Checkpoint tensor name (ModernBertModel, or a head model's `model.` prefix) -> our parameter name."""
-    key = key.removeprefix("model.")
-    if key.startswith(("head.", "decoder.", "classifier.", "dense.")):
+# Checkpoint tensor name -> our parameter name, per family: (prefixes stripped, heads dropped,
+# embedding and final names, per-layer root, per-layer names).
+_MODERNBERT = (("model.",), ("head.", "decoder.", "classifier.", "dense."),
+               {"embeddings.tok_embeddings.": "word_embeddings.", "embeddings.norm.": "emb_norm.",
+                "final_norm.": "final_norm."},
+               "layers.",
+               {"attn_norm.": "attn_norm.", "attn.Wqkv.": "attn.qkv.", "attn.Wo.": "attn.attn_out.",
+                "mlp_norm.": "mlp_norm.", "mlp.Wi.": "mlp_in.", "mlp.Wo.": "mlp_out."})
+_NOMIC = (("bert.", "model."), ("pooler.", "cls.", "classifier.", "lm_head."),
+          {"embeddings.word_embeddings.": "word_embeddings.",
+           "embeddings.token_type_embeddings.": "token_type_embeddings.", "emb_ln.": "emb_norm."},
+          "encoder.layers.",
+          {"attn.Wqkv.": "attn.qkv.", "attn.out_proj.": "attn.attn_out.", "norm1.": "attn_norm.",
+           "mlp.fc11.": "mlp_value.", "mlp.fc12.": "mlp_gate.", "mlp.fc2.": "mlp_out.", "norm2.": "mlp_norm."})
+_NAMES = {"modernbert": _MODERNBERT, "nomic_bert": _NOMIC}
+
+
+def _rename(key: str, family: str) -> str | None:
+    prefixes, heads, top, root, per_layer = _NAMES[family]
+    for prefix in prefixes:
+        key = key.removeprefix(prefix)
+    if key.startswith(heads):
         return None  # MLM and classification heads: sentence embeddings pool the hidden states themselves
-    names = {"embeddings.tok_embeddings.": "word_embeddings.", "embeddings.norm.": "emb_norm.",
-             "final_norm.": "final_norm."}
-    for src, dst in names.items():
+    for src, dst in top.items():
         if key.startswith(src):
             return dst + key[len(src):]
-    if key.startswith("layers."):
-        idx, rest = key[len("layers."):].split(".", 1)
-        parts = {"attn_norm.": "attn_norm.", "attn.Wqkv.": "qkv.", "attn.Wo.": "attn_out.",
-                 "mlp_norm.": "mlp_norm.", "mlp.Wi.": "mlp_in.", "mlp.Wo.": "mlp_out."}
-        for src, dst in parts.items():
+    if key.startswith(root):
+        idx, rest = key[len(root):].split(".", 1)
+        for src, dst in per_layer.items():
             if rest.startswith(src):
                 return f"layers.{idx}.{dst}{rest[len(src):]}"
-    raise UnsupportedModel(f"unexpected tensor {key!r} in a modernbert checkpoint")
+    raise UnsupportedModel(f"unexpected tensor {key!r} in a {family} checkpoint")
 
 
 def _expected(cfg: RotaryEncoderConfig) -> set[str]:
@@ -195,7 +329,7 @@ def load_rotary_encoder(model_dir: Path) -> RotaryEncoder:
     cfg = RotaryEncoderConfig.from_json(model_dir / "config.json")
     state = {}
     for key, tensor in load_safetensors(model_dir).items():
-        name = _rename(key)
+        name = _rename(key, cfg.family)
         if name is not None:
             state[name] = tensor.float()
     missing = sorted(_expected(cfg) - set(state))
@@ -203,6 +337,10 @@ def load_rotary_encoder(model_dir: Path) -> RotaryEncoder:
         raise UnsupportedModel(f"{model_dir}: checkpoint lacks {len(missing)} tensors of a {cfg.family} encoder "
                                f"(first: {missing[0]})")
     model = RotaryEncoder(cfg)
+    for name, param in model.state_dict().items():
+        if state[name].shape != param.shape:
+            raise UnsupportedModel(f"{model_dir}: tensor {name} has shape {tuple(state[name].shape)}, the config "
+                                   f"implies {tuple(param.shape)}")
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -221,7 +359,7 @@ def check_rotary_checkpoint(model_dir: Path) -> RotaryEncoderConfig:
             continue
         try:
             with safe_open(str(f), framework="pt") as st:
-                names.update(filter(None, (_rename(k) for k in st.keys())))
+                names.update(filter(None, (_rename(k, cfg.family) for k in st.keys())))
         except UnsupportedModel:
             raise
         except Exception as e:
