@@ -30,11 +30,14 @@ from servekit.handlers.common import (RequestError, clip, decode_body, fail_requ
                                       number_field, parse_each, registered_batch_size, shown, without_nulls)
 from servekit import __version__
 from servekit.handlers.llm_continuous import ContinuousFrontend
+from servekit.handlers.llm_openai_tools import (ToolPlan, parse_extras, template_messages, tool_message,
+                                                tool_stream_events)
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
 from servekit.optimizations.llm.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, LlamaRunner,
                                              SamplingParams, TokenLogprob)
+from servekit.optimizations.llm.grammar import GrammarCompiler
 from servekit.optimizations.llm.sampling import TOP_LOGPROBS
 from servekit.optimizations.llm.plan import LlmPlan, load_llm_runner, parse_llm_plan, stop_token_ids
 from servekit.optimizations.plan import PlanError
@@ -50,14 +53,16 @@ CHAT_ROUTE, COMPLETIONS_ROUTE = "v1/chat/completions", "v1/completions"
 COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stream_options", "stop",
                "n", "user", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias",
                "speculate", "metadata", "store", "service_tier", "suffix", "echo", "best_of"}
+COMMON_KEYS |= {"min_tokens", "structured_outputs", "response_format"}  # handlers/llm_openai_tools.py
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
                            "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction",
                            "reasoning_effort", "web_search_options"}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
-ROLES = {"system", "developer", "user", "assistant"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Message fields the SDK's own response objects carry (`message.model_dump()`): accepted when null
 # or empty, since a multi-turn conversation sends the assistant's message back as it came.
-MESSAGE_KEYS = {"role", "content", "name", "refusal", "annotations", "audio", "function_call", "tool_calls"}
+MESSAGE_KEYS = {"role", "content", "name", "refusal", "annotations", "audio", "function_call", "tool_calls",
+                "tool_call_id"}
 MAX_STOP_STRINGS = 4
 # Characters read per token of the prompt limit before tokenizing: generous (byte-level BPE tokens run to a
 # few characters; whitespace runs and repeated symbols to a few dozen), and small enough that tokenizing
@@ -79,6 +84,7 @@ class LlmRequest:
     stop: list[str]
     model: str | None
     speculate: bool = True  # servekit extension: false keeps this request from speculative decoding
+    tools: ToolPlan | None = None  # tool calls are parsed out of the answer (handlers/llm_openai_tools.py)
 
 
 def _bad(message: str, code: str = "invalid_request") -> RequestError:
@@ -113,9 +119,12 @@ def _messages(value: Any) -> list[dict[str, str]]:
         unknown = sorted(set(m) - MESSAGE_KEYS)
         if unknown:
             raise _bad(f"'messages[{i}].{clip(unknown[0])}' is not supported", "unknown_field")
-        for key in ("audio", "function_call", "tool_calls"):
+        for key in ("audio", "function_call"):
             if key in m:
-                raise _bad(f"'messages[{i}].{key}' is not supported (no tools or audio here)", "unsupported_value")
+                raise _bad(f"'messages[{i}].{key}' is not supported (no audio or legacy functions here)",
+                           "unsupported_value")
+        if "tool_calls" in m and "content" not in m:  # an assistant's tool calls alone
+            m["content"] = ""
         if m.get("role") == "assistant" and "content" not in m and isinstance(m.get("refusal"), str):
             m["content"] = m["refusal"]
         role = m.get("role")
@@ -125,7 +134,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise _bad(f"'messages[{i}].content' is missing", "missing_field")
         # The chat template knows system/user/assistant; "developer" is OpenAI's newer name for system.
         out.append({"role": "system" if role == "developer" else role,
-                    "content": _text_content(m["content"], f"messages[{i}].content")})
+                    "content": _text_content(m["content"], f"messages[{i}].content"), **template_messages(m, i)})
     return out
 
 
@@ -160,8 +169,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 def _unsupported(body: dict) -> None:
     """Fields whose semantics are not implemented: accepted only at their no-op value (nulls are
     gone already), each other value a 400 naming the field rather than silently ignored."""
-    noop = {"logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "functions": [],
-            "tool_choice": "none", "function_call": "none", "modalities": ["text"], "suffix": "", "echo": False,
+    noop = {"functions": [], "function_call": "none", "modalities": ["text"], "suffix": "", "echo": False,
             "best_of": 1}
     for key, value in noop.items():
         if key in body and body[key] != value:
@@ -207,6 +215,7 @@ class LlmService:
                             f"bucket {self.runner.max_batch}")
         self.tokenizer = ChatTokenizer(model_dir)
         self.stop_ids = stop_token_ids(model_dir, self.tokenizer)
+        self.grammar = GrammarCompiler(self.tokenizer, self.runner.model.config.vocab_size, tuple(self.stop_ids))
         self.metrics = HandlerMetrics(context, self.model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
         # OpenAI's system_fingerprint names the backend configuration: servekit's version and plan.
@@ -235,13 +244,15 @@ class LlmService:
         if unknown:
             raise _bad(f"unknown field {shown(unknown[0])}", "unknown_field")
         _unsupported(body)
+        extras = parse_extras(body, chat, self.grammar, self.runner.model.config.vocab_size,
+                              self.tokenizer.template_source, self.continuous is not None)
         if chat:
             if "messages" not in body:
                 raise _bad("missing required field 'messages'", "missing_field")
             messages = _messages(body["messages"])
             self._check_chars("messages", sum(len(m["content"]) for m in messages))
             try:
-                prompt = self.tokenizer.encode_chat(messages)
+                prompt = self.tokenizer.encode_chat(messages, tools=extras.tools)
             except TemplateError as e:
                 raise _bad(str(e), "invalid_messages") from None
             prompts = [prompt]
@@ -265,12 +276,12 @@ class LlmService:
             params = self._params(body, chat, len(prompt))
             for k in range(n):  # a seeded request's choices differ: choice k samples with seed + k
                 seed = None if params.seed is None else (params.seed + k) % 2**32
-                choices.append((prompt, dataclasses.replace(params, seed=seed)))
+                choices.append((prompt, dataclasses.replace(params, seed=seed, constraint=extras.constraint)))
         speculate = body.get("speculate", True)
         if not isinstance(speculate, bool):
             raise _bad("'speculate' must be true or false", "invalid_type")
         return LlmRequest(chat, choices, sum(len(p) for p in prompts), *self._stream_flags(body),
-                          _stop(body.get("stop")), body.get("model"), speculate)
+                          _stop(body.get("stop")), body.get("model"), speculate, extras.plan)
 
     def _check_chars(self, field: str, n_chars: int) -> None:
         """Before tokenizing: a prompt longer than MAX_CHARS_PER_TOKEN characters per token the model
@@ -528,6 +539,10 @@ class Generation:
             if not row.started:
                 events.append({**head, "choices": [{"index": row.choice, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
+            if row.req.tools is not None:  # sent once complete: only then is a tool call told from text
+                row.pieces.append(delta)
+                events += tool_stream_events(head, row.choice, row.req.tools, "".join(row.pieces), reason)
+                delta, reason, logprobs = "", None, None
             if delta or (reason is not None and logprobs and logprobs["content"]):
                 events.append({**head, "choices": [{"index": row.choice, "delta": {"content": delta},
                                                     "logprobs": logprobs, "finish_reason": None}]})
@@ -558,6 +573,9 @@ class Generation:
         if req.chat:
             choices = [{"index": r.choice, "message": {"role": "assistant", "content": "".join(r.pieces)},
                         "logprobs": self._logprobs_field(r, r.logprobs), "finish_reason": r.finish} for r in rows]
+            for c, r in zip(choices, rows):
+                if r.req.tools is not None:
+                    c["message"], c["finish_reason"] = tool_message(r.req.tools, "".join(r.pieces), r.finish)
         else:
             choices = [{"index": r.choice, "text": "".join(r.pieces), "logprobs": self._logprobs_field(r, r.logprobs),
                         "finish_reason": r.finish} for r in rows]

@@ -52,23 +52,28 @@ class ChatTokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self.template = env.from_string(template)
+        self.template_source = template  # what it writes tells which tool-call format the model uses
         self.eos_token_id = self.token_id(self.special["eos_token"])
         self.byte_level = is_byte_level(self.tokenizer)
 
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self.tokenizer.token_to_id(text)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: OpenAI tool definitions, passed to the template as transformers passes them
+        (templates that know tools, e.g. Qwen2.5's and Llama 3.1's, render them; others ignore them)."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                         **{k: v for k, v in self.special.items() if v is not None})
         except TemplateError:
             raise
         except Exception as e:  # a template bug or unexpected message shape: the request's fault here
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt, tools))
 
     def encode(self, text: str) -> list[int]:
         """Ids of text that holds its special tokens already (a rendered chat template)."""

@@ -85,6 +85,8 @@ class GrammarSpec:
             except jsonschema.SchemaError as e:
                 where = "/".join(str(p) for p in e.absolute_path) or "(root)"
                 raise GrammarError(f"invalid JSON schema at {where}: {e.message}") from None
+            except Exception as e:  # a "$schema" that is no string, nesting too deep to check
+                raise GrammarError(f"invalid JSON schema ({type(e).__name__})") from None
         if self.kind == JSON_OBJECT:  # OpenAI's json_object: an object, any keys and values
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if self.kind == JSON:
@@ -205,7 +207,7 @@ class RowConstraint:
         self._stops_masked = self.generated < self.c.min_tokens
         if self.matcher is not None:
             self.matcher.fill_next_token_bitmask(self._mask)
-            xgr.apply_token_bitmask_inplace(row[None], self._mask)
+            xgr.apply_token_bitmask_inplace(row[None], self._mask, backend="cpu")  # "auto" spikes to tens of ms
         if self.generated < self.c.min_tokens and self.c.stop_token_ids:
             stops = list(self.c.stop_token_ids)
             kept = row[stops].clone()
