@@ -17,6 +17,13 @@ def golden() -> list[str]:
     return GOLDEN_TEXTS.read_text().splitlines()
 
 
+@pytest.fixture(scope="module")
+def small_runner() -> EmbeddingRunner:
+    """One eager runner of the SMALL plan for the tests that only read from it (load, warm-up and
+    accuracy gate once)."""
+    return EmbeddingRunner(MODEL_DIR, parse_plan(SMALL))
+
+
 def test_parity_with_sentence_transformers(golden):
     from sentence_transformers import SentenceTransformer
 
@@ -29,13 +36,13 @@ def test_parity_with_sentence_transformers(golden):
     assert torch.allclose(ours.norm(dim=1), torch.ones(len(texts)), atol=1e-5)
 
 
-def test_tokenize_gives_the_tokenizers_own_ids():
+def test_tokenize_gives_the_tokenizers_own_ids(small_runner):
     """The fast path (no offsets) yields what encode_batch yields, cut to the largest bucket."""
     import json
 
     payloads = Path(__file__).resolve().parent.parent / "benchmarks" / "payloads" / "texts.jsonl"
     texts = [json.loads(line)["text"] for line in payloads.read_text().splitlines()]
-    runner = EmbeddingRunner(MODEL_DIR, parse_plan(SMALL))
+    runner = small_runner
     ids, cut = runner.tokenize(texts)
     full = [e.ids for e in runner.tokenizer.encode_batch(texts)]
     assert cut == [len(f) > 64 for f in full] and any(cut) and not all(cut)
@@ -60,8 +67,8 @@ def test_padded_chunk_holds_each_text_left_aligned():
     assert ids.tolist() == [[101, 102, 3, 3]]
 
 
-def test_batch_composition_does_not_change_results(golden):
-    runner = EmbeddingRunner(MODEL_DIR, parse_plan(SMALL))
+def test_batch_composition_does_not_change_results(golden, small_runner):
+    runner = small_runner
     together = runner.embed(golden)
     alone = torch.cat([runner.embed([t]) for t in golden])
     assert torch.allclose(together, alone, atol=1e-5)
@@ -106,9 +113,9 @@ def test_compiled_plan_serves_every_bucket_without_recompiling(golden, tmp_path,
     assert runner.accuracy["mean_cosine"] >= 0.9999
 
 
-def test_eager_plan_pads_no_text_to_a_bucket():
+def test_eager_plan_pads_no_text_to_a_bucket(small_runner):
     """Nothing is captured on an eager CPU plan: each pass is its texts exactly, as long as its longest."""
-    runner = EmbeddingRunner(MODEL_DIR, parse_plan(SMALL))
+    runner = small_runner
     seqs = runner.tokenize(["hi", "a somewhat longer sentence about serving models", "ok then", "x " * 40])[0]
     chunks = runner.chunks(seqs)
     assert sorted(i for c in chunks for i in c.indices) == [0, 1, 2, 3]
