@@ -221,12 +221,6 @@ class RowConstraint:
         self.generated += 1
         return self.matcher is None or self.matcher.is_terminated() or self.matcher.accept_token(token)
 
-    def rollback(self, n: int) -> None:
-        """Take back the last ``n`` accepted tokens (drafts a verify step did not keep)."""
-        self.generated -= n
-        if self.matcher is not None:
-            self.matcher.rollback(n)
-
 
 def logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias`` (an object of token id strings -> bias in [-100, 100]) as pairs."""
