@@ -242,3 +242,14 @@ def test_nomic_bert_padding_archive_and_refusals(tmp_path, one_thread):
     # Dynamic NTK scaling (past max_trained_positions) is not built: such a model is served up to there.
     (path / "config.json").write_text(json.dumps({**raw, "rotary_scaling_factor": 2.0, "max_trained_positions": 16}))
     assert check_checkpoint(path).max_tokens == 16
+
+
+def test_compiled_modernbert_serves_every_bucket_without_recompiling(model_dir, one_thread):
+    """Rotary angles, the sliding-window bias and the pooling head compile with the encoder."""
+    r = EmbeddingRunner(model_dir, parse_plan({**PLAN, "compile": "default",
+                                               "buckets": {"batch_sizes": [1, 4], "seq_lens": [8, 24]}}),
+                        golden_texts=TEXTS)
+    for texts in (SHORT[:1], SHORT, LONG, TEXTS):
+        torch.testing.assert_close(r.embed(texts), reference(model_dir, texts), atol=2e-5, rtol=1e-4)
+    assert r.recompiles() == 0
+

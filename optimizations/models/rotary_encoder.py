@@ -255,10 +255,6 @@ class RotaryEncoder(nn.Module):
         self.layers = nn.ModuleList(layer(cfg, i == 0) for i in range(cfg.num_hidden_layers))
         self.final_norm = (nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
                            if cfg.family == "modernbert" else nn.Identity())
-        d = cfg.rotated
-        for kind in set(cfg.layer_types):
-            inv_freq = 1.0 / (cfg.rope_theta[kind] ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -275,8 +271,12 @@ class RotaryEncoder(nn.Module):
         if LOCAL in self.cfg.layer_types:
             far = (pos[None, :] - pos[:, None]).abs() > self.cfg.window
             biases[LOCAL] = padding.masked_fill(far, neg)
+        # Angles in fp32 from the config's constants, computed here rather than kept in a buffer
+        # that a bf16 or fp16 plan's `.to(dtype)` would round.
+        d = self.cfg.rotated
+        dims = torch.arange(0, d, 2, dtype=torch.float32, device=input_ids.device) / d
         for kind in set(self.cfg.layer_types):
-            freqs = pos[:, None].float() * getattr(self, f"inv_freq_{kind}")
+            freqs = pos[:, None].float() * self.cfg.rope_theta[kind] ** -dims
             emb = freqs.repeat_interleave(2, dim=-1) if self.cfg.interleaved else torch.cat((freqs, freqs), dim=-1)
             rotary[kind] = (emb.cos(), emb.sin())
         for layer, kind in zip(self.layers, self.cfg.layer_types):
