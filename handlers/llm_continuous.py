@@ -60,9 +60,9 @@ class ContinuousFrontend:
         plan = service.plan
         batcher = ContinuousBatcher(service.runner, service.batch_size, plan.prefill_chunk, plan.max_num_batched_tokens)
         built = batcher.warmup()
-        log.info("continuous batching: packed prefill (%s attention, %s) over token buckets %s built in %.1f s",
-                 built["attention"], "CUDA graphs" if built["graphs"] else "eager", built["token_buckets"],
-                 built["seconds"])
+        log.info("continuous batching: packed prefill (%s attention, %s layers, %s) over token buckets %s built in "
+                 "%.1f s", built["attention"], "compiled" if built["compiled"] else "eager",
+                 "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"])
         self.engine = EngineThread(batcher, service.runner.device)
         stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
         self._spec_sent = ([0] * len(stats.proposed), [0] * len(stats.accepted)) if stats is not None else None

@@ -108,7 +108,10 @@ def test_packed_prefill_refuses_what_it_cannot_run(tiny_llama: Transformer) -> N
         PackedPrefill(tiny_llama, max_tokens=32, max_seqs=2, graphs=True)
     with pytest.raises(ValueError, match="Triton"):
         PackedPrefill(tiny_llama, max_tokens=32, max_seqs=2, attention="triton")
-    assert packed.warmup()["attention"] == "torch"
+    with pytest.raises(ValueError, match="compiled packed layers"):
+        PackedPrefill(tiny_llama, max_tokens=32, max_seqs=2, blocks=list(tiny_llama.layers))
+    built = packed.warmup()
+    assert built["attention"] == "torch" and built["compiled"] is False
 
 
 # --- the engine ----------------------------------------------------------------------------------
@@ -267,8 +270,8 @@ def test_the_plan_takes_a_token_budget_and_refuses_one_below_the_chunk() -> None
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3"])
 def test_triton_packed_prefill_equals_the_torch_reference_on_cuda(tmp_path: Path, family: str) -> None:
-    """fp32 on the GPU (the kernel's dots in TF32): the Triton attention, eager and replayed from
-    each bucket's CUDA graph, gives the torch reference's logits and cache rows, for packs of fresh
+    """fp32 on the GPU (the kernel's dots in TF32): the Triton attention, eager, replayed from each
+    bucket's CUDA graph, and with the layers compiled around it (then captured), gives the torch reference's logits and cache rows, for packs of fresh
     prompts and a later chunk (gemma3: sliding-window layers, a window shorter than the prompts)."""
     overrides = {"head_dim": 32} if family == "llama3" else {}  # the kernel takes power-of-two head sizes
     model = load_llama(write_checkpoint(family, tmp_path / family, **overrides), "cuda", torch.float32)
@@ -278,15 +281,17 @@ def test_triton_packed_prefill_equals_the_torch_reference_on_cuda(tmp_path: Path
     packs = [[Chunk(prompts[0], 0, 0, True), Chunk(prompts[3][:150], 0, 3, False), Chunk(prompts[1], 0, 1, True)],
              [Chunk(prompts[3][150:], 150, 3, True), Chunk(prompts[2], 0, 2, True)]]
     results = {}
+    compiled = [torch.compile(layer, dynamic=True) for layer in model.layers]  # as a compiling plan's engine has
     for name, kw in {"torch": dict(attention="torch"), "triton": dict(attention="triton"),
-                     "graphs": dict(attention="triton", graphs=True)}.items():
+                     "graphs": dict(attention="triton", graphs=True),
+                     "compiled": dict(attention="triton", graphs=True, blocks=compiled)}.items():
         packed = PackedPrefill(model, max_tokens=512, max_seqs=4, **kw)
         packed.warmup()
         _zero_caches(model)
         logits = [packed.run(p).clone() for p in packs]
         results[name] = (logits, _caches(model))
     want_logits, want_cache = results["torch"]
-    for name in ("triton", "graphs"):
+    for name in ("triton", "graphs", "compiled"):
         logits, cache = results[name]
         for got, want in zip(logits, want_logits):
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m: f"{family} {name}: {m}")

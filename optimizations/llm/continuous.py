@@ -160,8 +160,11 @@ class ContinuousBatcher:
         self._rng = random.Random()
         # Captured per token bucket where decode steps are (CUDA graphs) and the Triton attention serves the model.
         graphs = runner.cuda_graphs and triton_fits(runner.model) is None
+        # A compiling plan compiles the packed layers too (the runner's compiled blocks, dynamic in the
+        # token count): their elementwise work fuses around the kernel, built per bucket by warmup().
+        blocks = runner.compiled_model.blocks if graphs and runner.compiled_model is not None else None
         self.packed = PackedPrefill(runner.model, max_num_batched_tokens, self.max_num_seqs, graphs=graphs,
-                                    pad_id=runner.pad_id)
+                                    pad_id=runner.pad_id, blocks=blocks)
         spec = runner.speculation
         if spec is not None and not getattr(spec, "in_slots", False):
             raise ValueError("the runner's speculation runs static batches: build it with in_slots=True")
@@ -170,8 +173,8 @@ class ContinuousBatcher:
         self.spec_stats = SpecStats.empty(spec.n_heads) if spec is not None else None
 
     def warmup(self) -> dict[str, object]:
-        """Build every packed-prefill shape (captures each token bucket on CUDA, compiles the
-        attention kernel) and the host copies of every output shape a step can produce: the first
+        """Build every packed-prefill shape (compiles the packed layers where the plan compiles,
+        captures each token bucket on CUDA, compiles the attention kernel) and the host copies of every output shape a step can produce: the first
         request of any length then costs what later ones do. Returns what was built and the
         seconds it took."""
         built = self.packed.warmup()

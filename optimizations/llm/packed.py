@@ -27,7 +27,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -131,19 +131,47 @@ class TorchAttention:
         return out[None]
 
 
-class TritonAttention:
-    """Packed attention by the Triton kernel, from tables on the device (capturable)."""
+@torch.library.custom_op("servekit::packed_prefill_attention", mutates_args=("k_cache", "v_cache"))
+def _triton_attention_op(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
+                         positions: Tensor, seq: Tensor, block_seq: Tensor, block_off: Tensor, scale: float,
+                         window: int) -> Tensor:
+    """Write k/v ``(N, n_kv, D)`` at each token's (row, position), then the Triton kernel over q
+    ``(N, n_heads, D)``. An opaque op to ``torch.compile``: a compiled packed layer fuses the
+    elementwise work around it and calls the kernel as it is."""
+    from servekit.optimizations.kernels.triton_prefill import packed_attention
 
-    def __init__(self, seq: Tensor, block_seq: Tensor, block_off: Tensor, rows: Tensor, positions: Tensor) -> None:
+    k_cache[rows, :, positions] = k
+    v_cache[rows, :, positions] = v
+    return packed_attention(q.contiguous(), k_cache, v_cache, seq, block_seq, block_off, scale, window or None)
+
+
+@_triton_attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, positions: Tensor,
+      seq: Tensor, block_seq: Tensor, block_off: Tensor, scale: float, window: int) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+class TritonAttention:
+    """Packed attention by the Triton kernel, from tables on the device (capturable, compilable).
+
+    Holds the whole tables and takes the first ``N`` entries for a forward of ``N`` tokens, so one
+    object serves every token bucket: a compiled layer sees the same hook whatever the bucket."""
+
+    def __init__(self, seq: Tensor, block_seq: Tensor, block_off: Tensor, rows: Tensor, positions: Tensor,
+                 max_seqs: int) -> None:
         self.seq, self.block_seq, self.block_off, self.rows, self.positions = seq, block_seq, block_off, rows, positions
+        self.max_seqs = max_seqs
 
     def __call__(self, attn: Attention, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
-        from servekit.optimizations.kernels.triton_prefill import packed_attention
-
-        _write_kv(attn, k, v, self.rows, self.positions)
         cache = attn.kv_cache
-        y = packed_attention(q[0].transpose(0, 1), cache.k_cache, cache.v_cache, self.seq, self.block_seq,
-                             self.block_off, _scale(attn), window)
+        if cache is None:
+            raise RuntimeError("call Transformer.setup_caches() before a packed prefill")
+        n = q.shape[2]
+        blocks = n // BLOCK_M + self.max_seqs  # each request adds at most one partial block
+        y = torch.ops.servekit.packed_prefill_attention(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cache.k_cache, cache.v_cache,
+            self.rows[:n], self.positions[:n], self.seq, self.block_seq[:blocks], self.block_off[:blocks],
+            _scale(attn), window or 0)
         return y[None]
 
 
@@ -161,11 +189,13 @@ def packed_attention(model: Transformer, attend: TorchAttention | TritonAttentio
 
 
 def packed_logits(model: Transformer, tokens: Tensor, positions: Tensor, last_idx: Tensor,
-                  attend: TorchAttention | TritonAttention) -> Tensor:
-    """fp32 logits ``(S, V)`` at packed indices ``last_idx`` of tokens ``(N,)`` at ``positions``."""
+                  attend: TorchAttention | TritonAttention, blocks: Sequence[Callable[..., Tensor]] | None = None
+                  ) -> Tensor:
+    """fp32 logits ``(S, V)`` at packed indices ``last_idx`` of tokens ``(N,)`` at ``positions``.
+    ``blocks``: callables run instead of the model's layers (compiled copies of them)."""
     with packed_attention(model, attend):
         # Batch 1: hidden()'s own mask is unused (the hook attends), kv_len=1 keeps it tiny.
-        h = model.hidden(tokens[None], positions[None], kv_len=1)
+        h = model.hidden(tokens[None], positions[None], kv_len=1, blocks=blocks)
     return model.output(h[0, last_idx]).float()
 
 
@@ -178,9 +208,7 @@ class _PackedStep(GraphedStep):
     @torch.no_grad()
     def _body(self) -> Tensor:
         o, n = self.owner, self.n
-        blocks = n // BLOCK_M + o.max_seqs  # each request adds at most one partial block
-        attend = TritonAttention(o.seq, o.block_seq[:blocks], o.block_off[:blocks], o.rows[:n], o.positions[:n])
-        return packed_logits(o.model, o.tokens[:n], o.positions[:n], o.last_idx, attend)
+        return packed_logits(o.model, o.tokens[:n], o.positions[:n], o.last_idx, o.triton, o.blocks)
 
 
 class PackedPrefill:
@@ -191,7 +219,8 @@ class PackedPrefill:
     """
 
     def __init__(self, model: Transformer, max_tokens: int, max_seqs: int, graphs: bool = False,
-                 attention: str | None = None, pad_id: int = 0) -> None:
+                 attention: str | None = None, pad_id: int = 0,
+                 blocks: Sequence[Callable[..., Tensor]] | None = None) -> None:
         if max_tokens < 1 or max_seqs < 1:
             raise ValueError(f"max_tokens ({max_tokens}) and max_seqs ({max_seqs}) must be positive")
         self.model, self.max_tokens, self.max_seqs, self.pad_id = model, max_tokens, max_seqs, pad_id
@@ -205,7 +234,10 @@ class PackedPrefill:
             raise ValueError(f"the Triton packed attention cannot serve this model: {why_not}")
         if graphs and (attention != "triton" or self.device.type != "cuda"):
             raise ValueError("packed prefill graphs need a CUDA model and the triton attention")
-        self.attention, self.graphs = attention, graphs
+        if blocks is not None and attention != "triton":
+            # The torch path loops over requests on the host: nothing a compiler could keep.
+            raise ValueError("compiled packed layers need the triton attention")
+        self.attention, self.graphs, self.blocks = attention, graphs, blocks
         self.buckets = token_buckets(max_tokens) if graphs else ()
         # The static tables, one int64 buffer (one host-to-device copy per step): tokens, positions,
         # cache rows (max_tokens each), last_idx (max_seqs), seq (4 per request), block table (2 x blocks).
@@ -224,6 +256,9 @@ class PackedPrefill:
         self._blank, self._host = blank, blank.clone()
         self._host_views = torch.split(self._host, sizes)
         self._steps: dict[int, _PackedStep] = {}
+        # One hook object for every bucket (compiled layers see the same one each time).
+        self.triton = (TritonAttention(self.seq, self.block_seq, self.block_off, self.rows, self.positions, s)
+                       if attention == "triton" else None)
 
     def _load(self, chunks: list[Chunk]) -> tuple[int, list[tuple[int, int, int, int]]]:
         """Fill the tables for ``chunks``; returns the token count and the segments."""
@@ -268,12 +303,10 @@ class PackedPrefill:
         if self.graphs:
             return self._steps[pick_bucket(total, self.buckets)].run()[:n_last]
         n = total
-        if self.attention == "triton":
-            blocks = n // BLOCK_M + len(chunks)
-            attend = TritonAttention(self.seq, self.block_seq[:blocks], self.block_off[:blocks], self.rows[:n],
-                                     self.positions[:n])
-        else:
-            attend = TorchAttention(segments, self.rows[:n], self.positions[:n])
+        if self.triton is not None:
+            return packed_logits(self.model, self.tokens[:n], self.positions[:n], self.last_idx[:n_last], self.triton,
+                                 self.blocks)
+        attend = TorchAttention(segments, self.rows[:n], self.positions[:n])
         return packed_logits(self.model, self.tokens[:n], self.positions[:n], self.last_idx[:n_last], attend)
 
     @torch.no_grad()
@@ -297,7 +330,8 @@ class PackedPrefill:
                 self.run(chunks)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return {"attention": self.attention, "graphs": self.graphs, "token_buckets": list(sizes),
+        return {"attention": self.attention, "compiled": self.blocks is not None, "graphs": self.graphs,
+                "token_buckets": list(sizes),
                 "max_seqs": self.max_seqs, "seconds": round(time.perf_counter() - t0, 2)}
 
 
