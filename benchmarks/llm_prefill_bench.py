@@ -210,6 +210,8 @@ def build(device: torch.device, small: bool, budget: int | None) -> tuple[Contin
     model = init_random(config, seed=0, dtype=dtype).to(device)
     plan = dict(PLAN if device.type == "cuda" else CPU_PLAN)
     t0 = time.perf_counter()
+    if "static_prefill" in inspect.signature(LlamaRunner).parameters:  # the engine prefills by its packed forward only
+        plan["static_prefill"] = False
     runner = LlamaRunner(model, plan.pop("max_seq_len"), slot_prefill=True, pad_id=0, **plan)
     phases = runner.warmup()
     kw: dict[str, Any] = {"prefill_chunk": 512}

@@ -330,3 +330,25 @@ def test_kv_usage_counts_the_running_requests_positions(runner: LlamaRunner) -> 
     while batcher.has_work:
         batcher.step()
     assert batcher.kv_usage == 0.0
+
+
+def test_a_runner_without_static_prefill_builds_none_and_serves_the_engine_alike(
+        runner: LlamaRunner, tiny_llama: Transformer) -> None:
+    """The continuous engine prefills through its packed forward only: a runner built for it
+    (static_prefill=False) makes no prefill steps, warms none up, refuses the static path, and
+    the engine's output is the static runner's solo output."""
+    engine_runner = LlamaRunner(tiny_llama, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
+                                prefill_graphs=32, static_prefill=False)
+    assert engine_runner.prefill_steps == {} and engine_runner.plan["static_prefill"] is False
+    assert engine_runner.plan["prefill_graphs"] == 0
+    engine_runner.warmup()
+    with pytest.raises(RuntimeError, match="static_prefill"):
+        generate(engine_runner, [_prompt(5, 1)], [SamplingParams(max_tokens=3)])
+    cases = {"a": (_prompt(20, 11), SamplingParams(max_tokens=15)),
+             "b": (_prompt(40, 12), SamplingParams(max_tokens=10, temperature=0.9, top_k=30, seed=3))}
+    rec = Recorder(ContinuousBatcher(engine_runner))
+    for key, (prompt, params) in cases.items():
+        rec.add(key, prompt, params)
+    rec.run()
+    for key, (prompt, params) in cases.items():
+        assert rec.tokens[key] == _solo(runner, prompt, params).tokens, key

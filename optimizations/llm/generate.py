@@ -496,7 +496,10 @@ class LlamaRunner:
                  prefill_buckets: tuple[int, ...] | None = None, kv_buckets: tuple[int, ...] | None = None,
                  compile_prefill: bool = False, compile_decode: bool = False, cuda_graphs: bool = False,
                  compile_mode: str = "default", pad_id: int = 0, prefill_graphs: int = 0,
-                 slot_prefill: bool = False, kernels: str = "torch") -> None:
+                 slot_prefill: bool = False, kernels: str = "torch", static_prefill: bool = True) -> None:
+        """``static_prefill=False``: prompts go in another way (the continuous engine's packed
+        prefill), so no prefill graphs are captured nor prefill shapes compiled by ``warmup()``,
+        and ``stream()`` is refused; the compiled blocks (``compiled_model``) are still made."""
         self.model = model.eval()
         model.fuse_projections()  # fewer, larger matmuls: decode steps are bound by kernel launches
         self.device = model.tok_embeddings.weight.device
@@ -511,7 +514,7 @@ class LlamaRunner:
         if self.kv_buckets[-1] != max_seq_len:
             self.kv_buckets += (max_seq_len,)  # the last decode steps may need the whole cache
         self.max_seq_len, self.cuda_graphs, self.pad_id = max_seq_len, cuda_graphs, pad_id
-        self.compile_prefill = compile_prefill
+        self.compile_prefill, self.static_prefill = compile_prefill, static_prefill
         model.setup_caches(self.batch_buckets[-1], max_seq_len)
         if compile_mode not in ("default", "max-autotune-no-cudagraphs"):
             # Other modes capture CUDA graphs of their own, which would nest inside ours.
@@ -542,7 +545,7 @@ class LlamaRunner:
                       for b in self.batch_buckets for m in PLAIN_MODES for kv in self.kv_buckets}
         # Prompt buckets up to `prefill_graphs` tokens prefill from static inputs (captured on CUDA);
         # longer prompts are compute-bound and run as plain calls.
-        short = [t for t in self.prefill_buckets if t <= prefill_graphs]
+        short = [t for t in self.prefill_buckets if t <= prefill_graphs] if static_prefill else []
         # slot_prefill: the static prefill inputs carry the cache rows to fill (continuous batching).
         self.slot_prefill = slot_prefill
         prefill_states = {(b, t): PrefillState(b, t, self.device, slot_prefill)
@@ -552,7 +555,8 @@ class LlamaRunner:
         self._rng = random.Random()
         self.speculation: StepStrategy | None = None  # set by llm.load_llm_runner for a speculative plan
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
-                     "compile_mode": compile_mode, "cuda_graphs": cuda_graphs, "prefill_graphs": prefill_graphs,
+                     "compile_mode": compile_mode, "cuda_graphs": cuda_graphs,
+                     "prefill_graphs": prefill_graphs if static_prefill else 0, "static_prefill": static_prefill,
                      "kernels": kernels,
                      "batch_buckets": list(self.batch_buckets),
                      "prefill_buckets": list(self.prefill_buckets), "kv_buckets": list(self.kv_buckets),
@@ -591,6 +595,8 @@ class LlamaRunner:
         shapes = [(b, t) for b in self.batch_buckets for t in self.prefill_buckets]
         # Eager prefill has nothing to compile: one small call initialises the kernels. Compiled,
         # every shape runs once, so that any guard that would recompile fails here, not in serving.
+        if not self.static_prefill:
+            shapes = []
         for b, t in shapes if self.compile_prefill else shapes[:1]:
             params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
             tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.pad_id] * t], b, t))
@@ -643,6 +649,9 @@ class LlamaRunner:
     def prepare(self, prompts: list[list[int]], params: list[SamplingParams],
                 batch_buckets: tuple[int, ...]) -> "PreparedBatch":
         """Validate a batch (``ValueError`` naming the request) and pad it to its buckets, on the device."""
+        if not self.static_prefill:
+            raise RuntimeError("this runner was built without static prefill (static_prefill=False): "
+                               "its prompts go through the continuous engine")
         if self.model.max_seq_len != self.max_seq_len or self.model.max_batch_size < self.max_batch:
             raise RuntimeError("the model's KV cache was reallocated by another runner; use one runner per model")
         n = len(prompts)

@@ -169,7 +169,9 @@ def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> 
         return LlamaRunner(model, p.max_seq_len, p.batch_sizes, p.prompt_lens, p.kv_lens,
                            compile_prefill=compiled, compile_decode=compiled and p.kernels == "torch",
                            cuda_graphs=p.cuda_graphs, compile_mode=p.compile if compiled else "default",
-                           prefill_graphs=p.prefill_graphs, slot_prefill=continuous, kernels=p.kernels)
+                           prefill_graphs=p.prefill_graphs, kernels=p.kernels,
+                           # The continuous engine prefills through its packed forward only.
+                           static_prefill=not continuous)
 
     runner = build(plan)
     if plan.warmup:
