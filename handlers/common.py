@@ -276,6 +276,19 @@ def fail_request(context: Any, idx: int, metrics: Any, err: RequestError) -> str
     return err.body()
 
 
+def device_error(e: Exception, oom_advice: str, work: str) -> RequestError:
+    """A request's error for an exception its inference raised on the device: 507 for out of memory
+    (the device's cache freed, `oom_advice` telling the client what to send instead), else 500
+    naming the exception's type (`work`: what failed, e.g. "inference")."""
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return RequestError(507, "server_error", f"out of memory; {oom_advice}", "out_of_memory")
+    return RequestError(500, "server_error", f"{work} failed: {type(e).__name__}", "inference_error")
+
+
 def registered_batch_size(context: Any) -> int:
     """The batch size TorchServe registered the model with (the register call's or the archive
     model-config's `batchSize`, whichever TorchServe used): the worker gets it as a system property.

@@ -10,9 +10,7 @@ slower than when measured (other workers, other processes). A request beyond the
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 from servekit.handlers.common import RequestError
 
@@ -40,29 +38,18 @@ class WorkBudget:
                                f"{self.chars_per_request} per request (what it tokenizes in its time)",
                                "request_too_large")
 
-    def check_tokens(self, n_tokens: int) -> None:
-        """After tokenizing: the model tokens of the request's inputs together."""
-        if n_tokens > self.tokens_per_request:
-            raise RequestError(413, "invalid_request_error",
-                               f"the request has {n_tokens} tokens in all; this worker admits at most "
-                               f"{self.tokens_per_request} tokens per request (what it embeds in its time); "
-                               "split it into smaller requests", "request_too_large")
+    def tokens_error(self, n_tokens: int) -> RequestError:
+        """The 413 of a request of `n_tokens` model tokens in all, over `tokens_per_request`."""
+        return RequestError(413, "invalid_request_error",
+                            f"the request has {n_tokens} tokens in all; this worker admits at most "
+                            f"{self.tokens_per_request} tokens per request (what it embeds in its time); "
+                            "split it into smaller requests", "request_too_large")
 
     def report(self) -> dict[str, float]:
         return {"tokens_per_request": self.tokens_per_request, "chars_per_request": self.chars_per_request,
                 "measured_tokens_per_second": round(self.tokens_per_second),
                 "measured_chars_per_second": round(self.chars_per_second),
                 "response_timeout_s": self.response_timeout_s, "batch_size": self.batch_size}
-
-
-def best_seconds(work: Callable[[], object], reps: int = 3) -> float:
-    """The fastest of `reps` runs: the device's speed, not a moment of contention."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - t0)
-    return max(min(times), 1e-6)
 
 
 def derive_budget(tokens_per_second: float, chars_per_second: float, response_timeout_s: float,

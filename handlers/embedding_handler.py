@@ -23,15 +23,17 @@ import numpy as np
 import orjson
 import torch
 
-from servekit.handlers.common import RequestError, fail_request, freeze_heap, parse_each, registered_batch_size
-from servekit.handlers.embedding_budget import DEFAULT_RESPONSE_TIMEOUT_S, WorkBudget, best_seconds, derive_budget
+from servekit.handlers.common import (RequestError, device_error, fail_request, freeze_heap, parse_each,
+                                      registered_batch_size)
+from servekit.handlers.embedding_budget import DEFAULT_RESPONSE_TIMEOUT_S, WorkBudget, derive_budget
 from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
-from servekit.optimizations.embed.runner import EmbeddingRunner
+from servekit.optimizations.embed.runner import Batch, EmbeddingRunner, Inputs, Refusal
 from servekit.optimizations.plan import parse_plan
 
 log = logging.getLogger(__name__)
+OOM_ADVICE = "retry with fewer or shorter texts"
 
 
 class EmbeddingHandler:
@@ -72,20 +74,10 @@ class EmbeddingHandler:
                              "buffered_reads": install_buffered_reads()}))
 
     def _measure_budget(self, response_timeout_s: float) -> WorkBudget:
-        """This worker's speeds, measured once after warm-up: embedding full-length inputs (one on
-        CPU, where time grows with the batch; a full batch bucket elsewhere) and tokenizing text of
-        words it has never seen (its segment cache does not help a hostile request either)."""
-        runner = self.runner
-        n = 1 if runner.device.type == "cpu" else max(runner.buckets.batch_sizes)
-        seqs, _ = runner.wrap([runner.encode_texts(["the"])[0] * runner.max_tokens] * n)
-        tokens_per_s = sum(map(len, seqs)) / best_seconds(lambda: runner.embed_ids(seqs))
-        rng = np.random.default_rng(0)
-        letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-        texts = [" ".join("".join(rng.choice(letters, 7)) for _ in range(2500)) for _ in range(3)]
-        unseen = iter(texts)  # a new text each run: no run finds the previous one's words cached
-        chars_per_s = len(texts[0]) / best_seconds(lambda: runner.encode_texts([next(unseen)]), reps=len(texts))
+        """Per-request limits from this worker's speeds, measured once after warm-up."""
+        tokens_per_s, chars_per_s = self.runner.measure_speed()
         return derive_budget(tokens_per_s, chars_per_s, response_timeout_s, self.batch_size,
-                             min_tokens=runner.max_tokens, min_chars=self.plan.limits.max_chars_per_text)
+                             min_tokens=self.runner.max_tokens, min_chars=self.plan.limits.max_chars_per_text)
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str | bytes]:
         self.metrics.begin_batch()
@@ -108,107 +100,58 @@ class EmbeddingHandler:
             except RequestError as e:
                 answers[i] = fail_request(context, i, self.metrics, e)
                 del requests[i]
-        ids, cut, spans = self._tokenize(requests)
-        for i, (a, b) in list(spans.items()):
-            try:
-                self.budget.check_tokens(sum(len(ids[j]) for j in range(a, b)))
-            except RequestError as e:
-                answers[i] = fail_request(context, i, self.metrics, e)
-                del spans[i]
-        if limits.too_long == "reject":
-            for i, (a, b) in list(spans.items()):
-                if any(cut[a:b]):
-                    k = next(j for j in range(a, b) if cut[j]) - a
-                    answers[i] = fail_request(context, i, self.metrics, RequestError(
-                        413, "invalid_request_error", f"input {k} is longer than the {self.runner.max_tokens} "
-                        "tokens served", "input_too_long"))
-                    del spans[i]
-        kept = [j for a, b in spans.values() for j in range(a, b)]
-        seqs = [ids[j] for j in kept]
-        chunks = self.runner.chunks(seqs)
+        batch = self.runner.encode({i: Inputs(r.texts, r.token_ids, r.prompt_name) for i, r in requests.items()},
+                                   reject_too_long=limits.too_long == "reject",
+                                   max_request_tokens=self.budget.tokens_per_request)
+        for i, refusal in batch.refused.items():
+            answers[i] = fail_request(context, i, self.metrics, self._refusal_error(refusal))
         t1 = time.perf_counter()
         try:
-            vectors = self.runner.embed_ids(seqs, chunks).numpy() if seqs else np.zeros((0, self.dim), np.float32)
+            vectors: dict = self.runner.embed(batch)
         except Exception as e:  # the batch failed on the device: retry request by request, keep the worker
             log.exception("inference failed for a batch of %d texts; retrying its %d requests one by one",
-                          len(seqs), len(spans))
+                          len(batch.ids), len(batch.spans))
             if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            vectors, failed = self._embed_alone(ids, spans)
-            for i, err in failed.items():
-                answers[i] = fail_request(context, i, self.metrics, err)
-                del spans[i]
-            kept = [j for a, b in spans.values() for j in range(a, b)]
-            seqs = [ids[j] for j in kept]
+            vectors = {}
+            for i, got in self.runner.embed_each(batch).items():
+                if isinstance(got, Exception):
+                    answers[i] = fail_request(context, i, self.metrics, device_error(got, OOM_ADVICE, "inference"))
+                else:
+                    vectors[i] = got
         t2 = time.perf_counter()
-        row = {j: r for r, j in enumerate(kept)}
-        n_tokens = 0
-        for i, (a, b) in spans.items():
-            req = requests[i]
-            vecs = vectors[[row[j] for j in range(a, b)]]
-            tokens = sum(len(ids[j]) for j in range(a, b))
-            n_tokens += tokens
+        for i, vecs in vectors.items():
             context.set_response_content_type(i, "application/json")
-            answers[i] = self._answer(req, vecs, tokens)
+            answers[i] = self._answer(requests[i], vecs, batch.tokens[i])
         t3 = time.perf_counter()
-        self._emit_batch(len(data), len(seqs), n_tokens, chunks, (t0, t1, t2, t3))
+        self._emit_batch(len(data), batch, vectors, (t0, t1, t2, t3))
         return [a if a is not None else "" for a in answers]
 
-    def _tokenize(self, requests: dict[int, EmbeddingRequest]
-                  ) -> tuple[list[list[int]], list[bool], dict[int, tuple[int, int]]]:
-        """Model input ids of every input of the batch (texts tokenized in one call, each with its
-        request's prompt; token arrays as given), which were cut, and each request's span of them."""
-        runner = self.runner
-        texts = [runner.prompt(r.prompt_name) + t for r in requests.values() if r.token_ids is None for t in r.texts]
-        text_tokens = iter(runner.encode_texts(texts))
-        tokens: list[list[int]] = []
-        spans: dict[int, tuple[int, int]] = {}
-        for i, req in requests.items():
-            spans[i] = (len(tokens), len(tokens) + req.n_inputs)
-            tokens.extend(req.token_ids if req.token_ids is not None else (next(text_tokens) for _ in req.texts))
-        ids, cut = runner.wrap(tokens)
-        return ids, cut, spans
-
-    def _device_error(self, e: Exception) -> RequestError:
-        oom = isinstance(e, torch.OutOfMemoryError)
-        if oom and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return RequestError(507 if oom else 500, "server_error",
-                            "out of memory for this request; retry with fewer or shorter texts" if oom
-                            else f"inference failed: {type(e).__name__}", "out_of_memory" if oom else "inference_error")
-
-    def _embed_alone(self, ids: list[list[int]], spans: dict[int, tuple[int, int]]
-                     ) -> tuple[np.ndarray, dict[int, RequestError]]:
-        """After a failed batch: each request's texts on their own, so only a request that fails alone gets an error.
-
-        Returns the vectors of the requests that succeeded (in `spans` order) and the errors of the others.
-        """
-        parts, failed = [], {}
-        for i, (a, b) in spans.items():
-            try:
-                parts.append(self.runner.embed_ids(ids[a:b]).numpy())
-            except Exception as e:
-                log.exception("inference failed for request %d of the batch (%d texts)", i, b - a)
-                failed[i] = self._device_error(e)
-        return (np.concatenate(parts) if parts else np.zeros((0, self.dim), np.float32)), failed
+    def _refusal_error(self, refusal: Refusal) -> RequestError:
+        if refusal.reason == "too_long":
+            return RequestError(413, "invalid_request_error", f"input {refusal.index} is longer than the "
+                                f"{self.runner.max_tokens} tokens served", "input_too_long")
+        return self.budget.tokens_error(refusal.tokens)
 
     def _answer(self, req: EmbeddingRequest, vecs: np.ndarray, tokens: int) -> bytes:
         return embedding_answer(req, vecs, tokens, self.model_name, self.runner.normalized)
 
-    def _emit_batch(self, n_requests: int, n_texts: int, n_tokens: int, chunks: list, t: tuple) -> None:
+    def _emit_batch(self, n_requests: int, batch: Batch, answered: dict, t: tuple) -> None:
         m = self.metrics
         t0, t1, t2, t3 = t
+        n_texts = sum(batch.spans[i][1] - batch.spans[i][0] for i in answered)
+        n_tokens = sum(batch.tokens[i] for i in answered)
         m.emit("servekit_batches_total", "counter", 1)
         m.emit("servekit_requests_total", "counter", n_requests)
         m.emit("servekit_texts_total", "counter", n_texts)
         m.emit("servekit_tokens_total", "counter", n_tokens)
-        computed = sum(c.batch * c.seq for c in chunks)
-        m.emit("servekit_padded_tokens_total", "counter", computed - n_tokens)
+        computed = batch.computed_tokens
+        m.emit("servekit_padded_tokens_total", "counter", max(0, computed - n_tokens))
         segments = self.runner.segments
         m.emit("servekit_tokenizer_segments_total", "counter", segments.lookups - self._segments_seen[0])
         m.emit("servekit_tokenizer_segment_misses_total", "counter", segments.misses - self._segments_seen[1])
         self._segments_seen = (segments.lookups, segments.misses)
-        m.emit("servekit_padding_ratio", "histogram", (computed - n_tokens) / computed if computed else 0.0, "Ratio")
+        m.emit("servekit_padding_ratio", "histogram", max(0, computed - n_tokens) / computed if computed else 0.0, "Ratio")
         m.emit("servekit_batch_fill_ratio", "histogram", min(1.0, n_requests / max(1, self.batch_size)), "Ratio")
         m.emit("servekit_preprocess_seconds", "histogram", t1 - t0, "Seconds")
         m.emit("servekit_inference_seconds", "histogram", t2 - t1, "Seconds")

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from servekit.handlers.common import (RequestError, clip, decode_body, fail_request, freeze_heap, int_field,
-                                      number_field, parse_each, registered_batch_size, shown, without_nulls)
+from servekit.handlers.common import (RequestError, clip, decode_body, device_error, fail_request, freeze_heap,
+                                      int_field, number_field, parse_each, registered_batch_size, shown, without_nulls)
 from servekit import __version__
 from servekit.handlers.llm_continuous import ContinuousFrontend
 from servekit.handlers.llm_openai_tools import (ToolPlan, parse_extras, template_messages, tool_message,
@@ -224,7 +224,7 @@ class LlmService:
         # batchSize at a time (handlers/llm_continuous.py); otherwise each batch runs to its end.
         self.continuous: ContinuousFrontend | None = None
         if config.get("continuousBatching"):
-            self.continuous = ContinuousFrontend(self, Generation, _device_error)
+            self.continuous = ContinuousFrontend(self, Generation, generation_error)
         install_buffered_reads()
         log.info("servekit LLM plan %s ready in %.1f s (gc_frozen_objects %d): %s", self.plan.label(),
                  time.perf_counter() - t0, freeze_heap(), json.dumps(self.runner.plan))
@@ -362,7 +362,7 @@ class LlmService:
             return gen.run()
         except Exception as e:  # the worker lives on
             log.exception("generation failed for a batch of %d requests", len(chunk))
-            err = _device_error(e)
+            err = generation_error(e)
         started = {row.idx for row in gen.rows if row.started}
         out = {i: fail_request(context, i, self.metrics, err) for i in chunk if i in started or len(chunk) == 1}
         for i in chunk:
@@ -371,13 +371,9 @@ class LlmService:
         return out
 
 
-def _device_error(e: Exception) -> RequestError:
-    oom = isinstance(e, torch.OutOfMemoryError)
-    if oom and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return RequestError(507 if oom else 500, "server_error",
-                        "out of memory; retry with a shorter prompt or fewer tokens" if oom
-                        else f"generation failed: {type(e).__name__}", "out_of_memory" if oom else "inference_error")
+def generation_error(e: Exception) -> RequestError:
+    """A request's error for an exception its generation raised on the device (507 out of memory, else 500)."""
+    return device_error(e, "retry with a shorter prompt or fewer tokens", "generation")
 
 
 @dataclass

@@ -39,6 +39,17 @@ def minilm_server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -
         yield ts
 
 
+def worker_budget(server: TorchServe) -> dict:
+    """The per-request limits the model's latest worker derived at start from its measured speeds
+    (its ready line in the model log): they depend on how busy the machine was then."""
+    import json
+
+    lines = [line for line in (server.log_dir / "model_log.log").read_text().splitlines()
+             if "servekit plan" in line and '"budget"' in line]
+    assert lines, "the worker logged no budget"
+    return json.loads(lines[-1].split(" ready: ", 1)[1])["budget"]
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One torch CPU thread for a module of small-matrix tests: on 2 shared cores, two OpenMP

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import requests
 
+from conftest import worker_budget
 from servekit.benchmarks.faults import (MAX_REQUEST_SIZE, bad_inputs, check_with_good, good_requests,
                                         reference_embedder, send_together, vectors, worker_identity)
 
@@ -134,10 +135,7 @@ def _post(ts, body: dict, timeout: float = 180) -> tuple[requests.Response, floa
 @pytest.fixture(scope="module")
 def budget(minilm_server, worker) -> dict:
     """The limits the worker derived at start from its measured speeds (its ready line in the model log)."""
-    lines = [line for line in (minilm_server.log_dir / "model_log.log").read_text().splitlines()
-             if "servekit plan" in line and '"budget"' in line]
-    assert lines, "the worker logged no budget"
-    return json.loads(lines[-1].split(" ready: ", 1)[1])["budget"]
+    return worker_budget(minilm_server)
 
 
 def test_bulk_beyond_the_budget_is_refused_at_once(minilm_server, worker, budget):

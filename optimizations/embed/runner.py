@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
-from typing import Sequence
+from typing import Hashable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
@@ -74,6 +75,40 @@ def special_tokens(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
             if plain and full[k:k + len(plain)] == plain:
                 return full[:k], full[k + len(plain):]
     raise UnsupportedModel("cannot tell the tokenizer's special tokens apart from a text's own")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One request's inputs: texts (each behind the named prompt, or the model's default one), or
+    token-id lists without special tokens (OpenAI token-array inputs) used as given."""
+    texts: Sequence[str] = ()
+    token_ids: Sequence[Sequence[int]] | None = None
+    prompt_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why `encode` left a request out: an input longer than the model serves (`too_long`, with
+    `reject_too_long`), or more tokens in all than `max_request_tokens` (`too_many_tokens`)."""
+    reason: str
+    index: int = 0    # too_long: the first input that is
+    tokens: int = 0   # too_many_tokens: the request's tokens
+
+
+@dataclass
+class Batch:
+    """A batch of requests ready for `embed`: every kept input's model ids, each request's span of
+    them and token count, the forward passes that cover them, and the requests left out."""
+    ids: list[list[int]] = field(default_factory=list)
+    spans: dict[Hashable, tuple[int, int]] = field(default_factory=dict)
+    tokens: dict[Hashable, int] = field(default_factory=dict)
+    chunks: list[Chunk] = field(default_factory=list)
+    refused: dict[Hashable, Refusal] = field(default_factory=dict)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Token positions the passes compute, padding included."""
+        return sum(c.batch * c.seq for c in self.chunks)
 
 
 class EmbeddingRunner:
@@ -160,6 +195,62 @@ class EmbeddingRunner:
             out.append(self.prefix + list(ids[:room]) + self.suffix)
         return out, cut
 
+    def encode(self, requests: Mapping[Hashable, Inputs], reject_too_long: bool = False,
+               max_request_tokens: int | None = None) -> Batch:
+        """A batch's requests -> model inputs, in one tokenizer call for all their texts: prompts
+        prepended, special tokens around each input, each cut to `max_tokens` (or its request
+        refused, with `reject_too_long`); requests of more than `max_request_tokens` refused; and
+        the forward passes of least cost over what is kept."""
+        texts = [self.prompt(r.prompt_name) + t for r in requests.values() if r.token_ids is None for t in r.texts]
+        text_tokens = iter(self.encode_texts(texts))
+        batch = Batch()
+        for key, r in requests.items():
+            own = list(r.token_ids) if r.token_ids is not None else [next(text_tokens) for _ in r.texts]
+            ids, cut = self.wrap(own)
+            n = sum(map(len, ids))
+            if reject_too_long and any(cut):
+                batch.refused[key] = Refusal("too_long", index=cut.index(True))
+            elif max_request_tokens is not None and n > max_request_tokens:
+                batch.refused[key] = Refusal("too_many_tokens", tokens=n)
+            else:
+                batch.spans[key] = (len(batch.ids), len(batch.ids) + len(ids))
+                batch.tokens[key] = n
+                batch.ids.extend(ids)
+        batch.chunks = self.forward.chunks([len(s) for s in batch.ids])
+        return batch
+
+    def embed(self, batch: Batch) -> dict[Hashable, np.ndarray]:
+        """Each kept request's embeddings (n, dim), float32; one device-to-host copy for the batch.
+        A device failure raises: `embed_each` then tells which request it was."""
+        vectors = self.embed_ids(batch.ids, batch.chunks).numpy()
+        return {key: vectors[a:b] for key, (a, b) in batch.spans.items()}
+
+    def embed_each(self, batch: Batch) -> dict[Hashable, np.ndarray | Exception]:
+        """After a failed batch: each request on its own, so only a request that fails alone fails."""
+        out: dict[Hashable, np.ndarray | Exception] = {}
+        for key, (a, b) in batch.spans.items():
+            try:
+                out[key] = self.embed_ids(batch.ids[a:b]).numpy()
+            except Exception as e:
+                log.exception("inference failed for request %s of the batch (%d texts)", key, b - a)
+                out[key] = e
+        return out
+
+    def measure_speed(self) -> tuple[float, float]:
+        """(tokens embedded, characters tokenized) per second on this worker now: full-length inputs
+        (one on CPU, where time grows with the batch; a full batch bucket elsewhere) and text of words
+        never seen (the segment cache does not help a hostile request either). Each the best of a
+        few runs: the device's speed, not a moment of contention."""
+        n = 1 if self.device.type == "cpu" else self.buckets.max_batch
+        seqs, _ = self.wrap([self.encode_texts(["the"])[0] * self.max_tokens] * n)
+        tokens_per_s = sum(map(len, seqs)) / _best_seconds(lambda: self.embed_ids(seqs))
+        rng = np.random.default_rng(0)
+        letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+        texts = [" ".join("".join(rng.choice(letters, 7)) for _ in range(2500)) for _ in range(3)]
+        unseen = iter(texts)  # a new text each run: no run finds the previous one's words cached
+        chars_per_s = len(texts[0]) / _best_seconds(lambda: self.encode_texts([next(unseen)]), reps=len(texts))
+        return tokens_per_s, chars_per_s
+
     def chunks(self, seqs: Sequence[Sequence[int]]) -> list[Chunk]:
         """The forward passes `embed_ids` would cut `seqs` into (eager: exact length-sorted runs)."""
         return self.forward.chunks([len(s) for s in seqs])
@@ -194,6 +285,15 @@ class EmbeddingRunner:
                 "compile_cache_hit": self.forward.compile_cache_hit, "accuracy": self.accuracy,
                 "segment_cache": "on" if self.segments.enabled else f"off: {self.segments.off_reason}",
                 "buckets": self.forward.bucket_stats}
+
+
+def _best_seconds(work, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - t0)
+    return max(min(times), 1e-6)
 
 
 def accuracy_report(got: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
