@@ -318,6 +318,13 @@ class PackedPrefill:
         # Uncaptured, shapes do not matter: one small forward initialises the path (and compiles the kernel).
         sizes = self.buckets or (min(SMALLEST_BUCKET, self.max_tokens, span),)
         pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        if self.blocks is not None and self.graphs:
+            # Compile first on an odd token count that no other size shares: traced at the full budget,
+            # dynamo would take the tables' length and the token count for one size (duck sizing), or
+            # a model dimension of 16 for the token count, and compile again for the next bucket.
+            m = max(2, min(SMALLEST_BUCKET + 1, span, self.max_tokens // 2))
+            self._load([Chunk([self.pad_id] * m, 0, spare, True)])
+            packed_logits(self.model, self.tokens[:m], self.positions[:m], self.last_idx[:1], self.triton, self.blocks)
         for n in sorted(sizes, reverse=True):  # largest first: the smaller graphs fit in its pool
             # Chunks of one request each into the spare row (the cache's garbage row), at most a context long.
             lengths = [span] * (n // span) + ([n % span] if n % span else [])
