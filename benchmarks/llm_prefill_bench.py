@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny model and small counts (CPU smoke run)")
     p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (engines that have it)")
     p.add_argument("--per-stream", type=int, default=2, help="requests per closed-loop stream in (c) and (d)")
+    p.add_argument("--single-requests", type=int, default=2, help="requests of the one-stream short run in (d)")
     p.add_argument("--label", default="", help="free text saved with the results (e.g. baseline)")
     p.add_argument("--profile", action="store_true", help="also profile one eager packed forward by kernel")
     args = p.parse_args(argv)
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "passages")
     print("(c) passages-32:", json.dumps(results["passages_32"]), flush=True)
     results["short_32"] = streams(batcher, rng, vocab, n, args.per_stream, (20, 60), short_max, "short")
-    results["short_1"] = streams(batcher, rng, vocab, 1, 2, (20, 60), short_max, "short1")
+    results["short_1"] = streams(batcher, rng, vocab, 1, args.single_requests, (20, 60), short_max, "short1")
     results["short_1"]["tokens_per_s_per_sequence"] = results["short_1"]["tokens_per_s"]
     print("(d) short-32:", json.dumps(results["short_32"]), "short-1:", json.dumps(results["short_1"]), flush=True)
     results["meta"] = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),

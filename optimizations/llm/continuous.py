@@ -174,9 +174,9 @@ class ContinuousBatcher:
 
     def warmup(self) -> dict[str, object]:
         """Build every packed-prefill shape (compiles the packed layers where the plan compiles,
-        captures each token bucket on CUDA, compiles the attention kernel) and the host copies of every output shape a step can produce: the first
-        request of any length then costs what later ones do. Returns what was built and the
-        seconds it took."""
+        captures each token bucket on CUDA, compiles the attention kernel) and the host copies of
+        every output shape a step can produce: the first request of any length then costs what
+        later ones do. Returns what was built and the seconds it took."""
         built = self.packed.warmup()
         # Host copies are pinned on CUDA (slow to allocate): one ring per output shape, made here.
         # First tokens: 1..max_num_seqs rows; decode steps: each batch bucket; both in plain and FULL modes.
