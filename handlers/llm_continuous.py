@@ -113,7 +113,11 @@ class ContinuousFrontend:
         m = self.s.metrics
         if time.perf_counter() - self._gauges_at >= GAUGE_INTERVAL_S or not self.live:
             # Calls come every few ms: gauges once a second (and when the last request ends) keep
-            # the metric lines the frontend parses from growing with the call rate.
+            # the metric lines the frontend parses from growing with the call rate. The last
+            # request gone, no call may come for a long while: wait for the engine to have taken
+            # its cancellations in, so that these gauges are not left showing requests that ended.
+            if not self.live:
+                self.engine.settle(GAUGE_INTERVAL_S)
             m.emit("servekit_llm_running_seqs", "gauge", self.engine.running)
             m.emit("servekit_llm_waiting_seqs", "gauge", self.engine.waiting)
             m.emit("servekit_llm_kv_cache_usage", "gauge", round(self.engine.kv_usage, 4), "Percent")

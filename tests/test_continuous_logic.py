@@ -352,3 +352,30 @@ def test_a_runner_without_static_prefill_builds_none_and_serves_the_engine_alike
     rec.run()
     for key, (prompt, params) in cases.items():
         assert rec.tokens[key] == _solo(runner, prompt, params).tokens, key
+
+
+def test_engine_counters_drop_to_zero_once_settled_after_a_cancel(runner: LlamaRunner) -> None:
+    """The handler emits its gauges after the last request ends or is cancelled; ``settle`` makes
+    the engine's counters include the cancellation first (the gauges are otherwise left stale
+    until a next request)."""
+    from servekit.optimizations.llm.continuous import EngineThread
+
+    import time
+
+    batcher = ContinuousBatcher(runner)
+    real = batcher.step
+
+    def slow_step():  # 100 tokens take seconds: the request is still running when cancelled
+        time.sleep(0.05)
+        return real()
+
+    batcher.step = slow_step
+    engine = EngineThread(batcher)
+    engine.submit("long", _prompt(12, 5), SamplingParams(max_tokens=100))
+    deadline = time.monotonic() + 30
+    while not engine.take(["long"], 1.0) and time.monotonic() < deadline:  # running: tokens arrive
+        pass
+    assert engine.settle(5.0) and engine.running == 1 and engine.kv_usage > 0
+    engine.cancel("long")
+    assert engine.settle(5.0)
+    assert (engine.running, engine.waiting, engine.kv_usage) == (0, 0, 0.0)

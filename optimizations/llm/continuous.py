@@ -488,6 +488,15 @@ class EngineThread:
         self._commands.append(("cancel", key))
         self._wake.set()
 
+    def settle(self, timeout: float) -> bool:
+        """Wait (up to ``timeout`` s) until the engine has handled every command sent before this
+        call (cancellations included) and updated ``running``/``waiting``/``kv_usage`` after them,
+        so gauges read then reflect the requests that are gone. False if it took longer."""
+        done = threading.Event()
+        self._commands.append(("settle", done))
+        self._wake.set()
+        return done.wait(timeout)
+
     def take(self, keys: Collection[Hashable], timeout: float) -> dict[Hashable, SeqUpdate]:
         """The updates of ``keys`` collected so far, waiting up to ``timeout`` s for the first one."""
         with self._cond:
@@ -503,9 +512,13 @@ class EngineThread:
                 self._wake.wait()
             self._wake.clear()
             updates: dict[Hashable, SeqUpdate] = {}
+            settled: list[threading.Event] = []
             try:
                 while self._commands:
                     cmd = self._commands.popleft()
+                    if cmd[0] == "settle":  # answered once the counters below include every earlier command
+                        settled.append(cmd[1])
+                        continue
                     if cmd[0] == "cancel":
                         b.cancel(cmd[1])
                         continue
@@ -522,6 +535,8 @@ class EngineThread:
                     torch.cuda.empty_cache()
                 updates.update(b.fail_all(e))
             self.running, self.waiting, self.kv_usage = b.running, len(b.waiting), b.kv_usage
+            for done in settled:
+                done.set()
             if updates:
                 with self._cond:
                     for key, u in updates.items():
