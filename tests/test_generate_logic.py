@@ -250,6 +250,11 @@ def test_plan_with_speculation_gives_the_runner_the_archived_heads_as_its_strate
     assert all(s.proposed == [] for s in off)
     with pytest.raises(PlanError, match="servekit.speculation: can use 1..3 heads, asked for 5"):
         load_llm_runner(ckpt, parse_llm_plan({**raw, "speculation": {"heads": "heads", "n_heads": 5}}))
+    # Continuous batching: the engine prefills through its packed forward, so the runner has no static prefill.
+    engine_runner, _, _ = load_llm_runner(ckpt, parse_llm_plan({**raw, "prefill_graphs": 16}), continuous=True)
+    assert engine_runner.prefill_steps == {} and engine_runner.plan["static_prefill"] is False
+    assert engine_runner.speculation.in_slots and engine_runner.speculation.prefill_steps == {}
+    assert runner.plan["static_prefill"] is True
 
 
 def test_load_llm_runner_fails_loudly_or_falls_back_as_the_plan_says(tmp_path) -> None:
