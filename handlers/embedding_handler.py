@@ -52,6 +52,8 @@ class EmbeddingHandler:
             torch.set_num_threads(1)
             if plan.tokenizer_threads is None:
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if plan.threads is not None:
+            torch.set_num_threads(plan.threads)
         if plan.tokenizer_threads is not None:
             # Before the first tokenization: the tokenizer's thread pool starts once per process.
             # Bulk requests (hundreds of texts per batch) tokenize ~1.9x faster on 2 threads than on

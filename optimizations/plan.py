@@ -69,6 +69,10 @@ class Plan:
     # Threads that tokenize a batch (the tokenizer's own parallelism). None: one per GPU worker
     # (several workers share the host's cores), the library's default (every core) on CPU.
     tokenizer_threads: int | None = None
+    # torch's intra-op threads per worker. None: one per GPU worker, torch's default (every core) on
+    # CPU; several CPU workers on one host each want their share of the cores, or their thread pools
+    # oversubscribe them.
+    threads: int | None = None
     # Whitespace-delimited segments whose token ids each worker keeps (optimizations/embed/segment_cache.py);
     # 0 sends every text through the tokenizer's whole pipeline.
     tokenizer_cache: int = 200_000
@@ -150,8 +154,9 @@ def parse_plan(raw: Any, path: str = "servekit") -> Plan:
         if not isinstance(raw["compile_cache"], str) or not raw["compile_cache"]:
             raise PlanError(f"{path}.compile_cache: expected a directory path")
         kw["compile_cache"] = raw["compile_cache"]
-    if raw.get("tokenizer_threads") is not None:
-        kw["tokenizer_threads"] = positive_int(f"{path}.tokenizer_threads", raw["tokenizer_threads"])
+    for key in ("tokenizer_threads", "threads"):
+        if raw.get(key) is not None:
+            kw[key] = positive_int(f"{path}.{key}", raw[key])
     if "tokenizer_cache" in raw:
         kw["tokenizer_cache"] = _int_at_least(f"{path}.tokenizer_cache", raw["tokenizer_cache"], 0,
                                               "a number of entries >= 0 (0: off)")
