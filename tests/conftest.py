@@ -39,13 +39,14 @@ def minilm_server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -
         yield ts
 
 
-def worker_budget(server: TorchServe) -> dict:
-    """The per-request limits the model's latest worker derived at start from its measured speeds
-    (its ready line in the model log): they depend on how busy the machine was then."""
+def worker_budget(server: TorchServe, model: str = "minilm") -> dict:
+    """The per-request limits `model`'s latest worker derived at start from its measured speeds (its
+    ready line in the model log, which every model of the server shares): they depend on how busy
+    the machine was then."""
     import json
 
     lines = [line for line in (server.log_dir / "model_log.log").read_text().splitlines()
-             if "servekit plan" in line and '"budget"' in line]
+             if f"-{model}_" in line and "servekit plan" in line and '"budget"' in line]
     assert lines, "the worker logged no budget"
     return json.loads(lines[-1].split(" ready: ", 1)[1])["budget"]
 

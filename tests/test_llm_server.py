@@ -168,7 +168,7 @@ def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchSe
 @pytest.mark.parametrize("route, body, status, code", [
     ("v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1100}]}, 400,
      "context_length_exceeded"),
-    ("v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_value"),
+    ("v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "missing_field"),  # no tool_call_id
     ("v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "invalid_type"),
     ("v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, 400, "invalid_type"),

@@ -132,10 +132,10 @@ def _post(ts, body: dict, timeout: float = 180) -> tuple[requests.Response, floa
     return r, time.monotonic() - t0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def budget(minilm_server, worker) -> dict:
     """The limits the worker derived at start from its measured speeds (its ready line in the model log)."""
-    return worker_budget(minilm_server)
+    return worker_budget(minilm_server, MODEL)
 
 
 def test_bulk_beyond_the_budget_is_refused_at_once(minilm_server, worker, budget):

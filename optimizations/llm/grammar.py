@@ -28,8 +28,20 @@ from typing import Any
 
 import jsonschema
 import torch
-import xgrammar as xgr
 from torch import Tensor
+
+
+class _Xgrammar:
+    """xgrammar, imported at its first use: it imports transformers (and what transformers looks
+    for), which a worker that never constrains a request has no need to load."""
+
+    def __getattr__(self, name: str) -> Any:
+        import xgrammar
+
+        return getattr(xgrammar, name)
+
+
+xgr = _Xgrammar()
 
 # What a grammar spec may be (vLLM's structured_outputs names): a JSON schema, any JSON object,
 # a regular expression, one of a list of strings, an EBNF grammar (xgrammar's GBNF dialect).

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servekit.optimizations.models.errors import UnsupportedModel
 from servekit.optimizations.models.weights import load_safetensors
 
 if TYPE_CHECKING:  # rotary_encoder imports this module
@@ -36,10 +37,6 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, a
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # MPNet's relative-position buckets: transformers computes them with these constants whatever the config says.
 MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128
-
-
-class UnsupportedModel(ValueError):
-    """A model servekit cannot serve: the message names what and why."""
 
 
 @dataclass(frozen=True)

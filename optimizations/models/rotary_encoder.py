@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servekit.optimizations.models.encoder import UnsupportedModel
+from servekit.optimizations.models.errors import UnsupportedModel
 from servekit.optimizations.models.weights import load_safetensors
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
