@@ -249,26 +249,14 @@ def load_encoder(model_dir: Path) -> nn.Module:
 def check_checkpoint(model_dir: Path) -> "EncoderConfig | RotaryEncoderConfig":
     """Check without loading any tensor data that `model_dir` holds an encoder servekit serves:
     a supported config and safetensors whose tensors are exactly those the encoder needs."""
-    from safetensors import safe_open
-
-    from servekit.optimizations.models.weights import INDEX, safetensors_files
+    from servekit.optimizations.models.weights import tensor_names
 
     model_dir = Path(model_dir)
     if _is_rotary(model_dir):
         from servekit.optimizations.models.rotary_encoder import check_rotary_checkpoint
         return check_rotary_checkpoint(model_dir)
     cfg = EncoderConfig.from_json(model_dir / "config.json")
-    names = set()
-    for f in safetensors_files(model_dir):
-        if f.name == INDEX:
-            continue
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                names.update(filter(None, (_rename(k, cfg.family) for k in st.keys())))
-        except UnsupportedModel:
-            raise
-        except Exception as e:
-            raise UnsupportedModel(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    names = tensor_names(model_dir, lambda k: _rename(k, cfg.family))
     with torch.device("meta"):
         expected = set(Encoder(cfg).state_dict())
     missing = sorted(expected - names)

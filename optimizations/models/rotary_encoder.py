@@ -347,23 +347,11 @@ def load_rotary_encoder(model_dir: Path) -> RotaryEncoder:
 
 def check_rotary_checkpoint(model_dir: Path) -> RotaryEncoderConfig:
     """Check without loading tensor data that `model_dir` holds exactly the tensors the encoder needs."""
-    from safetensors import safe_open
-
-    from servekit.optimizations.models.weights import INDEX, safetensors_files
+    from servekit.optimizations.models.weights import tensor_names
 
     model_dir = Path(model_dir)
     cfg = RotaryEncoderConfig.from_json(model_dir / "config.json")
-    names = set()
-    for f in safetensors_files(model_dir):
-        if f.name == INDEX:
-            continue
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                names.update(filter(None, (_rename(k, cfg.family) for k in st.keys())))
-        except UnsupportedModel:
-            raise
-        except Exception as e:
-            raise UnsupportedModel(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    names = tensor_names(model_dir, lambda k: _rename(k, cfg.family))
     missing = sorted(_expected(cfg) - names)
     if missing:
         raise UnsupportedModel(f"{model_dir}: checkpoint lacks {len(missing)} tensors of a {cfg.family} encoder "

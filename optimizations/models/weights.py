@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file
@@ -41,3 +42,24 @@ def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
         if f.name != INDEX:
             state.update(load_file(str(f)))
     return state
+
+
+def tensor_names(model_dir: Path, rename: Callable[[str], str | None]) -> set[str]:
+    """The checkpoint's tensor names as `rename` maps them (None drops one), read from the files'
+    headers without loading tensor data; UnsupportedModel names a file that is not safetensors."""
+    from safetensors import safe_open
+
+    from servekit.optimizations.models.errors import UnsupportedModel
+
+    names: set[str] = set()
+    for f in safetensors_files(model_dir):
+        if f.name == INDEX:
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                names.update(filter(None, map(rename, st.keys())))
+        except UnsupportedModel:
+            raise
+        except Exception as e:
+            raise UnsupportedModel(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    return names
