@@ -27,7 +27,7 @@ from servekit.handlers.common import (RequestError, device_error, fail_request, 
                                       registered_batch_size)
 from servekit.handlers.embedding_budget import DEFAULT_RESPONSE_TIMEOUT_S, WorkBudget, derive_budget
 from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
-from servekit.handlers.metrics import HandlerMetrics
+from servekit.handlers.metrics import HandlerMetrics, emit_batch
 from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.embed.runner import Batch, EmbeddingRunner, Inputs, Refusal
 from servekit.optimizations.plan import parse_plan
@@ -139,28 +139,13 @@ class EmbeddingHandler:
         return embedding_answer(req, vecs, tokens, self.model_name, self.runner.normalized)
 
     def _emit_batch(self, n_requests: int, batch: Batch, answered: dict, t: tuple) -> None:
-        m = self.metrics
-        t0, t1, t2, t3 = t
-        n_texts = sum(batch.spans[i][1] - batch.spans[i][0] for i in answered)
-        n_tokens = sum(batch.tokens[i] for i in answered)
-        m.emit("servekit_batches_total", "counter", 1)
-        m.emit("servekit_requests_total", "counter", n_requests)
-        m.emit("servekit_texts_total", "counter", n_texts)
-        m.emit("servekit_tokens_total", "counter", n_tokens)
-        computed = batch.computed_tokens
-        m.emit("servekit_padded_tokens_total", "counter", max(0, computed - n_tokens))
         segments = self.runner.segments
-        m.emit("servekit_tokenizer_segments_total", "counter", segments.lookups - self._segments_seen[0])
-        m.emit("servekit_tokenizer_segment_misses_total", "counter", segments.misses - self._segments_seen[1])
+        self.metrics.emit("servekit_tokenizer_segments_total", "counter", segments.lookups - self._segments_seen[0])
+        self.metrics.emit("servekit_tokenizer_segment_misses_total", "counter", segments.misses - self._segments_seen[1])
         self._segments_seen = (segments.lookups, segments.misses)
-        m.emit("servekit_padding_ratio", "histogram", max(0, computed - n_tokens) / computed if computed else 0.0, "Ratio")
-        m.emit("servekit_batch_fill_ratio", "histogram", min(1.0, n_requests / max(1, self.batch_size)), "Ratio")
-        m.emit("servekit_preprocess_seconds", "histogram", t1 - t0, "Seconds")
-        m.emit("servekit_inference_seconds", "histogram", t2 - t1, "Seconds")
-        m.emit("servekit_postprocess_seconds", "histogram", t3 - t2, "Seconds")
-        # Every request of the batch waited for the whole batch: one observation each.
-        m.emit("servekit_request_latency_seconds", "histogram", t3 - t0, "Seconds", times=n_requests)
-        m.emit("servekit_recompiles", "gauge", self.runner.recompiles())
+        emit_batch(self.metrics, requests=n_requests, texts=sum(batch.spans[i][1] - batch.spans[i][0] for i in answered),
+                   tokens=sum(batch.tokens[i] for i in answered), computed_tokens=batch.computed_tokens,
+                   batch_size=self.batch_size, times=t, recompiles=self.runner.recompiles())
 
 
 def embedding_answer(req: EmbeddingRequest, vecs: np.ndarray, tokens: int, model_name: str, normalized: bool) -> bytes:

@@ -83,3 +83,28 @@ class HandlerMetrics:
             stream.flush()
         except Exception:
             log.exception("could not write %d metric lines", text.count("\n"))
+
+
+def emit_batch(metrics: HandlerMetrics, *, requests: int, texts: int, tokens: int, computed_tokens: int,
+               batch_size: int, times: tuple[float, float, float, float], recompiles: int) -> None:
+    """The per-batch metrics every encoder-style handler (embeddings, rerank/score/classify) emits.
+
+    `texts` counts what the model ran on: texts for an embedding model, (query, document) pairs for a
+    cross-encoder. `computed_tokens` is what the device computed, padding included. `times` are the
+    batch's perf_counter stamps: received, preprocessed, inferred, answered.
+    """
+    t0, t1, t2, t3 = times
+    padded = max(0, computed_tokens - tokens)
+    metrics.emit("servekit_batches_total", "counter", 1)
+    metrics.emit("servekit_requests_total", "counter", requests)
+    metrics.emit("servekit_texts_total", "counter", texts)
+    metrics.emit("servekit_tokens_total", "counter", tokens)
+    metrics.emit("servekit_padded_tokens_total", "counter", padded)
+    metrics.emit("servekit_padding_ratio", "histogram", padded / computed_tokens if computed_tokens else 0.0, "Ratio")
+    metrics.emit("servekit_batch_fill_ratio", "histogram", min(1.0, requests / max(1, batch_size)), "Ratio")
+    metrics.emit("servekit_preprocess_seconds", "histogram", t1 - t0, "Seconds")
+    metrics.emit("servekit_inference_seconds", "histogram", t2 - t1, "Seconds")
+    metrics.emit("servekit_postprocess_seconds", "histogram", t3 - t2, "Seconds")
+    # Every request of the batch waited for the whole batch: one observation each.
+    metrics.emit("servekit_request_latency_seconds", "histogram", t3 - t0, "Seconds", times=requests)
+    metrics.emit("servekit_recompiles", "gauge", recompiles)

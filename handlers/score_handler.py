@@ -21,8 +21,9 @@ import orjson
 import torch
 
 from servekit.handlers.common import RequestError, fail_request, freeze_heap, parse_each, registered_batch_size
-from servekit.handlers.metrics import HandlerMetrics
+from servekit.handlers.metrics import HandlerMetrics, emit_batch
 from servekit.handlers.score_requests import ScoreRequest, parse_score_request
+from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.plan import parse_plan
 from servekit.optimizations.score.runner import ScoreRunner
 
@@ -52,7 +53,8 @@ class ScoreHandler:
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
         self.metrics.emit("servekit_recompiles", "gauge", 0)
         log.info("servekit plan %s ready: %s", self.plan.label(),
-                 json.dumps({**self.runner.report(), "gc_frozen_objects": freeze_heap()}))
+                 json.dumps({**self.runner.report(), "gc_frozen_objects": freeze_heap(),
+                             "buffered_reads": install_buffered_reads()}))
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str | bytes]:
         self.metrics.begin_batch()
@@ -127,21 +129,9 @@ class ScoreHandler:
         return score_answer(req, logits, self.runner, self.model_name, tokens, self.created)
 
     def _emit_batch(self, n_requests: int, n_inputs: int, n_tokens: int, chunks: list, t: tuple) -> None:
-        m = self.metrics
-        t0, t1, t2, t3 = t
-        m.emit("servekit_batches_total", "counter", 1)
-        m.emit("servekit_requests_total", "counter", n_requests)
-        m.emit("servekit_texts_total", "counter", n_inputs)  # pairs for a cross-encoder
-        m.emit("servekit_tokens_total", "counter", n_tokens)
-        computed = sum(c.batch * c.seq for c in chunks)
-        m.emit("servekit_padded_tokens_total", "counter", max(0, computed - n_tokens))
-        m.emit("servekit_padding_ratio", "histogram", (computed - n_tokens) / computed if computed else 0.0, "Ratio")
-        m.emit("servekit_batch_fill_ratio", "histogram", min(1.0, n_requests / max(1, self.batch_size)), "Ratio")
-        m.emit("servekit_preprocess_seconds", "histogram", t1 - t0, "Seconds")
-        m.emit("servekit_inference_seconds", "histogram", t2 - t1, "Seconds")
-        m.emit("servekit_postprocess_seconds", "histogram", t3 - t2, "Seconds")
-        m.emit("servekit_request_latency_seconds", "histogram", t3 - t0, "Seconds", times=n_requests)
-        m.emit("servekit_recompiles", "gauge", self.runner.recompiles())
+        emit_batch(self.metrics, requests=n_requests, texts=n_inputs, tokens=n_tokens,  # texts: pairs for a cross-encoder
+                   computed_tokens=sum(c.batch * c.seq for c in chunks), batch_size=self.batch_size, times=t,
+                   recompiles=self.runner.recompiles())
 
 
 def score_answer(req: ScoreRequest, logits: torch.Tensor, runner: ScoreRunner, model_name: str, tokens: int,

@@ -59,6 +59,21 @@ def test_serving_dashboard_covers_the_operators_questions():
     assert "$sla_ms" in latency["targets"][3]["expr"]
 
 
+def test_serving_dashboard_shows_rerank_load_in_pairs_not_requests():
+    """A rerank request holds many pairs: the serving dashboard divides texts (pairs) by requests and
+    device time by pairs, per model, so a reranker and an embedding model can be read side by side."""
+    panels = {p["title"]: p for p in dashboards.dashboards()["servekit-serving.json"]["panels"]}
+    per_request = panels["Rerank / score / classify: texts (pairs) per request and tokens per text"]["targets"]
+    assert [t["expr"].split(" / ")[0].split("(rate(")[1].split("{")[0] for t in per_request] == \
+        ["servekit_texts_total", "servekit_tokens_total"]
+    assert [t["expr"].split(" / ")[1].split("(rate(")[1].split("{")[0] for t in per_request] == \
+        ["servekit_requests_total", "servekit_texts_total"]
+    (per_pair,) = panels["Rerank / score / classify: device time per text (pair)"]["targets"]
+    assert "servekit_inference_seconds_sum" in per_pair["expr"].split(" / ")[0]
+    assert "servekit_texts_total" in per_pair["expr"].split(" / ")[1]
+    assert all("by (ModelName)" in t["expr"] for t in [*per_request, per_pair])
+
+
 def test_llm_dashboard_covers_ttft_itl_tokens_and_speculation():
     text = json.dumps(dashboards.dashboards()["servekit-llm.json"])
     for metric in ("servekit_llm_ttft_seconds_bucket", "servekit_llm_itl_seconds_bucket",

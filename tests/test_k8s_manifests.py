@@ -89,6 +89,7 @@ def all_rendered(tmp_path_factory) -> dict[str, list[dict]]:
     return {
         "overlays/gpu": rendered("overlays/gpu"),
         "overlays/cpu": rendered("overlays/cpu"),
+        "overlays/rerank": rendered("overlays/rerank"),
         "monitoring": rendered("monitoring"),
         "gpu+fetch-archives": kustomize(fetch_overlay(tmp)),
         "benchmark overlay": kustomize(bench),
@@ -184,7 +185,7 @@ def test_pods_load_archives_of_the_store_at_start_with_the_model_api_off():
 
 # -- the pod ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overlay", ["overlays/gpu", "overlays/cpu"])
+@pytest.mark.parametrize("overlay", ["overlays/gpu", "overlays/cpu", "overlays/rerank"])
 def test_security_context(overlay):
     spec = pod_spec(rendered(overlay))
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -251,6 +252,25 @@ def test_gpu_overlay_requests_a_gpu_on_gpu_nodes():
     assert c["resources"]["requests"]["memory"] and c["resources"]["requests"]["cpu"]
 
 
+def test_rerank_overlay_serves_the_reranker_on_a_gpu_with_its_probes_on_it():
+    docs = rendered("overlays/rerank")
+    c = container(docs)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod_spec(docs)["tolerations"] == pod_spec(rendered("overlays/gpu"))["tolerations"]
+    models = snapshot_models(properties(config_map(docs)["data"]["config.properties"]))
+    assert list(models) == ["reranker"] and models["reranker"]["1.0"]["marName"] == "reranker.mar"
+    for probe in ("startupProbe", "readinessProbe"):
+        cmd = c[probe]["exec"]["command"]
+        assert cmd[cmd.index("--model") + 1] == "reranker"
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= models["reranker"]["1.0"]["startupTimeout"]
+    # Everything else of the pod's config is the base's.
+    base = properties((K8S / "base/config.properties").read_text())
+    props = properties(config_map(docs)["data"]["config.properties"])
+    assert {k: v for k, v in props.items() if k != "model_snapshot"} == \
+        {k: v for k, v in base.items() if k != "model_snapshot"}
+
+
 def test_cpu_overlay_asks_for_no_gpu():
     c = container(rendered("overlays/cpu"))
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])
@@ -285,7 +305,8 @@ def test_namespace_enforces_restricted_pod_security():
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
-@pytest.mark.parametrize("source", ["overlays/gpu", "overlays/cpu", "gpu+fetch-archives", "benchmark overlay"])
+@pytest.mark.parametrize("source", ["overlays/gpu", "overlays/cpu", "overlays/rerank", "gpu+fetch-archives",
+                                    "benchmark overlay"])
 def test_every_object_lands_in_the_servekit_namespace(source, all_rendered):
     for d in all_rendered[source]:
         if d["kind"] != "Namespace":
@@ -299,7 +320,7 @@ def adapter_metric_names() -> set[str]:
     return {rule["name"]["as"] for rule in config["rules"]}
 
 
-@pytest.mark.parametrize("source", ["overlays/gpu", "overlays/cpu", "benchmark overlay"])
+@pytest.mark.parametrize("source", ["overlays/gpu", "overlays/cpu", "overlays/rerank", "benchmark overlay"])
 def test_hpa_scales_on_adapter_metrics_with_slow_scale_down(source, all_rendered):
     docs = all_rendered[source]
     hpa = one(docs, "HorizontalPodAutoscaler")
@@ -508,7 +529,7 @@ def test_dockerfile_java_home_command_finds_java(tmp_path):
     assert subprocess.run([str(java_home / "bin/java"), "-version"], capture_output=True).returncode == 0
 
 
-@pytest.mark.parametrize("source", ["overlays/gpu", "overlays/cpu", "benchmark overlay"])
+@pytest.mark.parametrize("source", ["overlays/gpu", "overlays/cpu", "overlays/rerank", "benchmark overlay"])
 def test_inflight_target_is_one_full_batch_per_worker(source, all_rendered):
     docs = all_rendered[source]
     models = snapshot_models(properties(config_map(docs)["data"]["config.properties"]))

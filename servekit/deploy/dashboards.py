@@ -157,6 +157,23 @@ def serving_panels() -> list[dict]:
               [target(f"max by (pod) (CPUUtilization{{{HOST}}})", "{{pod}} CPU %"),
                target(f"max by (pod) (MemoryUtilization{{{HOST}}})", "{{pod}} memory %")],
               unit="percent"),
+        # Rerank, score and classify models count (query, document) pairs or single texts as texts:
+        # a rerank request carries many, so requests/s alone says little about their load.
+        panel("Rerank / score / classify: texts (pairs) per request and tokens per text",
+              [target(f"sum by (ModelName) (rate(servekit_texts_total{{{MODEL}}}{RATE})) / "
+                      f"sum by (ModelName) (rate(servekit_requests_total{{{MODEL}}}{RATE}))",
+                      "{{ModelName}} texts per request"),
+               target(f"sum by (ModelName) (rate(servekit_tokens_total{{{MODEL}}}{RATE})) / "
+                      f"sum by (ModelName) (rate(servekit_texts_total{{{MODEL}}}{RATE}))",
+                      "{{ModelName}} tokens per text")],
+              description="servekit_texts_total counts what the model ran on: texts for an embedding "
+                          "model or classifier, (query, document) pairs for a reranker. Tokens per text "
+                          "shows how long the documents are (a reranker cuts pairs at its max length)."),
+        panel("Rerank / score / classify: device time per text (pair)",
+              [target(f"sum by (ModelName) (rate(servekit_inference_seconds_sum{{{MODEL}}}{RATE})) / "
+                      f"sum by (ModelName) (rate(servekit_texts_total{{{MODEL}}}{RATE}))", "{{ModelName}}")],
+              unit="s", description="Inference time of the batches divided by the texts or pairs they "
+                                    "held: the model's cost per pair, apart from the requests' sizes."),
     ]
 
 
