@@ -4,10 +4,15 @@ The worker decodes each batch frame with one `recv` per field (`otf_message_hand
 a request with 6 HTTP headers costs 34 system calls before the handler sees it. Upstream is archived,
 so the worker's reader is swapped here for one that takes whatever the socket holds (up to 256 KiB)
 and hands out fields from that buffer. Same bytes, same order, same end-of-connection behaviour.
+
+Bodies are handed over undecoded, to be parsed once by `servekit.handlers.common.decode_body`: the
+worker's own json.loads keeps the last of duplicate keys, so a handler given its dict could not refuse
+them.
 """
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 
@@ -15,6 +20,8 @@ from ts.protocol import otf_message_handler
 
 CHUNK = 256 * 1024
 stock_retrieve = otf_message_handler._retrieve_buffer  # TorchServe's own reader, for comparison
+# TorchServe's switch, read for every body the worker decodes: "false" leaves bodies as bytes.
+DECODE_SWITCH = "TS_DECODE_INPUT_REQUEST"
 
 
 class BufferedReader:
@@ -56,11 +63,13 @@ def _buffered_retrieve(conn: socket.socket, length: int) -> bytearray:
 
 
 def install_buffered_reads() -> bool:
-    """Routes the worker's frame decoding through `BufferedReader`; True if it was not installed yet.
+    """Routes the worker's frame decoding through `BufferedReader` and leaves request bodies undecoded
+    (bytes, for `decode_body`); True if the reader was not installed yet.
 
     Safe to call from a handler's `initialize`: TorchServe has read the whole load frame by then and
     nothing else is buffered, so the next frame starts at the reader's first byte.
     """
+    os.environ[DECODE_SWITCH] = "false"
     if otf_message_handler._retrieve_buffer is _buffered_retrieve:
         return False
     otf_message_handler._retrieve_buffer = _buffered_retrieve

@@ -204,3 +204,20 @@ def test_a_body_with_a_byte_order_mark_is_read_as_its_json(minilm_server, refere
                       data=b"\xef\xbb\xbf" + json.dumps(body).encode(), headers={"Content-Type": ctype}, timeout=60)
     assert r.status_code == 200, r.text[:300]
     assert np.abs(vectors(r.json()) - reference(["a cat sat on the mat"])).max() < 1e-4
+
+
+@pytest.mark.parametrize("ctype", ["application/json", "text/plain"])
+def test_duplicate_keys_fail_alone_naming_the_key(minilm_server, reference, worker, ctype):
+    """TorchServe's worker parses application/json bodies with json.loads, which keeps the last of
+    duplicate keys: the worker now hands bodies over unparsed and the handler refuses the duplicate
+    (400 naming it) while its batch-mates get their vectors."""
+    url = minilm_server.inference_url + OPENAI_URL.format(model=MODEL)
+    bodies = [b'{"input": ["a cat sat on the mat"], "model": "minilm", "input": ["dogs bark"]}'] + \
+        [json.dumps({"input": ["a cat sat on the mat"]}).encode()] * 3
+    answers = send_together([("POST", url, body, ctype) for body in bodies])
+    assert [a.status for a in answers] == [400, 200, 200, 200], answers
+    error = json.loads(answers[0].body)["error"]
+    assert error["code"] == "duplicate_key" and "duplicate key 'input'" in error["message"], error
+    for a in answers[1:]:
+        assert np.abs(vectors(json.loads(a.body)) - reference(["a cat sat on the mat"])).max() < 1e-4
+    assert worker_identity(minilm_server, MODEL) == worker

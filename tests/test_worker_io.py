@@ -19,8 +19,10 @@ BODIES = [json.dumps({"text": f"request {i} " + "é" * i}).encode() for i in ran
 
 @pytest.fixture
 def sockets(monkeypatch):
-    """A connected socket pair, TorchServe's reader restored and no buffered state left afterwards."""
+    """A connected socket pair, TorchServe's reader and body decoding restored and no buffered state
+    left afterwards."""
     monkeypatch.setattr(otf, "_retrieve_buffer", worker_io.stock_retrieve)
+    monkeypatch.delenv(worker_io.DECODE_SWITCH, raising=False)
     monkeypatch.setattr(worker_io, "_reader", None)
     a, b = socket.socketpair()
     yield a, b
@@ -33,13 +35,17 @@ def _decode(conn):
     return bytes(cmd), msg
 
 
-def test_buffered_reader_decodes_what_torchserve_decodes(sockets):
+def test_buffered_reader_decodes_what_torchserve_decodes(sockets, monkeypatch):
     a, b = sockets
     frame = predict_frame(BODIES)
     a.sendall(frame)
     stock = _decode(b)
     assert worker_io.install_buffered_reads() is True
     assert worker_io.install_buffered_reads() is False  # once per process
+    a.sendall(frame)
+    undecoded = _decode(b)[1]  # bodies left as their bytes, for decode_body to parse once
+    assert [r["parameters"][0]["value"] for r in undecoded] == BODIES
+    monkeypatch.setenv(worker_io.DECODE_SWITCH, "true")  # TorchServe's own decoding again, for the comparison
     a.sendall(frame)
     buffered = _decode(b)
     assert stock == buffered
@@ -65,7 +71,7 @@ def test_frames_split_anywhere_or_sent_together_decode_alike(sockets):
     got.append(_decode(b)[1])
     sender.join()
     assert [len(m) for m in got] == [1, 7, 20]
-    assert [r["parameters"][0]["value"]["text"] for r in got[2]] == [json.loads(x)["text"] for x in BODIES]
+    assert [json.loads(r["parameters"][0]["value"])["text"] for r in got[2]] == [json.loads(x)["text"] for x in BODIES]
 
 
 def test_frontend_disconnect_ends_the_worker_as_torchserve_does(sockets):
