@@ -62,7 +62,7 @@ def test_gguf_weights_take_a_given_configs_precision(qwen3_gguf: Path, tmp_path:
 
 
 def test_an_unsupported_gguf_is_refused_at_once(tmp_path: Path) -> None:
-    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(64, 8).numpy())
     writer.write_header_to_file()
@@ -71,5 +71,5 @@ def test_an_unsupported_gguf_is_refused_at_once(tmp_path: Path) -> None:
     writer.close()
     t0 = time.perf_counter()
     r = archive(tmp_path / "phi.gguf", "--out", tmp_path / "out", "--device", "cpu")
-    assert r.returncode == 2 and "GGUF architecture 'phi3' is not supported" in r.stderr, r.stderr
+    assert r.returncode == 2 and "GGUF architecture 'phi2' is not supported" in r.stderr, r.stderr
     assert time.perf_counter() - t0 < 30 and not (tmp_path / "out").exists()

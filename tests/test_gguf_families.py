@@ -1,8 +1,9 @@
 """GGUF files of other Llama-family models than SmolLM2: a Llama 3.1-style one (llama.cpp's q/k row
 permutation, Llama 3.1 RoPE scaling as rope_freqs, an end-of-turn id), a Qwen2 one (biases,
 no permutation), a Qwen3 one (q/k norms), a Gemma 3 one (sandwich norms stored as 1 + weight,
-sliding layers in llama.cpp's fixed pattern, linear RoPE scaling, no chat template) and a Gemma 2
-one (its soft-capping values in the header, alternating sliding layers), written here
+sliding layers in llama.cpp's fixed pattern, linear RoPE scaling, no chat template), a Gemma 2
+one (its soft-capping values in the header, alternating sliding layers) and a Phi-3 one (fused
+attn_qkv, ffn_up holding gate and up, its window in every layer), written here
 with the gguf package the way llama.cpp's converter lays them out, from checkpoints transformers
 made. Converted by ``convert_gguf_to_safetensors``, they must compute what the original checkpoints
 compute."""
@@ -19,7 +20,8 @@ import torch
 from decoder_checkpoints import BOS, CHAT_TEMPLATE, EOS, EOT, byte_tokenizer, write_checkpoint
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.models.gguf_weights import (check_gguf_architecture, convert_gguf_to_safetensors,
-                                                       gguf_architecture, llama3_scaling_from_divisors, read_gguf)
+                                                       gguf_architecture, llama3_scaling_from_divisors,
+                                                       load_llama_from_gguf, read_gguf)
 from servekit.optimizations.models.llama import load_config, load_llama
 from servekit.optimizations.llm.plan import stop_token_ids
 
@@ -36,8 +38,11 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "o
 QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 GEMMA = {**LAYER, **QK_NORMS, "post_attention_layernorm": "post_attention_norm",
          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+# Phi-3: the checkpoint's fused modules keep their fusion in llama.cpp's names.
+PHI3 = {**{k: v for k, v in LAYER.items() if not k.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))},
+        "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 ARCH_LAYERS = {"llama": LAYER, "qwen2": LAYER, "qwen3": {**LAYER, **QK_NORMS}, "gemma3": GEMMA,
-               "gemma2": {k: v for k, v in GEMMA.items() if k not in QK_NORMS}}
+               "gemma2": {k: v for k, v in GEMMA.items() if k not in QK_NORMS}, "phi3": PHI3}
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -78,8 +83,13 @@ def write_gguf(checkpoint: Path, path: Path, arch: str) -> Path:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(n_heads)
     writer.add_head_count_kv(n_kv)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch == "phi3":  # llama.cpp's Phi-3 converter: rotated dimensions and window, no key length
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_scaling_orig_ctx_len(config["max_position_embeddings"])
+        writer.add_sliding_window(config["sliding_window"] or 0)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
@@ -136,7 +146,7 @@ GEMMA3_LLAMA_CPP = dict(num_hidden_layers=6, layer_types=None, query_pre_attn_sc
 
 
 @pytest.mark.parametrize("family, arch", [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
-                                          ("gemma3", "gemma3"), ("gemma2", "gemma2")])
+                                          ("gemma3", "gemma3"), ("gemma2", "gemma2"), ("phi3", "phi3")])
 def test_converted_gguf_computes_what_the_checkpoint_computes(family: str, arch: str, tmp_path: Path) -> None:
     # Two heads of 24 dims: two of the 12 RoPE frequencies fall in llama3's smoothed band, which
     # is what recovering the scaling from rope_freqs needs (real Llama 3 heads have 64 or 128 dims).
@@ -168,6 +178,57 @@ def test_converted_gguf_computes_what_the_checkpoint_computes(family: str, arch:
     assert {tok.token_id(EOS), tok.token_id(EOT)} <= set(stop_token_ids(out, tok))
 
 
+def _greedy(logits_of, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation, the whole sequence run again at every step (no cache to get wrong)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(logits_of(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_phi3_gguf_greedy_equals_transformers_phi3(tmp_path: Path) -> None:
+    """A Phi-3 GGUF, dequantized at load and converted alike, decodes greedily what transformers'
+    Phi3ForCausalLM decodes from the original checkpoint (its window of 7 shorter than the text)."""
+    checkpoint = write_checkpoint("phi3", tmp_path / "hf", seed=5)
+    path = write_gguf(checkpoint, tmp_path / "phi3.gguf", "phi3")
+    config, tensors = read_gguf(path)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in tensors and "model.layers.0.mlp.gate_up_proj.weight" in tensors
+    assert config.sliding_window == 7 and set(config.layer_types) == {"sliding_attention"}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    assert type(reference).__name__ == "Phi3ForCausalLM"
+    prompt = ChatTokenizer(checkpoint).encode_chat([{"role": "user", "content": "Tell me about the sea."}])
+    want = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    for ours in (load_llama_from_gguf(path), load_llama(convert_gguf_to_safetensors(path, tmp_path / "out",
+                                                                                     torch.float32))):
+        ours.setup_caches(1, 64)
+        got = _greedy(lambda ids: ours(ids, torch.arange(ids.shape[1])[None]), prompt, 12)
+        assert got == want
+
+
+@pytest.mark.parametrize("extra, message", [({"rope.scaling.attn_factor": 1.19}, "LongRoPE"),
+                                            ({"rope.dimension_count": 6}, "RoPE over 6 of each head's 12")])
+def test_phi3_ggufs_this_runtime_cannot_compute_are_refused(extra: dict, message: str, tmp_path: Path) -> None:
+    """The 128k models (LongRoPE) and partial rotary embeddings, refused from the header by name."""
+    writer = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
+    writer.add_block_count(1)
+    writer.add_embedding_length(48)
+    writer.add_head_count(4)
+    writer.add_feed_forward_length(96)
+    for key, value in extra.items():
+        if isinstance(value, float):
+            writer.add_float32(f"phi3.{key}", value)
+        else:
+            writer.add_uint32(f"phi3.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 48), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=message):
+        read_gguf(tmp_path / "phi3.gguf")
+
+
 def test_gguf_precision_is_the_one_asked_for(tmp_path: Path) -> None:
     """fp32 conversions keep gguf's dequantized values; bf16 ones round them once."""
     checkpoint = write_checkpoint("qwen3", tmp_path / "hf", seed=4)
@@ -182,7 +243,7 @@ def test_gguf_precision_is_the_one_asked_for(tmp_path: Path) -> None:
 
 def test_unsupported_gguf_architecture_is_refused_from_the_header(tmp_path: Path) -> None:
     """The refusal reads the header only: a file whose tensor data is cut off is still refused by name."""
-    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
     writer.add_block_count(1)
     writer.add_token_list([f"t{i}" for i in range(5000)])  # a vocabulary before the tensors, as in real files
     writer.add_tensor("token_embd.weight", np.zeros((5000, 8), dtype=np.float32))
@@ -192,7 +253,7 @@ def test_unsupported_gguf_architecture_is_refused_from_the_header(tmp_path: Path
     writer.close()
     data = (tmp_path / "phi.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
-    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported; supported: llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="GGUF architecture 'phi2' is not supported; supported: llama, qwen2, qwen3, phi3"):
         check_gguf_architecture(tmp_path / "cut.gguf")
     (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04" + bytes(40))
     with pytest.raises(ValueError, match="not a GGUF file"):

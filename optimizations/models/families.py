@@ -76,6 +76,9 @@ class DecoderFamily:
     # Hugging Face modules that hold several of ours side by side (Phi-3's qkv_proj, gate_up_proj):
     # split along the output dimension into the listed modules when loaded.
     fused_weights: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # llama.cpp layer tensors named otherwise than in the shared table (Phi-3's attn_qkv, and its
+    # ffn_up holding gate and up): llama.cpp tensor -> Hugging Face module.
+    gguf_tensor_names: Mapping[str, str] = field(default_factory=dict)
     # What the stack supports beyond the eager torch path (plan keys that would compute otherwise).
     triton_decode: bool = True  # optimizations/kernels/triton_decode.py fuses this block
     turn_end_tokens: tuple[str, ...] = ()  # chat-template tokens that end a turn (stop ids)
@@ -90,7 +93,8 @@ class DecoderFamily:
     @property
     def gguf_layer_names(self) -> dict[str, str]:
         """llama.cpp layer tensor -> Hugging Face layer module."""
-        names = {**(_GGUF_SANDWICH if self.block == SANDWICH else _GGUF_PRE_NORM), **_GGUF_PROJECTIONS}
+        names = {**(_GGUF_SANDWICH if self.block == SANDWICH else _GGUF_PRE_NORM), **_GGUF_PROJECTIONS,
+                 **self.gguf_tensor_names}
         return {**names, **_GGUF_QK_NORMS} if self.qk_norm else names
 
 
@@ -163,6 +167,27 @@ def _phi3_fields(hf: dict) -> dict:
 
 def _phi3_extra(c: Any) -> dict:
     return dict(sliding_window=c.sliding_window)
+
+
+# llama.cpp's converter writes qkv_proj as attn_qkv and gate_up_proj as ffn_up (gate rows first, as
+# in the checkpoint); fused_weights splits them like the safetensors' own. Its q/k rows are not
+# permuted: llama.cpp rotates Phi-3 in halves (NeoX style), as transformers does.
+_PHI3_GGUF_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
+
+def _phi3_gguf(key: GgufKey, n_layers: int) -> dict:
+    """What llama.cpp's converter records of Phi-3: the window (0 for none, as Phi-4 has), the RoPE
+    dimensions, and for the 128k models the LongRoPE attention factor beside rope_factors_* tensors."""
+    if key("rope.scaling.attn_factor") is not None:
+        raise ValueError("LongRoPE (the 128k-context Phi-3 models: rope_factors_long/short in the GGUF) is not "
+                         "implemented; use a 4k-context Phi-3")
+    head_dim = int(key("attention.key_length", int(key("embedding_length")) // int(key("attention.head_count"))))
+    rotated = int(key("rope.dimension_count", head_dim))
+    if rotated != head_dim:
+        raise ValueError(f"RoPE over {rotated} of each head's {head_dim} dimensions (partial_rotary_factor) is "
+                         "not implemented")
+    window = int(key("attention.sliding_window", 0) or 0)
+    return dict(sliding_window=window or None, layer_types=(SLIDING,) * n_layers if window else ())
 
 
 # --- Gemma 2 and 3 ----------------------------------------------------------------------------------
@@ -289,9 +314,9 @@ DECODER_FAMILIES: Mapping[str, DecoderFamily] = {f.model_type: f for f in (
     DecoderFamily("qwen2", "Qwen2ForCausalLM", hf_fields=_qwen2_fields, hf_extra=_qwen_extra, gguf_arch="qwen2"),
     DecoderFamily("qwen3", "Qwen3ForCausalLM", hf_fields=_qwen3_fields, hf_extra=_qwen3_extra, gguf_arch="qwen3",
                   qk_norm=True, triton_decode=False),
-    # Its GGUFs (attn_qkv, ffn_up holding gate and up) are not read yet.
-    DecoderFamily("phi3", "Phi3ForCausalLM", hf_fields=_phi3_fields, hf_extra=_phi3_extra,
-                  fused_weights=_PHI3_FUSED, triton_decode=False),
+    DecoderFamily("phi3", "Phi3ForCausalLM", hf_fields=_phi3_fields, hf_extra=_phi3_extra, gguf_arch="phi3",
+                  gguf_fields=_phi3_gguf, fused_weights=_PHI3_FUSED, gguf_tensor_names=_PHI3_GGUF_TENSORS,
+                  triton_decode=False, turn_end_tokens=("<|end|>",)),
     DecoderFamily("gemma2", "Gemma2ForCausalLM", hf_fields=_gemma2_fields, hf_extra=_gemma_extra, gguf_arch="gemma2",
                   gguf_fields=_gemma2_gguf, **_GEMMA),  # type: ignore[arg-type]
     # Text models only: model_type gemma3 (with a vision tower) is not in this table.

