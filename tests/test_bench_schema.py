@@ -161,6 +161,9 @@ def test_llm_sweep_parses() -> None:
     ("sla.itl_p99_ms", -1, "sla.itl_p99_ms: expected a positive number, got -1"),
     ("sla.ttft_p99_ms", "fast", "sla.ttft_p99_ms: expected a positive number"),
     ("payloads.set", [1], "payloads.set: expected a mapping, got list"),
+    ("payloads", {"chat": {"set": "poems"}}, "payloads.chat.set: 'poems' is not one of short, passages, mixed"),
+    ("payloads", {"chat": {"count": 3}}, "payloads.chat.set: required"),
+    ("payloads", {"chat": {"set": "mixed", "tokenizer": "no/such/tokenizer.json"}}, "payloads.chat.tokenizer: "),
     # the smollm2 plan goes through the LLM handler's own parser, merged with the model-config
     ("variants.1.plan", {"speculation": {"n_heads": 0}}, "variants[1].plan.speculation.n_heads: expected a positive"),
     ("variants.1.plan", {"quantization": "int8_weight_only", "speculation": {}},
@@ -210,6 +213,19 @@ def test_shipped_chat_payloads() -> None:
     assert all(b["temperature"] == 0 and b["stream_options"] == {"include_usage": True} for b in raw)
     assert min(b["max_tokens"] for b in raw) >= 32 and max(b["max_tokens"] for b in raw) <= 128
     assert len({b["messages"][-1]["content"] for b in raw}) == len(raw)
+
+
+def test_generated_chat_payloads() -> None:
+    from servekit.benchmarks.bench.payloads import load_bodies
+
+    chat = {"set": "mixed", "count": 12, "seed": 1, "max_tokens": 64}
+    bodies = [json.loads(b) for b in load_bodies(parse_config(with_("payloads", {"chat": chat}, LLM)).payloads,
+                                                 streamed=True)]
+    assert len({json.dumps(b["messages"]) for b in bodies}) == 12  # every body a different prompt
+    assert all(b["stream"] and b["temperature"] == 0 and 32 <= b["max_tokens"] <= 64 for b in bodies)
+    again = load_bodies(parse_config(with_("payloads", {"chat": chat, "set": {"max_tokens": 16}}, LLM)).payloads)
+    assert [json.loads(b)["messages"] for b in again] == [b["messages"] for b in bodies]  # same seed, same prompts
+    assert all(json.loads(b)["max_tokens"] == 16 for b in again)
 
 
 def test_speculator_heads_are_checked_when_the_run_starts(tmp_path: Path) -> None:

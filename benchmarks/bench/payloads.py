@@ -1,5 +1,6 @@
-"""Request bodies for a run: a JSONL file (one body per line), one fixed body, or synthetic texts;
-optionally with top-level keys set in every body (`payloads.set`)."""
+"""Request bodies for a run: a JSONL file (one body per line), one fixed body, synthetic texts, or
+generated chat prompts (benchmarks/llm_prompts.py); optionally with top-level keys set in every
+body (`payloads.set`)."""
 from __future__ import annotations
 
 import json
@@ -53,6 +54,8 @@ def _read(p: Payloads) -> tuple[Callable[[int], str], list[str]]:
         if not texts:
             raise SchemaError(f"payloads.file: {p.file} holds no request bodies")
         return (lambda k: f"{p.file}:{lines[k]}"), texts
+    if p.chat is not None:
+        return (lambda k: f"generated chat body {k}"), chat_bodies(p.chat)
     if p.generate is None:
         return (lambda k: "payloads.body"), [json.dumps(p.body)]
     g = p.generate
@@ -61,6 +64,26 @@ def _read(p: Payloads) -> tuple[Callable[[int], str], list[str]]:
     lengths = rng.choice(g["words"], size=g["count"], p=w / w.sum())
     return ((lambda k: f"generated body {k}"),
             [json.dumps({g["field"]: " ".join(rng.choice(WORDS, size=int(n)))}) for n in lengths])
+
+
+def chat_bodies(c: dict[str, Any]) -> list[str]:
+    """`payloads.chat`: streamed greedy chat bodies of a prompt set, every prompt a different text."""
+    from servekit.benchmarks import llm_prompts
+
+    count = None
+    if c["tokenizer"] == "smollm2":
+        import torch
+
+        from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+
+        count = llm_prompts.tokenizer_counter(smollm2_archive_files(torch.bfloat16)[0].parent)
+    elif c["tokenizer"] is not None:
+        count = llm_prompts.tokenizer_counter(c["tokenizer"])
+    gen = llm_prompts.PromptGenerator(c["seed"], count, max_seq_len=c["max_seq_len"])
+    n, top = c["count"], c["max_tokens"]
+    prompts = {"short": lambda: gen.short(n, top), "passages": lambda: gen.passages(n, top),
+               "mixed": lambda: gen.mixed(n, (min(32, top), top))}[c["set"]]()
+    return llm_prompts.chat_bodies(prompts)
 
 
 def body_texts(body: Any) -> list[str]:

@@ -183,6 +183,9 @@ class Payloads:
     file: Path | None = None
     body: Any = None
     generate: dict[str, Any] | None = None  # {words: [..], weights: [..], count, seed}
+    # Streamed chat bodies from benchmarks/llm_prompts.py: {set, count, seed, max_tokens, max_seq_len,
+    # tokenizer (None: lengths estimated from words; "smollm2": the bundled model's; else a path)}
+    chat: dict[str, Any] | None = None
     set_keys: dict[str, Any] = field(default_factory=dict)  # top-level keys set in every body
 
 
@@ -447,16 +450,30 @@ def _load(raw: Any) -> Load:
 
 
 def _payloads(raw: Any, base: Path) -> Payloads:
-    raw = _keys("payloads", raw, {"file", "body", "generate", "set"})
-    given = [k for k in ("file", "body", "generate") if k in raw]
+    from servekit.benchmarks.llm_prompts import SETS
+
+    raw = _keys("payloads", raw, {"file", "body", "generate", "chat", "set"})
+    given = [k for k in ("file", "body", "generate", "chat") if k in raw]
     if len(given) != 1:
         raise SchemaError("payloads: give exactly one of `file` (JSONL, one request body per line), `body` "
-                          "(one fixed body) or `generate` (synthetic texts)")
+                          "(one fixed body), `generate` (synthetic texts) or `chat` (generated chat prompts)")
     set_keys = dict(_keys("payloads.set", raw.get("set"), set(raw.get("set") or {})))
     if "file" in raw:
         return Payloads(file=_path("payloads.file", raw["file"], base), set_keys=set_keys)
     if "body" in raw:
         return Payloads(body=raw["body"], set_keys=set_keys)
+    if "chat" in raw:
+        c = _keys("payloads.chat", raw["chat"], {"set", "count", "seed", "max_tokens", "max_seq_len", "tokenizer"},
+                  ("set",))
+        tok = c.get("tokenizer")
+        if tok is not None and tok != "smollm2":
+            tok = _path("payloads.chat.tokenizer", tok, base)
+        return Payloads(chat={"set": _choice("payloads.chat.set", c["set"], tuple(s for s in SETS if s != "conversation")),
+                              "count": _pos_int("payloads.chat.count", c.get("count", 1000)),
+                              "seed": _nonneg_int("payloads.chat.seed", c.get("seed", 0)),
+                              "max_tokens": _pos_int("payloads.chat.max_tokens", c.get("max_tokens", 256)),
+                              "max_seq_len": _pos_int("payloads.chat.max_seq_len", c.get("max_seq_len", 2048)),
+                              "tokenizer": tok}, set_keys=set_keys)
     g = _keys("payloads.generate", raw["generate"], {"words", "weights", "count", "seed", "field"}, ("words",))
     words = _list("payloads.generate.words", g["words"], _pos_int)
     weights = _list("payloads.generate.weights", g["weights"], _pos_num) if "weights" in g else (1.0,) * len(words)
