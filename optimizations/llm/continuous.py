@@ -32,6 +32,10 @@ and the plain and verify steps share the rows' state, so the batch moves between
 step to the next. A request starts with stale drafts (the prefill makes none): its first verify
 step yields one token and drafts for the next. Sampled rows and requests with ``speculate=False``
 accept no drafts and get exactly their plain tokens.
+
+Prefix caching (prefix_cache.py, on unless ``prefix_caching=False``): a free row keeps the K/V of
+its last request, indexed by blocks of tokens; an admitted prompt whose leading blocks some row
+holds takes that row over or gets them copied into its own, and its prefill starts past them.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
                                                  TokenLogprob, read_row, token_ids)
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
+from servekit.optimizations.llm.prefix_cache import PrefixCache, PrefixStats
 from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sample, sample_full, sampling_mode
 from servekit.optimizations.llm.speculative import SpecStats
 
@@ -90,6 +95,7 @@ class SeqUpdate:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: Exception | None = None
+    cached_tokens: int = 0  # on a request's first update: prompt tokens whose K/V the prefix cache gave
 
     def merge(self, later: "SeqUpdate") -> "SeqUpdate":
         """This update followed by ``later`` (in place)."""
@@ -97,6 +103,7 @@ class SeqUpdate:
         self.logprobs += later.logprobs
         self.finish_reason = later.finish_reason or self.finish_reason
         self.error = later.error or self.error
+        self.cached_tokens = self.cached_tokens or later.cached_tokens
         return self
 
 
@@ -112,6 +119,8 @@ class _Seq:
     prefilled: int = 0  # prompt tokens in the cache so far (a long prompt goes in chunks)
     launched: int = 0  # steps asked of the device so far (the prefill included); 0: not decoding yet
     generated: int = 0  # tokens reported
+    out: list[int] = field(default_factory=list)  # the tokens reported
+    cached: int = 0  # prompt tokens whose K/V the prefix cache gave
     # Upper bound of the position of the token the next launched step feeds (a verify step may
     # advance a row by 1..k+1 positions: the bound assumes k+1 until its output is read).
     pos_hi: int = 0
@@ -137,7 +146,7 @@ class ContinuousBatcher:
     """
 
     def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None, prefill_chunk: int = 512,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> None:
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, prefix_caching: bool = True) -> None:
         self.r = runner
         self.max_num_seqs = max_num_seqs or runner.max_batch
         if not 1 <= self.max_num_seqs <= runner.max_batch:
@@ -171,6 +180,8 @@ class ContinuousBatcher:
         self.spec = spec
         # Draft positions proposed and accepted so far (the handler's metrics read these).
         self.spec_stats = SpecStats.empty(spec.n_heads) if spec is not None else None
+        # Blocks of computed prefixes reused by later prompts (prefix_cache.py); None: every prompt is prefilled whole.
+        self.prefix = PrefixCache(runner, self.max_num_seqs) if prefix_caching else None
 
     def warmup(self) -> dict[str, object]:
         """Build every packed-prefill shape (compiles the packed layers where the plan compiles,
@@ -229,6 +240,10 @@ class ContinuousBatcher:
                    for s in self.slots if s is not None)
         return used / (self.max_num_seqs * self.r.max_seq_len)
 
+    def prefix_stats(self) -> PrefixStats | None:
+        """The prefix cache's counters (hit rate, blocks held), None when it is off."""
+        return self.prefix.stats() if self.prefix is not None else None
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting) or self.running > 0 or self._inflight is not None
@@ -285,7 +300,17 @@ class ContinuousBatcher:
         free = [i for i, s in enumerate(self.slots) if s is None]
         while free and self.waiting:
             s = self.waiting.popleft()
-            s.slot = free.pop(0)
+            if self.prefix is None:
+                s.slot = free[0]
+            else:
+                # Any free row below the batch bucket that the busy rows and the lowest free row need
+                # costs the decode steps nothing more: the prefix cache chooses among those.
+                busy = max((i for i, x in enumerate(self.slots) if x is not None), default=-1)
+                limit = pick_bucket(max(busy, free[0]) + 1, self.r.batch_buckets)
+                place = self.prefix.place(s.prompt, free, limit)
+                s.slot, s.prefilled = place.slot, place.cached
+                s.cached = place.cached
+            free.remove(s.slot)
             self.slots[s.slot] = s
             # Until its prompt is in, the row is idle inside the decode batch: park its position at
             # the cache's last slot, whose garbage the request overwrites before it could read it.
@@ -328,6 +353,8 @@ class ContinuousBatcher:
             return None
         for s, c in zip(seqs, chunks):
             s.prefilled += len(c.tokens)
+            if self.prefix is not None:
+                self.prefix.extend(s.slot, s.prompt, s.prefilled)
         for s in finishing:
             self.prefilling.remove(s)
             self._suspects.discard(s.key)
@@ -402,6 +429,8 @@ class ContinuousBatcher:
             if s.done:  # finished or cancelled since the launch: its tokens are dropped
                 continue
             u = updates.setdefault(s.key, SeqUpdate())
+            if s.generated == 0:
+                u.cached_tokens = s.cached
             if k:  # a verify step: the row's first accepted+1 base tokens
                 accepted = rows[row][k + 1]
                 s.pos_hi -= k - accepted  # the bound assumed every draft accepted
@@ -416,6 +445,7 @@ class ContinuousBatcher:
                     u.finish_reason, u.error = FINISH_ERROR, RuntimeError(f"the grammar rejected token {tok}")
                     break
                 u.tokens.append(tok)
+                s.out.append(tok)
                 s.generated += 1
                 if tok in s.stops:
                     u.finish_reason = FINISH_STOP
@@ -433,6 +463,11 @@ class ContinuousBatcher:
         seq.done = True
         if seq.slot >= 0 and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
+            if self.prefix is not None:
+                # In the row: what the prefill put in, and every reported token but the last (the
+                # step that would write its K/V was never run, or runs past the request's end).
+                valid = seq.prompt[:seq.prefilled] + seq.out[:-1]
+                self.prefix.release(seq.slot, valid, len(valid))
 
     def fail_all(self, error: Exception) -> dict[Hashable, SeqUpdate]:
         """End every request with ``error`` (a decode step failed: it cannot be pinned on one row)."""
@@ -444,6 +479,8 @@ class ContinuousBatcher:
         self.prefilling.clear()
         self._suspects.clear()
         self._inflight = None
+        if self.prefix is not None:  # what the failed step left in the cache is unknown
+            self.prefix.clear()
         return out
 
 
