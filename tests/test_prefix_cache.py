@@ -313,3 +313,31 @@ def test_sliding_window_families_hit_too(tmp_path: Path, family: str) -> None:
     assert {k: d.tokens[k] for k in want} == want
     assert d.first["t2"].cached_tokens == 48 and d.first["other"].cached_tokens == 32
     check_index(d.b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hits_on_cuda_with_captured_steps_give_the_miss_tokens() -> None:
+    """The GPU path: packed prefill captured per token bucket (Triton attention), decode steps
+    captured with the Triton decode kernels, fp32. A follow-up turn (taken-over row) and a request
+    copied from a running one decode the tokens their misses decode."""
+    from servekit.optimizations.models.llama import LlamaConfig, init_random
+
+    model = init_random(LlamaConfig.tiny(max_position_embeddings=256), seed=0).cuda()
+    r = LlamaRunner(model, max_seq_len=256, batch_buckets=(1, 2, 4), cuda_graphs=True, kernels="triton")
+    r.warmup()
+    turn1, params = _prompt(70, 110), SamplingParams(max_tokens=30)
+    engines = {}
+    for on in (False, True):
+        d = engines[on] = Driver(r, prefix_caching=on)
+        d.b.warmup()
+        answer = d.solo("t1", turn1, params)
+        turn2 = turn1 + answer + _prompt(9, 111)
+        d.add("t2", turn2, params)
+        d.step()
+        d.add("mate", turn1[:50] + _prompt(20, 112), params)  # copied from the row turn 2 runs in
+        d.run()
+    hit, miss = engines[True], engines[False]
+    assert hit.first["t2"].cached_tokens == (70 + 30 - 1) // BLOCK * BLOCK
+    assert hit.first["mate"].cached_tokens == 48 and hit.b.prefix_stats().copies == 1
+    for key in ("t1", "t2", "mate"):
+        assert hit.tokens[key] == miss.tokens[key], key
