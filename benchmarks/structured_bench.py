@@ -1,0 +1,455 @@
+"""Structured outputs served: every answer parses and validates, and what a schema costs in time.
+
+SmolLM2 served by its own TorchServe (continuous batching, the plan of ``--config``) answers
+OpenAI chat completions with ``response_format: {"type": "json_schema", ...}``:
+
+1. Validity: each of the 24 schemas below (nested objects, arrays with minItems/maxItems, enums,
+   integer and number bounds, string patterns and lengths, optional properties, anyOf) with
+   ``--prompts`` prompts, sampled (temperature 0.8, a seed per request), sent ``--concurrency`` at a
+   time, once as JSON answers and once streamed. An answer counts as valid when it finished with
+   ``stop``, its text parses as JSON and ``jsonschema`` validates it against its schema. Before
+   these runs each schema is used once, alone (``--no-warm-schemas``: not), so that the runs
+   measure decoding rather than several first compilations queued behind each other.
+2. Added TTFT: one streamed request at a time, nothing else running. Free requests (no format) and
+   requests whose schema is compiled already (cached) alternate, ``--ttft-requests`` of each; the
+   added TTFT is the difference of their medians. Then ``--first-use`` schemas never seen before (a
+   schema of the set with a new ``description``, so a new cache key): each one's TTFT minus the
+   cached median is the first use's added time (compiling the grammar).
+3. Tokens/s with constrained and free rows mixed: rounds of ``--concurrency`` streamed requests sent
+   at the same instant, all free, half constrained, all constrained; total tokens/s per mix.
+
+    # GPU (benchmarks/gpu_run_extra.sh structured):
+    python3 -m servekit.benchmarks.structured_bench --out DIR
+    # CPU smoke run:
+    python -m servekit.benchmarks.structured_bench --out /tmp/structured-cpu --config config/models/smollm2-cpu.yaml \\
+        --prompts 1 --ttft-requests 2 --first-use 2 --rounds 1
+
+Writes ``structured_bench.json`` and ``structured_bench.md``; exits 1 if any answer is invalid or a
+step failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import requests
+
+from servekit.benchmarks.bench.stats import percentile
+from servekit.benchmarks.llm_inprocess import environment as llm_environment
+from servekit.benchmarks.llm_serve_bench import variant_config
+from servekit.resources import model_config
+from servekit.torchserve import TorchServe
+
+MODEL = "smollm2"
+
+
+def _str(max_len: int = 24, **kw: Any) -> dict:
+    # Every string is bounded: an unbounded string lets a sampled answer run into max_tokens.
+    return {"type": "string", "minLength": 1, "maxLength": max_len, **kw}
+
+
+def _obj(props: dict, optional: tuple[str, ...] = ()) -> dict:
+    return {"type": "object", "properties": props, "required": [k for k in props if k not in optional],
+            "additionalProperties": False}
+
+
+def _int(lo: int, hi: int) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi}
+
+
+def _num(lo: float, hi: float) -> dict:
+    return {"type": "number", "minimum": lo, "maximum": hi}
+
+
+def _arr(items: dict, lo: int, hi: int) -> dict:
+    return {"type": "array", "items": items, "minItems": lo, "maxItems": hi}
+
+
+DATE = {"type": "string", "pattern": "^2026-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])$"}
+COUNTRY = {"enum": ["US", "FR", "DE", "JP", "BR"]}
+
+# (name, what to ask about, schema)
+SCHEMAS: list[tuple[str, str, dict]] = [
+    ("person", "a person", _obj({"name": _str(), "age": _int(0, 120),
+                                 "email": {"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.(com|org)$"},
+                                 "nickname": _str(12)}, optional=("nickname",))),
+    ("address", "a postal address", _obj({"street": _str(30), "city": _str(),
+                                          "zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "country": COUNTRY})),
+    ("order", "a shop order", _obj({
+        "id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"},
+        "items": _arr(_obj({"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"}, "qty": _int(1, 10),
+                            "price": _num(0, 1000)}), 1, 3),
+        "status": {"enum": ["new", "paid", "shipped", "cancelled"]}})),
+    ("weather", "today's weather in a city", _obj({"city": _str(), "temp_c": _num(-60, 60),
+                                                   "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]},
+                                                   "humidity": _int(0, 100)})),
+    ("review", "a product review", _obj({"rating": _int(1, 5), "title": _str(40), "pros": _arr(_str(20), 0, 3),
+                                         "cons": _arr(_str(20), 0, 3)}, optional=("cons",))),
+    ("event", "a meetup", _obj({"name": _str(30), "date": DATE,
+                                "time": {"type": "string", "pattern": "^([01][0-9]|2[0-3]):[0-5][0-9]$"},
+                                "attendees": _int(1, 500), "online": {"type": "boolean"}})),
+    ("book", "a novel", _obj({"title": _str(40), "author": _obj({"first": _str(16), "last": _str(16)}),
+                              "year": _int(1450, 2026),
+                              "genres": {"type": "array", "items": {"enum": ["fiction", "history", "science",
+                                                                             "poetry", "crime"]},
+                                         "minItems": 1, "maxItems": 3, "uniqueItems": True}})),
+    ("recipe", "a recipe", _obj({"name": _str(30), "servings": _int(1, 12),
+                                 "ingredients": _arr(_obj({"item": _str(20), "grams": _int(1, 2000)}), 2, 5),
+                                 "vegetarian": {"type": "boolean"}})),
+    ("movie", "a film", _obj({"title": _str(40), "year": _int(1900, 2026), "rating": _num(0, 10),
+                              "cast": _arr(_str(24), 1, 3)})),
+    ("invoice", "an invoice", _obj({"number": {"type": "string", "pattern": "^INV-[0-9]{6}$"},
+                                    "currency": {"enum": ["USD", "EUR", "JPY"]},
+                                    "lines": _arr(_obj({"desc": _str(30), "amount": _num(0, 10000)}), 1, 3),
+                                    "paid": {"type": "boolean"}, "note": _str(40)}, optional=("note",))),
+    ("flight", "a flight booking", _obj({"from": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                         "to": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                         "seat": {"type": "string", "pattern": "^[1-9][0-9]?[A-F]$"},
+                                         "class": {"enum": ["economy", "business", "first"]}})),
+    ("color", "a colour", _obj({"name": _str(16), "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"},
+                                "rgb": _arr(_int(0, 255), 3, 3)})),
+    ("task", "a to-do item", _obj({"title": _str(40), "priority": {"enum": ["low", "medium", "high"]},
+                                   "done": {"type": "boolean"},
+                                   "tags": _arr({"type": "string", "pattern": "^[a-z]{2,8}$"}, 0, 4), "due": DATE},
+                                  optional=("due",))),
+    ("place", "a place on the map", _obj({"lat": _num(-90, 90), "lon": _num(-180, 180), "label": _str(30)},
+                                         optional=("label",))),
+    ("company", "a company", _obj({"name": _str(30), "founded": _int(1800, 2026), "employees": _int(1, 1000000),
+                                   "hq": _obj({"city": _str(), "country": COUNTRY}), "public": {"type": "boolean"}})),
+    ("sensor", "a temperature sensor's readings", _obj({"id": {"type": "string", "pattern": "^S[0-9]{3}$"},
+                                                        "readings": _arr(_num(-40, 125), 1, 4),
+                                                        "unit": {"enum": ["C", "F"]}})),
+    ("settings", "an app's user settings", _obj({
+        "theme": {"enum": ["light", "dark", "system"]},
+        "notifications": _obj({"email": {"type": "boolean"}, "sms": {"type": "boolean"}}),
+        "language": {"type": "string", "pattern": "^[a-z]{2}(-[A-Z]{2})?$"}, "font_size": _int(8, 32)})),
+    ("quiz", "a quiz question", _obj({"question": _str(60), "choices": _arr(_str(20), 2, 4), "answer": _int(0, 3)})),
+    ("transfer", "a bank transfer", _obj({
+        "iban": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}[A-Z0-9]{8,12}$"},
+        "amount": {"type": "number", "exclusiveMinimum": 0, "maximum": 100000},
+        "currency": {"enum": ["USD", "EUR", "GBP"]}, "reference": _str(30)}, optional=("reference",))),
+    ("product", "a product listing", _obj({
+        "name": _str(30), "price": _num(0.01, 9999), "in_stock": {"type": "boolean"},
+        "size": _obj({"w": _num(0, 500), "h": _num(0, 500), "d": _num(0, 500)}),
+        "variants": _arr({"enum": ["red", "blue", "black", "white"]}, 0, 3)}, optional=("variants",))),
+    ("sentiment", "the sentiment of a tweet", _obj({"label": {"enum": ["positive", "negative", "neutral"]},
+                                                    "confidence": _num(0, 1), "keywords": _arr(_str(16), 1, 3)})),
+    ("tree", "a small family tree", _obj({"name": _str(16), "children": _arr(_obj({
+        "name": _str(16), "children": _arr(_obj({"name": _str(16)}), 0, 2)}), 0, 2)})),
+    ("log", "a server log line", _obj({"level": {"enum": ["DEBUG", "INFO", "WARN", "ERROR"]}, "code": _int(100, 599),
+                                       "message": _str(50),
+                                       "at": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]:[0-5][0-9]$"}})),
+    ("contact", "how to contact someone", _obj({
+        "method": {"enum": ["email", "phone"]},
+        "value": {"anyOf": [{"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.com$"},
+                            {"type": "string", "pattern": "^\\+[0-9]{8,12}$"}]}})),
+]
+PROMPTS = ("Give me {topic} as JSON.", "Invent {topic} for a test, in JSON.", "Describe {topic}. Answer with JSON only.",
+           "Write {topic} for a children's story, as JSON.")
+FREE_PROMPT = "Give me a person as JSON."
+
+
+@dataclass
+class Answer:
+    """One chat completion, times in seconds from its send (TTFT only when streamed)."""
+
+    schema: str | None
+    stream: bool
+    status: int
+    finish: str | None
+    text: str
+    tokens: int
+    ttft_s: float | None
+    total_s: float
+    error: str = ""
+    valid: bool = False
+
+
+def response_format(name: str, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def chat(url: str, prompt: str, max_tokens: int, stream: bool, schema: tuple[str, dict] | None = None,
+         seed: int | None = None, temperature: float = 0.8, timeout: float = 600.0) -> Answer:
+    """One chat completion, JSON or streamed (OpenAI SSE chunks), with `schema` as its response_format."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                            "temperature": temperature}
+    if seed is not None:
+        body["seed"] = seed
+    if schema is not None:
+        body["response_format"] = response_format(*schema)
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    name = schema[0] if schema else None
+    t0 = time.perf_counter()
+    try:
+        with requests.post(url, json=body, stream=stream, timeout=timeout) as r:
+            if r.status_code != 200:
+                return Answer(name, stream, r.status_code, None, "", 0, None, time.perf_counter() - t0, r.text[:300])
+            if not stream:
+                got = r.json()
+                choice = got["choices"][0]
+                return Answer(name, stream, 200, choice.get("finish_reason"), choice["message"].get("content") or "",
+                              got["usage"]["completion_tokens"], None, time.perf_counter() - t0)
+            first, finish, tokens, pieces = None, None, 0, []
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                for c in event.get("choices", []):
+                    content = c.get("delta", {}).get("content")
+                    if content:
+                        first = time.perf_counter() - t0 if first is None else first
+                        pieces.append(content)
+                    finish = c.get("finish_reason") or finish
+            return Answer(name, stream, 200, finish, "".join(pieces), tokens, first, time.perf_counter() - t0)
+    except (requests.RequestException, ValueError, KeyError) as e:
+        return Answer(name, stream, -1, None, "", 0, None, time.perf_counter() - t0, f"{type(e).__name__}: {e}")
+
+
+def check(answer: Answer, schema: dict) -> Answer:
+    """Mark `answer` valid when it finished with stop, parses and validates against `schema`."""
+    if answer.status != 200:
+        return answer
+    if answer.finish != "stop":
+        answer.error = f"finish_reason {answer.finish!r}"
+        return answer
+    try:
+        jsonschema.validate(json.loads(answer.text), schema)
+    except json.JSONDecodeError as e:
+        answer.error = f"not JSON: {e}"
+    except jsonschema.ValidationError as e:
+        answer.error = f"invalid at {'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message[:200]}"
+    else:
+        answer.valid = True
+    return answer
+
+
+def validity(url: str, n_prompts: int, concurrency: int, max_tokens: int, stream: bool) -> dict[str, Any]:
+    """Every schema x `n_prompts` prompts, `concurrency` requests in flight."""
+    jobs = [(name, topic, schema, k) for name, topic, schema in SCHEMAS for k in range(n_prompts)]
+
+    def one(job: tuple[str, str, dict, int]) -> Answer:
+        name, topic, schema, k = job
+        prompt = PROMPTS[k % len(PROMPTS)].format(topic=topic)
+        return check(chat(url, prompt, max_tokens, stream, (name, schema), seed=1000 + k), schema)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(one, jobs))
+    wall = time.perf_counter() - t0
+    bad = [a for a in answers if not a.valid]
+    finishes: dict[str, int] = {}
+    for a in answers:
+        finishes[str(a.finish)] = finishes.get(str(a.finish), 0) + 1
+    return {"stream": stream, "schemas": len(SCHEMAS), "prompts_per_schema": n_prompts, "requests": len(answers),
+            "valid": len(answers) - len(bad), "valid_rate": round((len(answers) - len(bad)) / len(answers), 4),
+            "refused": sum(a.status != 200 for a in answers),
+            "finish_reasons": finishes, "completion_tokens": sum(a.tokens for a in answers),
+            "wall_s": round(wall, 2), "failures": [asdict(a) for a in bad[:10]],
+            "examples": {a.schema: a.text for a in answers[::max(1, n_prompts)]}}
+
+
+def warm_schemas(url: str) -> dict[str, Any]:
+    """Each schema used once, alone (a 1-token request): its grammar compiled before the validity
+    runs, where first uses arriving together share the worker's compile threads and time limit."""
+    times, refused = [], {}
+    for name, _, schema in SCHEMAS:
+        a = chat(url, FREE_PROMPT, 1, False, (name, schema), temperature=0)
+        times.append(a.total_s)
+        if a.status != 200:
+            refused[name] = a.error
+    return {"schemas": len(SCHEMAS), "request_ms_p50": ms(times, 50), "request_ms_max": ms(times, 100),
+            "refused": refused}
+
+
+def ms(values: list[float], q: float) -> float | None:
+    return round(percentile(values, q) * 1e3, 2) if values else None
+
+
+def added_ttft(url: str, n: int, first_use: int, nonce: str) -> dict[str, Any]:
+    """Free vs cached-schema TTFT, alternating one request at a time; then schemas never seen before."""
+    name, topic, schema = SCHEMAS[0]
+    free, cached = [], []
+    chat(url, FREE_PROMPT, 8, True, (name, schema), temperature=0)  # compiles it: every later use is cached
+    for _ in range(n):
+        a = chat(url, FREE_PROMPT, 8, True, temperature=0)
+        b = chat(url, FREE_PROMPT, 8, True, (name, schema), temperature=0)
+        free += [a.ttft_s] if a.ttft_s is not None else []
+        cached += [b.ttft_s] if b.ttft_s is not None else []
+    fresh, per_schema = [], {}
+    for k in range(first_use):
+        fname, ftopic, fschema = SCHEMAS[k % len(SCHEMAS)]
+        new = {**fschema, "description": f"first use {nonce} {k}"}  # a new cache key, the same language
+        a = chat(url, PROMPTS[0].format(topic=ftopic), 8, True, (fname, new), temperature=0)
+        if a.ttft_s is not None:
+            fresh.append(a.ttft_s)
+        per_schema[f"{fname}#{k}"] = round(a.ttft_s * 1e3, 2) if a.ttft_s is not None else a.error[:200]
+    free_p50, cached_p50 = ms(free, 50), ms(cached, 50)
+    return {"requests_each": n, "free_ttft_ms_p50": free_p50, "free_ttft_ms_p90": ms(free, 90),
+            "cached_ttft_ms_p50": cached_p50, "cached_ttft_ms_p90": ms(cached, 90),
+            "added_cached_ms_p50": round(cached_p50 - free_p50, 2) if None not in (free_p50, cached_p50) else None,
+            "first_use_requests": len(fresh), "first_use_ttft_ms_p50": ms(fresh, 50),
+            "first_use_ttft_ms_max": ms(fresh, 100),
+            "added_first_use_ms_p50": (round(ms(fresh, 50) - cached_p50, 2)  # type: ignore[operator]
+                                       if fresh and cached_p50 is not None else None),
+            "added_first_use_ms_max": (round(ms(fresh, 100) - cached_p50, 2)  # type: ignore[operator]
+                                       if fresh and cached_p50 is not None else None),
+            "first_use_ttft_ms_by_schema": per_schema}
+
+
+def mixed(url: str, concurrency: int, rounds: int, max_tokens: int) -> list[dict[str, Any]]:
+    """Rounds of `concurrency` streamed requests sent at once: all free, half constrained, all constrained."""
+    out = []
+    for share in (0.0, 0.5, 1.0):
+        n_constrained = round(concurrency * share)
+        answers: list[Answer] = []
+        wall = 0.0
+        for r in range(rounds):
+            got: list[Answer | None] = [None] * concurrency
+            barrier = threading.Barrier(concurrency)
+
+            def one(i: int, r: int = r, got: list = got, barrier: threading.Barrier = barrier) -> None:
+                name, topic, schema = SCHEMAS[(r * concurrency + i) % len(SCHEMAS)]
+                prompt = PROMPTS[i % len(PROMPTS)].format(topic=topic)
+                barrier.wait()
+                got[i] = chat(url, prompt, max_tokens, True, (name, schema) if i < n_constrained else None, seed=i)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall += time.perf_counter() - t0
+            answers += [a for a in got if a is not None]
+        ok = [a for a in answers if a.status == 200]
+        ttft = [a.ttft_s for a in ok if a.ttft_s is not None]
+        tokens = sum(a.tokens for a in ok)
+        out.append({"constrained_share": share, "concurrency": concurrency, "requests": len(answers),
+                    "failed": len(answers) - len(ok), "completion_tokens": tokens,
+                    "tok_per_s_total": round(tokens / wall, 1) if wall else None,
+                    "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99)})
+        print(f"  mixed {share:.0%} constrained: {json.dumps(out[-1])}", flush=True)
+    return out
+
+
+def markdown(res: dict[str, Any]) -> str:
+    env = res["environment"]
+    lines = [f"# Structured outputs served: SmolLM2, {env.get('gpu') or 'CPU'}", "",
+             f"`{env.get('command', '')}`", "",
+             "| run | requests | valid | refused (not 200) | finish reasons | completion tokens | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for v in res.get("validity", []):
+        lines.append(f"| {'streamed' if v['stream'] else 'JSON'} | {v['requests']} | {v['valid']} "
+                     f"({v['valid_rate']:.1%}) | {v['refused']} | {v['finish_reasons']} | {v['completion_tokens']} | "
+                     f"{v['wall_s']} |")
+    w = res.get("warm_schemas")
+    if w:
+        lines += ["", f"Each schema used once first, alone: request p50 {w['request_ms_p50']} ms, max "
+                      f"{w['request_ms_max']} ms; refused: {w['refused'] or 'none'}."]
+    t = res.get("ttft")
+    if t:
+        lines += ["", "| TTFT, one request at a time | p50 ms | added (p50) ms |", "| --- | --- | --- |",
+                  f"| free | {t['free_ttft_ms_p50']} | |",
+                  f"| cached schema | {t['cached_ttft_ms_p50']} | {t['added_cached_ms_p50']} |",
+                  f"| first use of a schema ({t['first_use_requests']}) | {t['first_use_ttft_ms_p50']} "
+                  f"(max {t['first_use_ttft_ms_max']}) | {t['added_first_use_ms_p50']} "
+                  f"(max {t['added_first_use_ms_max']}) |",
+                  "", "First-use TTFT by schema (ms): " + ", ".join(
+                      f"{k} {v}" for k, v in t.get("first_use_ttft_ms_by_schema", {}).items())]
+    if res.get("mixed"):
+        lines += ["", "| constrained rows | requests | tokens/s total | TTFT p50 ms | TTFT p99 ms |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {m['constrained_share']:.0%} of {m['concurrency']} | {m['requests']} | {m['tok_per_s_total']} | "
+                  f"{m['ttft_ms_p50']} | {m['ttft_ms_p99']} |" for m in res["mixed"]]
+    if res.get("error"):
+        lines += ["", f"**error:** {res['error']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    import torch
+
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.structured_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="folder for structured_bench.json / .md")
+    p.add_argument("--config", type=Path, default=model_config("smollm2"), help="model-config (continuous batching)")
+    p.add_argument("--prompts", type=int, default=3, help=f"prompts per schema (at most {len(PROMPTS)})")
+    p.add_argument("--concurrency", type=int, default=16 if cuda else 4, help="requests in flight (the batch size)")
+    p.add_argument("--max-tokens", type=int, default=320)
+    p.add_argument("--ttft-requests", type=int, default=20 if cuda else 2)
+    p.add_argument("--first-use", type=int, default=len(SCHEMAS) if cuda else 2,
+                   help="schemas used for the first time (default on CUDA: each of the set)")
+    p.add_argument("--rounds", type=int, default=3 if cuda else 1, help="rounds per mix of constrained rows")
+    p.add_argument("--mixed-max-tokens", type=int, default=128 if cuda else 24)
+    p.add_argument("--warm-schemas", action=argparse.BooleanOptionalAction, default=True,
+                   help="use each schema once, alone, before the validity runs (default on; off: their "
+                        "first uses arrive concurrently)")
+    p.add_argument("--ready-timeout", type=float, default=1800.0)
+    args = p.parse_args(argv)
+    if not 1 <= args.prompts <= len(PROMPTS) or args.concurrency < 2 or args.rounds < 1:
+        p.error(f"--prompts must be 1..{len(PROMPTS)}, --concurrency >= 2, --rounds >= 1")
+    if not args.config.is_file():
+        p.error(f"--config {args.config}: no such file")
+    from servekit.archive import build_archive
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"environment": llm_environment(argv, "servekit.benchmarks.structured_bench"),
+                           "args": {k: str(v) for k, v in vars(args).items()}, "validity": []}
+
+    def save() -> None:
+        (args.out / "structured_bench.json").write_text(json.dumps(res, indent=1))
+        (args.out / "structured_bench.md").write_text(markdown(res))
+
+    with tempfile.TemporaryDirectory(prefix="servekit-structured-") as tmp:
+        work = Path(tmp)
+        config = work / "config.yaml"
+        import yaml
+
+        cfg = variant_config(args.config, [1, args.concurrency], 5, None)
+        config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        build_archive(MODEL, work / "store", config=config, compress=False)
+        try:
+            with TorchServe(work / "run", work / "store") as ts:
+                t0 = time.perf_counter()
+                ts.register(f"{MODEL}.mar", MODEL, timeout=args.ready_timeout)
+                res["ready_s"] = round(time.perf_counter() - t0, 1)
+                url = f"{ts.inference_url}/predictions/{MODEL}/1.0/v1/chat/completions"
+                chat(url, FREE_PROMPT, 4, False)  # the first request after start: not measured
+                if args.warm_schemas:
+                    res["warm_schemas"] = warm_schemas(url)
+                    print(f"== schemas warmed: {json.dumps(res['warm_schemas'])}", flush=True)
+                for stream in (False, True):
+                    res["validity"].append(validity(url, args.prompts, args.concurrency, args.max_tokens, stream))
+                    v = res["validity"][-1]
+                    print(f"== validity ({'streamed' if stream else 'JSON'}): {v['valid']}/{v['requests']} "
+                          f"{v['finish_reasons']}", flush=True)
+                    save()
+                res["ttft"] = added_ttft(url, args.ttft_requests, args.first_use, f"{time.time_ns()}")
+                print(f"== TTFT: {json.dumps(res['ttft'])}", flush=True)
+                save()
+                res["mixed"] = mixed(url, args.concurrency, args.rounds, args.mixed_max_tokens)
+        except Exception as e:  # keep what was measured
+            res["error"] = f"{type(e).__name__}: {e}"
+    save()
+    print(markdown(res))
+    all_valid = bool(res["validity"]) and all(v["valid"] == v["requests"] for v in res["validity"])
+    return 0 if all_valid and "error" not in res else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
