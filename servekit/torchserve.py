@@ -310,11 +310,13 @@ class TorchServe:
     def __init__(self, run_dir: Path, model_store: Path = Path("model_store"), ports: Ports | None = None,
                  config: Path = DEFAULT_CONFIG, extra_props: dict[str, str] | None = None,
                  models: str | None = None, log_config: Path | None = DEFAULT_LOG_CONFIG,
-                 model_api: bool = True) -> None:
+                 model_api: bool | None = None) -> None:
         """`log_config`: the frontend's log4j2 configuration (None: TorchServe's own). `model_api`:
-        turn TorchServe's register/unregister API on, which this harness's register() needs (its
-        client admits only archive names of the store); False keeps the config's setting (the
-        shipped config turns it off and loads `models` at start)."""
+        True turns TorchServe's register/unregister API on, which this harness's register() needs
+        (its client admits only archive names of the store, but TorchServe itself would register any
+        folder: see docs/security.md); False keeps the config's setting (the shipped config turns it
+        off). None, the default: on only for a server given no `models` to load at start, which
+        has no other way to get one."""
         self.run_dir = Path(run_dir).resolve()
         self.model_store = Path(model_store).resolve()
         self.ports = ports or Ports.free()
@@ -322,7 +324,7 @@ class TorchServe:
         self.extra_props = extra_props or {}
         self.models = models
         self.log_config = Path(log_config).resolve() if log_config is not None else None
-        self.model_api = model_api
+        self.model_api = models is None if model_api is None else model_api
         self.proc: subprocess.Popen | None = None
 
     @property

@@ -155,7 +155,7 @@ def test_a_folder_outside_the_store_never_runs_on_the_shipped_config(model_store
     """POST /models?url=/abs/folder against a server started with config/config.properties as shipped
     (the models load at start): refused with 405, and the folder's handler never ran."""
     folder, marker = _evil_folder(tmp_path / "outside")
-    with TorchServe(tmp_path / "run", model_store, models="minilm=minilm.mar", model_api=False) as ts:
+    with TorchServe(tmp_path / "run", model_store, models="minilm=minilm.mar") as ts:  # the API left off
         r = _register_folder(ts, folder)
         assert r.status_code == 405, (r.status_code, r.text[:300])
         assert ts.api.describe("evil") is None
@@ -163,6 +163,20 @@ def test_a_folder_outside_the_store_never_runs_on_the_shipped_config(model_store
         ts.wait_ready("minilm", timeout=300)  # what the server is for still loads and scales
         assert ts.api.scale("minilm", 1, timeout=120) >= 0
     assert not marker.exists(), "the handler of a folder outside the model store ran"
+
+
+def test_harness_servers_turn_the_model_api_on_only_to_register_at_run_time(tmp_path):
+    """A harness server given its models at start keeps the shipped config's API off; one started
+    empty (it can only get a model by registering) or asked for it turns it on."""
+    def api(**kwargs) -> str:
+        ts = TorchServe(tmp_path / str(len(list(tmp_path.iterdir()))), tmp_path, **kwargs)
+        ts.run_dir.mkdir()
+        return read_properties(ts._write_config())["enable_model_api"]
+
+    assert api(models="minilm=minilm.mar") == "false"
+    assert api() == "true"
+    assert api(models="minilm=minilm.mar", model_api=True) == "true"
+    assert api(model_api=False) == "false"
 
 
 @pytest.mark.server

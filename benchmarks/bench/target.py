@@ -29,8 +29,12 @@ class Server:
         self.target = target
         self.local: TorchServe | None = None
         if target.local is not None:
+            # The model API stays on: batch size and delay are read at registration only, so every
+            # point of the sweep is a registration. What it registers is confined to archive names
+            # of the sweep's own store (`output_dir/model_store`, ManagementClient.register).
             self.local = TorchServe(run_dir / "torchserve", model_store, config=target.local.config,
-                                    extra_props={"metrics_mode": "prometheus", **target.local.extra_props})
+                                    extra_props={"metrics_mode": "prometheus", **target.local.extra_props},
+                                    model_api=True)
             self.inference_url = self.local.inference_url
             self.metrics_url: str | None = self.local.metrics_url
             self.api = self.local.api
