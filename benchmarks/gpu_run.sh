@@ -19,12 +19,18 @@
 #        spec-cb        SmolLM2 heads trained for 150 s (into /opt/spec/heads), then served inside the continuous batch
 #        decode-steps   SmolLM2 and the Qwen2.5-0.5B shape in-process, batch 1, 8 and 32 (after shaped)
 #        bulk           the bulk-embedding sweep (benchmarks/sweeps/minilm-gpu-bulk.yaml)
+#        llm-workload   SmolLM2 served, shipped config, every prompt set (benchmarks/llm_workload_bench.py)
+#        llm-sweep      the LLM goodput sweep on the mixed prompt set (benchmarks/sweeps/smollm2-gpu.yaml)
+#        llm-shapes     the Qwen2.5-0.5B and Gemma-3-270M shapes served (built into shaped/ when missing):
+#                       batch 1 (with its share of the bandwidth bound) and 32 streams
+#        llm-shapes-8b  the same for the Llama-3.1-8B shape (16 GB of weights: a step of its own)
+# Each LLM step is capped by `timeout` below the 10-minute call and tees its log into its folder.
 # The MiniLM steps also need orjson (servekit's embedding handler writes its answers with it) and
 # the sweep needs locust, rich, matplotlib and nvidia-ml-py: carry their wheels too.
 set -uo pipefail
 out=${OUT_DIR:-${OUT:-gpu-out}}
 heads=${SPEC_HEADS:-/opt/spec/heads}
-steps=" llm-inprocess spec serve oom plans-ready sweep soak shaped families-cuda encoder-plans byom-sweep byom-llm spec-cb decode-steps bulk "
+steps=" llm-inprocess spec serve oom plans-ready sweep soak shaped families-cuda encoder-plans byom-sweep byom-llm spec-cb decode-steps bulk llm-workload llm-sweep llm-shapes llm-shapes-8b "
 for step in "$@"; do
   [[ $steps == *" $step "* ]] || { echo "unknown step: $step (see the header of $0)" >&2; exit 2; }
 done
@@ -41,7 +47,8 @@ for step in "$@"; do
     plans-ready) python3 -m servekit.benchmarks.plan_bench ready --out "$out/$step" --plan fp16-compile-graphs ;;
     sweep) python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/minilm-gpu.yaml --out "$out/$step" ;;
     soak) python3 -m servekit.benchmarks.soak --minutes 10 --out "$out/$step" ;;
-    shaped) python3 -m servekit.benchmarks.shaped_models --out shaped ;;
+    shaped) python3 -m servekit.benchmarks.shaped_models --out shaped --models bert-base ms-marco-minilm-l6 \
+              bert-base-classifier qwen2.5-0.5b ;;
     families-cuda) python3 -m pytest -q -p no:cacheprovider tests/test_decoder_families_cuda.py \
                      tests/test_embedding_architectures_cuda.py 2>&1 | tail -25 ;;
     encoder-plans) python3 -m servekit.benchmarks.plan_bench run --out "$out/$step" --model-dir shaped/bert-base \
@@ -59,5 +66,19 @@ for step in "$@"; do
                   && python3 -m servekit.benchmarks.llm_inprocess --out "$out/$step/qwen2.5-0.5b" \
                     --model-dir shaped/qwen2.5-0.5b --variants compile-graphs --batches 1 8 32 --new-tokens 128 --repeats 3 ;;
     bulk) python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/minilm-gpu-bulk.yaml --out "$out/$step" ;;
+    llm-workload) timeout 520 python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step" 2>&1 \
+                    | tee "$out/$step/log.txt" ;;
+    llm-sweep) timeout 520 python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/smollm2-gpu.yaml \
+                 --out "$out/$step" 2>&1 | tee "$out/$step/log.txt" ;;
+    llm-shapes|llm-shapes-8b)
+      # building a shape (once per machine) and serving it stay within the call: 2 x (60 + 200) s, or 180 + 340 s
+      models="qwen2.5-0.5b gemma3-270m"; build=60; cap=200; batch1=8
+      [[ $step == llm-shapes-8b ]] && models="llama-3.1-8b" build=180 cap=340 batch1=4
+      for m in $models; do
+        { [ -f "shaped/$m/tokenizer.json" ] || timeout $build python3 -m servekit.benchmarks.shaped_models --out shaped --models "$m"; } \
+          && timeout $cap python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step/$m" --model-dir "shaped/$m" \
+               --measures ttft batch1 streams --sets short passages --lengths 600 --later 3 --batch1 $batch1 --stream-requests 2 2>&1 \
+          | tee "$out/$step/$m.log" || echo "model $m failed" >&2
+      done ;;
   esac || echo "step $step failed (exit $?)" >&2
 done

@@ -60,6 +60,7 @@ class Timing:
     chunks: int
     text: str
     error: str = ""
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server gives it
 
     @property
     def itl_s(self) -> float | None:
@@ -69,12 +70,16 @@ class Timing:
         return (self.last_s - self.ttft_s) / (self.tokens - 1)
 
 
-def stream_chat(url: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> Timing:
-    """POST one streamed greedy chat completion and time its chunks."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+def stream_chat(url: str, prompt: str | list[dict[str, str]], max_tokens: int, timeout: float = 600.0,
+                t0: float | None = None) -> Timing:
+    """POST one streamed greedy chat completion and time its chunks. `prompt`: the user's text, or
+    the whole list of messages; `t0`: the perf_counter time to time from (an open-loop request's
+    scheduled send), else the send."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
+    t0 = time.perf_counter() if t0 is None else t0
+    first = last = cached = None
     pieces: list[str] = []
     chunks = tokens = prompt_tokens = 0
     try:
@@ -87,6 +92,7 @@ def stream_chat(url: str, prompt: str, max_tokens: int, timeout: float = 600.0) 
                 event = json.loads(line[6:])
                 if event.get("usage"):
                     tokens, prompt_tokens = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
+                    cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in event.get("choices", []):
                     content = choice.get("delta", {}).get("content")
                     if content:
@@ -96,7 +102,7 @@ def stream_chat(url: str, prompt: str, max_tokens: int, timeout: float = 600.0) 
                         pieces.append(content)
     except requests.RequestException as e:
         return Timing(-1, None, None, 0, 0, 0, "", f"{type(e).__name__}: {e}")
-    return Timing(200, first, last, tokens, prompt_tokens, chunks, "".join(pieces))
+    return Timing(200, first, last, tokens, prompt_tokens, chunks, "".join(pieces), cached_tokens=cached)
 
 
 def together(url: str, prompts: list[str], max_tokens: int) -> tuple[list[Timing], float]:

@@ -9,19 +9,26 @@ model": speed does not depend on the weights' values, and nothing is downloaded.
   bert-base-classifier a BERT-base sequence classifier with 3 labels (single-label, softmax);
                   both with the bundled all-MiniLM-L6-v2's tokenizer;
   qwen2.5-0.5b    a Qwen2.5-0.5B-shaped decoder (24 layers, 896 wide, 14 heads / 2 KV heads, q/k/v
-                  biases, 4864 FFN, vocab 151936, tied embeddings, bf16), SmolLM2's tokenizer and chat
-                  template with added tokens up to that vocabulary (so every id decodes).
+                  biases, 4864 FFN, vocab 151936, tied embeddings, bf16),
+  llama-3.1-8b    a Llama-3.1-8B-shaped decoder (32 layers, 4096 wide, 32 heads / 8 KV heads, 14336 FFN,
+                  vocab 128256, untied output, llama3 RoPE scaling, bf16: 16 GB, built on the GPU when
+                  there is one),
+  gemma3-270m     a Gemma-3-270M-shaped decoder (18 layers, 640 wide, 4 heads / 1 KV head of 256, 2048
+                  FFN, vocab 262144, five sliding-window layers (512) per global one, tied, bf16);
+                  the decoders with SmolLM2's tokenizer and chat template, with added tokens up to their
+                  vocabulary (so every id decodes).
 
 The sentence-transformers files are written as sentence-transformers writes them (modules.json,
 1_Pooling/config.json, sentence_bert_config.json), so that this runs where sentence-transformers is
 not installed (the GPU machines).
 
-    python -m servekit.benchmarks.shaped_models --out /opt/shaped            # both
+    python -m servekit.benchmarks.shaped_models --out /opt/shaped            # all of them
     python -m servekit.benchmarks.shaped_models --out DIR --models bert-base
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -29,7 +36,24 @@ from pathlib import Path
 
 import torch
 
-MODELS = ("bert-base", "ms-marco-minilm-l6", "bert-base-classifier", "qwen2.5-0.5b")
+MODELS = ("bert-base", "ms-marco-minilm-l6", "bert-base-classifier", "qwen2.5-0.5b", "llama-3.1-8b", "gemma3-270m")
+# Decoder shapes: transformers' config class and its arguments. bos/eos are SmolLM2's ids (its
+# tokenizer is the one shipped); RoPE bases as the published configs give them.
+DECODERS: dict[str, tuple[str, str, dict]] = {
+    "qwen2.5-0.5b": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_theta=1000000.0)),
+    "llama-3.1-8b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+}
 MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
@@ -89,33 +113,37 @@ def sequence_classifier(out: Path, seed: int = 0, width: int = 768, layers: int 
     return out
 
 
-def qwen25_05b(out: Path, seed: int = 0) -> Path:
-    """A Qwen2.5-0.5B-shaped decoder folder (bf16 safetensors, tokenizer, chat template, stop ids)."""
+def decoder(out: Path, name: str, seed: int = 0, **shape: int) -> Path:
+    """A decoder folder in `name`'s shape (DECODERS; `shape` overrides sizes, for small test copies):
+    bf16 safetensors, SmolLM2's tokenizer padded to the vocabulary, its chat template and stop ids."""
+    import transformers
     from tokenizers import AddedToken, Tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
-    vocab = 151936
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                      rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0,
-                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    config_class, model_class, kwargs = DECODERS[name]
+    cfg = getattr(transformers, config_class)(**{**kwargs, **shape}, bos_token_id=1, eos_token_id=2,
+                                              torch_dtype="bfloat16")
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: an 8B model never exists in fp32
+    try:
+        with torch.device(device):
+            model = getattr(transformers, model_class)(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(out)
     del model
     smol = smollm2_archive_files(torch.bfloat16)[0].parent
     tok = Tokenizer.from_file(str(smol / "tokenizer.json"))
     # Random weights emit any id of the vocabulary: give each one a token so that every id decodes.
     tok.add_tokens([AddedToken(f"<|extra_{i}|>", special=False, normalized=False)
-                    for i in range(vocab - tok.get_vocab_size())])
+                    for i in range(cfg.vocab_size - tok.get_vocab_size())])
     tok.save(str(out / "tokenizer.json"))
-    for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (smol / name).is_file():
-            shutil.copy2(smol / name, out / name)
+    for file in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (smol / file).is_file():
+            shutil.copy2(smol / file, out / file)
     return out
 
 
@@ -126,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    build = {"bert-base": bert_base, "qwen2.5-0.5b": qwen25_05b,
+    build = {"bert-base": bert_base, **{d: functools.partial(lambda out, seed, d: decoder(out, d, seed), d=d) for d in DECODERS},
              "ms-marco-minilm-l6": lambda out, seed: sequence_classifier(out, seed, 384, 6, 12, ("score",)),
              "bert-base-classifier": sequence_classifier}
     for name in args.models:

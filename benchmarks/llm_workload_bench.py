@@ -1,0 +1,441 @@
+"""A served LLM on prompts of realistic lengths: TTFT, prefill throughput, concurrent streams, Poisson
+arrivals and a follow-up turn, through TorchServe with streamed OpenAI chat completions.
+
+The script builds the archive from a model-config (default: the shipped config/models/smollm2.yaml,
+as it is: batchSize, batch delay and plan), starts its own TorchServe, registers the model and
+measures, with prompts from benchmarks/llm_prompts.py (every request a different text, lengths in
+the served model's own tokens):
+
+  ttft      batch 1, one request at a time, for each prompt length of --lengths (tokens): the first
+            request of that length (the first the worker ever saw of it) and --later more of the
+            same length, reported apart; nothing is sent before the first one.
+  prefill   --prefill-streams prompts of --prefill-tokens sent together, 16 max tokens, --prefill-rounds
+            rounds: prompt tokens / time to the last first token, and TTFT.
+  batch1    per set (--sets): requests one after another: TTFT, time per output token (TPOT, the
+            mean gap after the first token), tokens/s of one sequence (1 / TPOT).
+  streams   per set: --streams closed-loop clients, each sending --stream-requests requests back to
+            back: total tokens/s, TTFT p50/p99, TPOT.
+  poisson   per set: open-loop Poisson arrivals at --rate requests/s for --duration s, each request
+            in its own thread, timed from its scheduled send: TTFT p50/p99, TPOT, tokens/s.
+  followup  --conversations chats of ~1,500 tokens: the chat is sent, then its follow-up turn (the
+            chat, the model's answer, the next question): the follow-up's TTFT and the server's
+            usage.prompt_tokens_details.cached_tokens (a prefix-cache hit), beside the same kind of
+            follow-up sent cold (no earlier turn).
+
+Sets: short (<= 60 words), passages (450-700 tokens), mixed (20-2,000 tokens). Every set's
+max_tokens is --max-tokens (the mixed set's per prompt, 32 to --max-tokens), capped so that prompt
+and answer fit max_seq_len. Answers stop where the model stops (a real model's early stop counts
+fewer tokens: mean completion tokens are reported). A model folder's batch-1 tokens/s is also given
+as a share of the memory-bandwidth bound: tokens/s x bytes of weights read per token / the GPU's
+memory bandwidth (a table of known GPUs). Writes llm_workload_bench.json and .md into --out.
+
+    python3 -m servekit.benchmarks.llm_workload_bench --out benchmarks/results/llm-workload-h100
+    python3 -m servekit.benchmarks.llm_workload_bench --out DIR --model-dir shaped/llama-3.1-8b \\
+        --measures ttft batch1 streams --sets short passages
+    python -m servekit.benchmarks.llm_workload_bench --out /tmp/llm-workload-cpu --smoke   # CPU, < 2 min
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from servekit.benchmarks.llm_prompts import PromptGenerator, Prompt, corpus_digest, tokenizer_counter
+from servekit.benchmarks.llm_serve_bench import Timing, stream_chat, summarize
+from servekit.resources import model_config
+from servekit.torchserve import TorchServe
+
+MODEL = "smollm2"
+MEASURES = ("ttft", "prefill", "batch1", "streams", "poisson", "followup")
+SETS = ("short", "passages", "mixed")
+# Peak memory bandwidth (bytes/s) by a substring of the GPU's name, most specific first.
+HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+                   ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12),
+                   ("L40S", 0.864e12), ("L4", 0.3e12))
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4,
+               "I8": 1, "U8": 1, "BOOL": 1}
+SMOKE = {"lengths": [32, 128], "later": 1, "prefill_streams": 2, "prefill_tokens": 128, "prefill_rounds": 1,
+         "batch1": 1, "streams": 2, "stream_requests": 1, "rate": 0.5, "duration": 3.0, "conversations": 1,
+         "conversation_tokens": 200, "max_tokens": 4, "sets": ["short"]}
+
+
+# -- the model and its figures ---------------------------------------------------------------------
+def bandwidth(gpu: str | None) -> float | None:
+    """Peak memory bandwidth of a known GPU (bytes/s), None for others and CPU."""
+    return next((bw for key, bw in HBM_BYTES_PER_S if gpu and key in gpu), None)
+
+
+def safetensors_params(model_dir: Path) -> dict[str, int]:
+    """Elements per tensor of a checkpoint, from the safetensors headers (no tensor is read)."""
+    out: dict[str, int] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                out[name] = int(np.prod(meta["shape"], dtype=np.int64))
+    return out
+
+
+def weight_bytes_per_token(model_dir: Path, precision: str) -> int:
+    """Bytes of weights one decode step reads at batch 1: every weight, except the token embedding
+    table when a separate output matrix exists (a step reads one row of it); tied models read the
+    table once, as the output matrix."""
+    params = safetensors_params(model_dir)
+    total = sum(params.values())
+    embed = sum(n for k, n in params.items() if k.endswith("embed_tokens.weight"))
+    if any(k.endswith("lm_head.weight") for k in params):
+        total -= embed
+    return total * DTYPE_BYTES[precision]
+
+
+# -- load shapes -----------------------------------------------------------------------------------
+def one_by_one(url: str, prompts: list[Prompt]) -> list[Timing]:
+    return [stream_chat(url, list(p.messages), p.max_tokens) for p in prompts]
+
+
+def closed_loop(url: str, prompts: list[Prompt], streams: int) -> tuple[list[Timing], float]:
+    """`streams` clients starting together, client i sending prompts i, i + streams, ... back to back."""
+    out: list[list[Timing]] = [[] for _ in range(streams)]
+    barrier = threading.Barrier(streams)
+
+    def client(i: int) -> None:
+        barrier.wait()
+        out[i] = one_by_one(url, prompts[i::streams])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [t for ts in out for t in ts], time.perf_counter() - t0
+
+
+def poisson(url: str, prompts: list[Prompt], rate: float, duration: float, seed: int
+            ) -> tuple[list[Timing], float, list[float]]:
+    """Open loop: prompts sent at Poisson arrival times (rate/s) over `duration` s, each from its own
+    thread and timed from its scheduled send. Returns the timings, the time until the last answer,
+    and each send's lateness behind its schedule (s)."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=int(rate * duration * 2) + 10)
+    arrivals = np.cumsum(gaps)
+    arrivals = arrivals[arrivals < duration][:len(prompts)]
+    out: list[Timing | None] = [None] * len(arrivals)
+    late: list[float] = []
+    threads = []
+    start = time.perf_counter() + 0.05
+
+    def one(i: int, at: float) -> None:
+        late.append(time.perf_counter() - at)
+        out[i] = stream_chat(url, list(prompts[i].messages), prompts[i].max_tokens, t0=at)
+
+    for i, a in enumerate(arrivals):
+        at = start + float(a)
+        time.sleep(max(0.0, at - time.perf_counter()))
+        threads.append(threading.Thread(target=one, args=(i, at)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    return [t for t in out if t is not None], time.perf_counter() - start, late
+
+
+# -- measurements ----------------------------------------------------------------------------------
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 2)
+
+
+def ttft_by_length(url: str, gen: PromptGenerator, lengths: list[int], later: int) -> list[dict[str, Any]]:
+    """Batch 1 per prompt length: the first request of that length, then `later` more."""
+    rows = []
+    for n in lengths:
+        first = stream_chat(url, list(gen.of_tokens(n, 8).messages), 8)
+        rest = [stream_chat(url, list(gen.of_tokens(n, 8).messages), 8) for _ in range(later)]
+        ok = [t.ttft_s * 1e3 for t in rest if t.ttft_s is not None]
+        rows.append({"tokens": n, "prompt_tokens": first.prompt_tokens, "first_ttft_ms": _ms(first.ttft_s),
+                     "first_error": first.error or None, "later": len(rest), "later_failed": len(rest) - len(ok),
+                     "later_ttft_ms_p50": round(float(np.median(ok)), 2) if ok else None,
+                     "later_ttft_ms_max": round(max(ok), 2) if ok else None})
+        print(f"  ttft {n} tokens: {json.dumps(rows[-1])}", flush=True)
+    return rows
+
+
+def prefill(url: str, gen: PromptGenerator, streams: int, tokens: int, rounds: int) -> dict[str, Any]:
+    """`streams` prompts of `tokens` sent together (16 max tokens), `rounds` times: prompt tokens
+    per second up to the last first token."""
+    per_round, timings = [], []
+    for _ in range(rounds):
+        prompts = [gen.of_tokens(tokens, 16) for _ in range(streams)]
+        got, _ = closed_loop(url, prompts, streams)
+        timings += got
+        firsts = [t.ttft_s for t in got if t.ttft_s is not None]
+        if len(firsts) == len(got):
+            per_round.append(sum(t.prompt_tokens for t in got) / max(firsts))
+    s = summarize(timings, sum(t.last_s or 0 for t in timings))
+    return {"streams": streams, "tokens": tokens, "rounds": rounds, "max_tokens": 16,
+            "prompt_tokens_per_request": round(float(np.mean([t.prompt_tokens for t in timings])), 1),
+            "prompt_tok_per_s_p50": round(float(np.median(per_round)), 0) if per_round else None,
+            "prompt_tok_per_s_max": round(max(per_round), 0) if per_round else None,
+            **{k: s[k] for k in ("requests", "failed", "errors", "ttft_ms_p50", "ttft_ms_p99")}}
+
+
+def figures(timings: list[Timing], wall_s: float) -> dict[str, Any]:
+    """summarize()'s figures (ITL = TPOT) and the requests' prompt tokens."""
+    s = summarize(timings, wall_s)
+    prompt = [t.prompt_tokens for t in timings if t.status == 200]
+    return {**s, "prompt_tokens_p50": int(np.median(prompt)) if prompt else None,
+            "prompt_tokens_max": max(prompt) if prompt else None, "wall_s": round(wall_s, 2)}
+
+
+def followup(url: str, gen: PromptGenerator, n: int, tokens: int) -> dict[str, Any]:
+    """Chats sent, then their follow-up turns (prefix-cache hits where the server caches), beside
+    follow-ups of other chats sent cold."""
+    hits, cold = [], []
+    for conv in gen.conversation(n, tokens):
+        first = stream_chat(url, list(conv.messages), conv.max_tokens)
+        turn = [*conv.messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": conv.followup}]
+        hits.append(stream_chat(url, turn, 16))
+    for conv in gen.conversation(n, tokens):  # the same shape, its earlier turns never sent
+        answer = gen.of_tokens(80, 1).messages[0]["content"]
+        cold.append(stream_chat(url, [*conv.messages, {"role": "assistant", "content": answer},
+                                      {"role": "user", "content": conv.followup}], 16))
+
+    def row(ts: list[Timing]) -> dict[str, Any]:
+        ok = [t.ttft_s * 1e3 for t in ts if t.ttft_s is not None]
+        return {"requests": len(ts), "failed": len(ts) - len(ok), "prompt_tokens": [t.prompt_tokens for t in ts],
+                "cached_tokens": [t.cached_tokens for t in ts],
+                "ttft_ms_p50": round(float(np.median(ok)), 2) if ok else None,
+                "ttft_ms_max": round(max(ok), 2) if ok else None}
+
+    return {"conversation_tokens": tokens, "followup": row(hits), "cold": row(cold)}
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def base_config(args: argparse.Namespace) -> dict[str, Any]:
+    from servekit.benchmarks.bench.archives import variant_config
+
+    if args.model_dir is None:
+        return yaml.safe_load((args.config or model_config(MODEL)).read_text())
+    return variant_config(str(args.model_dir), args.config, {}, {})
+
+
+def checkpoint_dir(args: argparse.Namespace, precision: str) -> Path:
+    """The folder of the served weights and tokenizer."""
+    if args.model_dir is not None:
+        return args.model_dir
+    import torch
+
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    return smollm2_archive_files(dtype)[0].parent
+
+
+def measure(url: str, args: argparse.Namespace, gen: PromptGenerator, res: dict[str, Any], save) -> None:
+    """Every measure of --measures against the served model, saving after each."""
+    if "ttft" in args.measures:
+        res["ttft"] = ttft_by_length(url, gen, args.lengths, args.later)
+        save()
+    if "prefill" in args.measures:
+        res["prefill"] = prefill(url, gen, args.prefill_streams, args.prefill_tokens, args.prefill_rounds)
+        print(f"  prefill: {json.dumps(res['prefill'])}", flush=True)
+        save()
+    for name in args.sets:
+        per: dict[str, Any] = res["sets"].setdefault(name, {})
+        take = {"short": lambda k: gen.short(k, args.max_tokens), "passages": lambda k: gen.passages(k, args.max_tokens),
+                "mixed": lambda k: gen.mixed(k, (min(32, args.max_tokens), args.max_tokens))}[name]
+        if "batch1" in args.measures:
+            got = one_by_one(url, take(args.batch1))
+            per["batch1"] = figures(got, sum(t.last_s or 0 for t in got))
+            print(f"  {name} batch 1: {json.dumps(per['batch1'])}", flush=True)
+        if "streams" in args.measures:
+            got, wall = closed_loop(url, take(args.streams * args.stream_requests), args.streams)
+            per["streams"] = {"streams": args.streams, **figures(got, wall),
+                              "ttft_ms_max": round(max((t.ttft_s or 0) for t in got) * 1e3, 2)}
+            print(f"  {name} {args.streams} streams: {json.dumps(per['streams'])}", flush=True)
+        if "poisson" in args.measures:
+            prompts = take(int(args.rate * args.duration * 1.5) + 10)
+            got, wall, late = poisson(url, prompts, args.rate, args.duration, args.seed)
+            per["poisson"] = {"rate": args.rate, "duration_s": args.duration, **figures(got, wall),
+                              "achieved_rate": round(len(got) / args.duration, 2),
+                              "send_late_ms_p99": round(float(np.percentile(late, 99)) * 1e3, 2) if late else None}
+            print(f"  {name} poisson {args.rate}/s: {json.dumps(per['poisson'])}", flush=True)
+        save()
+    if "followup" in args.measures:
+        res["followup"] = followup(url, gen, args.conversations, args.conversation_tokens)
+        print(f"  followup: {json.dumps(res['followup'])}", flush=True)
+        save()
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Build, serve and measure; the result is saved into --out after every measure."""
+    from servekit.archive import build_archive
+    from servekit.benchmarks.bench.archives import model_spec
+    from servekit.benchmarks.bench.runner import versions
+    from servekit.benchmarks.llm_continuous_bench import served_name
+    from servekit.benchmarks.llm_inprocess import environment
+
+    cfg = base_config(args)
+    plan = cfg.get("servekit") or {}
+    folder = checkpoint_dir(args, plan.get("precision", "bf16"))
+    gen = PromptGenerator(args.seed, tokenizer_counter(folder), max_seq_len=int(plan.get("max_seq_len", 2048)))
+    env = {**versions(), **environment(argv, "servekit.benchmarks.llm_workload_bench")}
+    res: dict[str, Any] = {"environment": env, "model": str(args.model_dir or MODEL),
+                           "config": {k: v for k, v in cfg.items() if k != "servekit"}, "plan": plan,
+                           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                           "prompts": {"seed": args.seed, "corpus": corpus_digest()}, "sets": {}}
+    precision = plan.get("precision", "bf16")
+    res["weights"] = {"bytes_per_token": weight_bytes_per_token(folder, precision), "precision": precision,
+                      "hbm_bytes_per_s": bandwidth(env.get("gpu"))}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        (args.out / "llm_workload_bench.json").write_text(json.dumps(res, indent=1))
+
+    name = served_name(str(args.model_dir) if args.model_dir else MODEL)
+    with tempfile.TemporaryDirectory(prefix="servekit-llm-workload-") as tmp:
+        work = Path(tmp)
+        (work / "model-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        t0 = time.perf_counter()
+        build_archive(name, work / "store", config=work / "model-config.yaml", compress=False,
+                      spec=model_spec(str(args.model_dir) if args.model_dir else MODEL))
+        res["archive_s"] = round(time.perf_counter() - t0, 1)
+        with TorchServe(work / "run", work / "store") as ts:
+            t0 = time.perf_counter()
+            ts.register(f"{name}.mar", name, timeout=args.ready_timeout)
+            res["ready_s"] = round(time.perf_counter() - t0, 1)
+            print(f"== {name}: archive {res['archive_s']} s, worker READY after {res['ready_s']} s", flush=True)
+            save()
+            try:
+                measure(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions", args, gen, res, save)
+            finally:
+                for log in ("model_log.log", "ts_log.log"):  # the worker's own account, beside the figures
+                    src = work / "run" / "logs" / log
+                    if src.is_file():
+                        (args.out / log).write_bytes(src.read_bytes()[-2_000_000:])
+    share(res)
+    save()
+    return res
+
+
+def share(res: dict[str, Any]) -> None:
+    """Batch-1 tokens/s of one sequence as a share of the bandwidth bound, per set."""
+    w = res["weights"]
+    if not w["hbm_bytes_per_s"]:
+        return
+    bound = w["hbm_bytes_per_s"] / w["bytes_per_token"]
+    w["bound_tok_per_s"] = round(bound, 1)
+    for per in res["sets"].values():
+        b = per.get("batch1")
+        if b and b.get("tok_per_s_per_seq_p50"):
+            b["bandwidth_share"] = round(b["tok_per_s_per_seq_p50"] / bound, 3)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    env, w = res["environment"], res["weights"]
+    L = [f"# {Path(res['model']).name} served through TorchServe: realistic prompt lengths ({env.get('gpu') or 'CPU'})",
+         "", f"{env['date']}; torch {env.get('torch')}, CUDA {env.get('cuda')}, TorchServe {env.get('torchserve')}, "
+         f"transformers {env.get('transformers')}, Python {env.get('python')}, {env.get('cpu_count')} CPUs. "
+         f"Command: `{env['command']}`.", "",
+         f"Plan: precision {res['plan'].get('precision')}, compile {res['plan'].get('compile')}, kernels "
+         f"{res['plan'].get('kernels', 'torch')}, batchSize {res['config'].get('batchSize')}, maxBatchDelay "
+         f"{res['config'].get('maxBatchDelay')} ms. Worker READY after {res.get('ready_s')} s. Prompts: seed "
+         f"{res['prompts']['seed']}, corpus {res['prompts']['corpus']} (stdlib docstrings of Python {env.get('python')}), "
+         "every request a different text. Streamed greedy chat completions; TTFT from the send (Poisson: from the "
+         "scheduled send); TPOT = (last token - first token) / (tokens - 1).", ""]
+    if w.get("bound_tok_per_s"):
+        L += [f"Weights read per decode token: {w['bytes_per_token'] / 1e9:.3f} GB ({w['precision']}); at "
+              f"{w['hbm_bytes_per_s'] / 1e12:.2f} TB/s the batch-1 bound is {w['bound_tok_per_s']} tokens/s.", ""]
+    if res.get("ttft"):
+        L += ["## Batch-1 TTFT by prompt length", "", "| tokens | served prompt tokens | first request ms | "
+              "later p50 ms | later max ms |", "| --- | --- | --- | --- | --- |"]
+        L += [f"| {r['tokens']} | {r['prompt_tokens']} | {r['first_ttft_ms']} | {r['later_ttft_ms_p50']} | "
+              f"{r['later_ttft_ms_max']} |" for r in res["ttft"]]
+        L.append("")
+    if res.get("prefill"):
+        p = res["prefill"]
+        L += ["## Prefill throughput", "", f"{p['streams']} prompts of {p['tokens']} tokens ({p['prompt_tokens_per_request']} "
+              f"served) sent together, {p['max_tokens']} max tokens, {p['rounds']} rounds: **{p['prompt_tok_per_s_p50']} "
+              f"prompt tokens/s** (p50 of rounds; best {p['prompt_tok_per_s_max']}), TTFT p50 {p['ttft_ms_p50']} ms, "
+              f"p99 {p['ttft_ms_p99']} ms, {p['failed']} failed.", ""]
+    rows = [(name, kind, r) for name, per in res["sets"].items() for kind, r in per.items()]
+    if rows:
+        L += ["## Per prompt set", "", "| set | load | requests (failed) | prompt tokens p50 / max | tokens/req | "
+              "TTFT p50 / p99 ms | TPOT p50 / p99 ms | tok/s per seq | tok/s total | bandwidth share |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, kind, r in rows:
+            load = {"batch1": "batch 1", "streams": f"{r.get('streams')} streams",
+                    "poisson": f"Poisson {r.get('rate')}/s"}[kind]
+            L.append(f"| {name} | {load} | {r['requests']} ({r['failed']}) | {r['prompt_tokens_p50']} / "
+                     f"{r['prompt_tokens_max']} | {r['mean_completion_tokens']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
+                     f"{r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['tok_per_s_per_seq_p50']} | {r['tok_per_s_total']} | "
+                     f"{r.get('bandwidth_share', '')} |")
+        L.append("")
+    if res.get("followup"):
+        f = res["followup"]
+        L += ["## Follow-up turn", "", f"A chat of ~{f['conversation_tokens']} tokens, then its follow-up turn: TTFT "
+              f"p50 {f['followup']['ttft_ms_p50']} ms (max {f['followup']['ttft_ms_max']}), prompt tokens "
+              f"{f['followup']['prompt_tokens']}, cached tokens {f['followup']['cached_tokens']}. The same kind of "
+              f"follow-up sent cold: TTFT p50 {f['cold']['ttft_ms_p50']} ms, cached tokens {f['cold']['cached_tokens']}.", ""]
+    return "\n".join(L)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.llm_workload_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="folder for llm_workload_bench.json / .md")
+    p.add_argument("--model-dir", type=Path, help="a model folder (`servekit archive PATH`), default: bundled SmolLM2")
+    p.add_argument("--config", type=Path, help="model-config (default: config/models/smollm2.yaml, or the one "
+                                               "`servekit archive PATH` generates for --model-dir)")
+    p.add_argument("--measures", nargs="+", choices=MEASURES, default=list(MEASURES))
+    p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--lengths", nargs="+", type=int, default=[100, 300, 600, 1000, 1500, 1900])
+    p.add_argument("--later", type=int, default=5, help="ttft: requests after the first of each length")
+    p.add_argument("--prefill-streams", type=int, default=32)
+    p.add_argument("--prefill-tokens", type=int, default=600)
+    p.add_argument("--prefill-rounds", type=int, default=5)
+    p.add_argument("--batch1", type=int, default=8, help="batch-1 requests per set")
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--stream-requests", type=int, default=4, help="requests per closed-loop stream")
+    p.add_argument("--rate", type=float, default=32.0, help="Poisson arrivals per second")
+    p.add_argument("--duration", type=float, default=20.0, help="s of Poisson arrivals per set")
+    p.add_argument("--conversations", type=int, default=5)
+    p.add_argument("--conversation-tokens", type=int, default=1500)
+    p.add_argument("--ready-timeout", type=float, default=1800.0)
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU smoke run: config/models/smollm2-cpu.yaml, tiny counts, the short set (~2 min on 2 cores)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        for k, v in SMOKE.items():
+            if p.get_default(k) == getattr(args, k):  # what the command line gave stays
+                setattr(args, k, v)
+        args.config = args.config or model_config("smollm2-cpu")
+    for path in (args.config, args.model_dir):
+        if path is not None and not path.exists():
+            p.error(f"{path}: no such file or folder")
+    if min(args.later, args.prefill_streams, args.prefill_rounds, args.batch1, args.streams, args.stream_requests,
+           args.conversations) < 1 or args.max_tokens < 2 or args.rate <= 0 or args.duration <= 0:
+        p.error("counts must be >= 1, --max-tokens >= 2, --rate and --duration > 0")
+    res = run(args, argv)
+    (args.out / "llm_workload_bench.md").write_text(markdown(res))
+    print(markdown(res))
+    failed = sum(r.get("failed", 0) for per in res["sets"].values() for r in per.values())
+    failed += sum(1 for r in res.get("ttft", []) if r["first_ttft_ms"] is None or r["later_failed"])
+    failed += (res.get("prefill") or {}).get("failed", 0)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
