@@ -23,7 +23,8 @@
 #        llm-sweep      the LLM goodput sweep on the mixed prompt set (benchmarks/sweeps/smollm2-gpu.yaml)
 #        llm-shapes     the Qwen2.5-0.5B and Gemma-3-270M shapes served (built into shaped/ when missing):
 #                       batch 1 (with its share of the bandwidth bound) and 32 streams
-#        llm-shapes-8b  the same for the Llama-3.1-8B shape (16 GB of weights: a step of its own)
+#        llm-shapes-8b  the same for the Llama-3.1-8B shape (16 GB of weights: a step of its own; building its
+#                       archive holds the weights four times at once, ~64 GB: a machine with more disk than 64 GiB)
 # Each LLM step is capped by `timeout` below the 10-minute call and tees its log into its folder.
 # The MiniLM steps also need orjson (servekit's embedding handler writes its answers with it) and
 # the sweep needs locust, rich, matplotlib and nvidia-ml-py: carry their wheels too.
