@@ -3,13 +3,22 @@
 The archive is test-only (`servekit.benchmarks.faults.build_faulty_archive`): the production handler whose
 inference raises torch.OutOfMemoryError for a batch holding a marker word, with `too_long: reject`
 and small buckets so that a worker (re)starts quickly on CPU. Nothing of it is in the production handler.
+The LLM's worker death under continuous batching is tried on the same server, with SmolLM2's CPU plan.
 """
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import requests
+import torch
+import yaml
 
 from servekit.benchmarks.faults import (OOM_MARKER, build_faulty_archive, check_with_good, faulty_cases,
                                kill_worker_under_load, oom_isolation, reference_embedder, restart_from_store,
@@ -79,6 +88,100 @@ def test_killed_worker_is_replaced_and_only_in_flight_requests_fail(faulty):
     assert r["failed_sent_after_ready"] == 0, r
     assert set(r["failed_statuses"]) <= {"500", "503", "507", "no_answer"}, r
     assert r["requests"] > r["failed"], r
+
+
+def _raw_exchange(port: int, path: str, body: dict, out: dict, chunks_seen: threading.Event) -> None:
+    """One HTTP/1.1 POST on a socket of its own, recording exactly what came back and how the
+    connection ended (client libraries hide a chunked body cut short). `chunks_seen` is set once two
+    server-sent events have arrived."""
+    data = json.dumps(body).encode()
+    got, length = b"", None
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except (ConnectionResetError, socket.timeout) as e:
+                out["end"] = type(e).__name__
+                break
+            if not chunk:
+                out["end"] = "closed"
+                break
+            got += chunk
+            head, sep, rest = got.partition(b"\r\n\r\n")
+            if sep and length is None:
+                length = next((int(v) for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n"))
+                               if k.strip().lower() == b"content-length"), -1)
+            if rest.count(b"data: ") >= 2:
+                chunks_seen.set()
+            if sep and ((length >= 0 and len(rest) >= length) or (length < 0 and rest.endswith(b"0\r\n\r\n"))):
+                out["end"] = "complete"
+                break
+    out["ended_at"] = time.monotonic()
+    head, _, out["body"] = got.partition(b"\r\n\r\n")
+    lines = head.decode(errors="replace").split("\r\n")
+    out["status"] = int(lines[0].split()[1]) if lines[0].startswith("HTTP/1.1") else None
+    out["headers"] = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+
+
+def test_llm_worker_death_under_continuous_batching_is_visible_to_clients(faulty, tmp_path_factory):
+    """A streamed and a non-streamed chat completion are generating when the worker is killed. Neither
+    may look like a whole answer, nor hang: the stream stops without `data: [DONE]` (its 200 head went out
+    with the first chunk) and the connection ends; the other gets a 5xx JSON, or, while TorchServe has
+    sent its 200 head already (see docs/reliability.md), a body that ends without its JSON. The new
+    worker answers the retry."""
+    from servekit.archive import LLM, SPECS, ArchiveSpec, build_archive
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+    from servekit.resources import model_config
+
+    ts = faulty["ts"]
+    work = tmp_path_factory.mktemp("llm-death")
+    cfg = yaml.safe_load(model_config("smollm2-cpu").read_text())
+    assert cfg["continuousBatching"] is True
+    cfg["servekit"].update({"max_seq_len": 256, "limits": {"max_tokens": 200, "default_max_tokens": 16},
+                            "buckets": {"batch_sizes": [1, 2, 4], "prompt_lens": [32, 64], "kv_lens": [256]}})
+    (work / "llm.yaml").write_text(yaml.safe_dump(cfg))
+    spec = ArchiveSpec(LLM, SPECS["smollm2"].handler, work / "llm.yaml", lambda: smollm2_archive_files(torch.bfloat16))
+    build_archive("smollm2", ts.model_store, archive_name="smollm2_death", compress=False, spec=spec)
+    ts.register("smollm2_death.mar", "smollm2_death", timeout=300)
+    try:
+        path = "/predictions/smollm2_death/1.0/v1/chat/completions"
+        chat = {"messages": [{"role": "user", "content": "Write a long story about a sailor and the sea."}],
+                "max_tokens": 200, "temperature": 0}
+        answers = {"stream": {}, "whole": {}}
+        seen = {k: threading.Event() for k in answers}
+        threads = [threading.Thread(target=_raw_exchange, args=(ts.ports.inference, path, {**chat, "stream": True},
+                                                                answers["stream"], seen["stream"])),
+                   threading.Thread(target=_raw_exchange, args=(ts.ports.inference, path, chat, answers["whole"],
+                                                                seen["whole"]))]
+        for t in threads:
+            t.start()
+        # Sent together, so generating together: two events of the stream mean both are running.
+        assert seen["stream"].wait(120), answers
+        pid = ts.api.workers("smollm2_death")[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(90)
+        stream, whole = answers["stream"], answers["whole"]
+        assert stream["status"] == 200 and stream["headers"]["content-type"] == "text/event-stream", stream
+        assert b"data: {" in stream["body"] and b"data: [DONE]" not in stream["body"], stream
+        assert stream["end"] != "complete" and stream["ended_at"] - killed < 30, stream
+        if whole["status"] == 200:  # the head went out while it ran: the body must not pass for an answer
+            assert whole["end"] != "complete" and b'"choices"' not in whole["body"], whole
+        else:
+            assert whole["status"] >= 500 and b"Worker died" in whole["body"], whole
+        assert whole["ended_at"] - killed < 30, whole
+        deadline = time.monotonic() + 300  # the frontend reports the dead worker READY for a moment
+        while not any(w.get("pid") not in (None, pid) and w.get("status") == "READY"
+                      for w in ts.api.workers("smollm2_death")):
+            assert time.monotonic() < deadline, ts.api.workers("smollm2_death")
+            time.sleep(0.5)
+        r = requests.post(ts.inference_url + path, json={**chat, "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text[:300]
+    finally:
+        ts.unregister("smollm2_death")
 
 
 def test_restart_loads_models_from_the_store(faulty, reference):
