@@ -93,8 +93,13 @@ def test_unsupported_plan_fails_at_load_or_falls_back():
     assert runner.plan.cuda_graphs is False and runner.downgrades
 
 
-def test_compiled_plan_serves_every_bucket_without_recompiling(golden, tmp_path, monkeypatch):
+def test_compiled_plan_serves_every_bucket_without_recompiling(tmp_path, monkeypatch, one_thread):
+    """The compile plan on a tiny BERT (inductor's CPU compile of MiniLM takes minutes on 2 cores and
+    guards nothing more): every bucket compiled at load, none again while serving, and the plan's
+    compile_cache receives inductor's caches and the compile-artifact file."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from tiny_encoders import LONG, SHORT, TEXTS, st_model
 
     # Inductor pins its default directory into the environment at first use; the plan's
     # compile_cache must still receive inductor's caches (and the compile-artifact file).
@@ -102,12 +107,14 @@ def test_compiled_plan_serves_every_bucket_without_recompiling(golden, tmp_path,
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     cache_dir()
     cache = tmp_path / "compile-cache"
-    runner = EmbeddingRunner(MODEL_DIR, parse_plan({**SMALL, "compile": "default", "compile_cache": str(cache)}))
+    path = st_model(tmp_path / "model", "bert")
+    plan = {"buckets": {"batch_sizes": [1, 4], "seq_lens": [8, 24]}, "compile": "default", "compile_cache": str(cache)}
+    runner = EmbeddingRunner(path, parse_plan(plan), golden_texts=TEXTS)
     assert len(runner.forward.bucket_stats) == 4
     assert not runner.forward.compile_cache_hit and list(cache.glob("encoder-*.bin"))
     assert any(p.is_file() for p in (cache / "inductor").rglob("*")), "inductor's cache went elsewhere"
     # Mixed sizes and lengths that land in every (batch, seq) bucket.
-    for texts in (golden[:1], golden[:3], golden, ["word " * 40], ["word " * 40] * 3, golden[:2] + ["word " * 200]):
+    for texts in (SHORT[:1], SHORT, LONG[:1], LONG, TEXTS):
         runner.embed(texts)
     assert runner.recompiles() == 0
     assert runner.accuracy["mean_cosine"] >= 0.9999

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import jsonschema
@@ -212,12 +213,27 @@ def test_bad_specs_are_named(compiler, kind, value, message) -> None:
 def test_compiled_grammars_are_cached_by_canonical_text_and_bounded(tokenizer, stops) -> None:
     small = GrammarCompiler(tokenizer, VOCAB, stops, cache_size=2)
     a = small.compile(GrammarSpec.of(JSON, {"type": "object", "properties": {"x": {"type": "integer"}}}))
-    same = small.compile(GrammarSpec.of(JSON, '{"properties": {"x": {"type": "integer"}}, "type": "object"}'))
+    same = small.compile(GrammarSpec.of(JSON, '{"type":"object",  "properties": {"x": {"type": "integer"}}}'))
     assert same is a and len(small) == 1
+    # Another key order is another grammar: properties come out in the schema's order.
+    other = small.compile(GrammarSpec.of(JSON, '{"properties": {"x": {"type": "integer"}}, "type": "object"}'))
+    assert other is not a and len(small) == 2
     small.compile(GrammarSpec.of(REGEX, "a+"))
     small.compile(GrammarSpec.of(REGEX, "b+"))
     assert len(small) == 2
     assert small.compile(GrammarSpec.of(JSON, {"type": "object", "properties": {"x": {"type": "integer"}}})) is not a
+
+
+def test_properties_come_out_in_the_schemas_order(runner, compiler, tokenizer, stops) -> None:
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "alpha": {"type": "boolean"},
+                                               "mid": {"type": "string", "maxLength": 3}},
+              "required": ["zeta", "alpha", "mid"], "additionalProperties": False}
+    c = compiler.constraint(GrammarSpec.of(JSON, schema))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Give me JSON."}])
+    out = _run(runner, {"r": (prompt, SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=c))})
+    assert out["r"][1] == "stop"
+    assert list(json.loads(_text(tokenizer, *out["r"]))) == ["zeta", "alpha", "mid"]
 
 
 def test_a_slow_compile_is_an_error_not_a_stall(tokenizer, stops) -> None:
@@ -227,3 +243,9 @@ def test_a_slow_compile_is_an_error_not_a_stall(tokenizer, stops) -> None:
                                                for i in range(1, 60)}}
     with pytest.raises(GrammarError, match="did not compile within"):
         impatient.compile(GrammarSpec.of(JSON, schema))
+    # The compile went on in the background: once done, the same schema is served from the cache.
+    deadline = time.monotonic() + 30
+    while len(impatient) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(impatient) == 1
+    impatient.compile(GrammarSpec.of(JSON, schema))

@@ -76,7 +76,9 @@ class GrammarSpec:
                     raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(value, (dict, bool)):
                 raise GrammarError(f"a JSON schema must be an object, got {type(value).__name__}")
-            return cls(kind, json.dumps(value, sort_keys=True, ensure_ascii=False))
+            # Keys keep the schema's order: the grammar emits properties in that order, as OpenAI's
+            # and vLLM's answers do, so two orders are two grammars (and two cache entries).
+            return cls(kind, json.dumps(value, ensure_ascii=False, separators=(",", ":")))
         if kind in (REGEX, GRAMMAR):
             if not isinstance(value, str) or not value:
                 raise GrammarError(f"a {kind} must be a non-empty string")
@@ -149,16 +151,24 @@ class GrammarCompiler:
         try:
             compiled = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            raise GrammarError(f"the {spec.kind} did not compile within {self.timeout_s:g} s; simplify it") from None
+            # The compile goes on in the pool and is cached when it ends: the request is refused
+            # now, a retry of the same schema finds it compiled instead of timing out again.
+            future.add_done_callback(lambda f: f.exception() is None and self._store(spec, f.result()))
+            raise GrammarError(f"the {spec.kind} did not compile within {self.timeout_s:g} s; "
+                               "simplify it, or retry: it stays compiling and is cached when done") from None
         except GrammarError:
             raise
         except Exception as e:  # xgrammar's parse/convert errors: the request's fault
             raise GrammarError(f"the {spec.kind} cannot be used: {_first_line(e)}") from None
+        self._store(spec, compiled)
+        return compiled
+
+    def _store(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar) -> None:
         with self._lock:
             self._cache[spec] = compiled
+            self._cache.move_to_end(spec)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return compiled
 
     def constraint(self, spec: GrammarSpec | None = None, logit_bias: tuple[tuple[int, float], ...] = (),
                    min_tokens: int = 0) -> "DecodeConstraint | None":
