@@ -343,7 +343,7 @@ class OomOnMarkerHandler(EmbeddingHandler):
 
 
 FAULTY_LLM_HANDLER = f'''"""Test-only handler (built by benchmarks/faults.py, never shipped): the production LLM handler
-whose generation raises torch.OutOfMemoryError for any batch with a prompt holding {OOM_MARKER!r}."""
+whose engine raises torch.OutOfMemoryError for any prefill holding a prompt with {OOM_MARKER!r}."""
 import torch
 
 from servekit.handlers import llm_handler
@@ -354,14 +354,15 @@ MARKER = {OOM_MARKER!r}
 class OomOnMarkerService(llm_handler.LlmService):
     def initialize(self, context):
         super().initialize(context)
-        stream = self.runner.stream
+        packed = self.frontend.engine.batcher.packed  # before any request: the engine thread is idle
+        run = packed.run
 
-        def stream_or_oom(prompts, params, *args, **kwargs):
-            if any(MARKER in self.tokenizer.decode(p) for p in prompts):
-                raise torch.OutOfMemoryError("simulated out of memory: the batch holds the marker word")
-            return stream(prompts, params, *args, **kwargs)
+        def run_or_oom(chunks):
+            if any(MARKER in self.api.tokenizer.decode(c.tokens) for c in chunks):
+                raise torch.OutOfMemoryError("simulated out of memory: the prefill holds the marker word")
+            return run(chunks)
 
-        self.runner.stream = stream_or_oom
+        packed.run = run_or_oom
 
 
 llm_handler._service = OomOnMarkerService()

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from servekit.optimizations.llm.chat_template import ChatTokenizer
-    from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+    from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+    from servekit.optimizations.llm.offline import generate
     from servekit.optimizations.llm.plan import stop_token_ids
     from servekit.optimizations.models.gguf_weights import convert_gguf_to_safetensors
     from servekit.optimizations.models.llama import load_llama

@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+    from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+    from servekit.optimizations.llm.continuous import ContinuousBatcher
+    from servekit.optimizations.llm.offline import generate
     from servekit.optimizations.models.llama import LlamaConfig, init_random, load_llama
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -158,11 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.batches:
         tokens = {}
         for name, runner in runners.items():
-            done = []
-            for i in range(0, len(prompts), b):  # b prompts at a time: steps of b rows
-                chunk = prompts[i:i + b]
-                done += [c.tokens for c in generate(runner, chunk, [params] * len(chunk))]
-            tokens[name] = done
+            engine = ContinuousBatcher(runner, b)  # b prompts at a time: steps of b rows
+            if engine.packed.graphs:
+                engine.warmup()
+            tokens[name] = [c.tokens for c in generate(runner, prompts, [params] * len(prompts), batcher=engine)]
         diffs = compare(prompts, tokens["torch"], tokens["triton"], fp32, args.max_seq_len, args.tie_gap)
         row = {"batch": b, "identical": len(prompts) - len(diffs), "tokens": sum(map(len, tokens["torch"])),
                "differences": diffs}

@@ -1,4 +1,4 @@
-"""In-process LLM benchmark: our Llama runner vs transformers' eager ``generate``, same device.
+"""In-process LLM benchmark: our continuous engine vs transformers' eager ``generate``, same device.
 
 For each variant and batch size: time to first token (TTFT) for a ~100-token chat prompt, decode
 tokens/s, median inter-token latency, warm-up time and peak GPU memory. Every row generates
@@ -27,14 +27,15 @@ from pathlib import Path
 import torch
 
 from servekit.optimizations.device import DTYPES
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import generate
 from servekit.optimizations.models.llama import load_llama
 
 
 VARIANTS = {  # LlamaRunner switches per variant
     "eager": {},
     "graphs": {"cuda_graphs": True},
-    "graphs-prefill": {"cuda_graphs": True, "prefill_graphs": 512},  # prefill of short prompts captured too
     "compile-graphs": {"compile_prefill": True, "compile_decode": True, "cuda_graphs": True},
 }
 PROMPT_TEXT = ("You are reviewing a travel plan. The traveller wants to visit three cities in Italy over ten "
@@ -85,16 +86,20 @@ def chat_prompt(tokenizer, text: str = PROMPT_TEXT) -> list[int]:
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
-def bench_runner(runner: LlamaRunner, prompt: list[int], batch: int, new_tokens: int, repeats: int,
+def bench_runner(engine: ContinuousBatcher, prompt: list[int], batch: int, new_tokens: int, repeats: int,
                  sampling: dict) -> dict:
+    """``batch`` copies of the prompt admitted at once into the (warmed-up) engine, run to their end."""
     params = [SamplingParams(max_tokens=new_tokens, seed=i, **sampling) for i in range(batch)]
     ttfts, totals, itls = [], [], []
     for rep in range(repeats + 1):  # the first run is a warm-up
-        sync_device(runner.device)
+        sync_device(engine.r.device)
         t0 = time.perf_counter()
-        steps, stamps = runner.stream([prompt] * batch, params), []
-        for _ in steps:
-            stamps.append(time.perf_counter())
+        for i, sp in enumerate(params):
+            engine.add(i, prompt, sp)
+        stamps = []
+        while engine.has_work:
+            if engine.step():  # a step that gave tokens
+                stamps.append(time.perf_counter())
         if rep == 0:
             continue
         ttfts.append(stamps[0] - t0)
@@ -139,11 +144,14 @@ def run_variant(name: str, model, args: argparse.Namespace, prompt: list[int], s
     runner = LlamaRunner(model, max_seq_len=args.max_seq_len, batch_buckets=tuple(sorted({*args.batches, 4})),
                          **VARIANTS[name])
     warm = runner.warmup()
+    engine = ContinuousBatcher(runner, max(args.batches))
+    warm["packed_prefill_s"] = engine.warmup()["seconds"]
     warm_s = time.perf_counter() - t0
-    # Correctness on this device: greedy tokens of prompts of different lengths in one batch (a
-    # dummy row, several kv buckets), compared across variants afterwards.
-    check = [c.tokens for c in generate(runner, check_prompts, [SamplingParams(max_tokens=48)] * len(check_prompts))]
-    rows = [bench_runner(runner, prompt, b, args.new_tokens, args.repeats, sampling) for b in args.batches]
+    # Correctness on this device: greedy tokens of prompts of different lengths run together (a row
+    # nobody reads, several kv buckets), compared across variants afterwards.
+    check = [c.tokens for c in generate(runner, check_prompts, [SamplingParams(max_tokens=48)] * len(check_prompts),
+                                        batcher=engine)]
+    rows = [bench_runner(engine, prompt, b, args.new_tokens, args.repeats, sampling) for b in args.batches]
     mem = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return {"variant": name, "plan": runner.plan, "warmup_s": round(warm_s, 2),
             "warmup_phases_s": {k: round(v, 2) for k, v in warm.items()},
@@ -157,7 +165,7 @@ def identical_prefix(a: list[int], b: list[int]) -> int:
 def greedy_agreement(model, hf, prompt: list[int], n: int, max_seq_len: int) -> dict:
     """Batch-1 greedy tokens of ours vs transformers (bf16 numerics may legitimately diverge late)."""
     runner = LlamaRunner(model, max_seq_len=max_seq_len, batch_buckets=(1,))
-    ours = [s.tokens[0] for s in runner.stream([prompt], [SamplingParams(max_tokens=n)])]
+    ours = generate(runner, [prompt], [SamplingParams(max_tokens=n)])[0].tokens
     device = model.tok_embeddings.weight.device
     with torch.no_grad():
         ref = hf.generate(input_ids=torch.tensor([prompt], device=device), max_new_tokens=n, do_sample=False,

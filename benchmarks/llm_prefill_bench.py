@@ -44,7 +44,7 @@ from servekit.optimizations.models.llama import LlamaConfig, init_random
 # The shipped GPU plan (config/models/smollm2.yaml).
 PLAN = dict(max_seq_len=2048, batch_buckets=(1, 2, 4, 8, 16, 32), prefill_buckets=(32, 64, 128, 256, 512, 1024, 2048),
             kv_buckets=(256, 512, 1024, 2048), compile_prefill=True, compile_decode=False, cuda_graphs=True,
-            prefill_graphs=512, kernels="triton")
+            kernels="triton")
 CPU_PLAN = dict(max_seq_len=1024, batch_buckets=(1, 2, 4), prefill_buckets=(32, 64, 128, 256, 512, 1024),
                 kv_buckets=(256, 512, 1024))
 
@@ -210,9 +210,7 @@ def build(device: torch.device, small: bool, budget: int | None) -> tuple[Contin
     model = init_random(config, seed=0, dtype=dtype).to(device)
     plan = dict(PLAN if device.type == "cuda" else CPU_PLAN)
     t0 = time.perf_counter()
-    if "static_prefill" in inspect.signature(LlamaRunner).parameters:  # the engine prefills by its packed forward only
-        plan["static_prefill"] = False
-    runner = LlamaRunner(model, plan.pop("max_seq_len"), slot_prefill=True, pad_id=0, **plan)
+    runner = LlamaRunner(model, plan.pop("max_seq_len"), pad_id=0, **plan)
     phases = runner.warmup()
     kw: dict[str, Any] = {"prefill_chunk": 512}
     if budget is not None and "max_num_batched_tokens" in inspect.signature(ContinuousBatcher).parameters:

@@ -2,7 +2,8 @@
 
 1. Speculator heads: trained on the spot (``servekit.optimizations.training.train_speculator``'s recipe, on the
    training split of ``optimizations/data/speculator_prompts.txt``) or loaded with ``--heads-dir``.
-2. One ``LlamaRunner`` (CUDA graphs on GPU) and a ``SpeculativeDecoding`` on top of it, warmed up.
+2. One ``LlamaRunner`` (CUDA graphs on GPU) and a ``SpeculativeDecoding`` on top of it, warmed up;
+   plain and speculative runs are the continuous engine with and without that step strategy.
 3. Acceptance per draft position and mean accepted length on the held-out prompts (never seen
    in training), and on as many training prompts, with greedy output compared token by token to
    the plain runner's.
@@ -33,9 +34,11 @@ import torch
 
 from servekit.benchmarks.llm_inprocess import environment, identical_prefix, sync_device
 from servekit.optimizations.device import DTYPES
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import Completion, generate
 from servekit.optimizations.models.llama import LlamaConfig, init_random, load_llama
-from servekit.optimizations.llm.speculative import SpecStats, SpeculativeDecoding, generate_speculative, load_speculator, save_speculator
+from servekit.optimizations.llm.speculative import SpecStats, SpeculativeDecoding, load_speculator, save_speculator
 from servekit.optimizations.training import train_speculator as ts
 
 
@@ -65,6 +68,31 @@ def chunks(n_prompts: int, batch: int, rows: int) -> list[list[int]]:
     return [picked[s:s + batch] for s in range(0, len(picked) - batch + 1, batch)]
 
 
+def engines(base: LlamaRunner, spec: SpeculativeDecoding, batch: int) -> dict[str, ContinuousBatcher]:
+    """A plain and a speculative engine over the runner, each running ``batch`` rows at most, built
+    (captured) before any timing."""
+    out = {}
+    for name, strategy in (("plain", None), ("speculative", spec)):
+        base.speculation = strategy  # an engine keeps the strategy it was built with
+        out[name] = ContinuousBatcher(base, batch)
+        if out[name].packed.graphs:
+            out[name].warmup()
+    base.speculation = None
+    return out
+
+
+def run(engine: ContinuousBatcher, group: list[list[int]], params: SamplingParams
+        ) -> tuple[list[Completion], SpecStats | None]:
+    """The group through the engine; the draft counters of this run alone (None: plain)."""
+    before = engine.spec_stats
+    snap = (list(before.proposed), list(before.accepted), before.tokens) if before is not None else None
+    out = generate(engine.r, group, [params] * len(group), batcher=engine)
+    if snap is None:
+        return out, None
+    return out, SpecStats([a - b for a, b in zip(before.proposed, snap[0])],
+                          [a - b for a, b in zip(before.accepted, snap[1])], before.tokens - snap[2])
+
+
 def timed(device: torch.device, fn) -> tuple[float, object]:
     sync_device(device)
     t = time.perf_counter()
@@ -79,20 +107,19 @@ def bench_batch(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[list
     groups = chunks(len(prompts), batch, rows)
     device = base.device
     out: dict = {"batch": batch, "rows": len(groups) * batch}
+    built = engines(base, spec, batch)
     for name in ("plain", "speculative"):
         times, tokens, identical = [], 0, []
         stats = SpecStats.empty(spec.n_heads)
         for g_i, idx in enumerate([groups[0]] + groups):
             group = [prompts[i] for i in idx]
-            if name == "plain":
-                dt, res = timed(device, lambda: generate(base, group, [params] * len(group)))
-            else:
-                dt, (res, st) = timed(device, lambda: generate_speculative(spec, group, [params] * len(group)))
+            dt, (res, st) = timed(device, lambda: run(built[name], group, params))
             if g_i == 0:
                 continue
             if name == "speculative":
                 stats.proposed = [a + b for a, b in zip(stats.proposed, st.proposed)]
                 stats.accepted = [a + b for a, b in zip(stats.accepted, st.accepted)]
+                stats.tokens += st.tokens
             times.append(dt)
             tokens += sum(len(c.tokens) for c in res)
             identical.append([c.tokens for c in res])
@@ -117,12 +144,14 @@ def acceptance_run(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[l
     """Speculative vs plain greedy over every prompt: acceptance and token-by-token agreement."""
     stats = SpecStats.empty(spec.n_heads)
     same, prefixes, tokens, plain = 0, [], 0, []
+    built = engines(base, spec, batch)
     for s in range(0, len(prompts), batch):
         group = prompts[s:s + batch]
-        want = generate(base, group, [params] * len(group))
-        got, st = generate_speculative(spec, group, [params] * len(group))
+        want, _ = run(built["plain"], group, params)
+        got, st = run(built["speculative"], group, params)
         stats.proposed = [a + b for a, b in zip(stats.proposed, st.proposed)]
         stats.accepted = [a + b for a, b in zip(stats.accepted, st.accepted)]
+        stats.tokens += st.tokens
         for w, g in zip(want, got):
             same += w.tokens == g.tokens
             prefixes.append(identical_prefix(w.tokens, g.tokens) / max(len(w.tokens), 1))
@@ -275,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                        cuda_graphs=cuda_graphs, compile_prefill=args.compile, compile_decode=args.compile)
     spec = SpeculativeDecoding(base, heads, max_spec_batch=base.max_batch, n_heads=args.serve_heads,
                                compile_verify=args.compile)
-    phases = spec.warmup(include_base=True)
+    phases = {**base.warmup(), **spec.warmup()}
     res["warmup_s"] = round(time.perf_counter() - t, 2)
     res["warmup_phases_s"] = {k: round(v, 2) for k, v in phases.items()}
     res["runner"] = ("CUDA graphs" if cuda_graphs else "eager") + (" + torch.compile" if args.compile else "")

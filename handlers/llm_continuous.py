@@ -1,5 +1,6 @@
-"""The LLM handler under TorchServe's continuous batching (``continuousBatching: true`` in the
-model-config): requests join the running generation between decode steps.
+"""The LLM handler's serving loop under TorchServe's continuous batching (``continuousBatching: true``
+in the model-config, the only way the LLM is served): requests join the running generation between
+decode steps.
 
 TorchServe 0.12's protocol: every call of the handler carries the requests in flight (those seen
 before arrive again with their headers and no body) plus newly admitted ones (with their body), at
@@ -11,18 +12,22 @@ cancelled, and its slot free for the next request.
 
 Generation itself runs in the engine thread (``servekit.optimizations.llm.continuous.EngineThread``), so
 decode steps run back to back whatever the frontend's round trips cost; a handler call only takes
-new requests in, waits until some request has new tokens, and formats them. The OpenAI shapes,
-limits and per-request errors are the static path's (``Generation``, ``LlmService.parse``).
+new requests in (parsed by handlers/llm_openai.py), waits until some request has new tokens, and
+hands them to each request's ``Answer``.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from servekit.handlers.common import RequestError, fail_request, parse_each
-from servekit.optimizations.llm.continuous import FINISH_ERROR, ContinuousBatcher, EngineThread
+from servekit.handlers.common import RequestError, device_error, fail_request, parse_each
+from servekit.handlers.llm_openai import Answer, LlmRequest, OpenAIApi
+from servekit.handlers.metrics import HandlerMetrics
+from servekit.optimizations.llm.continuous import FINISH_ERROR, ContinuousBatcher, EngineThread, SeqUpdate
+from servekit.optimizations.llm.generate import LlamaRunner
+from servekit.optimizations.llm.plan import LlmPlan
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +44,17 @@ PACE_PER_REQUEST_S, MAX_PACE_S = 0.00025, 0.008
 GAUGE_INTERVAL_S = 1.0
 
 
+def generation_error(e: Exception) -> RequestError:
+    """A request's error for an exception its generation raised on the device (507 out of memory, else 500)."""
+    return device_error(e, "retry with a shorter prompt or fewer tokens", "generation")
+
+
 @dataclass
 class _Live:
     rid: str
-    req: Any  # llm_handler.LlmRequest
-    gen: Any  # llm_handler.Generation of this one request
+    req: LlmRequest
+    answer: Answer
+    t0: float  # when the handler took it in: TTFT and latency count from here
     error: RequestError | None = None
     answered: bool = False  # a chunk (the response head with it) went out already
     last: float = 0.0  # when the last tokens arrived
@@ -52,18 +63,15 @@ class _Live:
 class ContinuousFrontend:
     """One worker's continuous-batching state: its engine thread and the requests in flight."""
 
-    def __init__(self, service: Any, generation: Callable[..., Any], device_error: Callable[[Exception], RequestError]
-                 ) -> None:
-        """``service``: the ``LlmService``; ``generation(service, {0: request}, context, t0)``: its
-        ``Generation``; ``device_error``: how a failed generation is answered."""
-        self.s, self._generation, self._device_error = service, generation, device_error
-        plan = service.plan
-        batcher = ContinuousBatcher(service.runner, service.batch_size, plan.prefill_chunk, plan.max_num_batched_tokens)
+    def __init__(self, runner: LlamaRunner, plan: LlmPlan, max_num_seqs: int, api: OpenAIApi,
+                 metrics: HandlerMetrics) -> None:
+        self.api, self.metrics = api, metrics
+        batcher = ContinuousBatcher(runner, max_num_seqs, plan.prefill_chunk, plan.max_num_batched_tokens)
         built = batcher.warmup()
         log.info("continuous batching: packed prefill (%s attention, %s layers, %s) over token buckets %s built in "
                  "%.1f s", built["attention"], "compiled" if built["compiled"] else "eager",
                  "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"])
-        self.engine = EngineThread(batcher, service.runner.device)
+        self.engine = EngineThread(batcher, runner.device)
         stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
         self._spec_sent = ([0] * len(stats.proposed), [0] * len(stats.accepted)) if stats is not None else None
         self.live: dict[str, _Live] = {}
@@ -76,19 +84,16 @@ class ContinuousFrontend:
         for rid in [r for r in self.live if r not in present]:  # the frontend dropped it: client gone
             self._cancel(self.live.pop(rid))
         running = {i for i, rid in enumerate(ids) if rid in self.live}
-        requests, answers = parse_each(data, context, self.s.metrics, self.s.model_name, self.s.created,
-                                       self.s.parse, skip=running)
+        requests, answers = parse_each(data, context, self.metrics, self.api.model_name, self.api.created,
+                                       self.api.parse, skip=running)
         for i, req in requests.items():
-            gen = self._generation(self.s, {0: req}, context, t0)
-            for row in gen.rows:
-                row.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{ids[i]}"
-            self.live[ids[i]] = _Live(ids[i], req, gen)
-            self.s.metrics.emit("servekit_llm_prompt_tokens_total", "counter", req.prompt_tokens)
+            self.live[ids[i]] = _Live(ids[i], req, self.api.answer(req, ids[i]), t0)
+            self.metrics.emit("servekit_llm_prompt_tokens_total", "counter", req.prompt_tokens)
             for k, (prompt, params) in enumerate(req.choices):
                 self.engine.submit((ids[i], k), prompt, params, req.speculate)
         keys = [(rid, k) for rid in present if rid in self.live for k in range(len(self.live[rid].req.choices))]
         updates = self.engine.take(keys, 0 if answers or not keys else WAIT_S)
-        first_token = any(self.live[rid].gen.rows[k].tokens == 0 for rid, k in updates)
+        first_token = any(self.live[rid].answer.generated(k) == 0 for rid, k in updates)
         rest = self._last_return + min(MAX_PACE_S, PACE_PER_REQUEST_S * len(keys)) - time.perf_counter()
         if updates and not first_token and not answers and rest > 0:
             time.sleep(rest)
@@ -110,7 +115,7 @@ class ContinuousFrontend:
             else:
                 stop[i], live.answered = False, True
         context.stopping_criteria = [lambda _, s=s: s for s in stop]
-        m = self.s.metrics
+        m = self.metrics
         if time.perf_counter() - self._gauges_at >= GAUGE_INTERVAL_S or not self.live:
             # Calls come every few ms: gauges once a second (and when the last request ends) keep
             # the metric lines the frontend parses from growing with the call rate. The last
@@ -123,57 +128,50 @@ class ContinuousFrontend:
             m.emit("servekit_llm_kv_cache_usage", "gauge", round(self.engine.kv_usage, 4), "Percent")
             self._emit_spec_counts()
             self._gauges_at = time.perf_counter()
-        if requests:
+        if requests or answers:  # a call that took new requests in: one batch of TorchServe's
+            m.emit("servekit_batches_total", "counter", 1)
             m.emit("servekit_requests_total", "counter", len(requests) + len(answers))
         self._last_return = time.perf_counter()
         return out
 
-    def _answer(self, i: int, live: _Live, updates: dict, context: Any) -> tuple[str, bool]:
+    def _answer(self, i: int, live: _Live, updates: dict[tuple[str, int], SeqUpdate], context: Any
+                ) -> tuple[str, bool]:
         """Request i's text since the last call and whether it is finished."""
-        gen, chunk, rid = live.gen, "", live.rid
-        for k, row in enumerate(gen.rows):
-            u = updates.get((rid, k))
+        answer, chunk, m = live.answer, "", self.metrics
+        for k in range(len(live.req.choices)):
+            u = updates.get((live.rid, k))
             if u is None:
                 continue
             if u.finish_reason == FINISH_ERROR:
                 live.error = live.error or self._engine_error(u.error)
-                row.finish = FINISH_ERROR
+                answer.fail(k)
                 continue
             now = time.perf_counter()
-            if row.tokens and u.tokens:  # inter-token latency: this call's tokens share the time since the last
-                self.s.metrics.emit("servekit_llm_itl_seconds", "histogram", (now - live.last) / len(u.tokens),
-                                    "Seconds", times=len(u.tokens))
+            if answer.generated(k) and u.tokens:  # inter-token latency: this call's tokens share the time since the last
+                m.emit("servekit_llm_itl_seconds", "histogram", (now - live.last) / len(u.tokens), "Seconds",
+                       times=len(u.tokens))
+            elif u.tokens:
+                m.emit("servekit_llm_ttft_seconds", "histogram", now - live.t0, "Seconds")
             live.last = now
-            delta, reason = gen._push(row, u.tokens, u.finish_reason, u.logprobs or None)
-            if row.text.stopped and u.finish_reason is None:
-                self.engine.cancel((rid, k))  # a stop string matched: end the row here
-            if reason is not None:
-                row.finish = reason
-                self.s.metrics.emit("servekit_request_latency_seconds", "histogram",
-                                    time.perf_counter() - gen.t0, "Seconds")
-            if live.req.stream:
-                if delta or reason is not None:
-                    chunk += gen._sse(row, delta, reason)
-            else:
-                row.pieces.append(delta)
+            text, ended = answer.add(k, u.tokens, u.finish_reason, u.logprobs or None, getattr(u, "cached_tokens", 0))
+            chunk += text
+            if answer.stopped(k) and u.finish_reason is None:
+                self.engine.cancel((live.rid, k))  # a stop string matched: end the choice here
+            if ended:
+                m.emit("servekit_request_latency_seconds", "histogram", time.perf_counter() - live.t0, "Seconds")
         if live.error is not None:
             self._cancel(live)
-            if not any(r.started for r in gen.rows):  # nothing sent yet: a proper error answer
-                return fail_request(context, i, self.s.metrics, live.error), True
-            # A stream under way cannot change its status: the error goes in the stream, then it ends.
-            chunk += f"data: {live.error.body()}\n\n"
-            for row in gen.rows:
-                row.finish = row.finish or "error"
-        finished = all(r.finish is not None for r in gen.rows)
+            if not answer.started:  # nothing sent yet: a proper error answer
+                return fail_request(context, i, m, live.error), True
+            chunk += answer.error_event(live.error)
+        finished = answer.finished
         if finished:
-            self.s.metrics.emit("servekit_llm_completion_tokens_total", "counter", sum(r.tokens for r in gen.rows))
+            m.emit("servekit_llm_completion_tokens_total", "counter", answer.completion_tokens)
         if live.req.stream:
             context.set_response_content_type(i, "text/event-stream")
-            if finished:
-                chunk += gen._sse_end(0)
-            return chunk, finished
+            return (chunk + answer.end(), True) if finished else (chunk, False)
         context.set_response_content_type(i, "application/json")
-        return (gen._answer(0), True) if finished else ("", False)
+        return (answer.end(), True) if finished else ("", False)
 
     def _emit_spec_counts(self) -> None:
         """Draft positions proposed and accepted since the last call, per draft position."""
@@ -184,19 +182,18 @@ class ContinuousFrontend:
         proposed, accepted = list(stats.proposed), list(stats.accepted)  # a snapshot: the engine counts on
         if proposed[0] == sent_p[0]:
             return
-        m = self.s.metrics
         for pos in range(len(proposed)):
-            m.emit("servekit_spec_proposed_total", "counter", proposed[pos] - sent_p[pos], Position=str(pos))
-            m.emit("servekit_spec_accepted_total", "counter", accepted[pos] - sent_a[pos], Position=str(pos))
+            self.metrics.emit("servekit_spec_proposed_total", "counter", proposed[pos] - sent_p[pos], Position=str(pos))
+            self.metrics.emit("servekit_spec_accepted_total", "counter", accepted[pos] - sent_a[pos], Position=str(pos))
         self._spec_sent = (proposed, accepted)
 
     def _cancel(self, live: _Live) -> None:
-        for k, row in enumerate(live.gen.rows):
-            if row.finish is None:
+        for k in range(len(live.req.choices)):
+            if not live.answer.ended(k):
                 self.engine.cancel((live.rid, k))
 
-
-    def _engine_error(self, e: Exception | None) -> RequestError:
+    @staticmethod
+    def _engine_error(e: Exception | None) -> RequestError:
         if isinstance(e, ValueError):
             return RequestError(400, "invalid_request_error", str(e), "invalid_request")
-        return self._device_error(e if e is not None else RuntimeError("generation failed"))
+        return generation_error(e if e is not None else RuntimeError("generation failed"))

@@ -242,7 +242,7 @@ def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, A
 
 
 def parse_extras(body: dict[str, Any], chat: bool, compiler: GrammarCompiler, vocab_size: int,
-                 template_source: str, continuous: bool) -> Extras:
+                 template_source: str) -> Extras:
     """The constraint and tool plan of a request (``body`` without nulls). Raises a 400
     ``RequestError`` naming the bad field."""
     spec = None
@@ -284,9 +284,6 @@ def parse_extras(body: dict[str, Any], chat: bool, compiler: GrammarCompiler, vo
     min_tokens = body.get("min_tokens", 0)
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
         raise _bad("'min_tokens' must be a non-negative integer", "invalid_value")
-    if (spec is not None or bias or min_tokens) and not continuous:
-        raise _bad("structured outputs, tool_choice required/named, logit_bias and min_tokens need continuous "
-                   "batching (continuousBatching: true in the model-config)", "unsupported_value")
     try:
         extras.constraint = compiler.constraint(spec, bias, min_tokens)
     except GrammarError as e:

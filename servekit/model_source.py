@@ -190,9 +190,8 @@ def generated_config(source: ModelSource, device: str, origin: str, speculation:
         for key in ("prompt_lens", "kv_lens"):
             if key in buckets:
                 buckets[key] = [v for v in buckets[key] if v < n] + [n]
-        for key in ("prefill_graphs", "prefill_chunk"):
-            if isinstance(plan.get(key), int) and plan[key] > n:
-                plan[key] = n
+        if isinstance(plan.get("prefill_chunk"), int) and plan["prefill_chunk"] > n:
+            plan["prefill_chunk"] = n
         limits = plan.setdefault("limits", {})
         for key in ("max_tokens", "default_max_tokens"):
             if isinstance(limits.get(key), int):

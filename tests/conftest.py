@@ -100,7 +100,6 @@ def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFac
     def build(tmp: Path) -> None:
         config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())
         config["servekit"]["speculation"] = {"heads": "speculator", "n_heads": 3, "max_batch": 4}
-        config["continuousBatching"] = False  # speculation serves static batching
         (tmp / "smollm2-cpu-spec.yaml").write_text(yaml.safe_dump(config))
         build_archive("smollm2", tmp / "store", config=tmp / "smollm2-cpu-spec.yaml",
                       weights=smollm2_archive_files(torch.bfloat16), speculator=smollm2_heads,

@@ -33,3 +33,31 @@ def batch(context: Context, requests: list[tuple[str, Any]]) -> list[dict[str, A
 
 def status(context: Context, idx: int) -> int:
     return context.get_response_status(idx)[0]
+
+
+def serve(handle: Any, context: Context, requests: list[tuple[str, Any]], max_calls: int = 100_000
+          ) -> list[tuple[int, str, str | None]]:
+    """TorchServe 0.12's continuous batching, as its frontend drives a handler: the requests are
+    admitted in one call (with their bodies), then sent again without a body while the handler's
+    `context.stopping_criteria` says they are unfinished. Returns each request's (status, whole
+    answer: every part concatenated, content type)."""
+    pending, parts, out = list(range(len(requests))), {i: [] for i in range(len(requests))}, {}
+    data = batch(context, requests)
+    for _ in range(max_calls):
+        if not pending:
+            return [out[i] for i in range(len(requests))]
+        context.request_ids = {j: f"req-{i}" for j, i in enumerate(pending)}
+        context.request_processor = [RequestProcessor({"url_path": requests[i][0]} if requests[i][0] else {})
+                                     for i in pending]
+        answers = handle([data[i] for i in pending], context)
+        for i in pending:
+            data[i] = {}  # seen: later calls carry its headers only
+        left = []
+        for j, i in enumerate(pending):
+            parts[i].append(answers[j])
+            if context.stopping_criteria[j](None) is False:
+                left.append(i)
+            else:
+                out[i] = (status(context, j), "".join(parts[i]), context.get_response_content_type(j))
+        pending = left
+    raise AssertionError(f"requests {pending} unfinished after {max_calls} calls")

@@ -31,7 +31,6 @@ def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, smollm
         "name": "llm-e2e",
         "target": remote_target(ts, model_store),
         "variants": [{"name": "e2e-smollm2-spec", "model": "smollm2", "config": "config/models/smollm2-cpu.yaml",
-                      "overrides": {"continuousBatching": False},  # speculation serves static batching
                       "plan": {"buckets": {"batch_sizes": [1, 2]}, "speculation": {"n_heads": 2, "max_batch": 2}},
                       "speculator": str(heads), "baseline": True}],
         "sweep": {"workers": [1], "batch_size": [2], "max_batch_delay_ms": [20]},

@@ -1,12 +1,14 @@
 """Continuous batching (servekit.optimizations.llm.continuous) on a tiny random Llama, CPU: requests
-join and leave a running batch, and every request still gets exactly its solo output."""
+join and leave a running batch, and every request still gets exactly its solo output (the request
+run alone with plain decode steps)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from servekit.optimizations.llm.continuous import ContinuousBatcher, SeqUpdate
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import Completion, generate
 from servekit.optimizations.models.llama import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -21,8 +23,13 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _solo(runner: LlamaRunner, prompt: list[int], params: SamplingParams):
-    return generate(runner, [prompt], [params])[0]
+def _solo(runner: LlamaRunner, prompt: list[int], params: SamplingParams) -> Completion:
+    """The request alone, with plain decode steps (the runner's speculation set aside)."""
+    spec, runner.speculation = runner.speculation, None
+    try:
+        return generate(runner, [prompt], [params])[0]
+    finally:
+        runner.speculation = spec
 
 
 class Recorder:
@@ -234,8 +241,7 @@ def spec_runner(runner: LlamaRunner, tiny_trained_heads) -> LlamaRunner:
     three or four busy slots decode with plain steps, so the batch moves between the two."""
     from servekit.optimizations.llm.speculative import SpeculativeDecoding, load_speculator
 
-    runner.speculation = SpeculativeDecoding(runner, load_speculator(tiny_trained_heads), max_spec_batch=2,
-                                             in_slots=True)
+    runner.speculation = SpeculativeDecoding(runner, load_speculator(tiny_trained_heads), max_spec_batch=2)
     runner.speculation.warmup()
     yield runner
     runner.speculation = None
@@ -303,17 +309,6 @@ def test_speculate_false_and_sampled_requests_accept_no_drafts(spec_runner: Llam
                                           SamplingParams(max_tokens=30, temperature=0.8, seed=3)).tokens
 
 
-def test_a_static_speculation_is_refused(runner: LlamaRunner, tiny_trained_heads) -> None:
-    from servekit.optimizations.llm.speculative import SpeculativeDecoding, load_speculator
-
-    runner.speculation = SpeculativeDecoding(runner, load_speculator(tiny_trained_heads), max_spec_batch=2)
-    try:
-        with pytest.raises(ValueError, match="in_slots"):
-            ContinuousBatcher(runner)
-    finally:
-        runner.speculation = None
-
-
 def test_kv_usage_counts_the_running_requests_positions(runner: LlamaRunner) -> None:
     batcher = ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=16)
     assert batcher.kv_usage == 0.0
@@ -330,28 +325,6 @@ def test_kv_usage_counts_the_running_requests_positions(runner: LlamaRunner) -> 
     while batcher.has_work:
         batcher.step()
     assert batcher.kv_usage == 0.0
-
-
-def test_a_runner_without_static_prefill_builds_none_and_serves_the_engine_alike(
-        runner: LlamaRunner, tiny_llama: Transformer) -> None:
-    """The continuous engine prefills through its packed forward only: a runner built for it
-    (static_prefill=False) makes no prefill steps, warms none up, refuses the static path, and
-    the engine's output is the static runner's solo output."""
-    engine_runner = LlamaRunner(tiny_llama, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
-                                prefill_graphs=32, static_prefill=False)
-    assert engine_runner.prefill_steps == {} and engine_runner.plan["static_prefill"] is False
-    assert engine_runner.plan["prefill_graphs"] == 0
-    engine_runner.warmup()
-    with pytest.raises(RuntimeError, match="static_prefill"):
-        generate(engine_runner, [_prompt(5, 1)], [SamplingParams(max_tokens=3)])
-    cases = {"a": (_prompt(20, 11), SamplingParams(max_tokens=15)),
-             "b": (_prompt(40, 12), SamplingParams(max_tokens=10, temperature=0.9, top_k=30, seed=3))}
-    rec = Recorder(ContinuousBatcher(engine_runner))
-    for key, (prompt, params) in cases.items():
-        rec.add(key, prompt, params)
-    rec.run()
-    for key, (prompt, params) in cases.items():
-        assert rec.tokens[key] == _solo(runner, prompt, params).tokens, key
 
 
 def test_engine_counters_drop_to_zero_once_settled_after_a_cancel(runner: LlamaRunner) -> None:

@@ -13,7 +13,9 @@ import torch
 
 from decoder_checkpoints import CHAT_TEMPLATE, EOS, EOT, FAMILIES, write_checkpoint
 from servekit.optimizations.llm.chat_template import ChatTokenizer
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, collect, generate
+from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import generate
 from servekit.optimizations.models.llama import LlamaConfig, generation_stop_ids, load_config, load_llama
 from servekit.optimizations.llm.plan import LlmPlan, SpecPlan, load_llm_runner, stop_token_ids
 from servekit.optimizations.plan import PlanError
@@ -162,7 +164,7 @@ def test_continuous_engine_output_equals_solo_output(family: str, checkpoints) -
     from servekit.optimizations.llm.continuous import ContinuousBatcher
 
     runner = LlamaRunner(load_llama(checkpoints[family]), max_seq_len=96, batch_buckets=(1, 2, 4),
-                         prefill_buckets=(8, 16, 32, 64), slot_prefill=True)
+                         prefill_buckets=(8, 16, 32, 64))
     gen = torch.Generator().manual_seed(1)
     cases = {"a": (20, SamplingParams(max_tokens=20)),
              "b": (37, SamplingParams(max_tokens=12, temperature=0.9, top_k=30, seed=7)),
@@ -340,16 +342,17 @@ def test_speculator_trained_on_a_model_dir_serves_plain_greedy_output(family: st
     stops = stop_token_ids(folder, tok)
     batch = [tok.encode_chat([{"role": "user", "content": "Say hi."}]), tok.encode_prompt("Hello")]
     params = [SamplingParams(max_tokens=10, stop_token_ids=stops)] * 2
-    spec_steps = list(runner.stream(batch, params))
-    assert sum(sum(step.proposed) for step in spec_steps) > 0  # the heads did draft
-    plain = collect(runner.stream_plain(batch, params), 2)
-    assert [c.tokens for c in collect(spec_steps, 2)] == [c.tokens for c in plain]
+    batcher = ContinuousBatcher(runner)
+    speculated = generate(runner, batch, params, batcher=batcher)
+    assert batcher.spec_stats.proposed[0] > 0  # the heads did draft
+    plain = generate(runner, batch, params, speculate=[False, False])
+    assert [c.tokens for c in speculated] == [c.tokens for c in plain]
 
 
 def test_llm_handler_serves_a_model_folder_as_an_archive_ships_it(checkpoints, references, tmp_path: Path) -> None:
     """The handler loads exactly the files an archive of a model folder holds (Qwen2, sharded) and
     answers chat and text completions with transformers' greedy tokens, stopping on the model's ids."""
-    from mock_context import batch, mock_context, status
+    from mock_context import mock_context, serve
 
     from servekit.handlers.llm_handler import LlmService
 
@@ -361,27 +364,28 @@ def test_llm_handler_serves_a_model_folder_as_an_archive_ships_it(checkpoints, r
                *json.loads((src / "model.safetensors.index.json").read_text())["weight_map"].values()]
     for name in set(shipped):
         shutil.copy(src / name, folder / name)
-    config = {"servekit": {"device": "cpu", "precision": "fp32", "max_seq_len": 96, "limits": {"max_tokens": 16},
+    config = {"continuousBatching": True,
+              "servekit": {"device": "cpu", "precision": "fp32", "max_seq_len": 96, "limits": {"max_tokens": 16},
                            "buckets": {"batch_sizes": [1, 2], "prompt_lens": [64], "kv_lens": [96]}}}
     ctx = mock_context(folder, config, batch_size=2, model_name="byo")
     service = LlmService()
     service.initialize(ctx)
     tok = ChatTokenizer(folder)
-    assert set(service.stop_ids) == {tok.token_id(EOS), tok.token_id(EOT)}
+    assert set(service.api.stop_ids) == {tok.token_id(EOS), tok.token_id(EOT)}
     # Logprobs name each generated token (its bytes; random weights emit bytes that are no text).
-    data = batch(ctx, [("v1/chat/completions", {"messages": MESSAGES, "max_tokens": 16, "temperature": 0,
-                                                "logprobs": True}),
-                       ("v1/completions", {"prompt": "The sea is", "max_tokens": 16, "temperature": 0,
-                                           "logprobs": 0})])
-    out = [json.loads(o) for o in service.handle(data, ctx)]
-    assert [status(ctx, i) for i in range(2)] == [200, 200]
+    answers = serve(service.handle, ctx, [("v1/chat/completions", {"messages": MESSAGES, "max_tokens": 16,
+                                                                   "temperature": 0, "logprobs": True}),
+                                          ("v1/completions", {"prompt": "The sea is", "max_tokens": 16,
+                                                              "temperature": 0, "logprobs": 0})])
+    assert [a[0] for a in answers] == [200, 200]
+    out = [json.loads(a[1]) for a in answers]
     chat, text = out[0]["choices"][0], out[1]["choices"][0]
     got = [[bytes(e["bytes"]) for e in chat["logprobs"]["content"]], text["logprobs"]["tokens"]]
     for answer, choice, tokens, prompt in zip(out, (chat, text), got,
                                               [tok.encode_chat(MESSAGES), tok.encode_prompt("The sea is")]):
         ref_tokens, _ = _hf_greedy(references["qwen2"], prompt, 16)
         n = answer["usage"]["completion_tokens"]
-        stopped = ref_tokens[n - 1] in service.stop_ids
+        stopped = ref_tokens[n - 1] in service.api.stop_ids
         assert choice["finish_reason"] == ("stop" if stopped else "length")
         shown = ref_tokens[:n - 1] if stopped else ref_tokens[:n]  # a stop token is not part of the answer
         name = tok.token_bytes if choice is chat else tok.token_text

@@ -13,7 +13,8 @@ import torch
 from decoder_checkpoints import FAMILIES, write_checkpoint
 from greedy_parity import check_same_or_tie
 from servekit.optimizations.llm.chat_template import ChatTokenizer
-from servekit.optimizations.llm.generate import SamplingParams, generate
+from servekit.optimizations.llm.generate import SamplingParams
+from servekit.optimizations.llm.offline import generate
 from servekit.optimizations.llm.plan import LlmPlan, load_llm_runner, stop_token_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

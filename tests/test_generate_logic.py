@@ -1,5 +1,5 @@
-"""servekit.optimizations.llm.generate on a tiny random-init Llama (CPU, eager: the same static-buffer decode
-path that CUDA graphs replay on GPU)."""
+"""servekit.optimizations.llm.generate's runner, driven by the continuous engine (offline.generate), on a
+tiny random-init Llama (CPU, eager: the same static-buffer decode path that CUDA graphs replay on GPU)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servekit.optimizations.llm.generate import (LlamaRunner, SamplingParams, default_kv_buckets, default_prefill_buckets,
-                                    generate, pad_prompts, pick_bucket)
+from servekit.optimizations.buckets import pick_bucket
+from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, default_kv_buckets, default_prefill_buckets
+from servekit.optimizations.llm.offline import generate
 from servekit.optimizations.models.llama import LlamaConfig, Transformer, init_random
 
 
@@ -48,14 +50,10 @@ def test_buckets_and_padding() -> None:
         pick_bucket(5, (1, 2, 4))
     assert default_prefill_buckets(100) == (16, 32, 64, 100)
     assert default_prefill_buckets(64) == (16, 32, 64)
-    tokens, pos, last = pad_prompts([[5, 6, 7], [8]], batch=4, length=8, pad_id=0)
-    assert tokens.shape == pos.shape == (4, 8)
-    assert tokens[0].tolist() == [5, 6, 7, 0, 0, 0, 0, 0] and tokens[1].tolist() == [8] + [0] * 7
-    assert pos[3].tolist() == list(range(8)) and last.tolist() == [2, 0, 0, 0]
 
 
 def test_batched_greedy_equals_recomputed_greedy_per_prompt(runner: LlamaRunner, model: Transformer) -> None:
-    prompts = _prompts([5, 20, 11])  # 3 prompts -> batch bucket 4 with a dummy row, length bucket 32
+    prompts = _prompts([5, 20, 11])  # 3 rows -> batch bucket 4 with a row nobody reads
     out = generate(runner, prompts, [SamplingParams(max_tokens=12)] * 3)
     for p, c in zip(prompts, out):
         assert c.tokens == _greedy_reference(model, p, 12)
@@ -93,14 +91,20 @@ def test_stop_tokens_and_max_tokens_per_row(runner: LlamaRunner) -> None:
     assert out[1].tokens == free[1].tokens[:3] and out[1].finish_reason == "length"
 
 
-def test_stream_reports_each_row_until_it_finishes(runner: LlamaRunner) -> None:
+def test_each_row_is_reported_until_it_finishes(runner: LlamaRunner) -> None:
+    """Engine steps report every running row's new token; a row stops being reported once it ends."""
+    batcher = ContinuousBatcher(runner)
     prompts = _prompts([4, 4], seed=4)
-    steps = list(runner.stream(prompts, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=5)]))
-    assert len(steps) == 5
-    assert [s.tokens[0] is not None for s in steps] == [True, True, False, False, False]
-    assert [s.finish_reasons[0] for s in steps] == [None, "length", None, None, None]
-    assert [s.finish_reasons[1] for s in steps] == [None, None, None, None, "length"]
-    assert all(s.tokens[1] is not None for s in steps)
+    batcher.add("short", prompts[0], SamplingParams(max_tokens=2))
+    batcher.add("long", prompts[1], SamplingParams(max_tokens=5))
+    got: dict[str, list[int]] = {"short": [], "long": []}
+    finish: dict[str, list] = {"short": [], "long": []}
+    while batcher.has_work:
+        for key, u in batcher.step().items():
+            got[key] += u.tokens
+            finish[key].append(u.finish_reason)
+    assert [len(got["short"]), len(got["long"])] == [2, 5]
+    assert finish["short"] == [None, "length"] and finish["long"] == [None] * 4 + ["length"]
 
 
 def test_generation_up_to_the_end_of_the_cache(runner: LlamaRunner, model: Transformer) -> None:
@@ -118,16 +122,18 @@ def test_bad_requests_are_rejected_before_any_work(runner: LlamaRunner) -> None:
     assert "top_p" in runner.check([1], SamplingParams(top_p=0.0))
     assert "temperature" in runner.check([1], SamplingParams(temperature=-1.0))
     with pytest.raises(ValueError, match="request 1: the prompt is empty"):
-        runner.stream([[1], []], [SamplingParams(max_tokens=4)] * 2)  # raises at the call, not at next()
-    with pytest.raises(ValueError, match="largest bucket"):
-        runner.stream([[1]] * 5, [SamplingParams(max_tokens=4)] * 5)
+        generate(runner, [[1], []], [SamplingParams(max_tokens=4)] * 2)
+    # More prompts than the largest batch bucket: the engine runs them as rows free up.
+    prompts = _prompts([3, 5, 4, 6, 2], seed=12)
+    out = generate(runner, prompts, [SamplingParams(max_tokens=3)] * 5)
+    assert [c.tokens for c in out] == [_greedy_reference(runner.model, p, 3) for p in prompts]
 
 
 def test_warmup_runs_every_bucket_on_cpu() -> None:
     model = init_random(LlamaConfig.tiny(), seed=0)
     r = LlamaRunner(model, max_seq_len=32, batch_buckets=(1, 2), prefill_buckets=(8, 32))
     timings = r.warmup()
-    assert set(timings) == {"prefill_s", "prefill_graphs_s", "decode_s"}
+    assert set(timings) == {"decode_s"}
     prompts = _prompts([3, 8], seed=6)
     out = generate(r, prompts, [SamplingParams(max_tokens=4)] * 2)
     assert [c.tokens for c in out] == [_greedy_reference(model, p, 4) for p in prompts]
@@ -143,7 +149,7 @@ def test_a_second_runner_on_the_same_model_is_detected() -> None:
     first = LlamaRunner(model, max_seq_len=32, batch_buckets=(1,), prefill_buckets=(32,))
     LlamaRunner(model, max_seq_len=64, batch_buckets=(1,), prefill_buckets=(64,))
     with pytest.raises(RuntimeError, match="one runner per model"):
-        first.stream([[1, 2]], [SamplingParams(max_tokens=2)])
+        generate(first, [[1, 2]], [SamplingParams(max_tokens=2)])
 
 
 def test_decode_crossing_kv_buckets_matches_reference() -> None:
@@ -159,21 +165,27 @@ def test_decode_crossing_kv_buckets_matches_reference() -> None:
     assert default_kv_buckets(2048) == (256, 512, 1024, 2048) and default_kv_buckets(100) == (100,)
 
 
-def test_cancelled_rows_stop_reporting_and_stop_the_loop(runner: LlamaRunner) -> None:
+def test_cancelled_rows_stop_reporting_and_free_their_slot(runner: LlamaRunner) -> None:
     prompts = _prompts([6, 9], seed=8)
     free = generate(runner, prompts, [SamplingParams(max_tokens=10)] * 2)
-    gen = runner.stream(prompts, [SamplingParams(max_tokens=10)] * 2)
-    steps = [next(gen), next(gen)]
-    gen.cancel(1)
-    steps += list(gen)
-    assert [s.tokens[0] for s in steps] == [[t] for t in free[0].tokens]  # a plain step emits one token per row
-    assert [s.tokens[1] for s in steps[:2]] == [[t] for t in free[1].tokens[:2]]
-    assert all(s.tokens[1] is None and s.finish_reasons[1] is None for s in steps[2:])
-    gen = runner.stream(prompts, [SamplingParams(max_tokens=10)] * 2)
-    next(gen)
-    gen.cancel(0)
-    gen.cancel(1)
-    assert list(gen) == []  # the step already in flight is dropped too
+    batcher = ContinuousBatcher(runner)
+    got: dict[int, list[int]] = {0: [], 1: []}
+    for i, p in enumerate(prompts):
+        batcher.add(i, p, SamplingParams(max_tokens=10))
+    while len(got[1]) < 2:
+        for key, u in batcher.step().items():
+            got[key] += u.tokens
+    batcher.cancel(1)
+    assert batcher.running == 1
+    while batcher.has_work:
+        for key, u in batcher.step().items():
+            got[key] += u.tokens
+    assert got[0] == free[0].tokens
+    assert got[1] == free[1].tokens[:len(got[1])] and len(got[1]) < 10  # nothing after the cancel
+    batcher.add(2, prompts[0], SamplingParams(max_tokens=10))
+    batcher.step()
+    batcher.cancel(2)
+    assert batcher.running == 0 and not batcher.step()  # the step in flight is dropped too
 
 
 def _tiny_checkpoint(tmp_path) -> str:
@@ -220,8 +232,7 @@ def test_llm_plan_errors_name_the_key() -> None:
 def test_plan_with_speculation_gives_the_runner_the_archived_heads_as_its_strategy(tmp_path) -> None:
     from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan
     from servekit.optimizations.plan import PlanError
-    from servekit.optimizations.llm.speculative import (SpecStats, Speculator, SpeculatorConfig, SpeculativeDecoding,
-                                           generate_speculative, save_speculator)
+    from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, save_speculator
 
     ckpt = _tiny_checkpoint(tmp_path)
     raw = {"device": "cpu", "max_seq_len": 64, "limits": {"max_tokens": 32},
@@ -238,23 +249,21 @@ def test_plan_with_speculation_gives_the_runner_the_archived_heads_as_its_strate
     assert spec.base is runner and runner.plan["speculative"]["n_heads"] == 2
     assert plan.label() == "fp32+spec2"
     prompts = _prompts([5])
-    out, stats = generate_speculative(spec, prompts, [SamplingParams(max_tokens=6)])
-    assert isinstance(stats, SpecStats) and stats.proposed[0] > 0
+    # The engine takes verify steps for a greedy row alone, plain steps for two rows (max_batch 1).
+    batcher = ContinuousBatcher(runner)
+    out = generate(runner, prompts, [SamplingParams(max_tokens=6)], batcher=batcher)
+    assert batcher.spec_stats.proposed[0] > 0
     assert out[0].tokens == _greedy_reference(runner.model, prompts[0], 6)
-    # The runner's own stream takes the speculative step for a greedy batch of one, plain steps otherwise.
-    steps = list(runner.stream(prompts, [SamplingParams(max_tokens=6)]))
-    assert [t for s in steps for t in s.tokens[0]] == out[0].tokens and sum(s.proposed[0] for s in steps) > 0
-    two = list(runner.stream(_prompts([5, 6]), [SamplingParams(max_tokens=4)] * 2))
-    assert all(s.proposed == [] and len(s.tokens[0] or [0]) == 1 for s in two)
-    off = list(runner.stream(prompts, [SamplingParams(max_tokens=4)], speculate=[False]))
-    assert all(s.proposed == [] for s in off)
+    batcher = ContinuousBatcher(runner)
+    two = generate(runner, _prompts([5, 6]), [SamplingParams(max_tokens=4)] * 2, batcher=batcher)
+    assert batcher.spec_stats.proposed[0] == 0 and all(len(c.tokens) == 4 for c in two)
+    batcher = ContinuousBatcher(runner)
+    generate(runner, prompts, [SamplingParams(max_tokens=4)], speculate=[False], batcher=batcher)
+    assert batcher.spec_stats.proposed[0] == 0
     with pytest.raises(PlanError, match="servekit.speculation: can use 1..3 heads, asked for 5"):
         load_llm_runner(ckpt, parse_llm_plan({**raw, "speculation": {"heads": "heads", "n_heads": 5}}))
-    # Continuous batching: the engine prefills through its packed forward, so the runner has no static prefill.
-    engine_runner, _, _ = load_llm_runner(ckpt, parse_llm_plan({**raw, "prefill_graphs": 16}), continuous=True)
-    assert engine_runner.prefill_steps == {} and engine_runner.plan["static_prefill"] is False
-    assert engine_runner.speculation.in_slots and engine_runner.speculation.prefill_steps == {}
-    assert runner.plan["static_prefill"] is True
+    with pytest.raises(PlanError, match="servekit.prefill_graphs: unknown key"):  # static prefill is gone
+        parse_llm_plan({**raw, "prefill_graphs": 16})
 
 
 def test_load_llm_runner_fails_loudly_or_falls_back_as_the_plan_says(tmp_path) -> None:
@@ -279,28 +288,9 @@ def test_load_llm_runner_fails_loudly_or_falls_back_as_the_plan_says(tmp_path) -
     assert out[0].tokens == _greedy_reference(runner.model, _prompts([5])[0], 4)
 
 
-def test_prefill_from_static_inputs_matches_plain_prefill(model: Transformer, runner: LlamaRunner) -> None:
-    """The prefill steps CUDA graphs capture (static input buffers per batch x prompt bucket x mode),
-    run eagerly here: same tokens as the plain prefill call, for greedy and seeded sampled rows, and
-    prompts longer than `prefill_graphs` still take the plain call."""
-    graphed = LlamaRunner(model, max_seq_len=MAX_SEQ, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
-                          prefill_graphs=16)
-    assert sorted({(b, t) for b, t, _ in graphed.prefill_steps}) == [(b, t) for b in (1, 2, 4) for t in (8, 16)]
-    assert graphed.warmup()["prefill_graphs_s"] >= 0
-    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=3),
-              SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=4)]
-    for lengths in ([5], [12, 3, 7], [40, 2]):  # buckets 8 and 16 graphed; 64 is not
-        prompts = _prompts(lengths, seed=len(lengths))
-        ps = params[:len(prompts)]
-        assert [c.tokens for c in generate(graphed, prompts, ps)] == [c.tokens for c in generate(runner, prompts, ps)]
-    # The same static buffers serve the next request: nothing of the previous one leaks through.
-    prompts = _prompts([3], seed=9)
-    assert generate(graphed, prompts, params[:1])[0].tokens == _greedy_reference(model, prompts[0], 6)
-
-
 def test_compiled_blocks_match_eager_with_four_graphs(model: Transformer, runner: LlamaRunner) -> None:
     """Regional compilation: the transformer block is compiled once (dynamic shapes) and reused by
-    every layer, prefill and decode, every bucket: at most 4 graphs (prefill/decode x batch 1/>1)."""
+    every layer and every bucket: at most 4 graphs (decode and the packed prefill x batch 1/>1)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

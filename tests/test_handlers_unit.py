@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mock_context import batch, mock_context, status
+from mock_context import batch, mock_context, serve, status
 from servekit.resources import model_config
 
 
@@ -66,7 +66,7 @@ def llm(one_thread):
                                                            "kv_lens": [256]}})
     cfg["servekit"]["limits"] = {"max_tokens": 64}
     cfg["batchSize"] = 1  # what the auto-benchmark strips: the handler must not read it
-    cfg["continuousBatching"] = False  # a static batch per call (continuous: tests/test_llm_continuous_server.py)
+    assert cfg["continuousBatching"] is True  # TorchServe's protocol, driven here by mock_context.serve
     ctx = mock_context(smollm2_archive_files(torch.bfloat16)[0].parent, cfg, batch_size=4, model_name="smollm2")
     service = LlmService()
     service.initialize(ctx)
@@ -75,25 +75,57 @@ def llm(one_thread):
 
 def test_llm_handler_answers_a_mixed_batch_and_reads_the_registered_batch_size(llm, capsys) -> None:
     service, ctx = llm
-    assert service.batch_size == 4  # the registered one: the batch-fill metric and max_batch guard use it
+    assert service.batch_size == 4  # the registered one: the engine runs as many requests at once
+    assert service.frontend.engine.batcher.max_num_seqs == 4
     chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5, "temperature": 0}
-    data = batch(ctx, [("v1/chat/completions", chat),
-                       ("v1/chat/completions", {**chat, "temperature": 2.5}),
-                       ("v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
-                       ("v1/chat/completions", {**chat, "max_tokens": 1000})])
-    out = service.handle(data, ctx)
-    assert [status(ctx, i) for i in range(4)] == [200, 400, 200, 400]
-    answer = json.loads(out[0])
+    out = serve(service.handle, ctx, [("v1/chat/completions", chat),
+                                      ("v1/chat/completions", {**chat, "temperature": 2.5}),
+                                      ("v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
+                                                          "temperature": 0}),
+                                      ("v1/chat/completions", {**chat, "max_tokens": 1000})])
+    assert [o[0] for o in out] == [200, 400, 200, 400]
+    assert all(o[2] == "application/json" for o in out)
+    answer = json.loads(out[0][1])
     assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] <= 5
     assert answer["choices"][0]["message"]["content"]
-    assert json.loads(out[2])["choices"][0]["text"]
-    assert "'temperature' must be in [0.0, 2.0]" in json.loads(out[1])["error"]["message"]
-    assert "'max_tokens' must be between 1 and 64" in json.loads(out[3])["error"]["message"]
+    assert json.loads(out[2][1])["choices"][0]["text"]
+    assert "'temperature' must be in [0.0, 2.0]" in json.loads(out[1][1])["error"]["message"]
+    assert "'max_tokens' must be between 1 and 64" in json.loads(out[3][1])["error"]["message"]
     lines = capsys.readouterr().out
-    assert "[METRICS]servekit_batch_fill_ratio.Ratio:1.0|" in lines  # 4 requests of a registered 4
-    assert "ErrorType:invalid_value" in lines
-    service.handle(batch(ctx, [("v1/completions", {"prompt": "Hi", "max_tokens": 2})] * 2), ctx)
-    assert "[METRICS]servekit_batch_fill_ratio.Ratio:0.5|" in capsys.readouterr().out  # 2 of 4
+    assert "[METRICS]servekit_batches_total.Count:1|" in lines  # the four were taken in by one call
+    assert "[METRICS]servekit_requests_total.Count:4|" in lines and "ErrorType:invalid_value" in lines
+    assert "[METRICS]servekit_llm_running_seqs.Count:0|" in lines  # the gauges once the last request ended
+
+
+def test_llm_handler_refuses_a_model_config_without_continuous_batching(tmp_path) -> None:
+    from servekit.handlers.llm_handler import LlmService
+    from servekit.optimizations.plan import PlanError
+
+    cfg = yaml.safe_load(model_config("smollm2-cpu").read_text())
+    for value in (False, None):
+        cfg["continuousBatching"] = value
+        with pytest.raises(PlanError, match="set `continuousBatching: true`"):  # before any weight is read
+            LlmService().initialize(mock_context(tmp_path, cfg, batch_size=1))
+
+
+def test_llm_usage_reports_cached_prompt_tokens_once_per_prompt(llm) -> None:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field) from the engine's counts: each
+    prompt once, whatever n (the least any of its choices found cached)."""
+    service, _ = llm
+    req = service.api.parse({"body": {"prompt": ["The sea is", "The sky is"], "n": 2, "max_tokens": 2}},
+                            "v1/completions")
+    answer = service.api.answer(req, "r1")
+    for k, cached in enumerate((3, 2, 0, 1)):  # prompt 0: choices 0-1, prompt 1: choices 2-3
+        answer.add(k, [11, 12], "length", None, cached_tokens=cached)
+    usage = json.loads(answer.end())["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 2 + 0}
+    assert usage["completion_tokens"] == 8 and usage["total_tokens"] == usage["prompt_tokens"] + 8
+    stream = service.api.parse({"body": {"prompt": "The sea is", "max_tokens": 2, "stream": True,
+                                         "stream_options": {"include_usage": True}}}, "v1/completions")
+    answer = service.api.answer(stream, "r2")
+    answer.add(0, [11, 12], "length", None, cached_tokens=4)
+    last = json.loads(answer.end().split("data: ")[-2])
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
 # -- property tests of the LLM request parser: every field of both routes, any JSON value -----------
@@ -110,7 +142,7 @@ _deep = st.integers(min_value=1, max_value=900).map(lambda n: json.loads("[" * n
 
 
 def _llm_field_bodies():
-    from servekit.handlers.llm_handler import CHAT_KEYS, COMPLETION_KEYS
+    from servekit.handlers.llm_openai import CHAT_KEYS, COMPLETION_KEYS
 
     chat = st.tuples(st.just("v1/chat/completions"), st.sampled_from(sorted(CHAT_KEYS)), _values | _deep)
     text = st.tuples(st.just("v1/completions"), st.sampled_from(sorted(COMPLETION_KEYS)), _values | _deep)
@@ -133,7 +165,7 @@ def test_llm_parser_takes_any_value_in_any_field(llm, case) -> None:
     service, _ = llm
     route, key, value = case
     try:
-        req = service.parse({"body": {**VALID[route], key: value}}, route)
+        req = service.api.parse({"body": {**VALID[route], key: value}}, route)
     except RequestError as e:
         assert 400 <= e.status < 500 and json.loads(e.body())["error"]["message"]
         return
@@ -148,10 +180,10 @@ def test_llm_batch_mates_keep_their_answers_whatever_one_request_holds(llm, case
     service, ctx = llm
     route, key, value = case
     mate = ("v1/completions", VALID["v1/completions"])
-    solo = json.loads(service.handle(batch(ctx, [mate]), ctx)[0])["choices"][0]["text"]
-    out = service.handle(batch(ctx, [mate, (route, {**VALID[route], key: value}), mate]), ctx)
-    assert status(ctx, 0) == status(ctx, 2) == 200 and status(ctx, 1) < 500
-    assert [json.loads(out[i])["choices"][0]["text"] for i in (0, 2)] == [solo, solo]
+    solo = json.loads(serve(service.handle, ctx, [mate])[0][1])["choices"][0]["text"]
+    out = serve(service.handle, ctx, [mate, (route, {**VALID[route], key: value}), mate])
+    assert out[0][0] == out[2][0] == 200 and out[1][0] < 500
+    assert [json.loads(out[i][1])["choices"][0]["text"] for i in (0, 2)] == [solo, solo]
 
 
 def test_tokenizer_threads_reach_the_tokenizer_pool_settings(monkeypatch) -> None:
@@ -211,7 +243,7 @@ def test_llm_prompts_over_the_character_limit_are_refused_before_tokenizing(llm,
     tens of seconds); a 1 MB role: a 400 whose body stays small."""
     import time
 
-    from servekit.handlers.llm_handler import MAX_CHARS_PER_TOKEN
+    from servekit.handlers.llm_openai import MAX_CHARS_PER_TOKEN
 
     service, ctx = llm
     limit = service.runner.max_prompt_len * MAX_CHARS_PER_TOKEN
@@ -220,16 +252,17 @@ def test_llm_prompts_over_the_character_limit_are_refused_before_tokenizing(llm,
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("tokenized a prompt over the character limit")
 
-    monkeypatch.setattr(service.tokenizer, "encode_prompt", no_tokenizing)
-    monkeypatch.setattr(service.tokenizer, "encode_chat", no_tokenizing)
-    data = batch(ctx, [("v1/completions", {"prompt": huge, "max_tokens": 2}),
-                       ("v1/completions", {"prompt": ["ok", huge], "max_tokens": 2}),
-                       ("v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
-                       ("v1/chat/completions", {"messages": [{"role": "r" * 1_000_000, "content": "hi"}]})])
+    monkeypatch.setattr(service.api.tokenizer, "encode_prompt", no_tokenizing)
+    monkeypatch.setattr(service.api.tokenizer, "encode_chat", no_tokenizing)
     t0 = time.perf_counter()
-    out = service.handle(data, ctx)
+    answers = serve(service.handle, ctx, [
+        ("v1/completions", {"prompt": huge, "max_tokens": 2}),
+        ("v1/completions", {"prompt": ["ok", huge], "max_tokens": 2}),
+        ("v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+        ("v1/chat/completions", {"messages": [{"role": "r" * 1_000_000, "content": "hi"}]})])
     assert time.perf_counter() - t0 < 5
-    assert [status(ctx, i) for i in range(4)] == [413, 413, 413, 400]
+    assert [a[0] for a in answers] == [413, 413, 413, 400]
+    out = [a[1] for a in answers]
     errors = [json.loads(o)["error"] for o in out]
     assert f"'prompt' has {len(huge)} characters; at most {limit}" in errors[0]["message"]
     assert "'prompt[1]' has" in errors[1]["message"] and "'messages' has" in errors[2]["message"]

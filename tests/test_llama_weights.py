@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import generate
 from servekit.optimizations.models.gguf_weights import find_smollm2_gguf, smollm2_archive_files
 from servekit.optimizations.models.llama import Transformer, load_llama
 

@@ -20,7 +20,8 @@ import yaml
 
 from servekit.archive import LLM, SPECS, ArchiveSpec, build_archive
 from servekit.optimizations.llm.chat_template import ChatTokenizer
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import generate
 from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 from servekit.optimizations.models.llama import load_llama
 from servekit.resources import model_config

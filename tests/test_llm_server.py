@@ -3,7 +3,7 @@ conftest's fixture): the official openai client, streaming and not, text complet
 errors inside a shared batch, the LLM and speculative-decoding metrics.
 
 Expected texts come from the same weights run in-process without speculation (fp32, greedy,
-servekit.optimizations.llm.generate), so the server must produce exactly what plain greedy decoding produces
+servekit.optimizations.llm.offline), so the server must produce exactly what plain greedy decoding produces
 while it accepts several drafted tokens per step.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 
 from servekit.torchserve import TorchServe
 from servekit.optimizations.llm.chat_template import ChatTokenizer
-from servekit.optimizations.llm.generate import Completion, LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import Completion, generate
 from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 from servekit.optimizations.models.llama import load_llama
 
@@ -128,6 +129,7 @@ def test_non_streaming_chat_and_text_completions(client, reference) -> None:
     r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=24, temperature=0)
     assert r.choices[0].message.content == want and r.object == "chat.completion"
     assert r.usage.completion_tokens == len(tokens)
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens  # OpenAI's field, always there
     prompt = "The three primary colors are"
     want, _ = complete(tok.encode(prompt), 12)
     c = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
@@ -286,6 +288,7 @@ def test_stream_chunks_carry_usage_null_until_the_last(server: TorchServe) -> No
     chunks = [json.loads(e) for e in events[:-1]]
     assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert isinstance(chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"], int)
     assert all(c["system_fingerprint"].startswith("servekit-") for c in chunks)
 
 

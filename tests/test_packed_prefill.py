@@ -13,7 +13,8 @@ import torch
 
 from decoder_checkpoints import FAMILIES, write_checkpoint
 from servekit.optimizations.llm.continuous import ContinuousBatcher, plan_prefill
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import generate
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, token_buckets
 from servekit.optimizations.models.llama import Transformer, load_llama
 

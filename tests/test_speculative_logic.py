@@ -1,6 +1,7 @@
-"""Speculative decoding on a tiny random-init Llama (CPU, eager: the same static-buffer verify step
-that CUDA graphs replay on GPU): exactness against plain greedy decoding, acceptance accounting,
-the batch-size and per-request switches, sampled requests, heads on disk, and the training recipe."""
+"""Speculative decoding on a tiny random-init Llama, inside the continuous engine (CPU, eager: the same
+static-buffer verify step that CUDA graphs replay on GPU): exactness against plain greedy decoding,
+acceptance accounting, the batch-size and per-request switches, sampled requests, heads on disk, and
+the training recipe."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate, pad_prompts
+from servekit.optimizations.llm.continuous import FINISH_ERROR, ContinuousBatcher
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import Completion, generate
 from servekit.optimizations.models.llama import LlamaConfig, Transformer, init_random
 from servekit.optimizations.llm.sampling import SamplingTensors
 from servekit.optimizations.llm.speculative import (SPEC_CONFIG, SPEC_WEIGHTS, SpecStats, Speculator, SpeculatorConfig,
-                                       SpeculativeDecoding, forward_hidden, generate_speculative, load_speculator,
-                                       save_speculator, spec_prefill, verify_step)
+                                                    SpeculativeDecoding, forward_hidden, load_speculator,
+                                                    save_speculator, verify_step)
 from servekit.optimizations.training import train_speculator
 
 MAX_SEQ = 96
@@ -44,7 +47,7 @@ def random_heads(model: Transformer) -> Speculator:
 @pytest.fixture(scope="module")
 def spec(base: LlamaRunner, random_heads: Speculator) -> SpeculativeDecoding:
     runner = SpeculativeDecoding(base, random_heads, max_spec_batch=4)
-    runner.warmup(include_base=False)
+    runner.warmup()
     return runner
 
 
@@ -56,7 +59,8 @@ def trained_dir(tiny_trained_heads: Path) -> Path:
 class OracleSpeculator(Speculator):
     """Drafts from known greedy continuations (eager only): in each step, row i's first
     ``plan(i, step)`` drafts are right and the next one is wrong, so the runner must accept
-    exactly that many. ``refs`` must run k+1 tokens past what the rows generate."""
+    exactly that many. ``refs`` must run k+1 tokens past what the rows generate. The rows start
+    together, and their first verify step has stale drafts that are all wrong (one token each)."""
 
     def __init__(self, n_heads: int, vocab_size: int, refs: list[list[int]], plan) -> None:
         super().__init__(SpeculatorConfig(n_heads=n_heads, dim=8, hidden_dim=8, vocab_size=vocab_size))
@@ -74,11 +78,11 @@ class OracleSpeculator(Speculator):
         k = self.n_heads
         out = torch.zeros(token.shape[0], k, dtype=torch.int64)
         if self.idx is None:
-            self.idx = [0] * len(self.refs)  # prefill: token is ref[0]
+            self.idx = [1] * len(self.refs)  # after the first verify step: the prefill's token, then one more
         else:
             self.idx = [i + m + 1 for i, m in zip(self.idx, self.planned)]
             self.step += 1
-        for r, ref in enumerate(self.refs):
+        for r, ref in enumerate(self.refs[:token.shape[0]]):  # the rows of the step's batch bucket
             i = self.idx[r]
             if i >= len(ref) - k - 1:
                 continue  # finished row: any drafts do
@@ -99,10 +103,35 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 LENGTHS = [5, 20, 11, 1, 33, 7, 60, 14, 2, 9, 25, 40]
 
 
+def _speculative(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[list[int]],
+                 params: list[SamplingParams], speculate: list[bool] | None = None
+                 ) -> tuple[list[list[list[int]]], list[Completion], SpecStats]:
+    """The prompts through the engine with ``spec`` as the runner's speculation: each row's tokens
+    per engine step that gave it some, its completion, and the engine's draft counters."""
+    base.speculation = spec
+    try:
+        batcher = ContinuousBatcher(base)
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            batcher.add(i, prompt, sp, True if speculate is None else speculate[i])
+        steps: list[list[list[int]]] = [[] for _ in prompts]
+        out = [Completion([], "") for _ in prompts]
+        while batcher.has_work:
+            for i, u in batcher.step().items():
+                assert u.finish_reason != FINISH_ERROR, u.error
+                if u.tokens:
+                    steps[i].append(u.tokens)
+                out[i].tokens += u.tokens
+                out[i].logprobs += u.logprobs
+                out[i].finish_reason = u.finish_reason or out[i].finish_reason
+    finally:
+        base.speculation = None
+    return steps, out, batcher.spec_stats
+
+
 def _check_exact(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[list[int]],
                  params: list[SamplingParams], speculate: list[bool] | None = None) -> SpecStats:
     want = generate(base, prompts, params)
-    got, stats = generate_speculative(spec, prompts, params, speculate)
+    _, got, stats = _speculative(base, spec, prompts, params, speculate)
     for i, (w, g) in enumerate(zip(want, got)):
         assert g.tokens == w.tokens, f"row {i}: speculative output differs from plain decoding"
         assert g.finish_reason == w.finish_reason
@@ -117,21 +146,6 @@ def test_random_heads_are_exact(base: LlamaRunner, spec: SpeculativeDecoding, ba
         params = [SamplingParams(max_tokens=m) for m in (30, 17, 36, 1)[:len(group)]]
         stats = _check_exact(base, spec, group, params)
         assert stats.proposed[0] > 0  # it did speculate
-
-
-def test_prefill_from_static_inputs_is_exact(model: Transformer, base: LlamaRunner, random_heads: Speculator) -> None:
-    """With the base runner's short prompt buckets on static inputs (what CUDA graphs capture), the
-    speculative prefill uses the same buffers; output still equals plain decoding."""
-    graphed = LlamaRunner(model, max_seq_len=MAX_SEQ, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64),
-                          kv_buckets=(16, 32, 48, 64), prefill_graphs=16)
-    runner = SpeculativeDecoding(graphed, random_heads, max_spec_batch=2)
-    assert sorted({k[:2] for k in runner.prefill_steps}) == [(b, t) for b in (1, 2) for t in (8, 16)]
-    runner.warmup(include_base=True)
-    sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
-    for group in ([5], [12, 3], [40, 9]):  # buckets 8 and 16 on static inputs; 64 is not
-        prompts = _prompts(group, seed=len(group) + group[0])
-        params = [SamplingParams(max_tokens=20)] + [sampled] * (len(group) - 1)
-        assert _check_exact(base, runner, prompts, params).proposed[0] > 0
 
 
 def test_trained_heads_are_exact_and_accept(base: LlamaRunner, trained_dir: Path) -> None:
@@ -169,13 +183,15 @@ def test_verify_step_accepts_longest_matching_prefix(model: Transformer, random_
             seq.append(int(logits.argmax()))
             ref.append(seq[-1])
     greedy = SamplingTensors.build([0.0], [0], [1.0], [0])
+    def prefill() -> torch.Tensor:  # the prompt into the cache's row 0; its greedy token
+        return model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[:, -1].argmax(-1)
+
     for m in range(K + 1):  # drafts right up to position m, wrong from there on
         draft = torch.tensor([ref[1:K + 1]])
         if m < K:
             draft[0, m] = (draft[0, m] + 1) % 256
         with torch.no_grad():
-            tokens, input_pos, last_idx = pad_prompts([prompt], 1, 16)
-            first, _ = spec_prefill(model, random_heads, tokens, input_pos, last_idx, greedy, "greedy")
+            first = prefill()
             assert int(first) == ref[0]
             base, accepted, nxt, new_draft = verify_step(
                 model, random_heads, first, draft, torch.tensor([len(prompt)]), torch.tensor([1]), greedy, "greedy")
@@ -184,28 +200,26 @@ def test_verify_step_accepts_longest_matching_prefix(model: Transformer, random_
         assert int(nxt) == ref[m + 1] and new_draft.shape == (1, K)
         # a row that must not speculate accepts nothing, whatever its drafts
         with torch.no_grad():
-            spec_prefill(model, random_heads, tokens, input_pos, last_idx, greedy, "greedy")
+            prefill()
             _, accepted, nxt, _ = verify_step(model, random_heads, first, draft, torch.tensor([len(prompt)]),
                                               torch.tensor([0]), greedy, "greedy")
         assert int(accepted) == 0 and int(nxt) == ref[1]
 
 
-def test_acceptance_accounting(spec: SpeculativeDecoding) -> None:
+def test_acceptance_accounting(base: LlamaRunner, spec: SpeculativeDecoding) -> None:
     prompts = _prompts([5, 20, 11], seed=5)
     params = [SamplingParams(max_tokens=m) for m in (30, 12, 21)]
-    steps = list(spec.stream(prompts, params))
-    stats = SpecStats.empty(K)
-    for step in steps:
-        stats.add(step)
-        assert all(p >= a for p, a in zip(step.proposed, step.accepted))
-        assert step.accepted == sorted(step.accepted, reverse=True)
-    assert all(len(t) == 1 for t in steps[0].tokens) and steps[0].proposed == [0] * K  # prefill's token
+    steps, out, stats = _speculative(base, spec, prompts, params)
+    assert all(len(row[0]) == 1 for row in steps)  # the prefill's token
     # Every verify step of a live row proposes K drafts; a row emits 1 + accepted tokens per step,
     # except that its last step may be cut short by max_tokens.
-    row_steps = sum(1 for s in steps[1:] for t in s.tokens if t is not None)
+    row_steps = sum(len(row) - 1 for row in steps)
     assert stats.proposed == [row_steps] * K
-    emitted = sum(len(t) for s in steps for t in s.tokens if t is not None)
-    assert emitted == sum(p.max_tokens for p in params) == stats.tokens
+    assert stats.accepted == sorted(stats.accepted, reverse=True) and stats.accepted[0] <= row_steps
+    emitted = sum(len(c.tokens) for c in out)
+    assert emitted == sum(p.max_tokens for p in params)
+    # The counters count what each verify step gave, before a row's last one is cut by max_tokens.
+    assert stats.tokens - K * len(prompts) <= emitted - len(prompts) <= stats.tokens
     assert len(prompts) + row_steps <= emitted <= len(prompts) + row_steps + sum(stats.accepted)
     assert stats.mean_accepted_length == pytest.approx(1 + sum(stats.accepted) / row_steps)
     d = stats.to_dict()
@@ -217,13 +231,12 @@ def test_batch_size_switch(base: LlamaRunner, random_heads: Speculator) -> None:
     assert runner.spec_buckets == (1, 2)
     prompts = _prompts([5, 8, 13], seed=9)
     params = [SamplingParams(max_tokens=10)] * 3
-    assert runner.applies(params[:2]) and not runner.applies(params)
-    stats = _check_exact(base, runner, prompts, params)  # 3 > 2: plain decoding
-    assert stats.proposed == [0] * K and stats.steps == 10
+    stats = _check_exact(base, runner, prompts, params)  # 3 busy rows > 2: plain decoding
+    assert stats.proposed == [0] * K
     stats = _check_exact(base, runner, prompts[:2], params[:2])
     assert stats.proposed[0] > 0
     off = SpeculativeDecoding(base, random_heads, max_spec_batch=0)
-    assert off.spec_buckets == () and not off.applies(params[:1])
+    assert off.spec_buckets == ()
     assert _check_exact(base, off, prompts[:1], params[:1]).proposed == [0] * K
 
 
@@ -231,34 +244,35 @@ def test_per_request_switch_and_sampled_requests(base: LlamaRunner, spec: Specul
     prompts = _prompts([5, 20, 11, 8], seed=13)
     greedy = SamplingParams(max_tokens=20)
     sampled = SamplingParams(max_tokens=20, temperature=0.8, top_k=40, seed=1234)
-    # Opting out row 0: it proposes nothing, and every row is still exact.
-    got, stats = generate_speculative(spec, prompts[:2], [greedy] * 2, speculate=[False, True])
-    want = generate(base, prompts[:2], [greedy] * 2)
-    assert [c.tokens for c in got] == [c.tokens for c in want]
-    steps = list(spec.stream(prompts[:2], [greedy] * 2, speculate=[False, True]))
-    assert all(len(s.tokens[0]) == 1 for s in steps if s.tokens[0] is not None)
+    # Opting out row 0: it accepts no drafts (one token per step), and every row is still exact.
+    stats = _check_exact(base, spec, prompts[:2], [greedy] * 2, speculate=[False, True])
+    assert stats.proposed[0] > 0
+    steps, _, _ = _speculative(base, spec, prompts[:2], [greedy] * 2, speculate=[False, True])
+    assert all(len(toks) == 1 for toks in steps[0]) and any(len(toks) > 1 for toks in steps[1])
     # Mixed batch: the sampled rows get exactly the plain runner's tokens for their seed.
     params = [greedy, sampled, greedy, SamplingParams(max_tokens=20, temperature=1.2, seed=99)]
     _check_exact(base, spec, prompts, params)
-    # All sampled: plain decoding.
-    assert not spec.applies([sampled, sampled])
+    # All sampled: no drafts accepted.
     assert _check_exact(base, spec, prompts[:2], [sampled, sampled]).proposed == [0] * K
-    # Logprobs or penalties anywhere in the batch: plain (FULL) steps, logprobs reported.
+    # Logprobs or penalties among the running rows: plain (FULL) steps, logprobs reported.
     with_logprobs = SamplingParams(max_tokens=20, logprobs=2)
-    assert not spec.applies([greedy, with_logprobs])
-    got, stats = generate_speculative(spec, prompts[:2], [greedy, with_logprobs])
+    _, got, stats = _speculative(base, spec, prompts[:2], [greedy, with_logprobs])
     assert stats.proposed == [0] * K and len(got[1].logprobs) == 20
     assert [c.tokens for c in got] == [c.tokens for c in generate(base, prompts[:2], [greedy] * 2)]
 
 
-def test_bad_requests_raise_at_call(spec: SpeculativeDecoding) -> None:
-    assert spec.base.check([], SamplingParams()) == "the prompt is empty" and spec.max_spec_batch == 4
-    with pytest.raises(ValueError, match="request 1: the prompt is empty"):
-        spec.stream([[5, 6], []], [SamplingParams(max_tokens=4)] * 2)
-    with pytest.raises(ValueError, match="exceeds the context"):
-        spec.stream([[5] * 10], [SamplingParams(max_tokens=MAX_SEQ)])
-    with pytest.raises(ValueError, match="one speculate flag per request"):
-        spec.stream([[5]], [SamplingParams(max_tokens=4)], speculate=[True, False])
+def test_bad_requests_raise_before_any_work(base: LlamaRunner, spec: SpeculativeDecoding) -> None:
+    assert base.check([], SamplingParams()) == "the prompt is empty" and spec.max_spec_batch == 4
+    base.speculation = spec
+    try:
+        with pytest.raises(ValueError, match="request 1: the prompt is empty"):
+            generate(base, [[5, 6], []], [SamplingParams(max_tokens=4)] * 2)
+        with pytest.raises(ValueError, match="exceeds the context"):
+            generate(base, [[5] * 10], [SamplingParams(max_tokens=MAX_SEQ)])
+        with pytest.raises(ValueError, match="speculate flag"):
+            generate(base, [[5]], [SamplingParams(max_tokens=4)], speculate=[True, False])
+    finally:
+        base.speculation = None
 
 
 def test_fewer_heads_than_trained(base: LlamaRunner, random_heads: Speculator) -> None:
@@ -323,21 +337,18 @@ def test_oracle_drafts_are_accepted_exactly_as_planned(base: LlamaRunner, model:
     plan = lambda row, step: (row + step) % (K + 1)  # noqa: E731  every acceptance length 0..K
     oracle = OracleSpeculator(K, 256, refs, plan)
     runner = SpeculativeDecoding(base, oracle, max_spec_batch=4)
-    params = [SamplingParams(max_tokens=m) for m in max_tokens]
-    steps = list(runner.stream(prompts, params))
-    emitted: list[list[int]] = [[] for _ in prompts]
-    for t, step in enumerate(steps):
-        for r, toks in enumerate(step.tokens):
-            if toks is None:
-                continue
-            want = 1 if t == 0 else plan(r, t - 1) + 1
-            assert len(toks) == want or (step.finish_reasons[r] == "length" and len(toks) < want)
-            emitted[r] += toks
-        if t:
-            live = [r for r, toks in enumerate(step.tokens) if toks is not None]
-            assert step.proposed == [len(live)] * K
-            assert step.accepted == [sum(plan(r, t - 1) > j for r in live) for j in range(K)]
-    assert emitted == [ref[:m] for ref, m in zip(refs, max_tokens)]
+    stale = next(t for t in range(256) if all(t not in ref for ref in refs))
+    runner.draft.fill_(stale)  # the first verify step's drafts: wrong for every row
+    steps, out, stats = _speculative(base, runner, prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    for r, row in enumerate(steps):
+        # The prefill's token, the stale drafts' step (one token), then 1 + planned tokens per step.
+        want = [1, 1] + [plan(r, t) + 1 for t in range(len(row) - 2)]
+        assert [len(toks) for toks in row[:-1]] == want[:-1], r
+        assert len(row[-1]) <= want[-1] and out[r].finish_reason == "length"
+    assert [c.tokens for c in out] == [ref[:m] for ref, m in zip(refs, max_tokens)]
+    reads = [len(row) - 1 for row in steps]  # verify steps read per row
+    assert stats.proposed == [sum(reads)] * K
+    assert stats.accepted == [sum(plan(r, t) > j for r in range(3) for t in range(reads[r] - 1)) for j in range(K)]
 
 
 # --- draft vocabulary, compiled drafting, topic prompts ----------------------------------------------

@@ -178,14 +178,13 @@ def compiler(weights: Path) -> GrammarCompiler:
 def test_bad_tool_and_format_fields_are_named(compiler, body, message) -> None:
     body = {k: v for k, v in body.items() if k != "messages_ok"}
     with pytest.raises(RequestError) as e:
-        parse_extras(body, True, compiler, 49152, HERMES_TEMPLATE, True)
+        parse_extras(body, True, compiler, 49152, HERMES_TEMPLATE)
     assert e.value.status == 400 and message in e.value.message
 
 
-def test_constraints_need_continuous_batching(compiler) -> None:
-    with pytest.raises(RequestError, match="continuous batching"):  # the message is in the exception's args
-        parse_extras({"min_tokens": 3}, True, compiler, 49152, HERMES_TEMPLATE, False)
-    assert parse_extras({"tools": [WEATHER]}, True, compiler, 49152, HERMES_TEMPLATE, False).plan.mode == "auto"
+def test_min_tokens_and_auto_tools_give_a_constraint_and_a_tool_plan(compiler) -> None:
+    assert parse_extras({"min_tokens": 3}, True, compiler, 49152, HERMES_TEMPLATE).constraint is not None
+    assert parse_extras({"tools": [WEATHER]}, True, compiler, 49152, HERMES_TEMPLATE).plan.mode == "auto"
 
 
 def test_assistant_tool_calls_need_json_arguments() -> None:

@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 
 from servekit.optimizations.kernels import triton_decode as td  # noqa: E402
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate  # noqa: E402
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams  # noqa: E402
+from servekit.optimizations.llm.offline import generate  # noqa: E402
 from servekit.optimizations.models.llama import LlamaConfig, Transformer, apply_rope, init_random  # noqa: E402
 from servekit.optimizations.llm.plan import LlmPlan, parse_llm_plan  # noqa: E402
 from servekit.optimizations.plan import PlanError, resolve_for_device  # noqa: E402
@@ -230,14 +231,20 @@ def test_continuous_batching_decodes_through_the_fused_kernels(runners: dict[str
 
 
 def test_speculative_verify_steps_run_the_fused_kernels(runners: dict[str, LlamaRunner]) -> None:
-    from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
+    from servekit.optimizations.llm.continuous import ContinuousBatcher
+    from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding
 
     base = runners["triton"]
     heads = Speculator(SpeculatorConfig.for_model(base.model, 2)).reset_parameters(seed=1, random_out=True)
-    spec = SpeculativeDecoding(base, heads, max_spec_batch=4)
-    assert all(step.model is base.triton_model for step in spec.steps.values())
-    params = [SamplingParams(max_tokens=8)] * 3
-    got, _ = generate_speculative(spec, _prompts(), params)
+    base.speculation = SpeculativeDecoding(base, heads, max_spec_batch=4)
+    try:
+        assert all(step.model is base.triton_model for step in base.speculation.steps.values())
+        params = [SamplingParams(max_tokens=8)] * 3
+        batcher = ContinuousBatcher(base)
+        got = generate(base, _prompts(), params, batcher=batcher)
+        assert batcher.spec_stats.proposed[0] > 0
+    finally:
+        base.speculation = None
     assert [c.tokens for c in got] == [c.tokens for c in generate(runners["torch"], _prompts(), params)]
 
 

@@ -20,7 +20,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton")
 
 from greedy_parity import check_same_or_tie  # noqa: E402
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate  # noqa: E402
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams  # noqa: E402
+from servekit.optimizations.llm.offline import generate  # noqa: E402
 from servekit.optimizations.models.llama import LlamaConfig, Transformer, init_random  # noqa: E402
 from servekit.optimizations.kernels.triton_decode import TritonDecode, pdl_supported  # noqa: E402
 

@@ -20,12 +20,12 @@ prompt's last chunk samples its first token and starts its row decoding.
 Each row computes exactly what it computes alone (its own cache row, its own positions, noise
 keyed by its own seed and position), so greedy output does not depend on who else is running.
 
-Pipelining as in ``LlamaRunner.stream``: each ``step()`` launches decode step t+1 before it reads
+Pipelining: each ``step()`` launches decode step t+1 before it reads
 step t, so the device never waits for the host's bookkeeping; a row that finished at step t has one
 wasted token computed in step t+1, which is dropped. The packed prefill is queued on the same
 stream after the step in flight, so it never races with it.
 
-Speculative decoding (``runner.speculation`` built ``in_slots``): while the busy slots fit its
+Speculative decoding (``runner.speculation``): while the busy slots fit its
 largest batch bucket, no running request needs logprobs or penalties and one of them is greedy, a
 step is a verify step over the same rows instead of a plain one; each row accepts what it accepts
 and the plain and verify steps share the rows' state, so the batch moves between the two from one
@@ -88,7 +88,7 @@ def plan_prefill(remaining: list[int], budget: int, chunk: int) -> list[int]:
 @dataclass
 class SeqUpdate:
     """What one request got from one ``step()``: new tokens (the last one carries the finish
-    reason, a stop token included as in ``StepOutput``), their logprobs when asked for, or an
+    reason, a stop token included: do not print it), their logprobs when asked for, or an
     error that ended the request (``finish_reason == "error"``)."""
 
     tokens: list[int] = field(default_factory=list)
@@ -175,8 +175,6 @@ class ContinuousBatcher:
         self.packed = PackedPrefill(runner.model, max_num_batched_tokens, self.max_num_seqs, graphs=graphs,
                                     pad_id=runner.pad_id, blocks=blocks)
         spec = runner.speculation
-        if spec is not None and not getattr(spec, "in_slots", False):
-            raise ValueError("the runner's speculation runs static batches: build it with in_slots=True")
         self.spec = spec
         # Draft positions proposed and accepted so far (the handler's metrics read these).
         self.spec_stats = SpecStats.empty(spec.n_heads) if spec is not None else None

@@ -1,52 +1,41 @@
-"""Batched generation for ``servekit.optimizations.models.llama``: prefill, CUDA-graph decode, streaming.
+"""The LLM runner for ``servekit.optimizations.models.llama``: KV cache, shape buckets, CUDA-graph decode steps.
 
-Batching choice: **per-row positions, right padding** (no left padding). Prompts of a batch are
-right-padded to a length bucket; every row's tokens sit at positions ``0..len-1`` of its own KV
-cache row, so a row computes exactly what it would compute alone (RoPE positions, attention
-span), and its decode steps write at ``len, len+1, ...``, overwriting whatever the padding left
-in the cache before anything reads it. Rows advance independently, which also leaves the door
-open to inserting new requests into free rows later (continuous batching).
+Requests run through the continuous engine (continuous.py), which prefills prompts with its packed
+forward (packed.py) into cache rows and then decodes them here, one row per request: every row's
+tokens sit at positions ``0..len-1`` of its own KV cache row, so a row computes exactly what it
+would compute alone (RoPE positions, attention span).
 
-Shapes are bucketed: the batch is padded to a batch bucket (dummy rows decode garbage that is
-never read), the prompt to a length bucket, and each decode step attends over a kv bucket (the
-cache prefix the live rows have reached, rounded up) rather than the whole cache.
+Shapes are bucketed: the decode batch is padded to a batch bucket (rows nobody reads decode
+garbage), and each decode step attends over a kv bucket (the cache prefix the live rows have
+reached, rounded up) rather than the whole cache.
 
-On CUDA, ``LlamaRunner.warmup()`` runs every prefill shape through the compiled model (when the
-plan compiles: ``RegionalCompiled``, the transformer block compiled once with dynamic shapes and
-reused by every layer, shared by prefill and decode; dynamo keeps 4 graphs whatever the buckets:
-prefill and decode, each for batch 1 and batch > 1) and captures one ``torch.cuda.CUDAGraph`` per
-(batch bucket, kv bucket, sampling mode:
-greedy / sample / top-k-top-p / full (penalties and logprobs), chosen on the host from the
-requests) for the decode step, sampling included. The default GPU plan (batch 1..8, kv 256..2048)
-makes 64 graphs in one pool.
+On CUDA, ``LlamaRunner.warmup()`` captures one ``torch.cuda.CUDAGraph`` per (batch bucket, kv
+bucket, sampling mode: greedy / sample / top-k-top-p / full (penalties and logprobs), chosen on the
+host from the requests) for the decode step, sampling included, through the compiled transformer
+block when the plan compiles (``RegionalCompiled``: one block compiled with dynamic shapes and
+reused by every layer, shared with the packed prefill). The default GPU plan (batch 1..8, kv
+256..2048) makes 64 graphs in one pool.
 We capture graphs ourselves rather than through ``mode="reduce-overhead"``: the graph's input and
 output tensors are ours, each step copies its output to the host before the next replay, and
 nothing outside holds a graph output that a replay could overwrite (the failure seen with
 transformers' static cache + compile). On CPU the same static-buffer code runs eagerly.
-
-Host syncs: one per decode step, to stream tokens. The next step is launched before the host
-waits for the current one, so the GPU never idles on the host's bookkeeping; the price is at most
-one wasted step when the last row finishes.
 """
 
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import dataclass, field
-from functools import partial
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 
-from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.models.llama import Transformer, WithBlocks
-from servekit.optimizations.llm.sampling import (FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, sample,
-                                             sample_full, sampling_mode)
+from servekit.optimizations.llm.sampling import FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, sample, sample_full
 
 if TYPE_CHECKING:
     from servekit.optimizations.llm.grammar import DecodeConstraint
+    from servekit.optimizations.llm.speculative import SpeculativeDecoding
 
 KERNELS = ("torch", "triton")  # what runs a decode step's layers: torch ops (eager or compiled), or triton_decode
 FINISH_STOP = "stop"
@@ -70,7 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # report each token's logprob and this many top alternatives (None: off)
-    # Grammar, logit_bias and min_tokens (optimizations/llm/grammar.py): continuous batching only.
+    # Grammar, logit_bias and min_tokens (optimizations/llm/grammar.py).
     constraint: "DecodeConstraint | None" = None
 
     @property
@@ -109,37 +98,6 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass
-class StepOutput:
-    """New tokens of one generation step, one entry per row of the batch: the one output type of
-    every step strategy.
-
-    ``tokens[i]`` lists the tokens row i emits in this step (one for a plain decode step, 1..k+1
-    for a speculative one), None once row i has finished. A row's last token carries its finish
-    reason: ``"stop"`` when that token is one of its stop tokens (the stop token itself is
-    reported, do not print it), ``"length"`` when it reached ``max_tokens``.
-
-    ``proposed[j]`` / ``accepted[j]``: how many live rows proposed / had accepted a draft token at
-    position j (0 = first draft) in this step; a draft at j counts as accepted only if the drafts
-    before it were too. Empty for a plain step.
-
-    ``logprobs[i]``: one ``TokenLogprob`` per token of ``tokens[i]`` when row i asked for logprobs.
-    """
-
-    tokens: list[list[int] | None]
-    finish_reasons: list[str | None]
-    proposed: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    tokens: list[int]  # every sampled token, a final stop token included
-    finish_reason: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked for
-
-
 # --- the model calls: plain functions, compiled or captured by the runner -------------------------
 
 class RegionalCompiled(WithBlocks):
@@ -153,21 +111,6 @@ class RegionalCompiled(WithBlocks):
 
     def __init__(self, model: Transformer, mode: str = "default") -> None:
         super().__init__(model, [torch.compile(layer, dynamic=True, mode=mode) for layer in model.layers])
-
-
-def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last_idx: Tensor,
-            params: SamplingTensors, mode: str = FILTER, rows: Tensor | None = None,
-            kv_len: int | None = None) -> Tensor:
-    """Run right-padded prompts ``(B, T)`` at positions ``0..T-1``; sample each row's first new token
-    (FULL mode: ``sample_full``'s rows; nothing is generated yet, so no penalty applies). ``rows``:
-    the cache rows to fill (default ``0..B-1``). ``kv_len``: for a later chunk of a prompt (its
-    positions start past 0), the cache slots attention reads, one past its last position."""
-    # Positions start at 0, so attention needs cache slots :T only.
-    logits = model(tokens, input_pos, last_idx, kv_len=kv_len or tokens.shape[1], rows=rows)
-    position = input_pos.gather(1, last_idx[:, None]).squeeze(1)
-    if mode == FULL:
-        return sample_full(logits, params, position, None)
-    return sample(logits, params, position, mode)
 
 
 def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor, params: SamplingTensors,
@@ -199,41 +142,7 @@ def read_row(row: list, mode: str, logprobs: int | None) -> tuple[int, TokenLogp
     return token, TokenLogprob(row[1], tuple((int(t), v) for t, v in zip(ids[:logprobs], values[:logprobs])))
 
 
-def pad_prompts(prompts: list[list[int]], batch: int, length: int, pad_id: int = 0
-                ) -> tuple[Tensor, Tensor, Tensor]:
-    """Right-pad prompts into ``(batch, length)`` tokens and positions; ``last_idx`` per row.
-
-    Dummy rows (beyond ``len(prompts)``) hold one pad token at position 0.
-    """
-    tokens = torch.full((batch, length), pad_id, dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = torch.tensor(p, dtype=torch.int64)
-    input_pos = torch.arange(length, dtype=torch.int64).expand(batch, length).contiguous()
-    last_idx = torch.zeros(batch, dtype=torch.int64)
-    last_idx[:len(prompts)] = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int64)
-    return tokens, input_pos, last_idx
-
-
-def generate(runner: "LlamaRunner", prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
-    """Generate to completion for a batch of token-id prompts (collects ``runner.stream``)."""
-    return collect(runner.stream(prompts, params), len(prompts))
-
-
-def collect(steps: Iterable[StepOutput], rows: int) -> list[Completion]:
-    """Every row's tokens and finish reason from a whole stream of steps (any step strategy)."""
-    out = [Completion([], "") for _ in range(rows)]
-    for step in steps:
-        for i, (toks, reason) in enumerate(zip(step.tokens, step.finish_reasons)):
-            if toks is not None:
-                out[i].tokens += toks
-            if step.logprobs and step.logprobs[i] is not None:
-                out[i].logprobs += step.logprobs[i]
-            if reason is not None:
-                out[i].finish_reason = reason
-    return out
-
-
-# --- the runner: buckets, warm-up / capture, the streaming loop ----------------------------------
+# --- the runner: buckets, warm-up / capture ----------------------------------------------------
 
 class DecodeState:
     """Static decode inputs, one row per cache row, shared by the decode graphs (every mode and kv
@@ -267,12 +176,11 @@ class DecodeState:
         counts.scatter_add_(1, first_tokens[:, None], torch.ones_like(counts[:, :1]))
         self.counts.index_copy_(0, rows, counts)
 
-    def load(self, first_tokens: Tensor, positions: Tensor, params: SamplingTensors, count: bool = False) -> None:
+    def load(self, first_tokens: Tensor, positions: Tensor, params: SamplingTensors) -> None:
+        """Every row at once (warm-up)."""
         self.tokens.copy_(first_tokens[:, None])
         self.input_pos.copy_(positions[:, None])
         self.params.copy_(params)
-        if count:
-            self.counts.zero_().scatter_add_(1, first_tokens[:, None], torch.ones_like(self.counts[:, :1]))
 
 
 class GraphedStep:
@@ -333,65 +241,7 @@ class DecodeStep(GraphedStep):
         return out
 
 
-@dataclass
-class PreparedBatch:
-    """A validated batch padded to its (batch, prompt) buckets, with its sampling tensors."""
-
-    batch: int
-    length: int
-    tokens: Tensor
-    input_pos: Tensor
-    last_idx: Tensor
-    sampling: SamplingTensors
-    mode: str
-    positions: Tensor  # each row's prompt length (its first decode position); 0 for dummy rows
-
-
-class PrefillState:
-    """Static prefill inputs of one (batch bucket, prompt bucket), shared by its graphs (every mode)."""
-
-    def __init__(self, batch: int, length: int, device: torch.device, slots: bool = False) -> None:
-        self.tokens = torch.zeros(batch, length, dtype=torch.int64, device=device)
-        self.input_pos = torch.zeros(batch, length, dtype=torch.int64, device=device)
-        self.last_idx = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
-        # The cache rows to fill, for a prefill into free slots of a running batch (continuous batching).
-        self.rows = torch.arange(batch, device=device) if slots else None
-
-    def load(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor, params: SamplingTensors,
-             rows: Tensor | None = None) -> None:
-        self.tokens.copy_(tokens)
-        self.input_pos.copy_(input_pos)
-        self.last_idx.copy_(last_idx)
-        self.params.copy_(params)
-        if rows is not None:
-            assert self.rows is not None, "this prefill state fills rows 0..B-1"
-            self.rows.copy_(rows)
-
-
-class PrefillStep(GraphedStep):
-    """Prefill of one (batch bucket, prompt bucket, sampling mode) on static inputs: on CUDA a graph
-    replay instead of a few hundred kernel launches, which is most of a short prompt's TTFT.
-
-    ``fn(tokens, input_pos, last_idx, params, mode)``: the plain runner's prefill, or the
-    speculative runner's (first tokens and drafts)."""
-
-    def __init__(self, fn: Callable[..., Tensor], state: PrefillState, mode: str) -> None:
-        self.fn, self.state, self.mode = fn, state, mode
-
-    @torch.no_grad()
-    def _body(self) -> Tensor:
-        st = self.state
-        if st.rows is not None:
-            return self.fn(st.tokens, st.input_pos, st.last_idx, st.params, self.mode, rows=st.rows)
-        return self.fn(st.tokens, st.input_pos, st.last_idx, st.params, self.mode)
-
-
-# Capture orders, largest shapes first: the smaller graphs fit into the memory pool they leave.
-def prefill_order(key: tuple[int, int, str]) -> tuple:  # (batch, prompt length, mode)
-    return -key[0] * key[1], key[2]
-
-
+# Capture order, largest shapes first: the smaller graphs fit into the memory pool they leave.
 def decode_order(key: tuple[int, str, int]) -> tuple:  # (batch, mode, kv length)
     return -key[0], -key[2]
 
@@ -449,44 +299,9 @@ def default_kv_buckets(max_seq_len: int) -> tuple[int, ...]:
     return default_prefill_buckets(max_seq_len, smallest=min(256, max_seq_len))
 
 
-class GenerationStream:
-    """Iterator of ``StepOutput`` for one batch, from ``LlamaRunner.stream``.
-
-    ``cancel(i)`` ends row i early (a stop string matched on the text side, a client went away):
-    it reports no more tokens and stops counting towards the number of steps still needed.
-    """
-
-    def __init__(self, steps: Iterator[StepOutput], done: list[bool]) -> None:
-        self._steps, self._done = steps, done
-
-    def __iter__(self) -> "GenerationStream":
-        return self
-
-    def __next__(self) -> StepOutput:
-        return next(self._steps)
-
-    def cancel(self, row: int) -> None:
-        self._done[row] = True
-
-
-class StepStrategy(Protocol):
-    """Another way to decode a batch than one token per step (speculative.py's
-    ``SpeculativeDecoding``), set as ``LlamaRunner.speculation``. It shares the runner's model,
-    KV cache, buckets and prefill, and yields the same ``StepOutput``."""
-
-    n_heads: int  # draft positions per step (the length of StepOutput.proposed)
-
-    def applies(self, params: list[SamplingParams], speculate: list[bool] | None) -> bool:
-        """Whether this batch decodes with the strategy (else the runner's plain steps)."""
-        ...
-
-    def stream(self, prompts: list[list[int]], params: list[SamplingParams],
-               speculate: list[bool] | None) -> GenerationStream:
-        ...
-
-
 class LlamaRunner:
-    """Owns the model's KV cache, shape buckets and compiled/captured steps; streams generations.
+    """Owns the model's KV cache, shape buckets and compiled/captured decode steps; the continuous
+    engine (continuous.py) prefills its rows and drives its steps.
 
     Decode graphs exist per (batch bucket, sampling mode, kv bucket): a step attends only over the
     cache prefix its rows have reached (rounded up to a kv bucket), instead of the whole cache.
@@ -495,11 +310,10 @@ class LlamaRunner:
     def __init__(self, model: Transformer, max_seq_len: int, batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16),
                  prefill_buckets: tuple[int, ...] | None = None, kv_buckets: tuple[int, ...] | None = None,
                  compile_prefill: bool = False, compile_decode: bool = False, cuda_graphs: bool = False,
-                 compile_mode: str = "default", pad_id: int = 0, prefill_graphs: int = 0,
-                 slot_prefill: bool = False, kernels: str = "torch", static_prefill: bool = True) -> None:
-        """``static_prefill=False``: prompts go in another way (the continuous engine's packed
-        prefill), so no prefill graphs are captured nor prefill shapes compiled by ``warmup()``,
-        and ``stream()`` is refused; the compiled blocks (``compiled_model``) are still made."""
+                 compile_mode: str = "default", pad_id: int = 0, kernels: str = "torch") -> None:
+        """``prefill_buckets``: prompt lengths; the largest is the longest prompt accepted.
+        ``compile_prefill``: the engine's packed prefill runs through the compiled blocks
+        (``compiled_model``), which the decode steps use too with ``compile_decode``."""
         self.model = model.eval()
         model.fuse_projections()  # fewer, larger matmuls: decode steps are bound by kernel launches
         self.device = model.tok_embeddings.weight.device
@@ -514,17 +328,16 @@ class LlamaRunner:
         if self.kv_buckets[-1] != max_seq_len:
             self.kv_buckets += (max_seq_len,)  # the last decode steps may need the whole cache
         self.max_seq_len, self.cuda_graphs, self.pad_id = max_seq_len, cuda_graphs, pad_id
-        self.compile_prefill, self.static_prefill = compile_prefill, static_prefill
+        self.compile_prefill = compile_prefill
         model.setup_caches(self.batch_buckets[-1], max_seq_len)
         if compile_mode not in ("default", "max-autotune-no-cudagraphs"):
             # Other modes capture CUDA graphs of their own, which would nest inside ours.
             raise ValueError(f"compile mode {compile_mode!r}: use 'default' or 'max-autotune-no-cudagraphs'")
         # Only the transformer block is compiled, with dynamic shapes; sampling stays eager (inside
-        # the decode graphs it costs no launches). Dynamo then keeps 4 graphs: prefill and decode,
-        # each for batch 1 (always specialized) and batch > 1, whatever the buckets and modes.
+        # the decode graphs it costs no launches). Dynamo then keeps a graph for batch 1 (always
+        # specialized) and one for batch > 1, whatever the buckets and modes.
         compiled = RegionalCompiled(model, compile_mode) if compile_prefill or compile_decode else None
         self.compiled_model = compiled
-        self._prefill_model = compiled if compile_prefill else model
         # kernels="triton": decode (and speculative verify) steps run each layer as a few fused
         # Triton kernels instead of compiled blocks; prefill keeps its own path.
         if kernels not in KERNELS:
@@ -543,21 +356,9 @@ class LlamaRunner:
         self.states = {b: self.state.view(b) for b in self.batch_buckets}
         self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, decode_model)
                       for b in self.batch_buckets for m in PLAIN_MODES for kv in self.kv_buckets}
-        # Prompt buckets up to `prefill_graphs` tokens prefill from static inputs (captured on CUDA);
-        # longer prompts are compute-bound and run as plain calls.
-        short = [t for t in self.prefill_buckets if t <= prefill_graphs] if static_prefill else []
-        # slot_prefill: the static prefill inputs carry the cache rows to fill (continuous batching).
-        self.slot_prefill = slot_prefill
-        prefill_states = {(b, t): PrefillState(b, t, self.device, slot_prefill)
-                          for b in self.batch_buckets for t in short}
-        self.prefill_steps = {(b, t, m): PrefillStep(partial(prefill, self._prefill_model), st, m)
-                              for (b, t), st in prefill_states.items() for m in PLAIN_MODES}
-        self._rng = random.Random()
-        self.speculation: StepStrategy | None = None  # set by llm.load_llm_runner for a speculative plan
+        self.speculation: SpeculativeDecoding | None = None  # set by llm.load_llm_runner for a speculative plan
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
-                     "compile_mode": compile_mode, "cuda_graphs": cuda_graphs,
-                     "prefill_graphs": prefill_graphs if static_prefill else 0, "static_prefill": static_prefill,
-                     "kernels": kernels,
+                     "compile_mode": compile_mode, "cuda_graphs": cuda_graphs, "kernels": kernels,
                      "batch_buckets": list(self.batch_buckets),
                      "prefill_buckets": list(self.prefill_buckets), "kv_buckets": list(self.kv_buckets),
                      "max_seq_len": max_seq_len}
@@ -571,153 +372,43 @@ class LlamaRunner:
         """The longest prompt this runner takes: its largest prompt bucket, leaving one token to generate."""
         return min(self.prefill_buckets[-1], self.max_seq_len - 1)
 
-    def check(self, prompt: list[int], params: SamplingParams) -> str | None:
-        """Why this request cannot run, or None. The handler validates requests before they get
-        here (with these same limits); this guards every other caller."""
-        if len(prompt) == 0:
-            return "the prompt is empty"
-        if (err := params.error()) is not None:
-            return err
-        if len(prompt) > self.max_prompt_len:
-            return f"the prompt has {len(prompt)} tokens, more than the {self.max_prompt_len} this server accepts"
-        if len(prompt) + params.max_tokens > self.max_seq_len:
-            return (f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+    def context_error(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a prompt of ``prompt_len`` tokens with ``max_tokens`` to generate does not fit, or
+        None: the one check of the prompt limit and the context (the handler answers its message
+        as a 400, the engine refuses such a request with it)."""
+        if prompt_len > self.max_prompt_len:
+            return f"the prompt has {prompt_len} tokens, more than the {self.max_prompt_len} this server accepts"
+        if prompt_len + max_tokens > self.max_seq_len:
+            return (f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
                     f"context of {self.max_seq_len} tokens")
         return None
 
+    def check(self, prompt: list[int], params: SamplingParams) -> str | None:
+        """Why this request cannot run, or None. ``RuntimeError`` if another runner has reallocated
+        the model's KV cache since (the model holds one)."""
+        if self.model.max_seq_len != self.max_seq_len or self.model.max_batch_size < self.max_batch:
+            raise RuntimeError("the model's KV cache was reallocated by another runner; use one runner per model")
+        if len(prompt) == 0:
+            return "the prompt is empty"
+        return params.error() or self.context_error(len(prompt), params.max_tokens)
+
     @torch.no_grad()
     def warmup(self) -> dict[str, float]:
-        """Compile prefill for every bucket (when compiled) and capture (CUDA) every decode step.
+        """Capture (CUDA) every decode step, or run one of each sampling mode (CPU) to check its shapes.
 
-        Returns seconds spent per phase. Leaves the KV cache holding garbage, which is harmless.
+        Returns the seconds it took. Leaves the KV cache holding garbage, which is harmless.
         """
         t0 = time.perf_counter()
-        shapes = [(b, t) for b in self.batch_buckets for t in self.prefill_buckets]
-        # Eager prefill has nothing to compile: one small call initialises the kernels. Compiled,
-        # every shape runs once, so that any guard that would recompile fails here, not in serving.
-        if not self.static_prefill:
-            shapes = []
-        for b, t in shapes if self.compile_prefill else shapes[:1]:
-            params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
-            tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.pad_id] * t], b, t))
-            rows = torch.arange(b, device=self.device) if self.slot_prefill else None
-            prefill(self._prefill_model, tokens, input_pos, last_idx, params, FILTER, rows)
-        self._sync()
-        t1 = time.perf_counter()
         for b, state in self.states.items():
             state.load(torch.zeros(b, dtype=torch.int64, device=self.device),
                        torch.zeros(b, dtype=torch.int64, device=self.device),
                        SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        warm_steps(self.prefill_steps, prefill_order, pool, lambda k: k[2] in (FILTER, FULL))
-        self._sync()
-        t2 = time.perf_counter()
         warm_steps(self.steps, decode_order, pool, lambda k: k[1] in (FILTER, FULL) and k[2] == self.kv_buckets[-1])
-        self._sync()
-        return {"prefill_s": t1 - t0, "prefill_graphs_s": t2 - t1, "decode_s": time.perf_counter() - t2}
+        self.sync()
+        return {"decode_s": time.perf_counter() - t0}
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
+        """Wait for the device's queued work (CUDA; nothing to wait for on CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def stream(self, prompts: list[list[int]], params: list[SamplingParams],
-               speculate: list[bool] | None = None) -> GenerationStream:
-        """Validate, run prefill now, and return an iterator of one ``StepOutput`` per step.
-
-        Decodes with the ``speculation`` strategy when there is one and it applies to the batch
-        (``speculate[i] = False`` keeps request i from speculating), else one token per step.
-        Not a generator itself, so a bad request raises ``ValueError`` at the call, not at the
-        first ``next()``. Iterate to the end (or drop the iterator) before the next call: the
-        runner has one KV cache.
-        """
-        if self.speculation is not None and self.speculation.applies(params, speculate):
-            return self.speculation.stream(prompts, params, speculate)
-        return self.stream_plain(prompts, params)
-
-    def stream_plain(self, prompts: list[list[int]], params: list[SamplingParams]) -> GenerationStream:
-        """``stream`` with one token per step, whatever the strategy."""
-        b = self.prepare(prompts, params, self.batch_buckets)
-        with torch.no_grad():
-            first = self.run_prefill(self.prefill_steps, b, partial(prefill, self._prefill_model))
-            self.states[b.batch].load(token_ids(first, b.mode), b.positions, b.sampling, count=b.mode == FULL)
-        host = HostCopies(tuple(first.shape), self.device, first.dtype)
-        host.start(0, first)
-        done = [False] * len(prompts)
-        return GenerationStream(self._decode_loop(b.batch, b.mode, host, [len(p) for p in prompts], params, done),
-                                done)
-
-    def prepare(self, prompts: list[list[int]], params: list[SamplingParams],
-                batch_buckets: tuple[int, ...]) -> "PreparedBatch":
-        """Validate a batch (``ValueError`` naming the request) and pad it to its buckets, on the device."""
-        if not self.static_prefill:
-            raise RuntimeError("this runner was built without static prefill (static_prefill=False): "
-                               "its prompts go through the continuous engine")
-        if self.model.max_seq_len != self.max_seq_len or self.model.max_batch_size < self.max_batch:
-            raise RuntimeError("the model's KV cache was reallocated by another runner; use one runner per model")
-        n = len(prompts)
-        if n == 0 or n != len(params):
-            raise ValueError(f"need one SamplingParams per prompt, got {n} prompts and {len(params)}")
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            if (err := self.check(p, sp)) is not None:
-                raise ValueError(f"request {i}: {err}")
-        batch = pick_bucket(n, batch_buckets)
-        length = pick_bucket(max(len(p) for p in prompts), self.prefill_buckets)
-        tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts(prompts, batch, length, self.pad_id))
-        pad_rows = batch - n  # dummy rows decode greedily
-        temperature = [float(sp.temperature) for sp in params] + [0.0] * pad_rows
-        top_k = [sp.top_k for sp in params] + [0] * pad_rows
-        top_p = [float(sp.top_p) for sp in params] + [1.0] * pad_rows
-        seeds = [sp.seed if sp.seed is not None else self._rng.getrandbits(32) for sp in params] + [0] * pad_rows
-        presence = [float(sp.presence_penalty) for sp in params] + [0.0] * pad_rows
-        frequency = [float(sp.frequency_penalty) for sp in params] + [0.0] * pad_rows
-        positions = torch.tensor([len(p) for p in prompts] + [0] * pad_rows, device=self.device)
-        return PreparedBatch(batch, length, tokens, input_pos, last_idx,
-                             SamplingTensors.build(temperature, top_k, top_p, seeds, self.device, presence, frequency),
-                             sampling_mode(temperature, top_k, top_p, any(sp.full for sp in params)), positions)
-
-    @staticmethod
-    def run_prefill(steps: dict[tuple[int, int, str], GraphedStep], b: "PreparedBatch",
-                    plain: Callable[..., Tensor], rows: Tensor | None = None) -> Tensor:
-        """Prefill from the static-input step of the batch's shape when there is one (a graph's
-        output: the caller copies it before any replay), else ``plain(tokens, input_pos, last_idx,
-        sampling, mode)``. ``rows``: the cache rows to fill (a runner built with ``slot_prefill``)."""
-        step = steps.get((b.batch, b.length, b.mode))
-        if step is None:
-            if rows is not None:
-                return plain(b.tokens, b.input_pos, b.last_idx, b.sampling, b.mode, rows=rows)
-            return plain(b.tokens, b.input_pos, b.last_idx, b.sampling, b.mode)
-        step.state.load(b.tokens, b.input_pos, b.last_idx, b.sampling, rows)
-        return step.run()
-
-    def _decode_loop(self, batch: int, mode: str, host: HostCopies, lengths: list[int],
-                     params: list[SamplingParams], done: list[bool]) -> Iterator[StepOutput]:
-        n = len(params)
-        generated = [0] * n
-        stops = [set(sp.stop_token_ids) for sp in params]
-        launched, slot = 1, 0  # tokens per row requested from the device so far (prefill's first)
-        while True:
-            live = [i for i in range(n) if not done[i]]  # done[] may also be set by GenerationStream.cancel
-            if not live:
-                return
-            if launched < max(params[i].max_tokens for i in live):  # launch step t+1 before reading step t
-                # This step writes position lengths[i] + launched - 1 for row i: attend to one past it.
-                needed = min(max(lengths[i] for i in live) + launched, self.max_seq_len)
-                step = self.steps[(batch, mode, pick_bucket(needed, self.kv_buckets))]
-                host.start(1 - slot, step.run())
-                launched += 1
-            rows = host.wait(slot)
-            out = StepOutput([None] * n, [None] * n, logprobs=[None] * n)
-            for i in live:
-                tok, logprob = read_row(rows[i], mode, params[i].logprobs)
-                out.tokens[i] = [tok]
-                if logprob is not None:
-                    out.logprobs[i] = [logprob]
-                generated[i] += 1
-                if tok in stops[i]:
-                    out.finish_reasons[i], done[i] = FINISH_STOP, True
-                elif generated[i] >= params[i].max_tokens:
-                    out.finish_reasons[i], done[i] = FINISH_LENGTH, True
-            yield out
-            if all(done):
-                return
-            slot = 1 - slot

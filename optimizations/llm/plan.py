@@ -1,8 +1,8 @@
 """An LLM's plan (the model-config's `servekit:` section) -> a warmed-up runner.
 
-The runner is generate.py's ``LlamaRunner``; with a ``speculation`` section it also gets
-speculative.py's step strategy (speculator heads from the archive), so the handler serves one
-runner whatever the plan.
+The runner is generate.py's ``LlamaRunner``, driven by the continuous engine (continuous.py); with a
+``speculation`` section it also gets speculative.py's step strategy (speculator heads from the
+archive), so the handler serves one runner whatever the plan.
 """
 from __future__ import annotations
 
@@ -45,13 +45,12 @@ class LlmPlan:
     precision: str = "fp32"
     compile: str = "off"  # off | default | max-autotune-no-cudagraphs: prefill and decode, dynamic shapes
     cuda_graphs: bool = False  # decode steps captured per (batch, kv length, sampling mode)
-    prefill_graphs: int = 0  # prefill of prompt buckets up to this many tokens from graphs too (0: off)
     kernels: str = "torch"  # torch | triton: decode/verify steps through fused Triton kernels (optimizations/kernels/triton_decode.py)
     warmup: bool = True
     fallback: str = "error"  # error | eager: what to do when compile/graphs cannot be applied
     max_seq_len: int = 2048  # KV cache length: prompt + completion
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    prompt_lens: tuple[int, ...] | None = None  # prefill padding buckets (default: 16, 32, ... max_seq_len)
+    prompt_lens: tuple[int, ...] | None = None  # the largest is the longest prompt accepted (default: max_seq_len - 1)
     kv_lens: tuple[int, ...] | None = None  # decode attention lengths (default: 256, 512, ... max_seq_len)
     limits: LlmLimits = field(default_factory=LlmLimits)
     cpu_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
@@ -71,8 +70,6 @@ class LlmPlan:
             parts.append(f"kernels-{self.kernels}")
         if self.cuda_graphs:
             parts.append("cudagraphs")
-        if self.prefill_graphs:
-            parts.append(f"prefill-graphs{self.prefill_graphs}")
         if self.speculation is not None:
             parts.append(f"spec{self.speculation.n_heads or ''}")
         return "+".join(parts)
@@ -85,7 +82,7 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     """Validate the ``servekit:`` mapping of an LLM model-config; errors name the key."""
     raw = check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
                                   "max_seq_len", "buckets", "limits", "cpu_threads", "speculation",
-                                  "prefill_graphs", "prefill_chunk", "max_num_batched_tokens", "kernels",
+                                  "prefill_chunk", "max_num_batched_tokens", "kernels",
                                   "prefix_caching"})
     kw: dict[str, object] = {}
     for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
@@ -101,11 +98,6 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     if budget < chunk:
         raise PlanError(f"{path}.max_num_batched_tokens: {budget} is below prefill_chunk {chunk} (the most one "
                         "prompt puts into a step)")
-    if raw.get("prefill_graphs") is not None:
-        v = raw["prefill_graphs"]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise PlanError(f"{path}.prefill_graphs: expected a prompt length >= 0 (0: off), got {v!r}")
-        kw["prefill_graphs"] = v
     max_seq = int(kw.get("max_seq_len", LlmPlan.max_seq_len))  # type: ignore[call-overload]
     buckets = check_keys(f"{path}.buckets", raw.get("buckets"), {"batch_sizes", "prompt_lens", "kv_lens"})
     for key in ("batch_sizes", "prompt_lens", "kv_lens"):
@@ -147,11 +139,9 @@ def _parse_spec_plan(raw: object, path: str) -> SpecPlan:
     return SpecPlan(**kw)  # type: ignore[arg-type]
 
 
-def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> tuple[LlamaRunner, LlmPlan, list[str]]:
+def load_llm_runner(model_dir: str, plan: LlmPlan) -> tuple[LlamaRunner, LlmPlan, list[str]]:
     """Load the converted checkpoint in ``model_dir`` and build (and warm up) the plan's runner,
-    with speculative decoding as its step strategy when the plan has a ``speculation`` section
-    (``continuous``: a runner for continuous batching, whose prefills fill given slots and whose
-    verify steps run on its decode rows).
+    with speculative decoding as its step strategy when the plan has a ``speculation`` section.
 
     Returns the runner, the effective plan and the downgrades made (only with ``fallback: eager``;
     otherwise anything the plan asks for that cannot be applied raises ``PlanError``).
@@ -168,13 +158,11 @@ def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> 
 
     def build(p: LlmPlan) -> LlamaRunner:
         compiled = p.compile != "off"
-        # With triton kernels, compile covers prefill only: decode steps are the fused kernels.
+        # With triton kernels, compile covers the packed prefill only: decode steps are the fused kernels.
         return LlamaRunner(model, p.max_seq_len, p.batch_sizes, p.prompt_lens, p.kv_lens,
                            compile_prefill=compiled, compile_decode=compiled and p.kernels == "torch",
                            cuda_graphs=p.cuda_graphs, compile_mode=p.compile if compiled else "default",
-                           prefill_graphs=p.prefill_graphs, kernels=p.kernels,
-                           # The continuous engine prefills through its packed forward only.
-                           static_prefill=not continuous)
+                           kernels=p.kernels)
 
     runner = build(plan)
     if plan.warmup:
@@ -188,7 +176,7 @@ def load_llm_runner(model_dir: str, plan: LlmPlan, continuous: bool = False) -> 
             runner = build(plan)
             runner.warmup()
     if plan.speculation is not None:
-        runner.speculation = _speculation(runner, Path(model_dir), plan, continuous)
+        runner.speculation = _speculation(runner, Path(model_dir), plan)
         runner.plan["speculative"] = runner.speculation.plan
     if device.type == "cuda":
         # Scratch memory of loading and of every warm-up (plain and speculative) goes back to the
@@ -208,9 +196,8 @@ def stop_token_ids(model_dir: str | Path, tokenizer: ChatTokenizer) -> tuple[int
     return tuple(sorted(ids))
 
 
-def _speculation(runner: LlamaRunner, model_dir: Path, plan: LlmPlan, in_slots: bool) -> SpeculativeDecoding:
-    """The archive's speculator heads as the warmed-up runner's step strategy (verify steps warmed);
-    ``in_slots``: verify steps over the continuous batch's rows."""
+def _speculation(runner: LlamaRunner, model_dir: Path, plan: LlmPlan) -> SpeculativeDecoding:
+    """The archive's speculator heads as the warmed-up runner's step strategy (verify steps warmed)."""
     sp = plan.speculation
     assert sp is not None
     folder = model_dir / sp.heads
@@ -220,7 +207,7 @@ def _speculation(runner: LlamaRunner, model_dir: Path, plan: LlmPlan, in_slots: 
     try:
         heads = load_speculator(folder)
         spec = SpeculativeDecoding(runner, heads, max_spec_batch=sp.max_batch, n_heads=sp.n_heads,
-                                   compile_verify=plan.compile != "off", in_slots=in_slots)
+                                   compile_verify=plan.compile != "off")
     except ValueError as e:  # heads for another model, more heads asked for than trained, ...
         raise PlanError(f"servekit.speculation: {e}") from e
     if plan.warmup:

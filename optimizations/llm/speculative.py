@@ -26,17 +26,17 @@ KV cache: nothing is copied or rolled back. Slots ``p+a+1 .. p+k`` hold the reje
 keys/values, and the next step writes its k+1 tokens starting at ``p+a+1``, so it overwrites all
 of them before anything reads them (a token at position q attends to slots ``0..q`` only).
 
-Sampled requests (temperature > 0) do not speculate: in a batch they are forced to accept 0
-drafts and their token at each step is sampled from the logits of the first position with the
-same per-(seed, position) noise as the plain runner, so they get exactly the tokens they would get
-without speculation. A batch with no greedy row, a batch larger than ``max_spec_batch``, or
-requests with ``speculate=False`` decode with the runner's plain steps (or ride along without
-drafts). ``SpeculativeDecoding`` is the runner's step strategy (``LlamaRunner.speculation``).
+Sampled requests (temperature > 0) do not speculate: they are forced to accept 0 drafts and their
+token at each step is sampled from the logits of the first position with the same per-(seed,
+position) noise as a plain decode step, so they get exactly the tokens they would get without
+speculation; so do requests with ``speculate=False``. ``SpeculativeDecoding`` is the runner's step
+strategy (``LlamaRunner.speculation``): the continuous engine (continuous.py) decides step by step
+whether its running rows take a verify step or a plain one.
 
 Static shapes: ``verify_step`` always processes k+1 tokens per row, so on CUDA it is captured as one
 ``torch.cuda.CUDAGraph`` per (batch bucket, sampling mode, kv bucket), like the plain decode step;
 the graph advances its own state in place, the host reads ``(B, k+2)`` integers per step (the k+1
-base tokens and the accepted count): one device-to-host sync per step, launched one step ahead.
+base tokens and the accepted count): one device-to-host sync per step.
 
 Exactness holds as far as the base model computes the same logits for a token whether it is fed
 alone or among k+1: always in exact arithmetic, and in practice in fp32. In bf16 the k+1-token
@@ -50,26 +50,25 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, Completion, DecodeState, GenerationStream,
-                                             GraphedStep, HostCopies, LlamaRunner, PrefillStep, RegionalCompiled, SamplingParams,
-                                             StepOutput, collect, decode_order, pad_prompts, prefill_order, warm_steps)
+from servekit.optimizations.llm.generate import (DecodeState, GraphedStep, LlamaRunner, RegionalCompiled, decode_order,
+                                                 warm_steps)
 from servekit.optimizations.models.llama import RMSNorm, Transformer
 from servekit.optimizations.llm.sampling import FILTER, GREEDY, MODES, SamplingTensors, sample
 
 SPEC_FORMAT = "servekit-mlp-speculator"
 SPEC_WEIGHTS = "speculator.safetensors"
 SPEC_CONFIG = "speculator.json"
-# Above this many requests in a batch the runner decodes without speculation. Placeholder until
-# the GPU measurement (benchmarks/spec_bench.py reports the batch size where speculation stops
-# paying); the plan can set it per model.
-DEFAULT_MAX_SPEC_BATCH = 8  # batches with more requests decode without speculation (a plan's default)
+# Above this many busy rows the engine decodes without speculation. Placeholder until the GPU
+# measurement (benchmarks/spec_bench.py reports the batch size where speculation stops paying);
+# the plan can set it per model.
+DEFAULT_MAX_SPEC_BATCH = 8
 
 
 # --- the heads ------------------------------------------------------------------------------------
@@ -263,15 +262,6 @@ def forward_hidden(model: Transformer, tokens: Tensor, input_pos: Tensor, kv_len
     return (model.output(hidden).float() if with_logits else None), hidden
 
 
-def spec_prefill(model: Transformer, speculator: Speculator, tokens: Tensor, input_pos: Tensor,
-                 last_idx: Tensor, params: SamplingTensors, mode: str = FILTER) -> tuple[Tensor, Tensor]:
-    """Prefill right-padded prompts; returns each row's first token ``(B,)`` and its drafts ``(B, k)``."""
-    logits, hidden = forward_hidden(model, tokens, input_pos, kv_len=tokens.shape[1], last_idx=last_idx)
-    position = input_pos.gather(1, last_idx[:, None]).squeeze(1)
-    first = sample(logits, params, position, mode)
-    return first, speculator.draft(model, hidden, first)
-
-
 def verify_step(model: Transformer, speculator: Speculator, token: Tensor, draft: Tensor, pos: Tensor,
                 spec_rows: Tensor, params: SamplingTensors, mode: str = GREEDY, kv_len: int | None = None
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -303,19 +293,11 @@ class SpecStats:
 
     proposed: list[int]
     accepted: list[int]
-    steps: int = 0  # host steps seen (prefill's included)
-    tokens: int = 0  # tokens emitted
+    tokens: int = 0  # tokens emitted by speculating rows' verify steps
 
     @classmethod
     def empty(cls, n_heads: int) -> "SpecStats":
         return cls([0] * n_heads, [0] * n_heads)
-
-    def add(self, out: StepOutput) -> None:
-        for j, (p, a) in enumerate(zip(out.proposed, out.accepted)):
-            self.proposed[j] += p
-            self.accepted[j] += a
-        self.steps += 1
-        self.tokens += sum(len(t) for t in out.tokens if t is not None)
 
     def add_row(self, accepted: int) -> None:
         """One row's verify step that accepted ``accepted`` of its drafts (continuous batching)."""
@@ -334,30 +316,20 @@ class SpecStats:
         return 1.0 + sum(self.accepted) / self.proposed[0] if self.proposed and self.proposed[0] else 1.0
 
     def to_dict(self) -> dict:
-        return {"proposed": self.proposed, "accepted": self.accepted, "steps": self.steps, "tokens": self.tokens,
+        return {"proposed": self.proposed, "accepted": self.accepted, "tokens": self.tokens,
                 "acceptance_rate": [round(r, 4) for r in self.acceptance_rate],
                 "mean_accepted_length": round(self.mean_accepted_length, 4)}
 
 
 class SpecState:
-    """Static inputs of the verify step for one batch bucket, shared by its graphs."""
+    """Static inputs of the verify step for one batch bucket, over a plain decode state's own
+    memory: its token, position and sampling rows are the decode state's, so plain and verify
+    steps take turns on the same rows with nothing copied. Only the drafts and speculate flags are
+    its own."""
 
-    def __init__(self, batch: int, n_heads: int, device: torch.device) -> None:
-        self.token = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.draft = torch.zeros(batch, n_heads, dtype=torch.int64, device=device)
-        self.pos = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.spec_rows = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.params = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
-
-    @classmethod
-    def sharing(cls, decode: DecodeState, draft: Tensor, spec_rows: Tensor) -> "SpecState":
-        """A state over a plain decode state's own memory (continuous batching): its token,
-        position and sampling rows are the decode state's, so plain and verify steps take turns on
-        the same rows with nothing copied. Only the drafts and speculate flags are its own."""
-        out = object.__new__(cls)
-        out.token, out.pos, out.params = decode.tokens[:, 0], decode.input_pos[:, 0], decode.params
-        out.draft, out.spec_rows = draft, spec_rows
-        return out
+    def __init__(self, decode: DecodeState, draft: Tensor, spec_rows: Tensor) -> None:
+        self.token, self.pos, self.params = decode.tokens[:, 0], decode.input_pos[:, 0], decode.params
+        self.draft, self.spec_rows = draft, spec_rows
 
     def load(self, token: Tensor, draft: Tensor, pos: Tensor, spec_rows: Tensor, params: SamplingTensors) -> None:
         self.token.copy_(token)
@@ -391,31 +363,15 @@ class VerifyStep(GraphedStep):
         return torch.cat([base, accepted[:, None]], dim=1)
 
 
-def generate_speculative(spec: "SpeculativeDecoding", prompts: list[list[int]], params: list[SamplingParams],
-                         speculate: list[bool] | None = None) -> tuple[list[Completion], SpecStats]:
-    """Generate to completion with ``spec`` deciding per batch, as ``spec.base.stream`` does with it
-    as its strategy; also returns the acceptance counters."""
-    stats = SpecStats.empty(spec.n_heads)
-
-    def counted(steps: Iterator[StepOutput]) -> Iterator[StepOutput]:
-        for step in steps:
-            stats.add(step)
-            yield step
-
-    return collect(counted(spec.stream(prompts, params, speculate)), len(prompts)), stats
-
-
 class SpeculativeDecoding:
     """Speculative decoding as a step strategy of a ``LlamaRunner`` (same model, KV cache, buckets,
-    prefill plan): set it as ``runner.speculation`` and ``runner.stream`` uses it.
-
-    It applies to batches of at most ``max_spec_batch`` requests with a greedy request among them;
-    ``stream()`` called on another batch streams the runner's plain steps. ``n_heads`` (default:
-    all trained heads) is how many drafts a step proposes.
+    decode rows): set it as ``runner.speculation`` and the continuous engine takes verify steps
+    while the busy rows fit ``max_spec_batch``. ``n_heads`` (default: all trained heads) is how
+    many drafts a step proposes.
     """
 
     def __init__(self, base: LlamaRunner, speculator: Speculator, max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH,
-                 n_heads: int | None = None, compile_verify: bool = False, in_slots: bool = False) -> None:
+                 n_heads: int | None = None, compile_verify: bool = False) -> None:
         model = base.model
         speculator.check_base(model)
         if max_spec_batch < 0:
@@ -428,148 +384,37 @@ class SpeculativeDecoding:
         self.max_spec_batch = min(max_spec_batch, base.max_batch)
         top = pick_bucket(self.max_spec_batch, base.batch_buckets) if self.max_spec_batch else 0
         self.spec_buckets = tuple(b for b in base.batch_buckets if b <= top)
-        # The base runner's compiled blocks (regional compilation) serve prefill and verify too.
+        # The base runner's compiled blocks (regional compilation) serve verify too.
         compiled = base.compiled_model
         if compile_verify and compiled is None:
             compiled = RegionalCompiled(model, base.plan.get("compile_mode", "default"))
-        self._prefill_model = base.compiled_model if base.compile_prefill else model
         verify_model = compiled if compile_verify else model
         if base.triton_model is not None:  # the fused decode kernels take k+1 tokens per row as well
             verify_model = base.triton_model
-        # in_slots (continuous batching): the verify steps run on the runner's own decode rows, and
-        # requests start with the runner's slot prefill (their first step has stale drafts).
-        self.in_slots = in_slots
-        if in_slots:
-            top = self.spec_buckets[-1] if self.spec_buckets else 0
-            self.draft = torch.zeros(top, self.n_heads, dtype=torch.int64, device=self.device)
-            self.spec_rows = torch.zeros(top, dtype=torch.int64, device=self.device)
-            self.states = {b: SpecState.sharing(base.states[b], self.draft[:b], self.spec_rows[:b])
-                           for b in self.spec_buckets}
-        else:
-            self.states = {b: SpecState(b, self.n_heads, self.device) for b in self.spec_buckets}
+        # The verify steps run on the runner's own decode rows; a request starts with the engine's
+        # prefill, which makes no drafts (its first verify step has stale ones).
+        self.draft = torch.zeros(top, self.n_heads, dtype=torch.int64, device=self.device)
+        self.spec_rows = torch.zeros(top, dtype=torch.int64, device=self.device)
+        self.states = {b: SpecState(base.states[b], self.draft[:b], self.spec_rows[:b]) for b in self.spec_buckets}
         self.steps = {(b, m, kv): VerifyStep(verify_model, self.speculator, self.states[b], m, kv, verify_step)
                       for b in self.spec_buckets for m in MODES for kv in base.kv_buckets}
-        # The base runner's short prompt buckets prefill from static inputs; so do ours, on its buffers.
-        self.prefill_steps = {} if in_slots else {key: PrefillStep(self._plain_prefill, step.state, key[2])
-                                                  for key, step in base.prefill_steps.items()
-                                                  if key[0] in self.spec_buckets}
         self.plan = {"n_heads": self.n_heads, "max_spec_batch": self.max_spec_batch,
-                     "spec_buckets": list(self.spec_buckets), "compile_verify": compile_verify,
-                     "in_slots": in_slots}
+                     "spec_buckets": list(self.spec_buckets), "compile_verify": compile_verify}
 
     @torch.no_grad()
-    def warmup(self, include_base: bool = False) -> dict[str, float]:
-        """Compile spec prefill and capture every verify step (after the runner's own warm-up, or
-        with it first: ``include_base``)."""
-        phases = {f"base_{k}": v for k, v in self.base.warmup().items()} if include_base else {}
+    def warmup(self) -> dict[str, float]:
+        """Capture (CUDA) every verify step, or run one (CPU) to check its shapes; after the runner's
+        own warm-up. Returns the seconds it took."""
         t0 = time.perf_counter()
-        shapes = [(b, t) for b in self.spec_buckets for t in self.base.prefill_buckets]
-        if self.in_slots:  # requests start with the runner's own prefill
-            shapes = []
-        for b, t in shapes if self.base.compile_prefill else shapes[:1]:
-            params = SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device)
-            tokens, input_pos, last_idx = (x.to(self.device) for x in pad_prompts([[self.base.pad_id] * t], b, t))
-            for mode in MODES:
-                spec_prefill(self._prefill_model, self.speculator, tokens, input_pos, last_idx, params, mode)
         pool = torch.cuda.graph_pool_handle() if self.base.cuda_graphs else None
-        warm_steps(self.prefill_steps, prefill_order, pool, lambda k: k[2] == FILTER)
-        self.base._sync()
-        t1 = time.perf_counter()
         for b, state in self.states.items():
             zeros = torch.zeros(b, dtype=torch.int64, device=self.device)
             state.load(zeros, torch.zeros(b, self.n_heads, dtype=torch.int64, device=self.device), zeros, zeros + 1,
                        SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
         warm_steps(self.steps, decode_order, pool, lambda k: k[1:] == (FILTER, self.base.kv_buckets[-1]))
-        self.base._sync()
-        return {**phases, "spec_prefill_s": t1 - t0, "spec_verify_s": time.perf_counter() - t1}
-
-    def applies(self, params: list[SamplingParams], speculate: list[bool] | None = None) -> bool:
-        """Whether ``stream`` takes the speculative path for this batch."""
-        if self.in_slots:  # the continuous batcher decides step by step
-            return False
-        rows = self._spec_rows(params, speculate)
-        # Penalties and logprobs are plain steps' features (FULL mode): such a batch does not speculate.
-        return 0 < len(params) <= self.max_spec_batch and any(rows) and not any(sp.full for sp in params)
+        self.base.sync()
+        return {"spec_verify_s": time.perf_counter() - t0}
 
     def set_rows(self, rows: Tensor, speculate: Tensor) -> None:
-        """Whether the requests starting in ``rows`` (continuous batching) accept drafts (1) or not (0)."""
+        """Whether the requests starting in ``rows`` accept drafts (1) or not (0)."""
         self.spec_rows.index_copy_(0, rows, speculate)
-
-    @staticmethod
-    def _spec_rows(params: list[SamplingParams], speculate: list[bool] | None) -> list[bool]:
-        if speculate is None:
-            speculate = [True] * len(params)
-        if len(speculate) != len(params):
-            raise ValueError(f"need one speculate flag per request, got {len(speculate)} for {len(params)}")
-        return [bool(s) and sp.temperature == 0 for s, sp in zip(speculate, params)]
-
-    def stream(self, prompts: list[list[int]], params: list[SamplingParams],
-               speculate: list[bool] | None = None) -> GenerationStream:
-        """Validate, prefill now, return an iterator of ``StepOutput`` (see ``LlamaRunner.stream``).
-
-        ``speculate[i] = False`` keeps request i from speculating (sampled requests never do).
-        """
-        if not self.applies(params, speculate):
-            return self.base.stream_plain(prompts, params)
-        rows = self._spec_rows(params, speculate)
-        b = self.base.prepare(prompts, params, self.spec_buckets)
-        spec_rows = torch.tensor([int(r) for r in rows] + [0] * (b.batch - len(rows)), device=self.device)
-        with torch.no_grad():
-            out = self.base.run_prefill(self.prefill_steps, b, self._plain_prefill)
-            first, draft = out[:, 0], out[:, 1:]
-            self.states[b.batch].load(first, draft, b.positions, spec_rows, b.sampling)
-            host = HostCopies((b.batch, self.n_heads + 2), self.device)
-            host.start(0, torch.cat([first[:, None], torch.zeros_like(draft), torch.zeros_like(first)[:, None]], 1))
-        done = [False] * len(prompts)
-        return GenerationStream(self._spec_loop(b.batch, b.mode, host, [len(p) for p in prompts], params, rows, done),
-                                done)
-
-    def _plain_prefill(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor, params: SamplingTensors,
-                       mode: str) -> Tensor:
-        """``spec_prefill`` as one ``(B, 1+k)`` tensor: each row's first token and its drafts."""
-        first, draft = spec_prefill(self._prefill_model, self.speculator, tokens, input_pos, last_idx, params, mode)
-        return torch.cat([first[:, None], draft], dim=1)
-
-    def _spec_loop(self, batch: int, mode: str, host: HostCopies, lengths: list[int], params: list[SamplingParams],
-                   rows: list[bool], done: list[bool]) -> Iterator[StepOutput]:
-        n, k, max_seq = len(params), self.n_heads, self.base.max_seq_len
-        generated = [0] * n
-        stops = [set(sp.stop_token_ids) for sp in params]
-        fed = list(lengths)  # position of the token the next verify step to be read feeds, per row
-        t, slot = 0, 0  # output t: 0 = prefill's first token, t >= 1 = verify step t
-        while True:
-            live = [i for i in range(n) if not done[i]]  # done[i] is also set by GenerationStream.cancel
-            if not live:
-                return
-            # Launch step t+1 before reading output t when some row may still need tokens after it.
-            if any(generated[i] + 1 < params[i].max_tokens for i in live):
-                # Step t+1 feeds at most k+1 past what step t feeds (t = 0: exactly ``fed``), and
-                # writes k slots beyond its first: attend to one past the last.
-                needed = min(max(fed[i] for i in live) + (k + 1 if t else 0) + k + 1, max_seq)
-                step = self.steps[(batch, mode, pick_bucket(needed, self.base.kv_buckets))]
-                host.start(1 - slot, step.run())
-            out_rows = host.wait(slot)
-            out = StepOutput([None] * n, [None] * n, [0] * k, [0] * k)
-            for i in live:
-                acc = out_rows[i][k + 1]
-                if t:
-                    fed[i] += acc + 1
-                    if rows[i]:
-                        for j in range(k):
-                            out.proposed[j] += 1
-                            out.accepted[j] += j < acc
-                new: list[int] = []
-                for tok in out_rows[i][:acc + 1]:
-                    new.append(tok)
-                    generated[i] += 1
-                    if tok in stops[i]:
-                        out.finish_reasons[i], done[i] = FINISH_STOP, True
-                        break
-                    if generated[i] >= params[i].max_tokens:
-                        out.finish_reasons[i], done[i] = FINISH_LENGTH, True
-                        break
-                out.tokens[i] = new
-            yield out
-            if all(done):
-                return
-            t, slot = t + 1, 1 - slot

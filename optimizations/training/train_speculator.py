@@ -41,7 +41,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from servekit.optimizations.device import DTYPES
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import generate
 from servekit.optimizations.models.llama import LlamaConfig, Transformer, generation_stop_ids, init_random, load_llama
 from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, forward_hidden, save_speculator
 
@@ -158,8 +160,10 @@ def self_distill(model: Transformer, prompts: list[list[int]], new_tokens: int, 
     batch = min(batch, len(jobs))
     runner = LlamaRunner(model, max_seq_len=max_seq, batch_buckets=(batch,), cuda_graphs=cuda_graphs,
                          prefill_buckets=tuple(b for b in (16, 32, 64, 128, 256) if b < max_prompt) + (max_prompt,))
+    engine = ContinuousBatcher(runner)
     if cuda_graphs:
         runner.warmup()
+        engine.warmup()
     out: list[Sequence] = []
     t0 = time.perf_counter()
     for start in range(0, len(jobs), batch):
@@ -167,7 +171,7 @@ def self_distill(model: Transformer, prompts: list[list[int]], new_tokens: int, 
         params = [SamplingParams(max_tokens=min(new_tokens, max_seq - len(prompts[i])), stop_token_ids=stop_ids,
                                  temperature=temperature if s else 0.0, seed=seed * 1_000_003 + i * 101 + s)
                   for i, s in group]
-        for (i, _), c in zip(group, generate(runner, [prompts[i] for i, _ in group], params)):
+        for (i, _), c in zip(group, generate(runner, [prompts[i] for i, _ in group], params, batcher=engine)):
             out.append(Sequence(i, c.tokens, c.finish_reason == "stop"))
         _say(progress, f"generate: {len(out)}/{len(jobs)} completions, {sum(len(q.tokens) for q in out)} tokens, "
                        f"{time.perf_counter() - t0:.1f} s")
