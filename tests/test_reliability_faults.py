@@ -125,18 +125,19 @@ def _raw_exchange(port: int, path: str, body: dict, out: dict, chunks_seen: thre
     out["headers"] = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
 
 
-def test_llm_worker_death_under_continuous_batching_is_visible_to_clients(faulty, tmp_path_factory):
-    """A streamed and a non-streamed chat completion are generating when the worker is killed. Neither
-    may look like a whole answer, nor hang: the stream stops without `data: [DONE]` (its 200 head went out
-    with the first chunk) and the connection ends; the other gets a 5xx JSON, or, while TorchServe has
-    sent its 200 head already (see docs/reliability.md), a body that ends without its JSON. The new
-    worker answers the retry."""
+LLM_PATH = "/predictions/smollm2_death/1.0/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def llm_on_faulty(faulty, tmp_path_factory):
+    """SmolLM2 with its CPU plan (continuous batching, a small context) registered beside the
+    embedding model; the name it is served under."""
     from servekit.archive import LLM, SPECS, ArchiveSpec, build_archive
     from servekit.optimizations.models.gguf_weights import smollm2_archive_files
     from servekit.resources import model_config
 
     ts = faulty["ts"]
-    work = tmp_path_factory.mktemp("llm-death")
+    work = tmp_path_factory.mktemp("llm-faults")
     cfg = yaml.safe_load(model_config("smollm2-cpu").read_text())
     assert cfg["continuousBatching"] is True
     cfg["servekit"].update({"max_seq_len": 256, "limits": {"max_tokens": 200, "default_max_tokens": 16},
@@ -146,42 +147,64 @@ def test_llm_worker_death_under_continuous_batching_is_visible_to_clients(faulty
     build_archive("smollm2", ts.model_store, archive_name="smollm2_death", compress=False, spec=spec)
     ts.register("smollm2_death.mar", "smollm2_death", timeout=300)
     try:
-        path = "/predictions/smollm2_death/1.0/v1/chat/completions"
-        chat = {"messages": [{"role": "user", "content": "Write a long story about a sailor and the sea."}],
-                "max_tokens": 200, "temperature": 0}
-        answers = {"stream": {}, "whole": {}}
-        seen = {k: threading.Event() for k in answers}
-        threads = [threading.Thread(target=_raw_exchange, args=(ts.ports.inference, path, {**chat, "stream": True},
-                                                                answers["stream"], seen["stream"])),
-                   threading.Thread(target=_raw_exchange, args=(ts.ports.inference, path, chat, answers["whole"],
-                                                                seen["whole"]))]
-        for t in threads:
-            t.start()
-        # Sent together, so generating together: two events of the stream mean both are running.
-        assert seen["stream"].wait(120), answers
-        pid = ts.api.workers("smollm2_death")[0]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        for t in threads:
-            t.join(90)
-        stream, whole = answers["stream"], answers["whole"]
-        assert stream["status"] == 200 and stream["headers"]["content-type"] == "text/event-stream", stream
-        assert b"data: {" in stream["body"] and b"data: [DONE]" not in stream["body"], stream
-        assert stream["end"] != "complete" and stream["ended_at"] - killed < 30, stream
-        if whole["status"] == 200:  # the head went out while it ran: the body must not pass for an answer
-            assert whole["end"] != "complete" and b'"choices"' not in whole["body"], whole
-        else:
-            assert whole["status"] >= 500 and b"Worker died" in whole["body"], whole
-        assert whole["ended_at"] - killed < 30, whole
-        deadline = time.monotonic() + 300  # the frontend reports the dead worker READY for a moment
-        while not any(w.get("pid") not in (None, pid) and w.get("status") == "READY"
-                      for w in ts.api.workers("smollm2_death")):
-            assert time.monotonic() < deadline, ts.api.workers("smollm2_death")
-            time.sleep(0.5)
-        r = requests.post(ts.inference_url + path, json={**chat, "max_tokens": 4}, timeout=120)
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text[:300]
+        yield "smollm2_death"
     finally:
         ts.unregister("smollm2_death")
+
+
+@pytest.mark.parametrize("ctype", ["application/json", "text/plain"])
+def test_llm_duplicate_keys_get_a_400_naming_the_key(faulty, llm_on_faulty, ctype):
+    """The LLM worker too gets bodies unparsed: a duplicate key is refused, not resolved to its last value."""
+    url = faulty["ts"].inference_url + LLM_PATH
+    dup = b'{"messages": [{"role": "user", "content": "Hi: there", "role": "system"}], "max_tokens": 2}'
+    r = requests.post(url, data=dup, headers={"Content-Type": ctype}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_key", r.text[:300]
+    assert "duplicate key 'role'" in r.json()["error"]["message"]
+    ok = b'{"messages": [{"role": "user", "content": "Time: 10:30"}], "max_tokens": 2}'
+    assert requests.post(url, data=ok, headers={"Content-Type": ctype}, timeout=120).status_code == 200
+
+
+def test_llm_worker_death_under_continuous_batching_is_visible_to_clients(faulty, llm_on_faulty):
+    """A streamed and a non-streamed chat completion are generating when the worker is killed. Neither
+    may look like a whole answer, nor hang: the stream stops without `data: [DONE]` (its 200 head went out
+    with the first chunk) and the connection ends; the other gets a 5xx JSON, or, while TorchServe has
+    sent its 200 head already (see docs/reliability.md), a body that ends without its JSON. The new
+    worker answers the retry."""
+    ts = faulty["ts"]
+    path = LLM_PATH
+    chat = {"messages": [{"role": "user", "content": "Write a long story about a sailor and the sea."}],
+            "max_tokens": 200, "temperature": 0}
+    answers = {"stream": {}, "whole": {}}
+    seen = {k: threading.Event() for k in answers}
+    threads = [threading.Thread(target=_raw_exchange, args=(ts.ports.inference, path, {**chat, "stream": True},
+                                                            answers["stream"], seen["stream"])),
+               threading.Thread(target=_raw_exchange, args=(ts.ports.inference, path, chat, answers["whole"],
+                                                            seen["whole"]))]
+    for t in threads:
+        t.start()
+    # Sent together, so generating together: two events of the stream mean both are running.
+    assert seen["stream"].wait(120), answers
+    pid = ts.api.workers(llm_on_faulty)[0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(90)
+    stream, whole = answers["stream"], answers["whole"]
+    assert stream["status"] == 200 and stream["headers"]["content-type"] == "text/event-stream", stream
+    assert b"data: {" in stream["body"] and b"data: [DONE]" not in stream["body"], stream
+    assert stream["end"] != "complete" and stream["ended_at"] - killed < 30, stream
+    if whole["status"] == 200:  # the head went out while it ran: the body must not pass for an answer
+        assert whole["end"] != "complete" and b'"choices"' not in whole["body"], whole
+    else:
+        assert whole["status"] >= 500 and b"Worker died" in whole["body"], whole
+    assert whole["ended_at"] - killed < 30, whole
+    deadline = time.monotonic() + 300  # the frontend reports the dead worker READY for a moment
+    while not any(w.get("pid") not in (None, pid) and w.get("status") == "READY"
+                  for w in ts.api.workers(llm_on_faulty)):
+        assert time.monotonic() < deadline, ts.api.workers(llm_on_faulty)
+        time.sleep(0.5)
+    r = requests.post(ts.inference_url + path, json={**chat, "max_tokens": 4}, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text[:300]
 
 
 def test_restart_loads_models_from_the_store(faulty, reference):
