@@ -341,3 +341,25 @@ def test_hits_on_cuda_with_captured_steps_give_the_miss_tokens() -> None:
     assert hit.first["mate"].cached_tokens == 48 and hit.b.prefix_stats().copies == 1
     for key in ("t1", "t2", "mate"):
         assert hit.tokens[key] == miss.tokens[key], key
+
+
+def test_blocks_written_by_verify_steps_serve_a_follow_up(runner: LlamaRunner, tiny_trained_heads: Path) -> None:
+    """Speculating requests: the K/V of accepted drafts (written by verify steps, rejected drafts'
+    slots overwritten later) is what a follow-up turn reuses; outputs equal the uncached ones."""
+    from servekit.optimizations.llm.speculative import SpeculativeDecoding, load_speculator
+
+    runner.speculation = SpeculativeDecoding(runner, load_speculator(tiny_trained_heads), max_spec_batch=2)
+    try:
+        runner.speculation.warmup()
+        turn1, params = _prompt(24, 120), SamplingParams(max_tokens=40)  # 64 tokens, the last without K/V
+        answer = _uncached(runner, turn1, params).tokens["x"]
+        turn2 = turn1 + answer + _prompt(5, 121)
+        want = _uncached(runner, turn2, params).tokens["x"]
+        d = Driver(runner)
+        assert d.solo("t1", turn1, params) == answer
+        assert d.b.spec_stats.accepted[0] > 0  # drafts were accepted: verify steps wrote the answer's K/V
+        assert d.solo("t2", turn2, params) == want
+        assert d.first["t2"].cached_tokens == (24 + 40 - 1) // BLOCK * BLOCK == 48
+        check_index(d.b)
+    finally:
+        runner.speculation = None
