@@ -39,7 +39,7 @@ for step in "$@"; do
   mkdir -p "$out/$step"
   echo "== $step -> $out/$step"
   case $step in
-    llm-inprocess) python3 -m servekit.benchmarks.llm_inprocess --out "$out/$step" --variants graphs-prefill compile-graphs hf-eager --repeats 3 ;;
+    llm-inprocess) python3 -m servekit.benchmarks.llm_inprocess --out "$out/$step" --variants graphs compile-graphs hf-eager --repeats 3 ;;
     spec) python3 -m servekit.benchmarks.spec_bench --out "$(dirname "$heads")" --max-train-seconds 150 --train-topic-prompts 8000 \
             --batches 1 --rows 16 --fp32-check off \
             && cp "$(dirname "$heads")"/spec_bench.* "$out/$step/" ;;

@@ -1,8 +1,8 @@
-"""Static vs continuous batching of SmolLM2 through TorchServe: time to first token under load.
+"""Continuous batching of SmolLM2 through TorchServe, with and without speculation: time to first
+token under load.
 
-For each variant -- static batching (``static``: a batch runs until its last row ends) and
-continuous batching (``continuous``: requests join the running batch), each also with speculative
-decoding (``static-spec``, ``continuous-spec``: the base config plus a ``speculation`` section and
+For each variant -- continuous batching (``continuous``: requests join the running batch), also
+with speculative decoding (``continuous-spec``: the base config plus a ``speculation`` section and
 the heads in ``--speculator``) -- with ``batchSize`` and the plan's largest batch bucket set to
 ``--max-num-seqs``, the script builds the archive, starts its own TorchServe and measures streamed
 greedy chat completions:
@@ -44,13 +44,13 @@ from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 
 
-VARIANTS = ("static", "continuous", "static-spec", "continuous-spec")
+VARIANTS = ("continuous", "continuous-spec")
 
 
 def variant_config(base: dict[str, Any], variant: str, max_num_seqs: int, spec_max_batch: int = 8,
                    spec_heads: int | None = None) -> dict[str, Any]:
     cfg = copy.deepcopy(base)
-    cfg.update({"batchSize": max_num_seqs, "continuousBatching": variant.startswith("continuous")})
+    cfg.update({"batchSize": max_num_seqs, "continuousBatching": True})
     if variant.endswith("-spec"):
         cfg["servekit"]["speculation"] = {"heads": "speculator", "max_batch": spec_max_batch}
         if spec_heads:  # the first n of the trained heads (fewer drafts: cheaper verify steps)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"the bundled {MODEL} (default) or a model folder, as `servekit archive PATH` takes it")
     p.add_argument("--config", type=Path,
                    help="base model-config (default: the bundled model's, or the one `servekit archive PATH` generates)")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["static", "continuous"])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["continuous"])
     p.add_argument("--speculator", type=Path, help="trained heads (servekit train-speculator --out) for -spec variants")
     p.add_argument("--spec-max-batch", type=int, default=8, help="-spec variants: largest batch that speculates")
     p.add_argument("--spec-heads", type=int, help="-spec variants: drafts per step, the first N heads (default: all)")

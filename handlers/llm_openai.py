@@ -188,6 +188,8 @@ class OpenAIApi:
         return Answer(self, req, request_id)
 
     def parse(self, raw: dict[str, Any], route: str) -> LlmRequest:
+        """One request of TorchServe's batch (``raw``: its data entry) on ``route``: its choices for
+        the engine, every limit checked; a ``RequestError`` (404 or 4xx) naming what is wrong."""
         if route not in (CHAT_ROUTE, COMPLETIONS_ROUTE):
             raise RequestError(404, "not_found_error", f"unknown route '{route}'; use /v1/chat/completions or "
                                "/v1/completions under /predictions/<model>/<version>/", "unknown_route")

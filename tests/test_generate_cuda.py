@@ -1,11 +1,14 @@
-"""CUDA-only: captured prefill and decode graphs (and compiled steps) give what eager gives. Skipped without a GPU."""
+"""CUDA-only: the engine with captured decode and packed-prefill graphs (and compiled steps) gives what eager
+gives. Skipped without a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from servekit.optimizations.llm.generate import Completion, LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import Completion, generate
 from servekit.optimizations.models.llama import LlamaConfig, init_random
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -36,10 +39,6 @@ def test_cuda_graph_decode_equals_eager() -> None:
     assert _run(cuda_graphs=True) == _run()
 
 
-def test_captured_prefill_and_decode_equal_eager() -> None:
-    assert _run(cuda_graphs=True, prefill_graphs=64) == _run()
-
-
 def test_compiled_and_captured_decode_equals_eager() -> None:
     # fp32 tiny model: fused kernels may differ in the last bits, so compare greedy/sampled tokens
     # (equal unless a near-tie flips, which random weights at fp32 make very unlikely).
@@ -47,16 +46,19 @@ def test_compiled_and_captured_decode_equals_eager() -> None:
 
 
 def test_captured_speculative_steps_equal_plain_decoding() -> None:
-    from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
+    from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding
 
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64),
-                         kv_buckets=(32, 64), cuda_graphs=True, prefill_graphs=64)
+                         kv_buckets=(32, 64), cuda_graphs=True)
     heads = Speculator(SpeculatorConfig.for_model(model, 3)).reset_parameters(seed=1, random_out=True)
-    spec = SpeculativeDecoding(runner, heads, max_spec_batch=4)
-    spec.warmup(include_base=True)
-    got, stats = generate_speculative(spec, _prompts(), PARAMS)
-    assert stats.proposed[0] > 0
+    runner.warmup()
+    runner.speculation = SpeculativeDecoding(runner, heads, max_spec_batch=4)
+    runner.speculation.warmup()
+    batcher = ContinuousBatcher(runner)
+    batcher.warmup()
+    got = generate(runner, _prompts(), PARAMS, batcher=batcher)
+    assert batcher.spec_stats.proposed[0] > 0
     assert [c.tokens for c in got] == _run()
 
 
@@ -66,7 +68,7 @@ def test_logprobs_and_penalties_with_graphs_and_compile_equal_eager() -> None:
     params = [SamplingParams(max_tokens=20, logprobs=3, presence_penalty=0.5),
               SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, logprobs=0),
               SamplingParams(max_tokens=20, frequency_penalty=1.0)]
-    got = _completions(params, compile_prefill=True, compile_decode=True, cuda_graphs=True, prefill_graphs=64)
+    got = _completions(params, compile_prefill=True, compile_decode=True, cuda_graphs=True)
     want = _completions(params)
     assert [c.tokens for c in got] == [c.tokens for c in want]
     assert len(got[0].logprobs) == 20 and got[2].logprobs == []
@@ -75,16 +77,16 @@ def test_logprobs_and_penalties_with_graphs_and_compile_equal_eager() -> None:
 
 
 def test_continuous_batching_with_graphs_and_compile_equals_solo_eager() -> None:
-    """Requests joining a running batch on a compiled, captured runner (prefill captured into
-    slots) get what each gets alone from the eager runner."""
+    """Requests joining a running batch on a compiled, captured runner (packed prefill captured)
+    get what each gets alone from the eager runner."""
     from servekit.optimizations.llm.continuous import ContinuousBatcher
 
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 4), prefill_buckets=(16, 64), kv_buckets=(32, 64),
-                         compile_prefill=True, compile_decode=True, cuda_graphs=True, prefill_graphs=64,
-                         slot_prefill=True)
+                         compile_prefill=True, compile_decode=True, cuda_graphs=True)
     runner.warmup()
     batcher = ContinuousBatcher(runner)
+    batcher.warmup()
     prompts, tokens = _prompts(), {i: [] for i in range(3)}
     batcher.add(0, prompts[0], PARAMS[0])
     for _ in range(4):
@@ -107,13 +109,13 @@ def test_speculation_inside_the_continuous_batch_with_graphs_and_compile_equals_
 
     model = init_random(LlamaConfig.tiny(), seed=0).cuda()
     runner = LlamaRunner(model, max_seq_len=128, batch_buckets=(1, 2, 4), prefill_buckets=(16, 64),
-                         kv_buckets=(32, 64), compile_prefill=True, compile_decode=True, cuda_graphs=True,
-                         prefill_graphs=64, slot_prefill=True)
+                         kv_buckets=(32, 64), compile_prefill=True, compile_decode=True, cuda_graphs=True)
     runner.warmup()
     heads = Speculator(SpeculatorConfig.for_model(model, 3)).reset_parameters(seed=1, random_out=True)
-    runner.speculation = SpeculativeDecoding(runner, heads, max_spec_batch=2, compile_verify=True, in_slots=True)
+    runner.speculation = SpeculativeDecoding(runner, heads, max_spec_batch=2, compile_verify=True)
     runner.speculation.warmup()
     batcher = ContinuousBatcher(runner)
+    batcher.warmup()
     prompts, tokens, drafts = _prompts(), {i: [] for i in range(3)}, set()
 
     def step() -> None:

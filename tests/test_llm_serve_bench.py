@@ -36,8 +36,8 @@ def test_variant_config_sets_batching_and_speculation() -> None:
 
 
 def test_continuous_bench_variants_choose_batching_and_drafts() -> None:
-    """llm_continuous_bench's model-config per variant: continuous or static batching, speculation
-    with all trained heads or the first --spec-heads of them, buckets up to max_num_seqs."""
+    """llm_continuous_bench's model-config per variant: continuous batching, speculation with all
+    trained heads or the first --spec-heads of them, buckets up to max_num_seqs."""
     import yaml
 
     from servekit.benchmarks.llm_continuous_bench import variant_config as continuous_variant
@@ -46,10 +46,10 @@ def test_continuous_bench_variants_choose_batching_and_drafts() -> None:
     plain = continuous_variant(base, "continuous", 32)
     assert plain["continuousBatching"] is True and "speculation" not in plain["servekit"]
     assert plain["servekit"]["buckets"]["batch_sizes"] == [1, 2, 4, 8, 16, 32]
-    static = continuous_variant(base, "static-spec", 12, spec_max_batch=4)
-    assert static["continuousBatching"] is False and static["batchSize"] == 12
-    assert static["servekit"]["speculation"] == {"heads": "speculator", "max_batch": 4}  # every trained head
-    assert static["servekit"]["buckets"]["batch_sizes"] == [1, 2, 4, 8, 12]
+    spec = continuous_variant(base, "continuous-spec", 12, spec_max_batch=4)
+    assert spec["continuousBatching"] is True and spec["batchSize"] == 12
+    assert spec["servekit"]["speculation"] == {"heads": "speculator", "max_batch": 4}  # every trained head
+    assert spec["servekit"]["buckets"]["batch_sizes"] == [1, 2, 4, 8, 12]
     three = continuous_variant(base, "continuous-spec", 32, spec_heads=3)
     assert three["servekit"]["speculation"] == {"heads": "speculator", "max_batch": 8, "n_heads": 3}
     assert base["servekit"]["speculation"]["max_batch"] == 8  # the base config is left as it was

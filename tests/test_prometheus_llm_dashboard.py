@@ -1,8 +1,7 @@
 """The LLM dashboard on live data: TorchServe serves SmolLM2 twice, the CPU plan with speculative
-decoding under static batching and the shipped CPU plan under continuous batching, a real
-Prometheus scrapes its metrics port every second while a few chat completions (streaming and not)
-go to each, and every panel query of servekit-llm.json must return data: the panels of either
-batching mode get their data from the model that serves in that mode.
+decoding and the shipped CPU plan, a real Prometheus scrapes its metrics port every second while a
+few chat completions (streaming and not) go to each, and every panel query of servekit-llm.json
+must return data: the speculation panels get theirs from the speculative model.
 
 Skipped, with the reason: GPU-only panels on a machine without a CUDA GPU.
 """

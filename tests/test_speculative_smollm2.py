@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams, generate
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.offline import generate
 from servekit.optimizations.models.llama import Transformer
-from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding, generate_speculative
-from test_speculative_logic import OracleSpeculator
+from servekit.optimizations.llm.speculative import Speculator, SpeculatorConfig, SpeculativeDecoding
+from test_speculative_logic import OracleSpeculator, _speculative
 
 pytest.importorskip("gguf")
 
@@ -48,7 +49,7 @@ def test_random_heads_exact_on_smollm2(base: LlamaRunner, model: Transformer) ->
     runner = SpeculativeDecoding(base, heads, max_spec_batch=2)
     params = [SamplingParams(max_tokens=20, stop_token_ids=(EOS,))] * 2
     want = generate(base, PROMPTS, params)
-    got, stats = generate_speculative(runner, PROMPTS, params)
+    _, got, stats = _speculative(base, runner, PROMPTS, params)
     assert [c.tokens for c in got] == [c.tokens for c in want]
     assert stats.proposed[0] > 0
 
@@ -58,7 +59,8 @@ def test_scripted_drafts_accepted_as_planned_on_smollm2(base: LlamaRunner) -> No
     refs = [c.tokens for c in generate(base, PROMPTS, [SamplingParams(max_tokens=m + K + 2) for m in max_tokens])]
     plan = lambda row, step: (2 * row + step) % (K + 1)  # noqa: E731
     runner = SpeculativeDecoding(base, OracleSpeculator(K, 49152, refs, plan), max_spec_batch=2)
-    got, stats = generate_speculative(runner, PROMPTS, [SamplingParams(max_tokens=m) for m in max_tokens])
+    runner.draft.fill_(next(t for t in range(49152) if all(t not in ref for ref in refs)))  # stale drafts: wrong
+    _, got, stats = _speculative(base, runner, PROMPTS, [SamplingParams(max_tokens=m) for m in max_tokens])
     assert [c.tokens for c in got] == [ref[:m] for ref, m in zip(refs, max_tokens)]
     # Every planned acceptance length occurred, so the longest-prefix rule ran at each length.
     assert all(a > 0 for a in stats.accepted) and stats.mean_accepted_length > 2.5
