@@ -88,8 +88,9 @@ def _reject_constant(name: str) -> Any:
 def decode_body(request: dict[str, Any]) -> Any:
     """The request's body as a Python value: parsed JSON, or text.
 
-    TorchServe hands over JSON bodies already parsed (when sent as application/json), text bodies as
-    str and anything else as bytes; a JSON body it failed to parse arrives as bytes too. A text or
+    Every handler's worker hands bodies over as bytes (`worker_io.install_buffered_reads`), so that
+    they are parsed here once, duplicate keys refused; a body already parsed (TorchServe's own
+    decoding, as in tests with a mock context) is checked the same way, without that check. A text or
     bytes body that starts with `{` or `[` is parsed as JSON whatever its content type (what
     `requests.post(url, data=json.dumps(...))` sends is text/plain): a text to embed that starts
     with one of them goes in a JSON body instead.
@@ -261,7 +262,7 @@ def parse_each(data: list[dict[str, Any]], context: Any, metrics: Any, model_nam
                 answers[i] = models
                 context.set_response_content_type(i, "application/json")
                 continue
-            requests[i] = parse(raw, route)
+            requests[i] = parse(_json_scalar(raw, context, i), route)
         except RequestError as e:
             answers[i] = fail_request(context, i, metrics, e)
         except Exception as e:  # a request no check foresaw: still its own 400
@@ -274,6 +275,27 @@ def parse_each(data: list[dict[str, Any]], context: Any, metrics: Any, model_nam
 
 # Floats this large may be integers that orjson could not hold (it reads those beyond 64 bits as floats).
 WIDE_FLOAT = float(2**63)
+
+
+def _json_scalar(raw: dict[str, Any], context: Any, idx: int) -> dict[str, Any]:
+    """Request `idx` with a body sent as application/json that is a JSON scalar (`null`, `42`,
+    `"text"`) decoded, as TorchServe's worker decoded every such body before it handed bodies over as
+    bytes (`worker_io`); objects and arrays stay bytes for `decode_body` (only they can repeat a key),
+    and so does a body that is no JSON (TorchServe forwarded those as bytes too)."""
+    body = raw.get("body")
+    if not isinstance(body, (bytes, bytearray)) or bytes(body[:64]).lstrip()[:1] in (b"{", b"["):
+        return raw
+    try:
+        declared = context.get_request_header(idx, "body")
+    except (KeyError, IndexError, AttributeError):
+        return raw
+    if not isinstance(declared, dict) or declared.get("content-type") != "application/json":
+        return raw
+    try:
+        value = json.loads(bytes(body).decode("utf-8"))
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError included): decode_body gives the 400
+        return raw
+    return raw if isinstance(value, (dict, list)) else {**raw, "body": value}
 
 
 def _check_values(value: Any) -> tuple[int, bool]:
