@@ -101,7 +101,7 @@ SCHEMAS: list[tuple[str, str, dict]] = [
                               "year": _int(1450, 2026),
                               "genres": {"type": "array", "items": {"enum": ["fiction", "history", "science",
                                                                              "poetry", "crime"]},
-                                         "minItems": 1, "maxItems": 3, "uniqueItems": True}})),
+                                         "minItems": 1, "maxItems": 3}})),
     ("recipe", "a recipe", _obj({"name": _str(30), "servings": _int(1, 12),
                                  "ingredients": _arr(_obj({"item": _str(20), "grams": _int(1, 2000)}), 2, 5),
                                  "vegetarian": {"type": "boolean"}})),

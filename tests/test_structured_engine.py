@@ -201,6 +201,8 @@ def test_logit_bias_and_min_tokens(runner, compiler, tokenizer, stops) -> None:
 @pytest.mark.parametrize("kind,value,message", [
     (JSON, {"type": "objekt"}, "invalid JSON schema at type"),
     (JSON, "{not json", "not valid JSON"),
+    (JSON, {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                       "uniqueItems": True}}}, "uniqueItems at properties/tags"),
     (REGEX, "[a-", "regex cannot be used"),
     (GRAMMAR, "root ::= ", "grammar cannot be used"),
     (CHOICE, [], "non-empty list"),

@@ -101,6 +101,11 @@ class GrammarSpec:
                 raise GrammarError(f"invalid JSON schema at {where}: {e.message}") from None
             except Exception as e:  # a "$schema" that is no string, nesting too deep to check
                 raise GrammarError(f"invalid JSON schema ({type(e).__name__})") from None
+            where = _unenforced(schema)
+            if where is not None:
+                raise GrammarError(f"uniqueItems at {where} is not supported: the grammar cannot keep array items "
+                                   "distinct, so answers could break the schema; remove it (or check uniqueness "
+                                   "after parsing)")
         if self.kind == JSON_OBJECT:  # OpenAI's json_object: an object, any keys and values
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if self.kind == JSON:
@@ -180,6 +185,25 @@ class GrammarCompiler:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+
+def _unenforced(schema: Any, path: str = "(root)") -> str | None:
+    """Where ``schema`` asks for ``uniqueItems: true``, which xgrammar accepts but does not enforce
+    (an array of enum values came back with one value three times): a schema the grammar cannot keep
+    is refused rather than answered with JSON that fails it."""
+    if isinstance(schema, dict):
+        if schema.get("uniqueItems") is True:
+            return path
+        for key, value in schema.items():
+            found = _unenforced(value, key if path == "(root)" else f"{path}/{key}")
+            if found is not None:
+                return found
+    elif isinstance(schema, list):
+        for i, value in enumerate(schema):
+            found = _unenforced(value, f"{path}/{i}")
+            if found is not None:
+                return found
+    return None
 
 
 def _first_line(e: Exception) -> str:
