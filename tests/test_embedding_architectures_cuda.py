@@ -40,3 +40,24 @@ def test_compiled_captured_fp16_equals_eager_fp32(family: str, tmp_path: Path) -
     chunks = graphs.chunks(graphs.tokenize(texts)[0])
     assert sorted(i for c in chunks for i in c.indices) == list(range(len(texts)))
     assert all((c.batch, c.seq) in graphs.forward.captured for c in chunks)  # only captured shapes run
+
+
+@pytest.mark.parametrize("family", ["modernbert", "nomic"])
+def test_rotary_encoders_compiled_captured_fp16_equal_eager_fp32(family: str, tmp_path: Path) -> None:
+    """ModernBERT (alternating global and sliding-window layers) and Nomic BERT take the same GPU
+    plan: compiled, captured fp16 buckets equal the eager fp32 path and stay on captured shapes."""
+    from tiny_encoders import nomic_st_model, st_model
+
+    folder = (st_model(tmp_path / family, "modernbert", "mean") if family == "modernbert"
+              else nomic_st_model(tmp_path / family))
+    eager = EmbeddingRunner(folder, parse_plan({"device": "cuda", "precision": "fp32"}), golden_texts=TEXTS)
+    graphs = EmbeddingRunner(folder, parse_plan({"device": "cuda", "precision": "fp16", "compile": "default",
+                                                 "cuda_graphs": True, "buckets": {"batch_sizes": [1, 4, 8]}}),
+                             golden_texts=TEXTS)
+    assert not graphs.downgrades and "cudagraphs" in graphs.plan.label()
+    texts = TEXTS * 3
+    cos = torch.nn.functional.cosine_similarity(graphs.embed(texts).float(), eager.embed(texts).float())
+    assert cos.min().item() > 0.999, cos
+    assert graphs.recompiles() == 0
+    chunks = graphs.chunks(graphs.tokenize(texts)[0])
+    assert all((c.batch, c.seq) in graphs.forward.captured for c in chunks)
