@@ -1,5 +1,7 @@
 """`plan_bench ready` on CPU: two fresh worker processes of a compile plan, the first with empty
-caches, the second with the compile cache the first left behind (real MiniLM, real compiles)."""
+caches, the second with the compile cache the first left behind (real compiles, of a tiny BERT
+folder given by --model-dir: inductor's CPU compile of MiniLM takes minutes on 2 cores and the
+compile cache's behaviour does not depend on the model's size)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_ready_cold_then_with_compile_cache(tmp_path: Path) -> None:
+    from tiny_encoders import st_model
+
+    folder = st_model(tmp_path / "model", "bert")
     proc = subprocess.run([sys.executable, "-m", "servekit.benchmarks.plan_bench", "ready", "--out", str(tmp_path),
-                           "--plan", "fp32-compile"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--plan", "fp32-compile", "--model-dir", str(folder)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "ready-fp32-compile.json").read_text())
     cold, cached = result["ready"]["cold"], result["ready"]["with_compile_cache"]
     assert result["config"]["compile"] == "default" and result["environment"]["torch"]
+    assert result["model_dir"] == str(folder)
     assert (cold["compile_cache_hit"], cached["compile_cache_hit"]) == (False, True)
     assert cold["buckets"] == cached["buckets"] == 4 and cached["compiled_graphs"] >= 1
     assert len(cached["slowest_buckets"]) == 4 and all(b["capture_s"] >= 0 for b in cached["slowest_buckets"])
