@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from servekit.benchmarks.llm_serve_bench import MODEL, Timing, stream_chat, summarize
+from servekit.benchmarks.llm_serve_bench import MODEL, Timing, run_together, stream_chat, summarize
 from servekit.benchmarks.llm_inprocess import environment
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
@@ -94,20 +94,13 @@ def closed_loop(url: str, prompts: list[str], streams: int, per_stream: int, max
                 ) -> tuple[list[Timing], float]:
     """``streams`` clients starting together, each sending ``per_stream`` requests back to back."""
     out: list[list[Timing]] = [[] for _ in range(streams)]
-    barrier = threading.Barrier(streams)
 
     def client(i: int) -> None:
-        barrier.wait()
         for k in range(per_stream):
             out[i].append(stream_chat(url, prompts[(k * streams + i) % len(prompts)], max_tokens))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [t for ts in out for t in ts], time.perf_counter() - t0
+    wall = run_together(client, streams)
+    return [t for ts in out for t in ts], wall
 
 
 def chunk_gaps(url: str, prompt: str, max_tokens: int, t_from: float, t_to: float, out: list[float],

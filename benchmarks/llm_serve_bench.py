@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import requests
 import yaml
@@ -105,22 +105,33 @@ def stream_chat(url: str, prompt: str | list[dict[str, str]], max_tokens: int, t
     return Timing(200, first, last, tokens, prompt_tokens, chunks, "".join(pieces), cached_tokens=cached)
 
 
-def together(url: str, prompts: list[str], max_tokens: int) -> tuple[list[Timing], float]:
-    """Send every prompt at the same instant from its own thread; returns timings and the wall time."""
-    out: list[Timing | None] = [None] * len(prompts)
-    barrier = threading.Barrier(len(prompts))
+def run_together(work: Callable[[int], None], n: int) -> float:
+    """``work(0) .. work(n - 1)``, each in its own thread, released at the same instant; the wall
+    seconds until the last one returns."""
+    barrier = threading.Barrier(n)
 
-    def one(i: int) -> None:
+    def start(i: int) -> None:
         barrier.wait()
-        out[i] = stream_chat(url, prompts[i], max_tokens)
+        work(i)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return [t for t in out if t is not None], time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def together(url: str, prompts: list[str], max_tokens: int) -> tuple[list[Timing], float]:
+    """Send every prompt at the same instant from its own thread; returns timings and the wall time."""
+    out: list[Timing | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        out[i] = stream_chat(url, prompts[i], max_tokens)
+
+    wall = run_together(one, len(prompts))
+    return [t for t in out if t is not None], wall
 
 
 def summarize(timings: list[Timing], wall_s: float) -> dict[str, Any]:

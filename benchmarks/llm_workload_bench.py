@@ -50,7 +50,7 @@ import numpy as np
 import yaml
 
 from servekit.benchmarks.llm_prompts import PromptGenerator, Prompt, corpus_digest, tokenizer_counter
-from servekit.benchmarks.llm_serve_bench import Timing, stream_chat, summarize
+from servekit.benchmarks.llm_serve_bench import Timing, run_together, stream_chat, summarize
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 
@@ -107,19 +107,12 @@ def one_by_one(url: str, prompts: list[Prompt]) -> list[Timing]:
 def closed_loop(url: str, prompts: list[Prompt], streams: int) -> tuple[list[Timing], float]:
     """`streams` clients starting together, client i sending prompts i, i + streams, ... back to back."""
     out: list[list[Timing]] = [[] for _ in range(streams)]
-    barrier = threading.Barrier(streams)
 
     def client(i: int) -> None:
-        barrier.wait()
         out[i] = one_by_one(url, prompts[i::streams])
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [t for ts in out for t in ts], time.perf_counter() - t0
+    wall = run_together(client, streams)
+    return [t for ts in out for t in ts], wall
 
 
 def poisson(url: str, prompts: list[Prompt], rate: float, duration: float, seed: int

@@ -33,7 +33,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -45,7 +44,7 @@ import requests
 
 from servekit.benchmarks.bench.stats import percentile
 from servekit.benchmarks.llm_inprocess import environment as llm_environment
-from servekit.benchmarks.llm_serve_bench import variant_config
+from servekit.benchmarks.llm_serve_bench import run_together, variant_config
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 
@@ -318,21 +317,15 @@ def mixed(url: str, concurrency: int, rounds: int, max_tokens: int) -> list[dict
         wall = 0.0
         for r in range(rounds):
             got: list[Answer | None] = [None] * concurrency
-            barrier = threading.Barrier(concurrency)
-
-            def one(i: int, r: int = r, got: list = got, barrier: threading.Barrier = barrier) -> None:
+            asks = []
+            for i in range(concurrency):
                 name, topic, schema = SCHEMAS[(r * concurrency + i) % len(SCHEMAS)]
-                prompt = PROMPTS[i % len(PROMPTS)].format(topic=topic)
-                barrier.wait()
-                got[i] = chat(url, prompt, max_tokens, True, (name, schema) if i < n_constrained else None, seed=i)
+                asks.append((PROMPTS[i % len(PROMPTS)].format(topic=topic), (name, schema) if i < n_constrained else None))
 
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall += time.perf_counter() - t0
+            def one(i: int, got: list = got, asks: list = asks) -> None:
+                got[i] = chat(url, asks[i][0], max_tokens, True, asks[i][1], seed=i)
+
+            wall += run_together(one, concurrency)
             answers += [a for a in got if a is not None]
         ok = [a for a in answers if a.status == 200]
         ttft = [a.ttft_s for a in ok if a.ttft_s is not None]
