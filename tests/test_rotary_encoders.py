@@ -7,7 +7,10 @@ refusals, and `servekit archive PATH` through a live TorchServe.
 
 Nomic BERT (nomic-embed-text: rotary, SwiGLU, post-norm) has no config class outside its own remote
 code, so its tiny checkpoint is written by hand and compared with a reference written here from the
-published formulas, one text at a time, with its task prefixes applied as sentence-transformers does."""
+published formulas, one text at a time, with its task prefixes applied as sentence-transformers does.
+
+Both run unpadded on eager plans (every test here but the compiled one): checked against the padded
+path, and by what the linear layers receive."""
 from __future__ import annotations
 
 import json
@@ -66,8 +69,69 @@ def test_padded_rows_do_not_change_results(model_dir, runner):
         for i, r in enumerate(rows):
             alone = encoder(torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
             torch.testing.assert_close(batched[i, :len(r)], alone, atol=1e-5, rtol=1e-5)
+        # The padded path (compiled and captured plans) gives the same real-token states.
+        torch.testing.assert_close(encoder.forward_padded(ids, mask)[mask.bool()], batched[mask.bool()],
+                                   atol=1e-5, rtol=1e-5)
     # Mixed lengths really were padded, some past a local layer's window.
     assert len({len(r) for r in rows}) > 2 and min(len(r) for r in rows) < width
+
+
+def _rotary_encoder(family: str, model_dir: Path, tmp_path: Path):
+    return load_encoder(model_dir if family == "modernbert" else nomic_st_model(tmp_path / "nomic"))
+
+
+# Very different lengths: one token, the longest the tests serve, and between; past the window of 4.
+LENGTHS = [1, 24, 3, 11]
+
+
+def _random_batch(vocab: int, lengths: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    width = max(lengths)
+    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(5, vocab, (len(lengths), width), generator=gen).masked_fill(mask == 0, pad_id)
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["modernbert", "nomic_bert"])
+def test_unpadded_equals_padded_on_very_different_lengths(family, model_dir, tmp_path, one_thread):
+    encoder = _rotary_encoder(family, model_dir, tmp_path)
+    ids, mask = _random_batch(encoder.cfg.vocab_size, LENGTHS, encoder.cfg.pad_token_id)
+    with torch.no_grad():
+        unpadded, padded = encoder.forward_unpadded(ids, mask), encoder.forward_padded(ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(unpadded[real], padded[real], atol=1e-5, rtol=1e-5)
+    assert unpadded[~real].abs().max() == 0  # nothing was computed there
+    assert padded[~real].abs().max() > 0
+
+
+@pytest.mark.parametrize("family", ["modernbert", "nomic_bert"])
+def test_padding_is_not_computed(family, model_dir, tmp_path, one_thread):
+    """What every linear layer, norm and the embedding lookup receive: the real tokens only on the
+    default (eager) path, every padded position on the padded one."""
+    encoder = _rotary_encoder(family, model_dir, tmp_path)
+    ids, mask = _random_batch(encoder.cfg.vocab_size, LENGTHS, encoder.cfg.pad_token_id)
+    seen: list[tuple[str, int]] = []
+
+    def record(module, inputs, output):
+        x = inputs[0]
+        seen.append((type(module).__name__, x.numel() if isinstance(module, torch.nn.Embedding) else x.shape[:-1].numel()))
+
+    hooks = [m.register_forward_hook(record) for m in encoder.modules()
+             if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding))]
+    try:
+        with torch.no_grad():
+            encoder(ids, mask)
+            unpadded, seen[:] = list(seen), []
+            encoder.forward_padded(ids, mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    # q/k/v and out per layer, the MLP's projections, the embedding lookup: all on sum(lengths) tokens.
+    linears = sum(1 for name, _ in unpadded if name == "Linear")
+    assert linears == encoder.cfg.num_hidden_layers * (5 if family == "nomic_bert" else 4)
+    assert {name for name, _ in unpadded} == {"Linear", "LayerNorm", "Embedding"}
+    assert {n for _, n in unpadded} == {sum(LENGTHS)} == {39}
+    assert {n for _, n in seen} == {len(LENGTHS) * max(LENGTHS)} == {96}
 
 
 def test_task_prefixes_as_sentence_transformers_prompts(model_dir, runner):

@@ -17,8 +17,17 @@ Nomic BERT (nomic-embed-text; its `NomicBertConfig` is GPT-2's field names plus 
 - a gated MLP from two projections, `fc2(fc11(x) * act(fc12(x)))` (SwiGLU: act = SiLU);
 - every layer global, one rotary base over `rotary_emb_fraction` of each head.
 
-Padding: rows are right-padded, so a real token's position is its index and its keys never
-include a padded one (the padding bias); what a padded row computes is never pooled.
+Unpadded execution (the default, as ModernBERT's reference implementation runs): the padded batch's
+real tokens are gathered into one packed sequence (total_tokens, hidden), each with its own
+position in its text; embeddings, norms, the q/k/v/o projections, rotary and the MLPs run on those
+tokens only, and the output is scattered back to the (batch, seq, hidden) layout the pooling heads
+read (zeros at padding). Attention is the one step that goes back to rows: see `Packing`.
+
+Padded execution (`forward_padded`) is what a compiled or CUDA-graph-captured plan traces: the
+packed length depends on the mask's values, and captured graphs and compiled buckets need shapes
+fixed by the bucket alone, so there every (batch, seq) position is computed. Rows are right-padded,
+so a real token's position is its index and its keys never include a padded one (the padding bias);
+what a padded position computes is never pooled. Both paths give the same real-token states.
 """
 from __future__ import annotations
 
@@ -186,6 +195,41 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     return torch.cat(((r * cos + turned * sin).to(x.dtype), x[..., d:]), dim=-1)
 
 
+class Packing:
+    """Where a right-padded (batch, seq) batch's real tokens are, for the unpadded path.
+
+    Attention runs per text over its own keys in the (batch, seq) layout: the packed q, k and v are
+    scattered into zero-filled rows and torch SDPA takes the padding (and sliding-window) bias, so
+    each text's scores are its own seq x seq tile, the diagonal blocks of a block-diagonal mask over
+    the packed sequence. Chosen over the alternatives because it runs the same on CPU and CUDA with
+    torch 2.11-2.13 and never costs more: a block-diagonal mask over the whole packed sequence makes
+    SDPA score total_tokens^2 pairs (batch times the per-text work for equal lengths); FlexAttention's
+    document mask skips those blocks but only when compiled (eager it is a dense reference), and
+    eager plans are the ones that run unpadded; torch's varlen attention is CUDA-only. The padded
+    query rows that SDPA also scores are dropped before the output projection.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor) -> None:
+        self.batch, self.seq = attention_mask.shape
+        # Row-major flat positions of the real tokens: each text's tokens in order, texts in order.
+        self.index = attention_mask.reshape(-1).nonzero().squeeze(1)
+        # A right-padded row's real tokens sit at their own positions in their text.
+        self.positions = self.index % self.seq
+
+    @property
+    def tokens(self) -> int:
+        return self.index.numel()
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, ...) -> (tokens, ...): the real tokens only."""
+        return x.reshape(self.batch * self.seq, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(tokens, ...) -> (batch, seq, ...), zeros at padding."""
+        out = x.new_zeros(self.batch * self.seq, *x.shape[1:]).index_copy_(0, self.index, x)
+        return out.view(self.batch, self.seq, *x.shape[1:])
+
+
 class RotaryAttention(nn.Module):
     def __init__(self, cfg: RotaryEncoderConfig) -> None:
         super().__init__()
@@ -194,12 +238,20 @@ class RotaryAttention(nn.Module):
         self.qkv = nn.Linear(h, 3 * h, bias=cfg.attention_bias)
         self.attn_out = nn.Linear(h, h, bias=cfg.attention_bias)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.n_heads, h // self.n_heads).permute(2, 0, 3, 1, 4)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                packing: Packing | None = None) -> torch.Tensor:
+        """x: (batch, seq, hidden), or (tokens, hidden) with its `packing`; cos and sin per position
+        of x's leading dims, broadcast over heads."""
+        h = x.shape[-1]
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.n_heads, h // self.n_heads)).unbind(-3)
         q, k = rotate(q, cos, sin, self.interleaved), rotate(k, cos, sin, self.interleaved)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        return self.attn_out(a.transpose(1, 2).reshape(b, s, h))
+        if packing is not None:
+            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=bias).transpose(1, 2)
+        if packing is not None:
+            a = packing.pack(a)
+        return self.attn_out(a.flatten(-2))
 
 
 class ModernBertLayer(nn.Module):
@@ -216,8 +268,9 @@ class ModernBertLayer(nn.Module):
         self.mlp_in = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.mlp_out = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_out_bias)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), bias, cos, sin)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                packing: Packing | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), bias, cos, sin, packing)
         value, gate = self.mlp_in(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.mlp_out(self.act(value) * gate)
 
@@ -236,13 +289,14 @@ class NomicBertLayer(nn.Module):
         self.mlp_out = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_out_bias)
         self.mlp_norm = nn.LayerNorm(h, eps=cfg.norm_eps, bias=cfg.norm_bias)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.attn_norm(x + self.attn(x, bias, cos, sin))
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                packing: Packing | None = None) -> torch.Tensor:
+        x = self.attn_norm(x + self.attn(x, bias, cos, sin, packing))
         return self.mlp_norm(x + self.mlp_out(self.mlp_value(x) * self.act(self.mlp_gate(x))))
 
 
 class RotaryEncoder(nn.Module):
-    """Token ids + attention mask -> last hidden states (batch, seq, hidden)."""
+    """Token ids + right-padded attention mask -> last hidden states (batch, seq, hidden)."""
 
     def __init__(self, cfg: RotaryEncoderConfig) -> None:
         super().__init__()
@@ -258,30 +312,69 @@ class RotaryEncoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        s = input_ids.shape[1]
-        x = self.word_embeddings(input_ids)
-        if self.cfg.type_vocab_size:
-            x = x + (self.token_type_embeddings.weight[0] if token_type_ids is None
-                     else self.token_type_embeddings(token_type_ids))
-        x = self.emb_norm(x)
-        pos = torch.arange(s, device=input_ids.device)
-        neg = torch.finfo(x.dtype).min
-        padding = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * neg
-        biases, rotary = {GLOBAL: padding}, {}
-        if LOCAL in self.cfg.layer_types:
-            far = (pos[None, :] - pos[:, None]).abs() > self.cfg.window
-            biases[LOCAL] = padding.masked_fill(far, neg)
-        # Angles in fp32 from the config's constants, computed here rather than kept in a buffer
-        # that a bf16 or fp16 plan's `.to(dtype)` would round.
-        d = self.cfg.rotated
-        dims = torch.arange(0, d, 2, dtype=torch.float32, device=input_ids.device) / d
-        for kind in set(self.cfg.layer_types):
-            freqs = pos[:, None].float() * self.cfg.rope_theta[kind] ** -dims
-            emb = freqs.repeat_interleave(2, dim=-1) if self.cfg.interleaved else torch.cat((freqs, freqs), dim=-1)
-            rotary[kind] = (emb.cos(), emb.sin())
+        """Unpadded unless the pass is being compiled or captured into a CUDA graph: those need
+        shapes that the bucket alone fixes, and the packed length depends on the mask's values
+        (reading it back is a host sync, which capture forbids)."""
+        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if torch.compiler.is_compiling() or capturing:
+            return self.forward_padded(input_ids, attention_mask, token_type_ids)
+        return self.forward_unpadded(input_ids, attention_mask, token_type_ids)
+
+    def forward_unpadded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Every position-wise step on the real tokens only; (batch, seq, hidden) out, zeros at padding."""
+        packing = Packing(attention_mask)
+        ids = packing.pack(input_ids)
+        types = None if token_type_ids is None else packing.pack(token_type_ids)
+        x = self._embed(ids, types)
+        biases = self._biases(attention_mask, x.dtype)
+        rotary = self._rotary(packing.positions)
+        for layer, kind in zip(self.layers, self.cfg.layer_types):
+            x = layer(x, biases[kind], *rotary[kind], packing)
+        return packing.unpack(self.final_norm(x))
+
+    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Every (batch, seq) position computed; the padding bias keeps padded keys out."""
+        x = self._embed(input_ids, token_type_ids)
+        biases = self._biases(attention_mask, x.dtype)
+        rotary = self._rotary(torch.arange(input_ids.shape[1], device=input_ids.device))
         for layer, kind in zip(self.layers, self.cfg.layer_types):
             x = layer(x, biases[kind], *rotary[kind])
         return self.final_norm(x)
+
+    def _embed(self, ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        x = self.word_embeddings(ids)
+        if self.cfg.type_vocab_size:
+            x = x + (self.token_type_embeddings.weight[0] if token_type_ids is None
+                     else self.token_type_embeddings(token_type_ids))
+        return self.emb_norm(x)
+
+    def _biases(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Additive attention bias per layer type over (batch, 1, seq, seq) scores: padded keys out,
+        and for sliding layers keys farther than the window."""
+        neg = torch.finfo(dtype).min
+        padding = (1.0 - attention_mask[:, None, None, :].to(dtype)) * neg
+        biases = {GLOBAL: padding}
+        if LOCAL in self.cfg.layer_types:
+            pos = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+            far = (pos[None, :] - pos[:, None]).abs() > self.cfg.window
+            biases[LOCAL] = padding.masked_fill(far, neg)
+        return biases
+
+    def _rotary(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) per layer type, shaped (positions, 1, rotated) to broadcast over heads.
+
+        Angles in fp32 from the config's constants, computed here rather than kept in a buffer
+        that a bf16 or fp16 plan's `.to(dtype)` would round."""
+        d = self.cfg.rotated
+        dims = torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d
+        rotary = {}
+        for kind in set(self.cfg.layer_types):
+            freqs = positions[:, None].float() * self.cfg.rope_theta[kind] ** -dims
+            emb = freqs.repeat_interleave(2, dim=-1) if self.cfg.interleaved else torch.cat((freqs, freqs), dim=-1)
+            rotary[kind] = (emb.cos()[:, None, :], emb.sin()[:, None, :])
+        return rotary
 
 
 # Checkpoint tensor name -> our parameter name, per family: (prefixes stripped, heads dropped,
