@@ -66,14 +66,17 @@ class ContinuousFrontend:
     def __init__(self, runner: LlamaRunner, plan: LlmPlan, max_num_seqs: int, api: OpenAIApi,
                  metrics: HandlerMetrics) -> None:
         self.api, self.metrics = api, metrics
-        batcher = ContinuousBatcher(runner, max_num_seqs, plan.prefill_chunk, plan.max_num_batched_tokens)
+        batcher = ContinuousBatcher(runner, max_num_seqs, plan.prefill_chunk, plan.max_num_batched_tokens,
+                                    prefix_caching=plan.prefix_caching)
         built = batcher.warmup()
         log.info("continuous batching: packed prefill (%s attention, %s layers, %s) over token buckets %s built in "
-                 "%.1f s", built["attention"], "compiled" if built["compiled"] else "eager",
-                 "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"])
+                 "%.1f s; prefix caching %s", built["attention"], "compiled" if built["compiled"] else "eager",
+                 "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"],
+                 "on" if plan.prefix_caching else "off")
         self.engine = EngineThread(batcher, runner.device)
         stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
         self._spec_sent = ([0] * len(stats.proposed), [0] * len(stats.accepted)) if stats is not None else None
+        self._prefix_sent = (0, 0)  # prompt tokens looked up and served by the prefix cache, as last emitted
         self.live: dict[str, _Live] = {}
         self._last_return = self._gauges_at = time.perf_counter()
 
@@ -112,8 +115,14 @@ class ContinuousFrontend:
             if finished:
                 stop[i] = True if live.answered else None
                 del self.live[rid]
-            else:
+            elif live.req.stream:
                 stop[i], live.answered = False, True
+            else:
+                # A non-streamed request gets no intermediate response: TorchServe 0.12 would send
+                # its 200 head with it, so a worker dying later could no longer answer it with a
+                # 5xx (nor an out-of-memory error with a 507). Left out of request_ids, it gets no
+                # reply from this call; the frontend sends it again with the next one.
+                del context.request_ids[i]
         context.stopping_criteria = [lambda _, s=s: s for s in stop]
         m = self.metrics
         if time.perf_counter() - self._gauges_at >= GAUGE_INTERVAL_S or not self.live:
@@ -127,6 +136,7 @@ class ContinuousFrontend:
             m.emit("servekit_llm_waiting_seqs", "gauge", self.engine.waiting)
             m.emit("servekit_llm_kv_cache_usage", "gauge", round(self.engine.kv_usage, 4), "Percent")
             self._emit_spec_counts()
+            self._emit_prefix_stats()
             self._gauges_at = time.perf_counter()
         if requests or answers:  # a call that took new requests in: one batch of TorchServe's
             m.emit("servekit_batches_total", "counter", 1)
@@ -186,6 +196,19 @@ class ContinuousFrontend:
             self.metrics.emit("servekit_spec_proposed_total", "counter", proposed[pos] - sent_p[pos], Position=str(pos))
             self.metrics.emit("servekit_spec_accepted_total", "counter", accepted[pos] - sent_a[pos], Position=str(pos))
         self._spec_sent = (proposed, accepted)
+
+    def _emit_prefix_stats(self) -> None:
+        """Prompt tokens looked up and served by the prefix cache since the last call; its blocks now."""
+        stats = self.engine.batcher.prefix_stats()  # a snapshot: the engine counts on
+        if stats is None:  # prefix caching off
+            return
+        queried, hit = self._prefix_sent
+        if stats.queried_tokens != queried:
+            self.metrics.emit("servekit_llm_prefix_queried_tokens_total", "counter", stats.queried_tokens - queried)
+            self.metrics.emit("servekit_llm_prefix_hit_tokens_total", "counter", stats.hit_tokens - hit)
+            self._prefix_sent = (stats.queried_tokens, stats.hit_tokens)
+        self.metrics.emit("servekit_llm_prefix_cache_usage", "gauge", round(stats.usage, 4), "Percent")
+        self.metrics.emit("servekit_llm_prefix_cache_blocks", "gauge", stats.held_blocks)
 
     def _cancel(self, live: _Live) -> None:
         for k in range(len(live.req.choices)):

@@ -39,7 +39,8 @@ def serve(handle: Any, context: Context, requests: list[tuple[str, Any]], max_ca
           ) -> list[tuple[int, str, str | None]]:
     """TorchServe 0.12's continuous batching, as its frontend drives a handler: the requests are
     admitted in one call (with their bodies), then sent again without a body while the handler's
-    `context.stopping_criteria` says they are unfinished. Returns each request's (status, whole
+    `context.stopping_criteria` says they are unfinished, or while it leaves them out of its reply
+    (out of `context.request_ids`: nothing is sent for them). Returns each request's (status, whole
     answer: every part concatenated, content type)."""
     pending, parts, out = list(range(len(requests))), {i: [] for i in range(len(requests))}, {}
     data = batch(context, requests)
@@ -54,6 +55,9 @@ def serve(handle: Any, context: Context, requests: list[tuple[str, Any]], max_ca
             data[i] = {}  # seen: later calls carry its headers only
         left = []
         for j, i in enumerate(pending):
+            if j not in context.request_ids:  # held back: no reply this call
+                left.append(i)
+                continue
             parts[i].append(answers[j])
             if context.stopping_criteria[j](None) is False:
                 left.append(i)

@@ -97,6 +97,41 @@ def test_llm_handler_answers_a_mixed_batch_and_reads_the_registered_batch_size(l
     assert "[METRICS]servekit_llm_running_seqs.Count:0|" in lines  # the gauges once the last request ended
 
 
+def test_llm_handler_holds_running_non_streamed_answers_back(llm, capsys) -> None:
+    """While it runs, a streamed request gets its chunks and a non-streamed one no response at all
+    (left out of context.request_ids: TorchServe 0.12 would send its 200 head with a part), so a
+    failure can still give it its own status; once finished it is one plain response. The same
+    prompt again is served from the prefix cache, and the metrics say so."""
+    service, ctx = llm
+    seen: list[dict[str, tuple[bool, bool | None]]] = []  # per call: request id -> (in the reply, stop flag)
+
+    def handle(data, context):
+        ids = dict(context.request_ids)
+        out = service.handle(data, context)
+        seen.append({rid: (j in context.request_ids, context.stopping_criteria[j](None)) for j, rid in ids.items()})
+        return out
+
+    chat = {"messages": [{"role": "user", "content": "Count from one to twenty."}], "max_tokens": 12,
+            "temperature": 0}
+    capsys.readouterr()
+    out = serve(handle, ctx, [("v1/chat/completions", {**chat, "stream": True}), ("v1/chat/completions", chat)])
+    assert out[0][0] == 200 and out[0][1].endswith("data: [DONE]\n\n"), out[0]
+    assert out[1][0] == 200 and json.loads(out[1][1])["choices"][0]["message"]["content"], out[1]
+    plain = [call["req-1"] for call in seen if "req-1" in call]
+    assert len(plain) > 1 and plain[-1] == (True, None), plain  # answered once, unmarked, at its end
+    assert all(not replied for replied, _ in plain[:-1]), plain
+    stream = [call["req-0"] for call in seen if "req-0" in call]
+    assert all(replied for replied, _ in stream) and stream[-1][1] is True, stream
+    assert False in [stop for _, stop in stream], stream  # it streamed chunks before its end
+    lines = capsys.readouterr().out
+    assert "[METRICS]servekit_llm_prefix_queried_tokens_total.Count:" in lines
+    again = serve(service.handle, ctx, [("v1/chat/completions", chat)])
+    assert again[0][0] == 200 and json.loads(again[0][1])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    hits = [float(ln.split(":", 1)[1].split("|")[0]) for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("[METRICS]servekit_llm_prefix_hit_tokens_total.Count:")]
+    assert hits and sum(hits) > 0, hits
+
+
 def test_llm_handler_refuses_a_model_config_without_continuous_batching(tmp_path) -> None:
     from servekit.handlers.llm_handler import LlmService
     from servekit.optimizations.plan import PlanError

@@ -1,7 +1,8 @@
 """The LLM dashboard on live data: TorchServe serves SmolLM2 twice, the CPU plan with speculative
 decoding and the shipped CPU plan, a real Prometheus scrapes its metrics port every second while a
 few chat completions (streaming and not) go to each, and every panel query of servekit-llm.json
-must return data: the speculation panels get theirs from the speculative model.
+must return data: the speculation panels get theirs from the speculative model. The questions after
+the first share a long instruction, so the prefix cache of each model serves part of their prompts.
 
 Skipped, with the reason: GPU-only panels on a machine without a CUDA GPU.
 """
@@ -30,6 +31,9 @@ pytestmark = pytest.mark.server
 MODEL, CONTINUOUS = "smollm2", "smollm2-continuous"
 MODELS = (MODEL, CONTINUOUS)
 NAMESPACE, POD = "servekit", "servekit-llm-7c9d5f6b8-x2v4p"
+# Long enough to fill full 16-token blocks past the chat template's default system prompt, which
+# the questions after the first reuse from the prefix cache.
+SHARED = "Answer the next question in one short sentence, plainly, without a preamble or your reasoning: "
 BOARD = dashboards.dashboards()["servekit-llm.json"]
 QUERIES = [(p["title"], t.get("legendFormat", ""), t["expr"]) for p in BOARD["panels"] for t in p["targets"]]
 
@@ -98,11 +102,20 @@ def prometheus(server: TorchServe, tmp_path_factory: pytest.TempPathFactory) -> 
         wait_scraped(url, 1)
         questions = ["What is the capital of France?", "Name a colour.", "Count to three.", "What is two plus two?"]
         for i, question in enumerate(questions):
-            codes += [chat(server, m, question, stream=i % 2 == 0) for m in MODELS]
+            codes += [chat(server, m, SHARED + question, stream=i % 2 == 0) for m in MODELS]
         assert codes == [200] * len(codes), codes
         wait_scraped(url, 1 + len(questions))  # a scrape after the load
         time.sleep(1.5)  # and one more, for the metrics emitted after the last token
         yield url
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_prefix_cache_hits_scraped(prometheus: str, model: str) -> None:
+    """The questions' shared instruction was served from the prefix cache, and Prometheus saw it."""
+    hit = promql(prometheus, f'sum(servekit_llm_prefix_hit_tokens_total{{ModelName="{model}"}})')
+    queried = promql(prometheus, f'sum(servekit_llm_prefix_queried_tokens_total{{ModelName="{model}"}})')
+    hit_tokens, queried_tokens = (float(r[0]["value"][1]) if r else 0.0 for r in (hit, queried))
+    assert 0 < hit_tokens < queried_tokens, (hit, queried)
 
 
 @pytest.mark.parametrize("title, legend, expr", QUERIES, ids=[f"{t} [{l}]" for t, l, _ in QUERIES])

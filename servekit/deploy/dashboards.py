@@ -198,6 +198,14 @@ def llm_panels() -> list[dict]:
         panel("Continuous batching: KV cache in use per pod",
               [target(f"max by (pod) (servekit_llm_kv_cache_usage{{{MODEL}}})", "{{pod}}")],
               unit="percentunit", max_value=1),
+        panel("Prefix cache: hit rate and blocks in use per pod",
+              [target(f"sum by (pod) (rate(servekit_llm_prefix_hit_tokens_total{{{MODEL}}}{RATE})) / "
+                      f"sum by (pod) (rate(servekit_llm_prefix_queried_tokens_total{{{MODEL}}}{RATE}))",
+                      "hit rate {{pod}}"),
+               target(f"max by (pod) (servekit_llm_prefix_cache_usage{{{MODEL}}})", "cache usage {{pod}}")],
+              unit="percentunit", max_value=1,
+              description="Hit rate: share of the prompt tokens looked up whose K/V the prefix cache served. "
+                          "Cache usage: share of the KV cache's full blocks holding reusable prefixes."),
         panel("Speculative decoding: acceptance rate by draft position",
               [target(acceptance, "position {{Position}}")], unit="percentunit", max_value=1),
         panel("Speculative decoding: draft tokens proposed and accepted",
