@@ -76,6 +76,29 @@ def test_padded_rows_do_not_change_results(model_dir, runner):
     assert len({len(r) for r in rows}) > 2 and min(len(r) for r in rows) < width
 
 
+def test_the_cpu_runner_computes_no_padding(model_dir, runner):
+    """Through the served path: the eager CPU plan pads each chunk to its longest text, and the
+    encoder's linear layers still receive only each chunk's real tokens."""
+    rows = runner.tokenize(TEXTS)[0]
+    chunks = runner.chunks(rows)
+    real = sorted(sum(len(rows[i]) for i in c.indices) for c in chunks)
+    padded = sorted(c.batch * c.seq for c in chunks)
+    assert real != padded  # the chunks do hold padding
+    seen = []
+
+    def record(module, inputs, output):
+        if isinstance(module, torch.nn.Linear):
+            seen.append(inputs[0].shape[:-1].numel())
+
+    hook = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        runner.embed_ids(rows, chunks)
+    finally:
+        hook.remove()
+    per_pass = 4 * runner_encoder_cfg(model_dir).num_hidden_layers  # qkv, out, MLP in and out per layer
+    assert sorted(seen) == sorted(n for n in real for _ in range(per_pass))
+
+
 def _rotary_encoder(family: str, model_dir: Path, tmp_path: Path):
     return load_encoder(model_dir if family == "modernbert" else nomic_st_model(tmp_path / "nomic"))
 
