@@ -85,15 +85,16 @@ def bench_decode(frame: bytes, reps: int, buffered: bool) -> float:
 
     from servekit.handlers import worker_io
 
-    original = otf._retrieve_buffer
+    original, switch = otf._retrieve_buffer, os.environ.get(worker_io.DECODE_SWITCH)
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * len(frame))
     b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * len(frame))
     try:
         if buffered:
             worker_io.install_buffered_reads()
-        else:
+        else:  # stock TorchServe: its reader, and JSON bodies decoded (whatever a buffered run set before)
             otf._retrieve_buffer = worker_io.stock_retrieve
+            os.environ.pop(worker_io.DECODE_SWITCH, None)
 
         def one() -> None:
             a.sendall(frame)
@@ -102,6 +103,10 @@ def bench_decode(frame: bytes, reps: int, buffered: bool) -> float:
         return _best_of(one, reps)
     finally:
         otf._retrieve_buffer = original
+        if switch is None:
+            os.environ.pop(worker_io.DECODE_SWITCH, None)
+        else:
+            os.environ[worker_io.DECODE_SWITCH] = switch
         a.close()
         b.close()
 
