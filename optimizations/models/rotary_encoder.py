@@ -201,12 +201,12 @@ class Packing:
     Attention runs per text over its own keys in the (batch, seq) layout: the packed q, k and v are
     scattered into zero-filled rows and torch SDPA takes the padding (and sliding-window) bias, so
     each text's scores are its own seq x seq tile, the diagonal blocks of a block-diagonal mask over
-    the packed sequence. Chosen over the alternatives because it runs the same on CPU and CUDA with
-    torch 2.11-2.13 and never costs more: a block-diagonal mask over the whole packed sequence makes
-    SDPA score total_tokens^2 pairs (batch times the per-text work for equal lengths); FlexAttention's
-    document mask skips those blocks but only when compiled (eager it is a dense reference), and
-    eager plans are the ones that run unpadded; torch's varlen attention is CUDA-only. The padded
-    query rows that SDPA also scores are dropped before the output projection.
+    the packed sequence. Chosen because it runs the same on CPU and CUDA with torch 2.11-2.13 at
+    batch x seq^2 scores: a block-diagonal mask over the whole packed sequence makes SDPA score
+    total_tokens^2 pairs (batch times more for equal lengths); FlexAttention's document mask skips
+    those blocks but only when compiled (eager, it materialises every score), and eager plans are
+    the ones that run unpadded; torch's varlen attention is CUDA-only. The padded query rows that
+    SDPA also scores are dropped before the output projection.
     """
 
     def __init__(self, attention_mask: torch.Tensor) -> None:
