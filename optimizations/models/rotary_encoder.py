@@ -315,8 +315,9 @@ class RotaryEncoder(nn.Module):
         """Unpadded unless the pass is being compiled or captured into a CUDA graph: those need
         shapes that the bucket alone fixes, and the packed length depends on the mask's values
         (reading it back is a host sync, which capture forbids)."""
-        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-        if torch.compiler.is_compiling() or capturing:
+        # is_compiling() first: dynamo cannot trace is_current_stream_capturing() (it returns a bool),
+        # and while compiling the short-circuit keeps it from being traced at all.
+        if torch.compiler.is_compiling() or (input_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self.forward_padded(input_ids, attention_mask, token_type_ids)
         return self.forward_unpadded(input_ids, attention_mask, token_type_ids)
 
