@@ -118,7 +118,9 @@ def test_texts_per_request_axis_end_to_end(minilm_server, model_store: Path, tmp
     assert bodies and all(len(b["input"]) == 4 for b in bodies)
     # every request was answered with its 4 embeddings: the server counted 4 texts per request
     points = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
-    four = [p for p in points if p["config"].get("texts_per_request") == 4 and p["status"] == "pass"]
+    # Any measured point of the 4-text configuration: on a busy machine its windows may disagree
+    # ("unstable"), which says nothing about what the server counted.
+    four = [p for p in points if p["config"].get("texts_per_request") == 4 and p["server"].get("available")]
     assert four and four[-1]["server"]["texts_per_batch"] > four[-1]["server"].get("requests_per_batch", 1.0)
     report = (out / "report.md").read_text()
     assert "| texts/s |" in report and "e2e-texts w1 b4 d5 t4" in report

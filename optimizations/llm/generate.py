@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor
@@ -35,7 +35,6 @@ from servekit.optimizations.llm.sampling import FILTER, FULL, PLAIN_MODES, TOP_L
 
 if TYPE_CHECKING:
     from servekit.optimizations.llm.grammar import DecodeConstraint
-    from servekit.optimizations.llm.speculative import SpeculativeDecoding
 
 KERNELS = ("torch", "triton")  # what runs a decode step's layers: torch ops (eager or compiled), or triton_decode
 FINISH_STOP = "stop"
@@ -356,7 +355,9 @@ class LlamaRunner:
         self.states = {b: self.state.view(b) for b in self.batch_buckets}
         self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, decode_model)
                       for b in self.batch_buckets for m in PLAIN_MODES for kv in self.kv_buckets}
-        self.speculation: SpeculativeDecoding | None = None  # set by llm.load_llm_runner for a speculative plan
+        # A speculative.SpeculativeDecoding, set by llm.load_llm_runner for a speculative plan (typed
+        # loosely: speculative.py builds on this module, which must not import it back).
+        self.speculation: Any = None
         self.plan = {"compile_prefill": compile_prefill, "compile_decode": compile_decode,
                      "compile_mode": compile_mode, "cuda_graphs": cuda_graphs, "kernels": kernels,
                      "batch_buckets": list(self.batch_buckets),
