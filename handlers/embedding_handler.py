@@ -109,7 +109,7 @@ class EmbeddingHandler:
             answers[i] = fail_request(context, i, self.metrics, self._refusal_error(refusal))
         t1 = time.perf_counter()
         try:
-            vectors: dict = self.runner.embed(batch)
+            vectors: dict = self.runner.embed_batch(batch)
         except Exception as e:  # the batch failed on the device: retry request by request, keep the worker
             log.exception("inference failed for a batch of %d texts; retrying its %d requests one by one",
                           len(batch.ids), len(batch.spans))

@@ -419,6 +419,17 @@ class TorchServe:
                 time.sleep(0.3)
         raise ServerError(f"TorchServe did not answer /ping within {timeout:.0f}s; see {self.log_dir}")
 
+    def log_text(self, name: str) -> str:
+        """The whole of log `name` (e.g. model_log.log) since the server started: log4j rolls its
+        files over at midnight into `<stem>.<date>.<n>.log.gz`, which come first, oldest first."""
+        import gzip
+
+        stem = name.removesuffix(".log")
+        rolled = sorted(self.log_dir.glob(f"{stem}.*.log.gz"), key=lambda p: p.stat().st_mtime)
+        parts = [gzip.decompress(p.read_bytes()).decode(errors="replace") for p in rolled]
+        path = self.log_dir / name
+        return "".join(parts) + (path.read_text(errors="replace") if path.exists() else "")
+
     def tail_log(self, name: str = "server.out", lines: int = 30) -> str:
         path = self.log_dir / name
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""

@@ -45,7 +45,7 @@ def worker_budget(server: TorchServe, model: str = "minilm") -> dict:
     the machine was then."""
     import json
 
-    lines = [line for line in (server.log_dir / "model_log.log").read_text().splitlines()
+    lines = [line for line in server.log_text("model_log.log").splitlines()
              if f"-{model}_" in line and "servekit plan" in line and '"budget"' in line]
     assert lines, "the worker logged no budget"
     return json.loads(lines[-1].split(" ready: ", 1)[1])["budget"]

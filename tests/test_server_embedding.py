@@ -82,7 +82,7 @@ def ready_reports(server) -> list[dict]:
     """The JSON each embedding worker logged with its 'servekit plan ... ready' line."""
     import re
 
-    log = (server.log_dir / "model_log.log").read_text(errors="replace")
+    log = server.log_text("model_log.log")
     return [json.loads(m) for m in re.findall(r"servekit plan \S+ ready: (\{.*\})", log)]
 
 
@@ -255,10 +255,9 @@ def test_frontend_logs_one_line_per_request_and_none_per_batch(minilm_server):
     """config/log4j2.xml: each request leaves one access-log line; the per-batch and per-metric-line
     chatter of TorchServe's own configuration is gone; lifecycle lines and metrics remain."""
     logs = minilm_server.log_dir
-    access = logs / "access_log.log"
 
     def posts() -> int:
-        return access.read_text(errors="replace").count('"POST /predictions/minilm ') if access.exists() else 0
+        return minilm_server.log_text("access_log.log").count('"POST /predictions/minilm ')
 
     before, served0 = posts(), metric_sum(minilm_server, "servekit_requests_total")
     with ThreadPoolExecutor(12) as pool:
@@ -271,9 +270,9 @@ def test_frontend_logs_one_line_per_request_and_none_per_batch(minilm_server):
     assert posts() == before + 12
     # The metric lines are still parsed though no longer logged.
     assert _metric_reaches(minilm_server, "servekit_requests_total", served0 + 12) == served0 + 12
-    ts_log = (logs / "ts_log.log").read_text(errors="replace")
+    ts_log = minilm_server.log_text("ts_log.log")
     stdout = (logs / "server.out").read_text(errors="replace")
-    model_log = (logs / "model_log.log").read_text(errors="replace")
+    model_log = minilm_server.log_text("model_log.log")
     for text in (ts_log, stdout):
         for chatter in ("Looping backend response", "Backend response time", "result=[METRICS]",
                         "Sending response for jobId", "Waiting time ns", "ACCESS_LOG"):

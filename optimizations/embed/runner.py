@@ -219,7 +219,7 @@ class EmbeddingRunner:
         batch.chunks = self.forward.chunks([len(s) for s in batch.ids])
         return batch
 
-    def embed(self, batch: Batch) -> dict[Hashable, np.ndarray]:
+    def embed_batch(self, batch: Batch) -> dict[Hashable, np.ndarray]:
         """Each kept request's embeddings (n, dim), float32; one device-to-host copy for the batch.
         A device failure raises: `embed_each` then tells which request it was."""
         vectors = self.embed_ids(batch.ids, batch.chunks).numpy()
