@@ -98,3 +98,27 @@ def test_no_import_cycle_at_import_time() -> None:
         if node not in state:
             cycle = walk(node)
             assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_class_defines_a_method_twice() -> None:
+    """A second `def` of the same name silently replaces the first: the embedding runner once had two
+    `embed`s, and every served batch took the per-request retry path for it."""
+    twice = []
+    for path in sorted(p for top in ("handlers", "optimizations", "servekit", "benchmarks")
+                       for p in (ROOT / top).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Module, ast.ClassDef)):
+                continue
+            seen: set[str] = set()
+            for item in node.body:
+                if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                # property setters and registrations (singledispatch, custom ops' fakes) reuse names on purpose
+                if any(isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter", "register", "register_fake")
+                       for d in item.decorator_list):
+                    continue
+                if item.name in seen:
+                    twice.append(f"{path.relative_to(ROOT)}:{item.lineno} {getattr(node, 'name', '<module>')}.{item.name}")
+                seen.add(item.name)
+    assert not twice, twice
