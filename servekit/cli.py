@@ -9,6 +9,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init": ("servekit.init", "write config/ and k8s/ into a folder, to edit and use with the plain commands"),
     "archive": ("servekit.archive", "build a self-contained .mar into model_store/ (minilm, smollm2, or a model folder / .gguf)"),
     "serve": ("servekit.serve", "start TorchServe with config/ and the archives, in the foreground"),
+    "gateway": ("servekit.gateway", "streaming proxy before TorchServe: a worker dying mid-stream ends the stream with an error event"),
     "demo": ("servekit.demo", "archive, serve, send real requests, print results, stop"),
     "bench": ("servekit.benchmarks.bench.runner", "SLA-driven auto-benchmark from a YAML sweep: report + recommendation"),
     "train-speculator": ("servekit.optimizations.training.train_speculator", "train speculative-decoding heads for a Llama model"),
