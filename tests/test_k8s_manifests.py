@@ -81,6 +81,20 @@ def fetch_overlay(tmp: Path) -> Path:
     return d
 
 
+def gateway_overlay(tmp: Path) -> Path:
+    """An LLM overlay written from a benchmark, with the llm-gateway component (the documented usage)."""
+    llm = tmp / "smollm2-bench"
+    write_overlay(dict(RECOMMENDATION, model="smollm2", per_pod_capacity_rps=3.5, target_rps=1.0, warmup_seconds=0),
+                  llm)
+    d = tmp / "smollm2-gateway"
+    d.mkdir()
+    (d / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(llm, d)],
+        "components": [os.path.relpath(K8S / "components/llm-gateway", d.resolve())],
+    }))
+    return d
+
+
 @pytest.fixture(scope="module")
 def all_rendered(tmp_path_factory) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("overlays")
@@ -93,6 +107,7 @@ def all_rendered(tmp_path_factory) -> dict[str, list[dict]]:
         "monitoring": rendered("monitoring"),
         "gpu+fetch-archives": kustomize(fetch_overlay(tmp)),
         "benchmark overlay": kustomize(bench),
+        "llm+gateway": kustomize(gateway_overlay(tmp)),
     }
 
 
@@ -306,7 +321,7 @@ def test_namespace_enforces_restricted_pod_security():
 
 
 @pytest.mark.parametrize("source", ["overlays/gpu", "overlays/cpu", "overlays/rerank", "gpu+fetch-archives",
-                                    "benchmark overlay"])
+                                    "benchmark overlay", "llm+gateway"])
 def test_every_object_lands_in_the_servekit_namespace(source, all_rendered):
     for d in all_rendered[source]:
         if d["kind"] != "Namespace":
@@ -472,6 +487,68 @@ def test_fetch_archives_script_checks_the_digest(tmp_path):
                                                                 repr(str(etc / "archives.txt")))],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "only https://" in proc.stderr
+
+
+# -- the streaming gateway in front of an LLM -------------------------------------------------------
+
+def test_gateway_component_owns_the_inference_port(all_rendered):
+    docs = all_rendered["llm+gateway"]
+    spec = pod_spec(docs)
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert set(containers) == {"torchserve", "gateway"}
+    ts, gw = containers["torchserve"], containers["gateway"]
+    names = [p["name"] for c in spec["containers"] for p in c["ports"]]
+    assert sorted(names) == ["inference", "metrics"], "port names are unique in a pod"
+    assert {p["name"]: p["containerPort"] for p in gw["ports"]} == {"inference": 8080}
+    assert {p["name"] for p in ts["ports"]} == {"metrics"}
+    # The Service and the NetworkPolicy name the port: both now reach the gateway.
+    svc = one(docs, "Service", "servekit")
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}["inference"] == "inference"
+    argv = gw["command"]
+    assert argv[:3] == ["python", "-m", "servekit.gateway"]
+    assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == "8080"
+    assert gw["image"] == ts["image"] == container(all_rendered["overlays/gpu"])["image"]
+    for c in (ts, gw):
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"] and sc["runAsNonRoot"] is True
+    # The gateway's probes check the gateway; TorchServe's stay with TorchServe, on its new address.
+    assert gw["readinessProbe"]["tcpSocket"] == gw["livenessProbe"]["tcpSocket"] == {"port": "inference"}
+    assert "httpGet" not in ts["livenessProbe"]
+    upstream = argv[argv.index("--upstream") + 1]
+    assert f"'{upstream}/ping'" in ts["livenessProbe"]["exec"]["command"][-1]
+    for probe in ("startupProbe", "readinessProbe"):
+        cmd = ts[probe]["exec"]["command"]
+        assert cmd[cmd.index("--model") + 1] == "smollm2"
+    assert gw["lifecycle"]["preStop"] and gw["resources"]["limits"]["memory"]
+
+
+def test_gateway_component_moves_torchserve_inference_to_loopback(all_rendered, tmp_path):
+    """Run the torchserve container's start script as rendered (paths moved under tmp_path, printf in
+    place of torchserve): TorchServe gets the pod's config with inference on the gateway's upstream."""
+    docs = all_rendered["llm+gateway"]
+    ts = container(docs)
+    gw = next(c for c in pod_spec(docs)["containers"] if c["name"] == "gateway")
+    upstream = gw["command"][gw["command"].index("--upstream") + 1]
+    etc, run = tmp_path / "etc", tmp_path / "run"
+    etc.mkdir(), run.mkdir()
+    pod_config = config_map(docs)["data"]["config.properties"]
+    (etc / "config.properties").write_text(pod_config)
+    assert ts["command"][:2] == ["sh", "-c"] and ts["command"][3:] == ["sh", "torchserve"]
+    script = ts["command"][2].replace("/etc/servekit/", f"{etc}/").replace("/run/servekit/", f"{run}/")
+    args = [a.replace("/etc/servekit/", f"{etc}/") for a in ts["args"]]
+    proc = subprocess.run(["sh", "-c", script, "sh", "printf", "%s\\n", *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    # Every argument of the base's torchserve command, the config swapped for the rewritten copy.
+    assert proc.stdout.split() == [str(run / "config.properties") if a == str(etc / "config.properties") else a
+                                   for a in args]
+    assert "--ts-config" in args
+    served = properties((run / "config.properties").read_text())
+    assert served["inference_address"] == upstream == "http://127.0.0.1:8090"
+    pod = properties(pod_config)
+    assert pod["inference_address"] == "http://0.0.0.0:8080"
+    assert {k: v for k, v in served.items() if k != "inference_address"} == \
+        {k: v for k, v in pod.items() if k != "inference_address"}
 
 
 # -- the image -------------------------------------------------------------------------------------
