@@ -7,12 +7,17 @@ The LLM's worker death under continuous batching is tried on the same server, wi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -163,46 +168,79 @@ def test_llm_duplicate_keys_get_a_400_naming_the_key(faulty, llm_on_faulty, ctyp
     assert requests.post(url, data=ok, headers={"Content-Type": ctype}, timeout=120).status_code == 200
 
 
+@contextlib.contextmanager
+def _gateway(upstream: str) -> Iterator[int]:
+    """`servekit gateway` in front of `upstream` on a free loopback port; yields the port."""
+    proc = subprocess.Popen([sys.executable, "-m", "servekit.cli", "gateway", "--upstream", upstream, "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        assert m, line
+        yield int(m.group(1))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_llm_worker_death_under_continuous_batching_is_visible_to_clients(faulty, llm_on_faulty):
-    """A streamed and a non-streamed chat completion are generating when the worker is killed. Neither
-    may look like a whole answer, nor hang: the stream stops without `data: [DONE]` (its 200 head went out
-    with the first chunk) and the connection ends; the other, whose head the handler holds back until
-    it finishes (see docs/reliability.md), gets TorchServe's 5xx JSON. The new worker answers the retry."""
+    """A streamed and a non-streamed chat completion are generating when the worker is killed, and a
+    second stream through `servekit gateway`. Neither may look like a whole answer, nor hang: the direct
+    stream stops without `data: [DONE]` (its 200 head went out with the first chunk) and the connection
+    ends; the gateway's stream ends properly with a final `worker_died` error event and no
+    `ts_stream_next` header; the non-streamed one, whose head the handler holds back until it finishes
+    (see docs/reliability.md), gets TorchServe's 5xx JSON. The new worker answers the retries."""
     ts = faulty["ts"]
     path = LLM_PATH
     chat = {"messages": [{"role": "user", "content": "Write a long story about a sailor and the sea."}],
             "max_tokens": 200, "temperature": 0}
-    answers = {"stream": {}, "whole": {}}
+    answers = {"stream": {}, "gateway": {}, "whole": {}}
     seen = {k: threading.Event() for k in answers}
-    threads = [threading.Thread(target=_raw_exchange, args=(ts.ports.inference, path, {**chat, "stream": True},
-                                                            answers["stream"], seen["stream"])),
-               threading.Thread(target=_raw_exchange, args=(ts.ports.inference, path, chat, answers["whole"],
-                                                            seen["whole"]))]
-    for t in threads:
-        t.start()
-    # Sent together, so generating together: two events of the stream mean both are running.
-    assert seen["stream"].wait(120), answers
-    pid = ts.api.workers(llm_on_faulty)[0]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    for t in threads:
-        t.join(90)
-    stream, whole = answers["stream"], answers["whole"]
-    assert stream["status"] == 200 and stream["headers"]["content-type"] == "text/event-stream", stream
-    assert b"data: {" in stream["body"] and b"data: [DONE]" not in stream["body"], stream
-    assert stream["end"] != "complete" and stream["ended_at"] - killed < 30, stream
-    assert whole["status"] >= 500 and b"Worker died" in whole["body"], whole
-    assert "ts_stream_next" not in whole["headers"], whole
-    assert whole["ended_at"] - killed < 30, whole
-    deadline = time.monotonic() + 300  # the frontend reports the dead worker READY for a moment
-    while not any(w.get("pid") not in (None, pid) and w.get("status") == "READY"
-                  for w in ts.api.workers(llm_on_faulty)):
-        assert time.monotonic() < deadline, ts.api.workers(llm_on_faulty)
-        time.sleep(0.5)
-    r = requests.post(ts.inference_url + path, json={**chat, "max_tokens": 4}, timeout=120)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text[:300]
-    # Answered once finished, as one plain response: never a chunk marked for a stream.
-    assert "content-length" in r.headers and "ts_stream_next" not in r.headers, r.headers
+    with _gateway(ts.inference_url) as gateway_port:
+        ports = {"stream": ts.ports.inference, "gateway": gateway_port, "whole": ts.ports.inference}
+        bodies = {"stream": {**chat, "stream": True}, "gateway": {**chat, "stream": True}, "whole": chat}
+        threads = [threading.Thread(target=_raw_exchange, args=(ports[k], path, bodies[k], answers[k], seen[k]))
+                   for k in answers]
+        for t in threads:
+            t.start()
+        # Sent together, so generating together: two events of each stream mean all three are running.
+        assert seen["stream"].wait(120) and seen["gateway"].wait(60), answers
+        pid = ts.api.workers(llm_on_faulty)[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(90)
+        stream, via, whole = answers["stream"], answers["gateway"], answers["whole"]
+        assert stream["status"] == 200 and stream["headers"]["content-type"] == "text/event-stream", stream
+        assert b"data: {" in stream["body"] and b"data: [DONE]" not in stream["body"], stream
+        assert stream["end"] != "complete" and stream["ended_at"] - killed < 30, stream
+        assert "ts_stream_next" in stream["headers"], stream  # TorchServe's own flag, which the gateway drops
+        assert via["status"] == 200 and via["headers"]["content-type"] == "text/event-stream", via
+        assert "ts_stream_next" not in via["headers"], via
+        assert via["end"] == "complete" and via["ended_at"] - killed < 30, via
+        assert via["body"].count(b"data: {") >= 3 and b"data: [DONE]" not in via["body"], via
+        # The last event, written as one chunk right before the terminating one, is the error.
+        last, _, rest = via["body"].rpartition(b"data: ")[2].partition(b"\n\n")
+        assert rest == b"\r\n0\r\n\r\n", via
+        error = json.loads(last)["error"]
+        assert (error["code"], error["type"]) == ("worker_died", "server_error"), error
+        assert whole["status"] >= 500 and b"Worker died" in whole["body"], whole
+        assert "ts_stream_next" not in whole["headers"], whole
+        assert whole["ended_at"] - killed < 30, whole
+        deadline = time.monotonic() + 300  # the frontend reports the dead worker READY for a moment
+        while not any(w.get("pid") not in (None, pid) and w.get("status") == "READY"
+                      for w in ts.api.workers(llm_on_faulty)):
+            assert time.monotonic() < deadline, ts.api.workers(llm_on_faulty)
+            time.sleep(0.5)
+        r = requests.post(ts.inference_url + path, json={**chat, "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text[:300]
+        # Answered once finished, as one plain response: never a chunk marked for a stream.
+        assert "content-length" in r.headers and "ts_stream_next" not in r.headers, r.headers
+        # A stream that ends well passes the gateway whole.
+        r = requests.post(f"http://127.0.0.1:{gateway_port}{path}", json={**chat, "max_tokens": 4, "stream": True},
+                          timeout=120)
+        assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n"), r.content[-300:]
+        assert b'"error"' not in r.content and "ts_stream_next" not in r.headers, r.headers
 
 
 def test_restart_loads_models_from_the_store(faulty, reference):
