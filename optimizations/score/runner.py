@@ -3,9 +3,11 @@ plan describes (precision, quantization, compile, CUDA graphs per (batch, seq) b
 least cost), with the same load order as the embedding runner: fp32 eager reference on the golden
 set -> precision -> quantization -> compile -> warm-up of every bucket -> accuracy gate.
 
-Tokenization is the model's fast tokenizer with truncation `longest_first` at the model's limit,
-as sentence-transformers' CrossEncoder and transformers' pipelines tokenize: a pair longer than
-the limit loses tokens from its longer text first (from both once they are equally long).
+Tokenization gives what the model's fast tokenizer gives with truncation `longest_first` at the
+model's limit, as sentence-transformers' CrossEncoder and transformers' pipelines tokenize: a pair
+longer than the limit loses tokens from its longer text first (from both once they are equally
+long). Each distinct text of a batch is tokenized once and pairs are assembled from those tokens
+(optimizations/score/tokens.py), checked at start against the tokenizer's own pair encoding.
 """
 from __future__ import annotations
 
@@ -25,10 +27,9 @@ from servekit.optimizations.models.classifier import (ClassifierSpec, SequenceCl
                                                       load_classifier)
 from servekit.optimizations.plan import Plan, PlanError, resolve_for_device
 from servekit.optimizations.quantize import quantize
+from servekit.optimizations.score.tokens import PairTokenizer, Tokens
 
 log = logging.getLogger(__name__)
-# Tokens of one input: ids, token types, and whether truncation cut it.
-Tokens = tuple[list[list[int]], list[list[int]], list[bool]]
 
 
 def score_tolerance(plan: Plan) -> float:
@@ -62,8 +63,9 @@ class ScoreRunner:
             log.warning("buckets stop at %d tokens while the model accepts %d: longer inputs are cut at %d",
                         self.max_tokens, self.model_max_tokens, self.max_tokens)
         self.tokenizer = load_tokenizer(model_dir / "tokenizer.json", self.spec.do_lower_case)
-        self.tokenizer.enable_truncation(self.max_tokens, strategy="longest_first")
         golden = list(golden_texts) if golden_texts is not None else GOLDEN_TEXTS.read_text().splitlines()
+        self.pairs = PairTokenizer(self.tokenizer, self.max_tokens, self.spec.pair_types, self.plan.tokenizer_cache,
+                                   probes=golden)
         golden_pairs = list(zip(golden[::2], golden[1::2]))
         golden_ids = self.tokenize(golden_pairs if self.spec.kind == "rerank" else golden)
         model = model.to(self.device)
@@ -83,15 +85,10 @@ class ScoreRunner:
                  self.device, self.spec.kind, len(self.spec.labels), self.load_s, self.warmup_s, self.accuracy)
 
     # -- serving path -------------------------------------------------------------------------
-    def _unpack(self, encodings: list) -> Tokens:
-        typed = self.spec.pair_types
-        return ([e.ids for e in encodings], [e.type_ids if typed else [0] * len(e.ids) for e in encodings],
-                [bool(e.overflowing) for e in encodings])
-
     def tokenize(self, inputs: Sequence[str | tuple[str, str]]) -> Tokens:
-        """Model inputs of texts and (query, document) pairs in one tokenizer call: a text cut at its
-        end, a pair `longest_first`, to `max_tokens`; and which were cut."""
-        return self._unpack(self.tokenizer.encode_batch(list(inputs)))
+        """Model inputs of texts and (query, document) pairs, each distinct text tokenized once: a text
+        cut at its end, a pair `longest_first`, to `max_tokens`; and which were cut."""
+        return self.pairs.encode(inputs)
 
     def chunks(self, seqs: Sequence[Sequence[int]]) -> list[Chunk]:
         """The forward passes `logits` would cut `seqs` into (eager: exact length-sorted runs)."""
@@ -125,4 +122,6 @@ class ScoreRunner:
                 "kind": self.spec.kind, "labels": list(self.spec.labels), "activation": self.spec.activation,
                 "max_tokens": self.max_tokens, "model_max_tokens": self.model_max_tokens,
                 "load_s": round(self.load_s, 3), "warmup_s": round(self.warmup_s, 3), "accuracy": self.accuracy,
-                "buckets": self.forward.bucket_stats}
+                "buckets": self.forward.bucket_stats,
+                "pair_encoding": "assembled" if self.pairs.assembled else f"library: {self.pairs.off_reason}",
+                "segment_cache": self.pairs.segments.off_reason or "on"}

@@ -1,0 +1,174 @@
+"""Model inputs of (query, document) pairs and single texts, assembled from each text's own tokens.
+
+A fast tokenizer encodes a pair in three steps: each text alone (normalizer, pre-tokenizer,
+model), then `longest_first` truncation of the two to the limit less the special tokens, then the
+post-processor's template around them (BERT: [CLS] A [SEP] B [SEP], token types 0 then 1). The
+score runner did all three in the library for every pair, so a rerank request of one query and
+100 documents tokenized the query 100 times, and reading each encoding's fields back into Python
+cost about as much again. Here each distinct text of a batch is tokenized once, through the
+embedding runner's segment cache (optimizations/embed/segment_cache.py), and the truncation and
+the template are applied in Python: a pair is then a few list slices. (Pair encoding in
+tokenizers 0.23: `TokenizerImpl::encode` encodes each sequence on its own; `truncate_encodings`
+cuts them; `TemplateProcessing` adds the specials.)
+
+The result is checked at start against the library's own pair and single encodings on probe
+texts of every length relation to the limit (both short, one or both over it, equal lengths, odd
+and even room); a tokenizer whose template is not "specials, first text, specials, second text,
+specials", or that differs on any probe, keeps the library's pair encoding for every input.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from tokenizers import Tokenizer
+
+from servekit.optimizations.embed.segment_cache import PROBES, SegmentCache
+
+log = logging.getLogger(__name__)
+# Tokens of one batch of inputs: ids, token types, and whether truncation cut each input.
+Tokens = tuple[list[list[int]], list[list[int]], list[bool]]
+
+
+def longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:
+    """Tokens kept of a pair's first and second text (n1 and n2 tokens) within `room` tokens for
+    both, as the tokenizers library's `longest_first` truncation keeps them: the longer text is cut
+    down towards the shorter's length; past that each keeps half the room, the extra token of an odd
+    room going to the longer text (to the second when both are equally long)."""
+    if n1 + n2 <= room:
+        return n1, n2
+    short, long = (n2, n1) if n1 > n2 else (n1, n2)
+    long = short if short > room else max(short, room - short)
+    if short + long > room:
+        short, long = room // 2, room // 2 + room % 2
+    return (long, short) if n1 > n2 else (short, long)
+
+
+@dataclass(frozen=True)
+class Template:
+    """What the post-processor puts around one text (`a`) or a pair (`a`, `b`): the special tokens'
+    ids and types before, between and after the texts, and each text's token type."""
+
+    ids: tuple[tuple[int, ...], ...]    # single: (before, after); pair: (before, between, after)
+    types: tuple[tuple[int, ...], ...]
+    text_types: tuple[int, ...]         # single: (a,); pair: (a, b)
+
+    @property
+    def added(self) -> int:
+        return sum(map(len, self.ids))
+
+
+def _template(encoding, n_texts: int) -> Template | None:
+    """The template of a probe encoding of one or two texts, or None if its layout is not specials
+    around contiguous texts in their order, each text of one token type."""
+    seq = encoding.sequence_ids
+    spans = []
+    for k in range(n_texts):
+        at = [i for i, s in enumerate(seq) if s == k]
+        if not at or at != list(range(at[0], at[-1] + 1)):
+            return None
+        spans.append((at[0], at[-1] + 1))
+    if n_texts == 2 and spans[0][1] > spans[1][0]:
+        return None
+    ids, types = encoding.ids, encoding.type_ids
+    cuts = [0] + [x for span in spans for x in span] + [len(ids)]
+    text_types = tuple({types[i] for i in range(a, b)} for a, b in spans)
+    if any(len(t) != 1 for t in text_types):
+        return None
+    gaps = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts), 2)]
+    if any(s is not None for a, b in gaps for s in seq[a:b]):
+        return None
+    return Template(tuple(tuple(ids[a:b]) for a, b in gaps), tuple(tuple(types[a:b]) for a, b in gaps),
+                    tuple(t.pop() for t in text_types))
+
+
+def _probe_inputs(tokenizer: Tokenizer, max_tokens: int, extra: Sequence[str]) -> list[str | tuple[str, str]]:
+    """Texts and pairs on every side of the limit: the segment cache's probes and `extra` alone and
+    paired, and pairs of word runs whose lengths fall short of, reach and pass the room, equal and
+    unequal, the room odd and even."""
+    word = "serving"
+    per_word = max(1, len(tokenizer.encode(word, add_special_tokens=False).ids))
+    texts = [*PROBES, *extra]
+    out: list[str | tuple[str, str]] = list(texts)
+    out += [(a, b) for a in texts[:12] for b in texts[:12]]
+    for n1, n2 in ((0, 0), (1, 0), (0, 1), (3, 5), (max_tokens, 0), (0, max_tokens), (max_tokens, 2),
+                   (2, max_tokens), (max_tokens, max_tokens), (max_tokens + 1, max_tokens), (max_tokens // 2, max_tokens),
+                   (max_tokens // 2 - 1, max_tokens // 2), (max_tokens // 2 - 2, max_tokens // 2 + 1),
+                   (max_tokens // 2 + 1, max_tokens // 2 - 3), (max_tokens - 5, 3), (4, max_tokens - 6)):
+        a, b = " ".join([word] * (n1 // per_word)), " ".join([word] * (n2 // per_word))
+        out += [(a, b), (a + " x", b), a]
+    return out
+
+
+class PairTokenizer:
+    """Texts and (first, second) pairs -> model input ids, token types and which were cut, equal to
+    the tokenizer's own encoding with `longest_first` truncation at `max_tokens`.
+
+    `tokenizer` must not truncate (load_tokenizer's); `typed`: pass the template's token types (a
+    BERT pair's second text 1), else all 0. `cache_entries` bounds the segment cache (0: off)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int, typed: bool, cache_entries: int,
+                 probes: Sequence[str] = ()) -> None:
+        self.max_tokens, self.typed = max_tokens, typed
+        self.library = Tokenizer.from_str(tokenizer.to_str())  # the reference, and the fallback
+        self.library.enable_truncation(max_tokens, strategy="longest_first")
+        self.segments = SegmentCache(tokenizer, cache_entries, probes=probes)
+        self.single = _template(tokenizer.encode("a"), 1)
+        self.pair = _template(tokenizer.encode("a", "b"), 2)
+        self.off_reason: str | None = None
+        if self.single is None or self.pair is None:
+            self.off_reason = "the post-processor's template is not specials around the texts in order"
+        else:
+            self.off_reason = self._check(_probe_inputs(tokenizer, max_tokens, probes))
+        if self.off_reason is not None:
+            log.info("pairs are encoded by the tokenizer's own pair encoding: %s", self.off_reason)
+
+    @property
+    def assembled(self) -> bool:
+        """Whether inputs are assembled from each distinct text's tokens (else: the library's pair encoding)."""
+        return self.off_reason is None
+
+    def _check(self, inputs: list[str | tuple[str, str]]) -> str | None:
+        want, got = self.encode_library(inputs), self._assemble(inputs)
+        for k, x in enumerate(inputs):
+            if (want[0][k], want[1][k], want[2][k]) != (got[0][k], got[1][k], got[2][k]):
+                return f"assembled tokens differ from the tokenizer's pair encoding on {str(x)[:60]!r}"
+        return None
+
+    def encode(self, inputs: Sequence[str | tuple[str, str]]) -> Tokens:
+        return self._assemble(inputs) if self.assembled else self.encode_library(inputs)
+
+    def encode_library(self, inputs: Sequence[str | tuple[str, str]]) -> Tokens:
+        """The tokenizer's own encoding of every input, truncated `longest_first`."""
+        encodings = self.library.encode_batch_fast(list(inputs))
+        ids = [e.ids for e in encodings]
+        types = [e.type_ids for e in encodings] if self.typed else [[0] * len(x) for x in ids]
+        return ids, types, [bool(e.overflowing) for e in encodings]
+
+    def _assemble(self, inputs: Sequence[str | tuple[str, str]]) -> Tokens:
+        texts = dict.fromkeys(t for x in inputs for t in ((x,) if isinstance(x, str) else x))
+        own = dict(zip(texts, self.segments.encode(list(texts))))
+        single, pair, typed, limit = self.single, self.pair, self.typed, self.max_tokens
+        s_before, s_after = single.ids
+        s_types = single.types if typed else tuple((0,) * len(t) for t in single.ids)
+        s_text = single.text_types[0] if typed else 0
+        before, between, after = pair.ids
+        t_before, t_between, t_after = pair.types if typed else tuple((0,) * len(t) for t in pair.ids)
+        t_a, t_b = pair.text_types if typed else (0, 0)
+        s_room, p_room = limit - single.added, limit - pair.added
+        ids, types, cut = [], [], []
+        for x in inputs:
+            if isinstance(x, str):
+                a = own[x]
+                n = min(len(a), s_room)
+                cut.append(n < len(a))
+                ids.append([*s_before, *a[:n], *s_after])
+                types.append([*s_types[0], *[s_text] * n, *s_types[1]])
+                continue
+            a, b = own[x[0]], own[x[1]]
+            n1, n2 = longest_first(len(a), len(b), p_room)
+            cut.append(n1 < len(a) or n2 < len(b))
+            ids.append([*before, *a[:n1], *between, *b[:n2], *after])
+            types.append([*t_before, *[t_a] * n1, *t_between, *[t_b] * n2, *t_after])
+        return ids, types, cut
