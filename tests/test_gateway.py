@@ -46,15 +46,28 @@ async def stream_ok(request: web.Request) -> web.StreamResponse:
 
 async def stream_abort(request: web.Request) -> web.StreamResponse:
     """Like a worker death in TorchServe 0.12: events, then the connection reset after the head.
-    With ?partial=1 the reset comes in the middle of an event."""
+    With ?partial=1 the reset comes in the middle of an event, with ?done=1 after `data: [DONE]`."""
     resp = await _sse_head(request)
     for event in EVENTS:
         await resp.write(event)
     if request.query.get("partial"):
         await resp.write(b'data: {"i": 3, "te')
+    if request.query.get("done"):
+        await resp.write(b"data: [DONE]\n\n")
     await asyncio.sleep(0.05)  # the bytes leave before the reset
     assert request.transport is not None
     request.transport.abort()
+    return resp
+
+
+async def stall(request: web.Request) -> web.StreamResponse:
+    """One event, then silence longer than the slow gateway's read timeout (?head=1: before the head)."""
+    if request.query.get("head"):
+        await asyncio.sleep(1.5)
+    resp = await _sse_head(request)
+    await resp.write(EVENTS[0])
+    await asyncio.sleep(1.5)
+    await resp.write_eof()
     return resp
 
 
@@ -94,6 +107,7 @@ def upstream_app(disconnects: list[float]) -> web.Application:
     app.router.add_post("/v1/chat/completions", stream_abort)
     app.router.add_post("/stream-forever", stream_forever)
     app.router.add_get("/json-cut", json_cut)
+    app.router.add_get("/stall", stall)
     app.router.add_route("*", "/echo/{tail:.*}", echo)
     return app
 
@@ -134,7 +148,8 @@ def stack() -> Iterator[dict]:
             s.bind(("127.0.0.1", 0))
             dead = "http://127.0.0.1:%d" % s.getsockname()[1]
         yield {"upstream": upstream, "gateway": servers.start(make_app(upstream)),
-               "to_dead": servers.start(make_app(dead)), "disconnects": disconnects}
+               "to_dead": servers.start(make_app(dead)), "slow": servers.start(make_app(upstream, read_timeout_s=0.4)),
+               "disconnects": disconnects}
     finally:
         servers.close()
 
@@ -177,6 +192,20 @@ def test_stream_reset_upstream_ends_with_an_error_event_and_a_clean_end(stack, p
     assert error["type"] == "server_error" and error["code"] == "worker_died"
     assert "retry" in error["message"]
     assert b"[DONE]" not in r.content
+
+
+def test_stream_reset_after_done_is_whole(stack):
+    r = requests.post(stack["gateway"] + "/stream-abort?done=1", json={}, timeout=10)
+    assert r.content == b"".join(EVENTS) + b"data: [DONE]\n\n"
+
+
+def test_silent_upstream_is_a_timeout_error(stack):
+    r = requests.get(stack["slow"] + "/stall", timeout=10)  # silent after its head: a final event
+    events = sse_events(r.content)
+    assert r.status_code == 200 and events[0] == EVENTS[0].rstrip(b"\n") and len(events) == 2, r.content
+    assert json.loads(events[1][len(b"data: "):])["error"]["code"] == "upstream_timeout"
+    r = requests.get(stack["slow"] + "/stall?head=1", timeout=10)  # silent before it: a status
+    assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
 
 
 def test_openai_client_raises_the_error_event(stack):
