@@ -2,12 +2,14 @@
 agree with each other (selectors, ports, probes, metrics) and with the project's TorchServe config."""
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -547,6 +549,22 @@ def test_gateway_component_moves_torchserve_inference_to_loopback(all_rendered, 
     assert served["inference_address"] == upstream == "http://127.0.0.1:8090"
     pod = properties(pod_config)
     assert pod["inference_address"] == "http://0.0.0.0:8080"
+    # TorchServe's liveness command, run as rendered against a stand-in /ping on that address's port.
+    class Ping(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/ping" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    liveness = [sys.executable if a == "python" else a for a in ts["livenessProbe"]["exec"]["command"]]
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ping) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        alive = [a.replace(":8090/", f":{server.server_address[1]}/") for a in liveness]
+        assert subprocess.run(alive, capture_output=True, timeout=30).returncode == 0
+        server.shutdown()
+    assert subprocess.run(alive, capture_output=True, timeout=30).returncode != 0, "nothing listens: not alive"
     assert {k: v for k, v in served.items() if k != "inference_address"} == \
         {k: v for k, v in pod.items() if k != "inference_address"}
 
