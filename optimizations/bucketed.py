@@ -193,7 +193,13 @@ class BucketedForward:
     def _warm_up(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.plan.cuda_graphs else None
         cuda = self.device.type == "cuda"
-        for b, s in self.buckets.shapes():
+        shapes = self.buckets.shapes()
+        if self.eager:
+            # Eager passes take the batch's exact shape, not a bucket's: warming every bucket bought
+            # nothing a request reuses and cost a CPU worker ~5 s of each start. One pass at the
+            # largest shape warms the allocator and the kernels' lazy set-up.
+            shapes = [max(shapes, key=lambda bs: bs[0] * bs[1])]
+        for b, s in shapes:
             t = time.perf_counter()
             mem0 = torch.cuda.memory_reserved(self.device) if cuda else 0
             static = (torch.full((b, s), self.pad_id, dtype=torch.long, device=self.device),
