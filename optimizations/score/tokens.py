@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from servekit.optimizations.embed.segment_cache import PROBES, SegmentCache
 
@@ -59,7 +59,7 @@ class Template:
         return sum(map(len, self.ids))
 
 
-def _template(encoding, n_texts: int) -> Template | None:
+def _template(encoding: Encoding, n_texts: int) -> Template | None:
     """The template of a probe encoding of one or two texts, or None if its layout is not specials
     around contiguous texts in their order, each text of one token type."""
     seq = encoding.sequence_ids
