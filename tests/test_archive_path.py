@@ -137,12 +137,19 @@ def test_sharded_checkpoint_and_kind_override(st_dir, tmp_path, one_thread):
 
 
 def test_llm_folder_and_gguf_file_archive_as_llm(tmp_path):
-    """A Llama-family folder (the bundled SmolLM2, converted) and a GGUF file: kind llm inferred, the
-    model's files shipped, a model-config fitted to its context length generated."""
+    """A Llama-family folder (the bundled SmolLM2, converted) and a GGUF file (a tiny random Llama:
+    the bundled SmolLM2's GGUF takes 24 s to convert to an fp32 archive, and the real conversion is
+    checked by the weight tests): kind llm inferred, the model's files shipped, a model-config fitted
+    to its context length generated."""
+    from decoder_checkpoints import write_checkpoint
+    from test_gguf_families import write_gguf
+
     from servekit.optimizations.models.gguf_weights import find_smollm2_gguf, smollm2_archive_files
 
     folder = smollm2_archive_files(torch.bfloat16)[0].parent
-    for src, name in ((folder, "from-folder"), (find_smollm2_gguf(), "from-gguf")):
+    tiny = write_gguf(write_checkpoint("llama3", tmp_path / "hf", num_attention_heads=2, num_key_value_heads=1),
+                      tmp_path / "tiny-llama.gguf", "llama")
+    for src, name in ((folder, "from-folder"), (tiny, "from-gguf")):
         out = tmp_path / name
         r = archive(src, "--out", out, "--device", "cpu", "--name", name, "--no-compress")
         assert r.returncode == 0, r.stderr
