@@ -34,6 +34,8 @@ import aiohttp
 import psutil
 from aiohttp import web
 
+from servekit.benchmarks.host import cpu_model
+
 EVENT = b'data: {"choices": [{"index": 0, "delta": {"content": " token"}}], "object": "chat.completion.chunk"}\n\n'
 
 
@@ -62,13 +64,6 @@ def _upstream(port_out: multiprocessing.Queue) -> None:  # type: ignore[type-arg
     asyncio.run(main())
 
 
-def cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    m = re.search(r"^model name\s*:\s*(.+)$", text, flags=re.M)
-    return m.group(1).strip() if m else platform.machine()
 
 
 def cpu_s(proc: psutil.Process) -> float:

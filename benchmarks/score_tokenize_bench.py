@@ -37,17 +37,10 @@ from typing import Any
 
 import numpy as np
 
+from servekit.benchmarks.host import cpu_model
+
 STAGES = ("parse", "tokenize", "chunks", "pad")
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def make_bodies(n: int, documents: int, doc_tokens: int, seed: int, tokenizer_json: Path) -> list[bytes]:
@@ -187,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     result = {"label": args.label, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "cpu_model": _cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(),
+              "cpu_model": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(),
               "tokenizers": tokenizers.__version__, "torch": torch.__version__,
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "one")} | {"out": str(args.out)},
               "runs": runs}

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from servekit.benchmarks.bench.payloads import body_texts
+from servekit.benchmarks.host import cpu_model
 from servekit.resources import config_dir, package_dir
 
 PAYLOADS = package_dir("servekit.benchmarks") / "payloads" / "texts.jsonl"
@@ -307,19 +308,10 @@ def run(batches: Sequence[int], reps: int, texts: int = 1) -> dict[str, Any]:
 
     return {"rows": rows, "reps": reps, "texts_per_request": texts, "date": dt.date.today().isoformat(),
             "command": "python -m servekit.benchmarks.worker_overhead " + " ".join(sys.argv[1:]),
-            "machine": {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "os": platform.platform(),
+            "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "os": platform.platform(),
                         "python": platform.python_version(), "torchserve": ts.__version__,
                         "tokenizers": tokenizers.__version__}}
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
