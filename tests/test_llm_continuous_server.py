@@ -99,14 +99,18 @@ def test_concurrent_requests_joining_at_different_times_get_their_solo_texts(cli
 
 def test_a_short_request_is_not_stuck_behind_a_long_one(client) -> None:
     """Static batching answered the short request after the long one ended; continuous batching
-    admits it at the next decode step."""
+    admits it at the next decode step. The long one is still decoding a second after the short one
+    ended, and is then dropped by its client (a disconnect frees its slot), not waited for."""
     long_done: list[float] = []
+    stop = threading.Event()
     t0 = time.perf_counter()
 
     def long() -> None:
-        for _ in client.chat.completions.create(model="smollm2", messages=_msgs("Tell a long story about a dragon."),
-                                                max_tokens=300, temperature=0, stream=True):
-            pass
+        with client.chat.completions.create(model="smollm2", messages=_msgs("Tell a long story about a dragon."),
+                                            max_tokens=300, temperature=0, stream=True) as stream:
+            for _ in stream:
+                if stop.is_set():
+                    return
         long_done.append(time.perf_counter() - t0)
 
     thread = threading.Thread(target=long)
@@ -118,10 +122,11 @@ def test_a_short_request_is_not_stuck_behind_a_long_one(client) -> None:
                                             stream=True):
         if first is None and c.choices and c.choices[0].delta.content:
             first = time.perf_counter() - t1
-    short_total = time.perf_counter() - t1
+    time.sleep(1.0)
+    still_decoding = not long_done  # the short one ended at least a second before the long one
+    stop.set()
     thread.join(300)
-    assert first is not None and long_done
-    assert t1 - t0 + short_total < long_done[0] - 1.0  # the short one ended well before the long one
+    assert first is not None and still_decoding
     assert first < 2.0, f"first token after {first:.2f} s"
 
 
