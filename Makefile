@@ -37,7 +37,7 @@ demo: install
 # docs/testing.md says how tests share servers and archives.
 TEST_WORKERS ?= 2
 test: install tools
-	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 clean:
 	rm -rf build .run model_store/*.mar
