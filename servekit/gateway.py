@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
@@ -24,6 +23,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDictProxy
 from yarl import URL
+
+from servekit.handlers.common import error_json
 
 log = logging.getLogger("servekit.gateway")
 
@@ -51,13 +52,9 @@ UPSTREAM = web.AppKey("upstream", str)
 READ_TIMEOUT = web.AppKey("read_timeout", float)
 
 
-def error_body(message: str, code: str, type_: str = "server_error") -> bytes:
-    """The OpenAI-style error object servekit's handlers answer with, so clients parse one shape."""
-    return json.dumps({"error": {"message": message, "type": type_, "code": code}}).encode()
-
-
 def error_response(status: int, message: str, code: str, type_: str = "server_error") -> web.Response:
-    return web.Response(status=status, body=error_body(message, code, type_), content_type="application/json")
+    """The handlers' OpenAI-style error body (message bounded), so clients parse one shape."""
+    return web.Response(status=status, text=error_json(status, type_, message, code), content_type="application/json")
 
 
 def _dropped(headers: CIMultiDictProxy[str], always: frozenset[str]) -> frozenset[str]:
@@ -163,8 +160,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
                             request.method, request.path, e, code)
                 message = (f"TorchServe sent nothing for {request.app[READ_TIMEOUT]:g} s" if timed_out else
                            "the model worker stopped while generating (TorchServe closed the stream)")
-                await resp.write(b"data: " + error_body(message + "; the answer is incomplete: retry the request",
-                                                        code) + b"\n\n")
+                event = error_json(502, "server_error", message + "; the answer is incomplete: retry the request", code)
+                await resp.write(f"data: {event}\n\n".encode())
         await resp.write_eof()
         return resp
     except ConnectionError:
