@@ -62,9 +62,9 @@ class ScoreRunner:
         if self.max_tokens < self.model_max_tokens:
             log.warning("buckets stop at %d tokens while the model accepts %d: longer inputs are cut at %d",
                         self.max_tokens, self.model_max_tokens, self.max_tokens)
-        self.tokenizer = load_tokenizer(model_dir / "tokenizer.json", self.spec.do_lower_case)
+        tokenizer = load_tokenizer(model_dir / "tokenizer.json", self.spec.do_lower_case)
         golden = list(golden_texts) if golden_texts is not None else GOLDEN_TEXTS.read_text().splitlines()
-        self.pairs = PairTokenizer(self.tokenizer, self.max_tokens, self.spec.pair_types, self.plan.tokenizer_cache,
+        self.pairs = PairTokenizer(tokenizer, self.max_tokens, self.spec.pair_types, self.plan.tokenizer_cache,
                                    probes=golden)
         golden_pairs = list(zip(golden[::2], golden[1::2]))
         golden_ids = self.tokenize(golden_pairs if self.spec.kind == "rerank" else golden)
