@@ -62,8 +62,15 @@ def _read(p: Payloads) -> tuple[Callable[[int], str], list[str]]:
     rng = np.random.default_rng(g["seed"])
     w = np.asarray(g["weights"], dtype=float)
     lengths = rng.choice(g["words"], size=g["count"], p=w / w.sum())
-    return ((lambda k: f"generated body {k}"),
-            [json.dumps({g["field"]: " ".join(rng.choice(WORDS, size=int(n)))}) for n in lengths])
+    if g.get("text") == "prose":
+        from servekit.benchmarks.llm_prompts import corpus
+
+        prose = " ".join(" ".join(p) for p in corpus()).split()
+        starts = rng.integers(0, len(prose) - max(g["words"]), size=len(lengths))
+        texts = [" ".join(prose[s:s + int(n)]) for s, n in zip(starts, lengths)]
+    else:
+        texts = [" ".join(rng.choice(WORDS, size=int(n))) for n in lengths]
+    return (lambda k: f"generated body {k}"), [json.dumps({g["field"]: t}) for t in texts]
 
 
 def chat_bodies(c: dict[str, Any]) -> list[str]:

@@ -15,6 +15,10 @@ import yaml
 
 from servekit.resources import resolve
 
+# Words of `payloads.generate` texts: a small fixed vocabulary, or runs of English prose (the
+# stdlib's docstrings) whose vocabulary is as varied as users' texts, so per-word caches and
+# tokenizers meet new words as they do in service.
+GENERATED_TEXT = ("vocabulary", "prose")
 
 
 class SchemaError(ValueError):
@@ -182,7 +186,7 @@ class Request:
 class Payloads:
     file: Path | None = None
     body: Any = None
-    generate: dict[str, Any] | None = None  # {words: [..], weights: [..], count, seed}
+    generate: dict[str, Any] | None = None  # {words: [..], weights: [..], count, seed, field, text}
     # Streamed chat bodies from benchmarks/llm_prompts.py: {set, count, seed, max_tokens, max_seq_len,
     # tokenizer (None: lengths estimated from words; "smollm2": the bundled model's; else a path)}
     chat: dict[str, Any] | None = None
@@ -474,7 +478,7 @@ def _payloads(raw: Any, base: Path) -> Payloads:
                               "max_tokens": _pos_int("payloads.chat.max_tokens", c.get("max_tokens", 256)),
                               "max_seq_len": _pos_int("payloads.chat.max_seq_len", c.get("max_seq_len", 2048)),
                               "tokenizer": tok}, set_keys=set_keys)
-    g = _keys("payloads.generate", raw["generate"], {"words", "weights", "count", "seed", "field"}, ("words",))
+    g = _keys("payloads.generate", raw["generate"], {"words", "weights", "count", "seed", "field", "text"}, ("words",))
     words = _list("payloads.generate.words", g["words"], _pos_int)
     weights = _list("payloads.generate.weights", g["weights"], _pos_num) if "weights" in g else (1.0,) * len(words)
     if len(weights) != len(words):
@@ -482,7 +486,8 @@ def _payloads(raw: Any, base: Path) -> Payloads:
     return Payloads(generate={"words": list(words), "weights": list(weights),
                               "count": _pos_int("payloads.generate.count", g.get("count", 200)),
                               "seed": _nonneg_int("payloads.generate.seed", g.get("seed", 0)),
-                              "field": _str("payloads.generate.field", g.get("field", "text"))},
+                              "field": _str("payloads.generate.field", g.get("field", "text")),
+                              "text": _choice("payloads.generate.text", g.get("text", "vocabulary"), GENERATED_TEXT)},
                     set_keys=set_keys)
 
 
