@@ -97,19 +97,18 @@ def random_inputs(n: int, max_words: int, seed: int = 0) -> list:
 
 
 @pytest.mark.parametrize("max_tokens", [12, 13])  # room for both texts: 9 (odd) and 10 (even)
-def test_longest_first_keeps_what_the_tokenizer_keeps_at_every_length(max_tokens):
-    from servekit.optimizations.score.tokens import longest_first
-
+def test_pairs_at_every_length_equal_the_tokenizers_own_encoding(max_tokens):
+    """Pairs that fit are assembled; pairs past the limit are the library's own `longest_first`
+    truncation; either way the ids equal the library's and `cut` says whether tokens were dropped."""
     pt = minilm(max_tokens)
+    assert pt.assembled, pt.off_reason
     lengths = [(n1, n2) for n1 in range(16) for n2 in range(16)]
-    encodings = pt.library.encode_batch_fast([("x " * n1, "x " * n2) for n1, n2 in lengths])
-    kept = [(e.sequence_ids.count(0), e.sequence_ids.count(1)) for e in encodings]
-    assert [longest_first(n1, n2, max_tokens - 3) for n1, n2 in lengths] == kept
-    room, at = max_tokens - 3, dict(zip(lengths, kept))
-    assert at[(15, 4)] == (room - 4, 4) and at[(4, 15)] == (4, room - 4)  # the longer text cut alone
-    assert at[(12, 12)] == (room // 2, room - room // 2) and at[(13, 12)] == (room - room // 2, room // 2)
-    assert pt.encode([("x " * n1, "x " * n2) for n1, n2 in lengths]) == pt.encode_library(
-        [("x " * n1, "x " * n2) for n1, n2 in lengths])
+    pairs = [("x " * n1, "x " * n2) for n1, n2 in lengths]
+    ids, types, cut = pt.encode(pairs)
+    want_ids, want_types, _ = pt.encode_library(pairs)
+    assert (ids, types) == (want_ids, want_types)
+    assert cut == [n1 + n2 > max_tokens - 3 for n1, n2 in lengths]
+    assert max(map(len, ids)) == max_tokens
 
 
 @pytest.mark.parametrize("typed,cache", [(True, 200_000), (False, 200_000), (True, 0)])

@@ -6,15 +6,18 @@ post-processor's template around them (BERT: [CLS] A [SEP] B [SEP], token types 
 score runner did all three in the library for every pair, so a rerank request of one query and
 100 documents tokenized the query 100 times, and reading each encoding's fields back into Python
 cost about as much again. Here each distinct text of a batch is tokenized once, through the
-embedding runner's segment cache (optimizations/embed/segment_cache.py), and the truncation and
-the template are applied in Python: a pair is then a few list slices. (Pair encoding in
-tokenizers 0.23: `TokenizerImpl::encode` encodes each sequence on its own; `truncate_encodings`
-cuts them; `TemplateProcessing` adds the specials.)
+embedding runner's segment cache (optimizations/embed/segment_cache.py), and the template is applied
+in Python: a pair that fits is then a few list slices.
 
-The result is checked at start against the library's own pair and single encodings on probe
-texts of every length relation to the limit (both short, one or both over it, equal lengths, odd
-and even room); a tokenizer whose template is not "specials, first text, specials, second text,
-specials", or that differs on any probe, keeps the library's pair encoding for every input.
+An input that does not fit the limit is encoded by the library itself, truncation included: how
+`longest_first` splits the room between two texts is the library's to define (and its versions
+have differed on the flags they report), and such inputs are rare in rerank traffic. Whether an
+assembled input was cut is known from its texts' token counts.
+
+The result is checked at start against the library's own encodings on probe texts of every length
+relation to the limit (both short, one or both over it, equal lengths); a tokenizer whose template
+is not "specials, first text, specials, second text, specials", or that differs on any probe, keeps
+the library's pair encoding for every input.
 """
 from __future__ import annotations
 
@@ -29,20 +32,6 @@ from servekit.optimizations.embed.segment_cache import PROBES, SegmentCache
 log = logging.getLogger(__name__)
 # Tokens of one batch of inputs: ids, token types, and whether truncation cut each input.
 Tokens = tuple[list[list[int]], list[list[int]], list[bool]]
-
-
-def longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:
-    """Tokens kept of a pair's first and second text (n1 and n2 tokens) within `room` tokens for
-    both, as the tokenizers library's `longest_first` truncation keeps them: the longer text is cut
-    down towards the shorter's length; past that each keeps half the room, the extra token of an odd
-    room going to the longer text (to the second when both are equally long)."""
-    if n1 + n2 <= room:
-        return n1, n2
-    short, long = (n2, n1) if n1 > n2 else (n1, n2)
-    long = short if short > room else max(short, room - short)
-    if short + long > room:
-        short, long = room // 2, room // 2 + room % 2
-    return (long, short) if n1 > n2 else (short, long)
 
 
 @dataclass(frozen=True)
@@ -132,7 +121,7 @@ class PairTokenizer:
     def _check(self, inputs: list[str | tuple[str, str]]) -> str | None:
         want, got = self.encode_library(inputs), self._assemble(inputs)
         for k, x in enumerate(inputs):
-            if (want[0][k], want[1][k], want[2][k]) != (got[0][k], got[1][k], got[2][k]):
+            if (want[0][k], want[1][k]) != (got[0][k], got[1][k]):
                 return f"assembled tokens differ from the tokenizer's pair encoding on {str(x)[:60]!r}"
         return None
 
@@ -149,26 +138,34 @@ class PairTokenizer:
     def _assemble(self, inputs: Sequence[str | tuple[str, str]]) -> Tokens:
         texts = dict.fromkeys(t for x in inputs for t in ((x,) if isinstance(x, str) else x))
         own = dict(zip(texts, self.segments.encode(list(texts))))
-        single, pair, typed, limit = self.single, self.pair, self.typed, self.max_tokens
+        single, pair, typed = self.single, self.pair, self.typed
         s_before, s_after = single.ids
         s_types = single.types if typed else tuple((0,) * len(t) for t in single.ids)
         s_text = single.text_types[0] if typed else 0
         before, between, after = pair.ids
         t_before, t_between, t_after = pair.types if typed else tuple((0,) * len(t) for t in pair.ids)
         t_a, t_b = pair.text_types if typed else (0, 0)
-        s_room, p_room = limit - single.added, limit - pair.added
-        ids, types, cut = [], [], []
+        s_room, p_room = self.max_tokens - single.added, self.max_tokens - pair.added
+        ids: list[list[int]] = []
+        types: list[list[int]] = []
+        cut: list[bool] = []
+        over: list[int] = []  # inputs past the limit: rows the library fills in, truncating them
         for x in inputs:
             if isinstance(x, str):
                 a = own[x]
-                n = min(len(a), s_room)
-                cut.append(n < len(a))
-                ids.append([*s_before, *a[:n], *s_after])
-                types.append([*s_types[0], *[s_text] * n, *s_types[1]])
-                continue
-            a, b = own[x[0]], own[x[1]]
-            n1, n2 = longest_first(len(a), len(b), p_room)
-            cut.append(n1 < len(a) or n2 < len(b))
-            ids.append([*before, *a[:n1], *between, *b[:n2], *after])
-            types.append([*t_before, *[t_a] * n1, *t_between, *[t_b] * n2, *t_after])
+                fits = len(a) <= s_room
+                ids.append([*s_before, *a, *s_after] if fits else [])
+                types.append([*s_types[0], *[s_text] * len(a), *s_types[1]] if fits else [])
+            else:
+                a, b = own[x[0]], own[x[1]]
+                fits = len(a) + len(b) <= p_room
+                ids.append([*before, *a, *between, *b, *after] if fits else [])
+                types.append([*t_before, *[t_a] * len(a), *t_between, *[t_b] * len(b), *t_after] if fits else [])
+            cut.append(not fits)
+            if not fits:
+                over.append(len(ids) - 1)
+        if over:
+            lib_ids, lib_types, _ = self.encode_library([inputs[k] for k in over])
+            for k, i, t in zip(over, lib_ids, lib_types):
+                ids[k], types[k] = i, t
         return ids, types, cut
