@@ -22,9 +22,12 @@ def pick_bucket(n: int, sizes: Sequence[int]) -> int:
     return sizes[k]
 
 
-def seq_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
-    """Powers of two from `smallest` up to a model's length limit, the limit itself last."""
-    out, n = [], smallest
+def seq_buckets(max_tokens: int, smallest: int = 16, given: Sequence[int] = ()) -> list[int]:
+    """Sequence buckets up to a model's length limit, the limit itself last: those of `given` (a
+    model-config's, which may step finer than doubling) below the limit, then powers of two from
+    `smallest` (or from twice the last given one) up to it."""
+    out = [s for s in sorted(set(given)) if s < max_tokens]
+    n = out[-1] * 2 if out else smallest
     while n < max_tokens:
         out.append(n)
         n *= 2

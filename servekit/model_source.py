@@ -179,7 +179,8 @@ def generated_config(source: ModelSource, device: str, origin: str, speculation:
         cfg = yaml.safe_load(model_config(template).read_text())
         plan = cfg["servekit"]
         plan["device"] = device
-        plan.setdefault("buckets", {})["seq_lens"] = seq_buckets(source.max_tokens)
+        buckets = plan.setdefault("buckets", {})
+        buckets["seq_lens"] = seq_buckets(source.max_tokens, given=buckets.get("seq_lens", ()))
     else:
         template = LLM_TEMPLATES[device]
         cfg = yaml.safe_load(model_config(template).read_text())

@@ -59,6 +59,21 @@ def test_archive_of_a_crossencoder_writes_the_mar_and_its_model_config(models, t
             "servekit/optimizations/models/classifier.py"} <= names
 
 
+def test_the_gpu_config_keeps_the_templates_finer_length_buckets_up_to_the_models_limit(models):
+    """The cross-encoder GPU template steps its sequence buckets by at most 1.5x (less padding per
+    pass); a model's generated config keeps those below its limit, then doubles up to the limit."""
+    from servekit.model_source import generated_config
+    from servekit.optimizations.buckets import seq_buckets
+    from servekit.resources import model_config
+
+    template = yaml.safe_load(model_config("cross-encoder-gpu").read_text())["servekit"]["buckets"]["seq_lens"]
+    assert all(b <= 1.5 * a for a, b in zip(template, template[1:]))
+    _, cfg = generated_config(model_source(models["single"]), "cuda", "test")
+    assert cfg["servekit"]["buckets"]["seq_lens"] == [s for s in template if s < 80] + [80]
+    assert seq_buckets(8192, given=[16, 32, 64, 128]) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert seq_buckets(512) == [16, 32, 64, 128, 256, 512]
+
+
 def _break(path: Path, **changes) -> Path:
     raw = json.loads((path / "config.json").read_text())
     raw.update(changes)
