@@ -91,6 +91,55 @@ def smollm2_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm2(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """SmolLM2's archive files with a tiny random model (2 layers, width 64) in place of its weights
+    (tests/tiny_smollm2.py): the live tests of protocol and engine behaviour serve it, a step taking
+    a fraction of SmolLM2's."""
+    from tiny_smollm2 import tiny_smollm2_files, write_tiny_smollm2
+
+    return tiny_smollm2_files(build_once(tmp_path_factory, "tiny-smollm2", write_tiny_smollm2))
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_heads(tiny_smollm2: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 speculator heads for `tiny_smollm2` trained by `servekit train-speculator` on the live
+    tests' own prompts (seconds): the random model's greedy texts repeat tokens, which the heads
+    learn, so drafts are accepted and several tokens per step reach the handler."""
+    from servekit.optimizations.training import train_speculator
+
+    def train(tmp: Path) -> None:
+        (tmp / "prompts.txt").write_text("\n".join(SPEC_PROMPTS) + "\n")
+        old = torch.get_num_threads()
+        try:
+            assert train_speculator.main(["--model-dir", str(tiny_smollm2[0].parent), "--dtype", "fp32",
+                                          "--out", str(tmp / "heads"), "--prompts", str(tmp / "prompts.txt"),
+                                          "--new-tokens", "32", "--samples", "0", "--steps", "40", "--heads", "3",
+                                          "--hidden-mult", "1", "--draft-vocab", "256", "--lr", "1e-2",
+                                          "--threads", "1", "--quiet"]) == 0
+        finally:
+            torch.set_num_threads(old)
+
+    return build_once(tmp_path_factory, "tiny-smollm2-heads", train) / "heads"
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_spec_store(tiny_smollm2: list[Path], tiny_smollm2_heads: Path,
+                            tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model store holding smollm2.mar of `tiny_smollm2`: SmolLM2's CPU plan plus speculation with
+    `tiny_smollm2_heads`."""
+    import yaml
+
+    def build(tmp: Path) -> None:
+        config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())
+        config["servekit"]["speculation"] = {"heads": "speculator", "n_heads": 3, "max_batch": 4}
+        (tmp / "smollm2-cpu-spec.yaml").write_text(yaml.safe_dump(config))
+        build_archive("smollm2", tmp / "store", config=tmp / "smollm2-cpu-spec.yaml", weights=tiny_smollm2,
+                      speculator=tiny_smollm2_heads, compress=False)
+
+    return build_once(tmp_path_factory, "tiny-smollm2-spec", build) / "store"
+
+
+@pytest.fixture(scope="session")
 def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model store holding smollm2.mar: the CPU plan plus speculation with `smollm2_heads`."""
     import yaml

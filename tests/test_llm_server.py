@@ -1,6 +1,10 @@
-"""Live TorchServe with the SmolLM2 archive (CPU plan with speculative decoding, heads trained by
-conftest's fixture): the official openai client, streaming and not, text completions, per-request
+"""Live TorchServe with the SmolLM2 archive format (CPU plan with speculative decoding, heads trained
+by conftest's fixture): the official openai client, streaming and not, text completions, per-request
 errors inside a shared batch, the LLM and speculative-decoding metrics.
+
+The archive holds conftest's `tiny_smollm2`: SmolLM2's tokenizer and chat template with a tiny random
+model, since what is checked here is the protocol and the engine, not SmolLM2's answers (those:
+test_speculative_smollm2.py, test_structured_server.py, test_reliability_faults.py).
 
 Expected texts come from the same weights run in-process without speculation (fp32, greedy,
 servekit.optimizations.llm.offline), so the server must produce exactly what plain greedy decoding produces
@@ -23,7 +27,6 @@ from servekit.torchserve import TorchServe
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
 from servekit.optimizations.llm.offline import Completion, generate
-from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 from servekit.optimizations.models.llama import load_llama
 
 openai = pytest.importorskip("openai")
@@ -33,13 +36,13 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def weights_dir() -> Path:
-    return smollm2_archive_files(torch.bfloat16)[0].parent
+def weights_dir(tiny_smollm2: list[Path]) -> Path:
+    return tiny_smollm2[0].parent
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_spec_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
-    with TorchServe(tmp_path_factory.mktemp("ts-llm"), smollm2_spec_store) as ts:
+def server(tiny_smollm2_spec_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    with TorchServe(tmp_path_factory.mktemp("ts-llm"), tiny_smollm2_spec_store) as ts:
         # A long batch delay so that requests sent together share a batch.
         ts.register("smollm2.mar", "smollm2", batch_size=4, max_batch_delay_ms=400, workers=1, timeout=240)
         yield ts
