@@ -370,8 +370,10 @@ handle = llm_handler.handle
 '''
 
 
-def build_faulty_llm_archive(store: Path, work: Path, config: Path, name: str = "smollm2_faulty") -> Path:
-    """`<store>/<name>.mar`: SmolLM2 with the OOM-on-marker LLM handler and the given model-config."""
+def build_faulty_llm_archive(store: Path, work: Path, config: Path, name: str = "smollm2_faulty",
+                             weights: list[Path] | None = None) -> Path:
+    """`<store>/<name>.mar`: SmolLM2 (or the model files `weights`) with the OOM-on-marker LLM
+    handler and the given model-config."""
     import torch
 
     from servekit.archive import LLM, ArchiveSpec, build_archive
@@ -380,7 +382,7 @@ def build_faulty_llm_archive(store: Path, work: Path, config: Path, name: str = 
     work.mkdir(parents=True, exist_ok=True)
     handler = work / "oom_llm_handler.py"
     handler.write_text(FAULTY_LLM_HANDLER)
-    spec = ArchiveSpec(LLM, handler, Path(config), lambda: smollm2_archive_files(torch.bfloat16))
+    spec = ArchiveSpec(LLM, handler, Path(config), lambda: weights or smollm2_archive_files(torch.bfloat16))
     return build_archive(name, store, archive_name=name, compress=False, spec=spec)  # test-only: fast to build
 
 

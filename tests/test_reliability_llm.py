@@ -1,4 +1,6 @@
-"""Bad input against the live LLM handler (SmolLM2-135M, CPU plan, batch 4 / 400 ms).
+"""Bad input against the live LLM handler (CPU plan, batch 4 / 400 ms) serving conftest's
+`tiny_smollm2`: SmolLM2-135M's tokenizer, chat template and limits with a tiny random model, since
+what is checked is the handling of requests, not SmolLM2's answers.
 
 Every kind of bad request in `bad_llm_inputs()` is sent at the same instant as three valid requests
 (a chat completion, a text completion and a streamed chat completion), so that TorchServe hands the
@@ -15,14 +17,12 @@ from typing import Any, Iterator
 
 import pytest
 import requests
-import torch
 
 from servekit.benchmarks.faults import (OOM_MARKER, VERSION, Answer, BadInput, build_faulty_llm_archive, handler_counter,
                                send_together, worker_identity)
 from servekit.torchserve import TorchServe
 from servekit.archive import LLM, SPECS, ArchiveSpec, build_archive
 from servekit.resources import model_config
-from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
 pytestmark = pytest.mark.server
 MODEL = "smollm2"
@@ -222,8 +222,9 @@ def llm_config() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, llm_config: Path) -> Iterator[TorchServe]:
-    spec = ArchiveSpec(LLM, SPECS["smollm2"].handler, llm_config, lambda: smollm2_archive_files(torch.bfloat16))
+def server(tmp_path_factory: pytest.TempPathFactory, llm_config: Path,
+           tiny_smollm2: list[Path]) -> Iterator[TorchServe]:
+    spec = ArchiveSpec(LLM, SPECS["smollm2"].handler, llm_config, lambda: tiny_smollm2)
     store: Path = tmp_path_factory.mktemp("llm_rel_store")
     build_archive(MODEL, store, compress=False, spec=spec)
     with TorchServe(tmp_path_factory.mktemp("ts-llm-rel"), store) as ts:
@@ -319,14 +320,14 @@ def test_worker_kept_after_the_matrix(server, worker):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_out_of_memory_fails_alone_and_the_worker_stays(server, alone, tmp_path_factory, llm_config):
+def test_out_of_memory_fails_alone_and_the_worker_stays(server, alone, tmp_path_factory, llm_config, tiny_smollm2):
     """A test-only archive (benchmarks/faults.py) whose engine raises torch.OutOfMemoryError for a
     prefill holding a marker word: the engine prefills that forward's requests again one by one, so
     the marker request alone gets the `out_of_memory` error and its three batch-mates their normal
     answers, with a 507: a non-streamed request gets no response until it has finished, so its status
     is still open when the error comes, whichever handler call it comes in."""
     work = tmp_path_factory.mktemp("llm-oom")
-    build_faulty_llm_archive(server.model_store, work, llm_config, FAULTY)
+    build_faulty_llm_archive(server.model_store, work, llm_config, FAULTY, weights=tiny_smollm2)
     server.register(f"{FAULTY}.mar", FAULTY, batch_size=4, max_batch_delay_ms=400, workers=1, timeout=240)
     before = worker_identity(server, FAULTY)
     oom = BadInput("out_of_memory", "generation raises torch.OutOfMemoryError (marker word in the prompt)",
