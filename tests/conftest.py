@@ -139,24 +139,6 @@ def tiny_smollm2_spec_store(tiny_smollm2: list[Path], tiny_smollm2_heads: Path,
     return build_once(tmp_path_factory, "tiny-smollm2-spec", build) / "store"
 
 
-@pytest.fixture(scope="session")
-def smollm2_spec_store(smollm2_heads: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model store holding smollm2.mar: the CPU plan plus speculation with `smollm2_heads`."""
-    import yaml
-
-    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
-
-    def build(tmp: Path) -> None:
-        config = yaml.safe_load((ROOT / "config/models/smollm2-cpu.yaml").read_text())
-        config["servekit"]["speculation"] = {"heads": "speculator", "n_heads": 3, "max_batch": 4}
-        (tmp / "smollm2-cpu-spec.yaml").write_text(yaml.safe_dump(config))
-        build_archive("smollm2", tmp / "store", config=tmp / "smollm2-cpu-spec.yaml",
-                      weights=smollm2_archive_files(torch.bfloat16), speculator=smollm2_heads,
-                      compress=False)  # uncompressed: 3 s instead of 25 s
-
-    return build_once(tmp_path_factory, "smollm2-spec", build) / "store"
-
-
 @pytest.fixture(scope="module")
 def tiny_llama():
     """A tiny random-init Llama (servekit.optimizations.models.llama), the same weights every time."""

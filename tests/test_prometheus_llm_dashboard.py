@@ -1,8 +1,10 @@
-"""The LLM dashboard on live data: TorchServe serves SmolLM2 twice, the CPU plan with speculative
-decoding and the shipped CPU plan, a real Prometheus scrapes its metrics port every second while a
-few chat completions (streaming and not) go to each, and every panel query of servekit-llm.json
-must return data: the speculation panels get theirs from the speculative model. The questions after
-the first share a long instruction, so the prefix cache of each model serves part of their prompts.
+"""The LLM dashboard on live data: TorchServe serves a SmolLM2 archive twice, the CPU plan with
+speculative decoding and the shipped CPU plan, a real Prometheus scrapes its metrics port every
+second while a few chat completions (streaming and not) go to each, and every panel query of
+servekit-llm.json must return data: the speculation panels get theirs from the speculative model.
+The questions after the first share a long instruction, so the prefix cache of each model serves
+part of their prompts. The archives hold conftest's `tiny_smollm2` (SmolLM2's tokenizer and chat
+template with a tiny random model): the panels need the metrics, not SmolLM2's answers.
 
 Skipped, with the reason: GPU-only panels on a machine without a CUDA GPU.
 """
@@ -21,7 +23,6 @@ import torch
 
 from servekit.archive import build_archive
 from servekit.deploy import dashboards
-from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 from test_k8s_pod_live import http, promql, running_prometheus, substitute
@@ -53,13 +54,14 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_spec_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+def server(tiny_smollm2: list[Path], tiny_smollm2_spec_store: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
     tmp = tmp_path_factory.mktemp("ts-llm-dash")
-    build_archive("smollm2", tmp / "continuous", config=model_config("smollm2-cpu"),
-                  weights=smollm2_archive_files(torch.bfloat16), compress=False)  # shipped: continuous batching
+    build_archive("smollm2", tmp / "continuous", config=model_config("smollm2-cpu"), weights=tiny_smollm2,
+                  compress=False)  # shipped: continuous batching
     store = tmp / "store"
     store.mkdir()
-    link_or_copy(smollm2_spec_store / "smollm2.mar", store / f"{MODEL}.mar")
+    link_or_copy(tiny_smollm2_spec_store / "smollm2.mar", store / f"{MODEL}.mar")
     link_or_copy(tmp / "continuous" / "smollm2.mar", store / f"{CONTINUOUS}.mar")
     with TorchServe(tmp / "ts", store) as ts:
         ts.register(f"{MODEL}.mar", MODEL, batch_size=4, max_batch_delay_ms=50, workers=1, timeout=240)
