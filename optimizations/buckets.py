@@ -70,13 +70,15 @@ def plan_chunks(lengths: Sequence[int], batch_sizes: Sequence[int], seq_lens: Se
         return []
     seq_of = [pick_bucket(lengths[i], seq_lens) for i in order]
     n = len(order)
+    # Each bucket's cost once: the loop below asks for it about n x len(batch_sizes) times.
+    costs = {(b, s): cost(b, s) for b in batch_sizes for s in set(seq_of)}
     best = [0.0] + [math.inf] * n  # best[j]: least cost of the j shortest sequences
     cut: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # cut[j]: (start, batch bucket) of its last run
     for j in range(1, n + 1):
         seq = seq_of[j - 1]
         for b in batch_sizes:
-            start = max(0, j - b)
-            c = best[start] + cost(b, seq)
+            start = j - b if j > b else 0
+            c = best[start] + costs[b, seq]
             if c < best[j]:
                 best[j], cut[j] = c, (start, b)
             if start == 0:  # larger buckets would only pad the same sequences more

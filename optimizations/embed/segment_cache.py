@@ -148,29 +148,35 @@ class SegmentCache:
 
     def _segmented(self, texts: Sequence[str]) -> list[list[int]]:
         out: list[list[int] | None] = [None] * len(texts)
-        segments: list[list[str] | None] = []
         whole: list[int] = []
+        pending: list[tuple[int, list[str]]] = []  # texts with a segment not cached yet
         added = self._added
+        cache = self._ids
+        lookup = cache.__getitem__
+        chain = itertools.chain.from_iterable
+        # One pass over the texts looks their segments up; only texts with a new segment take a
+        # second (once warm most texts take none: the pass that first collected every uncached
+        # segment of a batch cost as much as the lookups themselves).
         for i, text in enumerate(texts):
             if SPLIT_DISAGREES.search(text) or (added is not None and added.search(text)):
                 whole.append(i)
-                segments.append(None)
-            else:
-                segments.append(text.split())
-        cache = self._ids
-        new = {s for segs in segments if segs is not None for s in segs if s not in cache}
-        if new:
+                continue
+            segs = text.split()
+            self.lookups += len(segs)
+            try:
+                out[i] = list(chain(map(lookup, segs)))
+            except KeyError:
+                pending.append((i, segs))
+        if pending:
+            new = {s for _, segs in pending for s in segs if s not in cache}
             if len(cache) + len(new) > self.max_entries:
                 cache.clear()  # bounded memory: start again rather than track recency per lookup
-                new = {s for segs in segments if segs is not None for s in segs}
+                new = {s for _, segs in pending for s in segs}  # texts looked up already keep their ids
             new_list = list(new)
             cache.update(zip(new_list, self._resolve(new_list)))
             self.misses += len(new_list)
-        lookup = cache.__getitem__
-        for i, segs in enumerate(segments):
-            if segs is not None:
-                out[i] = list(itertools.chain.from_iterable(map(lookup, segs)))
-                self.lookups += len(segs)
+            for i, segs in pending:
+                out[i] = list(chain(map(lookup, segs)))
         if whole:
             self.whole += len(whole)
             for i, ids in zip(whole, self._library([texts[i] for i in whole])):
