@@ -27,8 +27,10 @@ def test_refine_narrows_the_winners_bracket(minilm_server, model_store: Path, tm
         "sla": {"p99_ms": 150, "max_error_rate": 0.01},
         "load": {"mode": "open", "levels": [10, 80], "timeout_s": 10,
                  "search": {"precision": 0.9, "max_points": 1, "refine": {"precision": 0.3, "max_points": 2}}},
-        "measurement": {"warmup_s": 1, "window_s": 1.5, "max_trials": 4, "tail_tolerance": 0.6,
-                        "inprocess_s": 1},
+        # Two agreeing windows of 15+ requests a point: 10 and 80 requests/s are far on either side of
+        # the SLA (the handler saturates at ~50), so short windows give the same verdicts.
+        "measurement": {"warmup_s": 1, "window_s": 1, "stable_windows": 2, "max_trials": 4,
+                        "min_window_requests": 15, "tail_tolerance": 0.6, "inprocess_s": 1},
     }
     rc, out, results = run_sweep(sweep, tmp_path)
     points = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
