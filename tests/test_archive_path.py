@@ -3,6 +3,7 @@ fitted to the model written beside the archive, the archive serving what sentenc
 computes; and a one-line exit-2 error, with nothing written, for what cannot be served."""
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -19,14 +20,36 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def archive(*args: str | Path) -> subprocess.CompletedProcess:
+    """`servekit archive ARGS` as its own process (what the user sees on stderr, import-time output included)."""
     return subprocess.run([sys.executable, "-m", "servekit.archive", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
+
+
+def archive_here(capsys: pytest.CaptureFixture, *args: str | Path) -> subprocess.CompletedProcess:
+    """`servekit archive ARGS` through its main() in this process: the same code without the seconds a
+    fresh interpreter spends importing torch, for the checks of what the command decides."""
+    from servekit.archive import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["servekit archive", *map(str, args)], rc, out, err)
 
 
 @pytest.fixture(scope="module")
 def st_dir(tmp_path_factory) -> Path:
     return st_model(tmp_path_factory.mktemp("models") / "My Encoder", "xlm-roberta", ("cls", "mean"), dense=16,
                     prompts={"query": "query: "})
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama checkpoint folder written by transformers (config, safetensors, tokenizer,
+    generation config): archiving the bundled SmolLM2's 270 MB folder checks nothing more."""
+    from decoder_checkpoints import write_checkpoint
+
+    return write_checkpoint("llama3", tmp_path_factory.mktemp("models") / "hf", num_attention_heads=2,
+                            num_key_value_heads=1)
 
 
 def test_archive_of_a_sentence_transformers_folder(st_dir, tmp_path, one_thread):
@@ -69,7 +92,7 @@ def _copy(src: Path, dst: Path) -> Path:
     ("speculator", "--speculator applies to causal LMs"),
     ("no-heads", "speculator heads not found"),
 ])
-def test_unservable_models_fail_in_one_line_leaving_nothing(st_dir, tmp_path, breakage, message):
+def test_unservable_models_fail_in_one_line_leaving_nothing(st_dir, llm_dir, tmp_path, capsys, breakage, message):
     d = _copy(st_dir, tmp_path / "model")
     if breakage == "architecture":
         cfg = json.loads((d / "config.json").read_text())
@@ -96,17 +119,17 @@ def test_unservable_models_fail_in_one_line_leaving_nothing(st_dir, tmp_path, br
         (tmp_path / "heads").mkdir()
         extra = ["--speculator", tmp_path / "heads"]
     if breakage == "no-heads":  # an LLM folder, and heads that are not there
-        from servekit.optimizations.models.gguf_weights import smollm2_archive_files
-
-        d, extra = smollm2_archive_files(torch.bfloat16)[0].parent, ["--speculator", tmp_path / "no-such-heads"]
-    r = archive(d, "--out", out, "--device", "cpu", "--no-compress", *extra)
+        d, extra = llm_dir, ["--speculator", tmp_path / "no-such-heads"]
+    # One case as the user's own command (nothing else on its stderr), the others through main().
+    run = archive if breakage == "architecture" else functools.partial(archive_here, capsys)
+    r = run(d, "--out", out, "--device", "cpu", "--no-compress", *extra)
     assert r.returncode == 2, r
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("servekit archive: error: ") and message in lines[0], r.stderr
     assert not out.exists() or not list(out.iterdir())  # no .mar, no yaml
 
 
-def test_sharded_checkpoint_and_kind_override(st_dir, tmp_path, one_thread):
+def test_sharded_checkpoint_and_kind_override(st_dir, tmp_path, capsys, one_thread):
     """A checkpoint split into shards with an index archives and loads as the single file does."""
     from safetensors.torch import load_file, save_file
 
@@ -124,7 +147,8 @@ def test_sharded_checkpoint_and_kind_override(st_dir, tmp_path, one_thread):
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}))
     out = tmp_path / "store"
-    r = archive(d, "--out", out, "--device", "cpu", "--kind", "embedding", "--name", "sharded", "--no-compress")
+    r = archive_here(capsys, d, "--out", out, "--device", "cpu", "--kind", "embedding", "--name", "sharded",
+                     "--no-compress")
     assert r.returncode == 0, r.stderr
     with zipfile.ZipFile(out / "sharded.mar") as z:
         assert set(shards) | {"model.safetensors.index.json"} <= set(z.namelist())
@@ -132,32 +156,29 @@ def test_sharded_checkpoint_and_kind_override(st_dir, tmp_path, one_thread):
     runner = EmbeddingRunner(tmp_path / "unpacked", parse_plan({"device": "cpu", "buckets": {"seq_lens": [24]}}),
                              golden_texts=TEXTS)
     torch.testing.assert_close(runner.embed(TEXTS), reference(st_dir, TEXTS), atol=2e-5, rtol=1e-4)
-    r = archive(d, "--out", tmp_path / "llm", "--kind", "llm", "--device", "cpu")
+    r = archive_here(capsys, d, "--out", tmp_path / "llm", "--kind", "llm", "--device", "cpu")
     assert r.returncode == 2 and "is not a causal LM" in r.stderr and not (tmp_path / "llm").exists()
 
 
-def test_llm_folder_and_gguf_file_archive_as_llm(tmp_path):
-    """A Llama-family folder (the bundled SmolLM2, converted) and a GGUF file (a tiny random Llama:
-    the bundled SmolLM2's GGUF takes 24 s to convert to an fp32 archive, and the real conversion is
+def test_llm_folder_and_gguf_file_archive_as_llm(llm_dir, tmp_path, capsys):
+    """A Llama-family folder and a GGUF file, both a tiny random Llama (the bundled SmolLM2's folder
+    is 270 MB to copy and its GGUF takes 24 s to convert to an fp32 archive; the real conversion is
     checked by the weight tests): kind llm inferred, the model's files shipped, a model-config fitted
     to its context length generated."""
-    from decoder_checkpoints import write_checkpoint
     from test_gguf_families import write_gguf
 
-    from servekit.optimizations.models.gguf_weights import find_smollm2_gguf, smollm2_archive_files
+    from servekit.optimizations.models.gguf_weights import find_smollm2_gguf
 
-    folder = smollm2_archive_files(torch.bfloat16)[0].parent
-    tiny = write_gguf(write_checkpoint("llama3", tmp_path / "hf", num_attention_heads=2, num_key_value_heads=1),
-                      tmp_path / "tiny-llama.gguf", "llama")
-    for src, name in ((folder, "from-folder"), (tiny, "from-gguf")):
+    tiny = write_gguf(llm_dir, tmp_path / "tiny-llama.gguf", "llama")
+    for src, name in ((llm_dir, "from-folder"), (tiny, "from-gguf")):
         out = tmp_path / name
-        r = archive(src, "--out", out, "--device", "cpu", "--name", name, "--no-compress")
+        r = archive_here(capsys, src, "--out", out, "--device", "cpu", "--name", name, "--no-compress")
         assert r.returncode == 0, r.stderr
         with zipfile.ZipFile(out / f"{name}.mar") as z:
             assert json.loads(z.read("MAR-INF/MANIFEST.json"))["model"]["handler"] == "llm_handler.py"
             assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                     "generation_config.json"} <= set(z.namelist())
         plan = yaml.safe_load((out / f"{name}.yaml").read_text())["servekit"]
-        assert plan["device"] == "cpu" and plan["max_seq_len"] <= 8192
-    r = archive(find_smollm2_gguf(), "--out", tmp_path / "enc", "--kind", "embedding")
+        assert plan["device"] == "cpu" and plan["max_seq_len"] == 256  # the checkpoint's context
+    r = archive_here(capsys, find_smollm2_gguf(), "--out", tmp_path / "enc", "--kind", "embedding")
     assert r.returncode == 2 and "a GGUF file is a causal LM" in r.stderr and not (tmp_path / "enc").exists()
