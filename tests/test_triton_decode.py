@@ -208,7 +208,7 @@ def runners() -> dict[str, LlamaRunner]:
 
 
 def test_greedy_generation_with_triton_kernels_equals_torch(runners: dict[str, LlamaRunner]) -> None:
-    params = [SamplingParams(max_tokens=10)] * 3
+    params = [SamplingParams(max_tokens=6)] * 3
     want = generate(runners["torch"], _prompts(), params)
     got = generate(runners["triton"], _prompts(), params)
     assert [c.tokens for c in got] == [c.tokens for c in want]
@@ -220,13 +220,13 @@ def test_continuous_batching_decodes_through_the_fused_kernels(runners: dict[str
 
     batcher = ContinuousBatcher(runners["triton"])
     prompts, got = _prompts(), {}
-    batcher.add(0, prompts[0], SamplingParams(max_tokens=8))
-    for i in range(12):
+    batcher.add(0, prompts[0], SamplingParams(max_tokens=5))
+    for i in range(8):
         if i == 2:  # joins while the first request decodes: another row, another position
-            batcher.add(1, prompts[1], SamplingParams(max_tokens=6))
+            batcher.add(1, prompts[1], SamplingParams(max_tokens=4))
         for key, update in batcher.step().items():
             got.setdefault(key, []).extend(update.tokens)
-    want = [generate(runners["torch"], [p], [SamplingParams(max_tokens=n)])[0].tokens for p, n in zip(prompts, (8, 6))]
+    want = [generate(runners["torch"], [p], [SamplingParams(max_tokens=n)])[0].tokens for p, n in zip(prompts, (5, 4))]
     assert [got[0], got[1]] == want and not batcher.has_work
 
 
@@ -239,7 +239,7 @@ def test_speculative_verify_steps_run_the_fused_kernels(runners: dict[str, Llama
     base.speculation = SpeculativeDecoding(base, heads, max_spec_batch=4)
     try:
         assert all(step.model is base.triton_model for step in base.speculation.steps.values())
-        params = [SamplingParams(max_tokens=8)] * 3
+        params = [SamplingParams(max_tokens=5)] * 3
         batcher = ContinuousBatcher(base)
         got = generate(base, _prompts(), params, batcher=batcher)
         assert batcher.spec_stats.proposed[0] > 0
@@ -273,16 +273,19 @@ def test_benchmark_smoke_run_on_cpu(tmp_path) -> None:
 
 
 def test_greedy_parity_benchmark_finds_and_judges_partings(tmp_path) -> None:
-    """The parity benchmark's CPU smoke run (tiny model: both paths agree), and its verdict on a
-    completion that parts from the reference: at the fp32 model's second-best token it is a
-    near-tie only when the fp32 gap is below --tie-gap; a token outside the top two never is."""
+    """The parity benchmark's CPU smoke run (tiny model, 2 prompts of 3 tokens at batches 1 and 2: both
+    paths agree; an interpreted step costs about a second, and the generation tests above compare
+    the two paths on more tokens), and its verdict on a completion that parts from the reference: at
+    the fp32 model's second-best token it is a near-tie only when the fp32 gap is below --tie-gap; a
+    token outside the top two never is."""
     import json
 
     from servekit.benchmarks import greedy_parity
 
-    assert greedy_parity.main(["--device", "cpu", "--tiny", "--batches", "1", "4", "--out", str(tmp_path)]) == 0
+    assert greedy_parity.main(["--device", "cpu", "--tiny", "--prompts", "2", "--max-tokens", "3", "--batches", "1",
+                               "2", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "greedy_parity.json").read_text())
-    assert [(r["batch"], r["identical"], r["differences"]) for r in res["batches"]] == [(1, 4, []), (4, 4, [])]
+    assert [(r["batch"], r["identical"], r["differences"]) for r in res["batches"]] == [(1, 2, []), (2, 2, [])]
     model = init_random(LlamaConfig.tiny(), seed=0)
     model.setup_caches(max_batch_size=1, max_seq_len=MAX_SEQ)
     prompt, want = [5, 9, 11], [7, 8, 9, 10]
