@@ -1,10 +1,12 @@
-"""End to end: `servekit bench` drives the SmolLM2 chat handler with streamed answers, on CPU.
+"""End to end: `servekit bench` drives the LLM chat handler with streamed answers, on CPU.
 
-The sweep builds its variant archive the normal way (spec `smollm2`, the CPU model-config plus a
-`plan:` override that turns on speculative decoding with two heads, and `speculator:` naming the
-heads conftest's `smollm2_heads` trained), registers it on the session's live TorchServe
-(a remote target), and measures one closed-loop level. Speculative steps send several tokens in
-one chunk, so token counts must come from the usage chunk, not from counting chunks.
+The sweep builds its variant archive the normal way (`model:` the folder of conftest's
+`tiny_smollm2`, a tiny random model in SmolLM2's format: what is checked is the harness's streamed
+measurement, not SmolLM2's speed; SmolLM2's CPU model-config plus a `plan:` override that turns on
+speculative decoding with two heads, and `speculator:` naming the heads `tiny_smollm2_heads`
+trained), registers it on the session's live TorchServe (a remote target), and measures one
+closed-loop level. Speculative steps send several tokens in one chunk, so token counts must come
+from the usage chunk, not from counting chunks.
 """
 from __future__ import annotations
 
@@ -23,14 +25,15 @@ MAX_TOKENS = 12
 LLM_KEYS = {"ttft_ms", "itl_ms", "tokens_per_s", "tokens_per_s_per_seq", "completion_tokens"}
 
 
-def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, smollm2_heads: Path,
-                                        tmp_path: Path) -> None:
+def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, tiny_smollm2: list[Path],
+                                        tiny_smollm2_heads: Path, tmp_path: Path) -> None:
     ts = minilm_server
-    heads = smollm2_heads
+    heads = tiny_smollm2_heads
     sweep = {
         "name": "llm-e2e",
         "target": remote_target(ts, model_store),
-        "variants": [{"name": "e2e-smollm2-spec", "model": "smollm2", "config": "config/models/smollm2-cpu.yaml",
+        "variants": [{"name": "e2e-smollm2-spec", "model": str(tiny_smollm2[0].parent),
+                      "config": "config/models/smollm2-cpu.yaml",
                       "plan": {"buckets": {"batch_sizes": [1, 2]}, "speculation": {"n_heads": 2, "max_batch": 2}},
                       "speculator": str(heads), "baseline": True}],
         "sweep": {"workers": [1], "batch_size": [2], "max_batch_delay_ms": [20]},
@@ -39,7 +42,7 @@ def test_llm_streaming_sweep_end_to_end(minilm_server, model_store: Path, smollm
         "sla": {"p99_ms": 60000, "ttft_p99_ms": 30000, "itl_p99_ms": 5000},
         "load": {"mode": "closed", "levels": [2], "search": False, "timeout_s": 60},
         # a handful of requests per window: stability is not what this test is about
-        "measurement": {"warmup_s": 3, "window_s": 3, "stable_windows": 2, "max_trials": 3, "tolerance": 0.5,
+        "measurement": {"warmup_s": 1.5, "window_s": 1.5, "stable_windows": 2, "max_trials": 3, "tolerance": 0.5,
                         "min_window_requests": 3},
     }
     rc, out, results = run_sweep(sweep, tmp_path)
