@@ -97,6 +97,7 @@ def test_compiled_plan_serves_every_bucket_without_recompiling(tmp_path, monkeyp
     """The compile plan on a tiny BERT (inductor's CPU compile of MiniLM takes minutes on 2 cores and
     guards nothing more): every bucket compiled at load, none again while serving, and the plan's
     compile_cache receives inductor's caches and the compile-artifact file."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     from tiny_encoders import LONG, SHORT, TEXTS, st_model
@@ -106,6 +107,9 @@ def test_compiled_plan_serves_every_bucket_without_recompiling(tmp_path, monkeyp
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     cache_dir()
+    # Compile in this process: inductor's default pool of compile processes (each importing torch)
+    # costs more than it saves on 2 cores.
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)
     cache = tmp_path / "compile-cache"
     path = st_model(tmp_path / "model", "bert")
     plan = {"buckets": {"batch_sizes": [1, 4], "seq_lens": [8, 24]}, "compile": "default", "compile_cache": str(cache)}
