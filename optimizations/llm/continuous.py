@@ -52,13 +52,11 @@ import torch
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
                                                  TokenLogprob, read_row, token_ids)
+from servekit.optimizations.llm.grammar import RowConstraint, bias_rows
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
 from servekit.optimizations.llm.prefix_cache import PrefixCache, PrefixStats
 from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sample, sample_full, sampling_mode
 from servekit.optimizations.llm.speculative import SpecStats
-
-if TYPE_CHECKING:
-    from servekit.optimizations.llm.grammar import RowConstraint
 
 log = logging.getLogger(__name__)
 
@@ -279,9 +277,9 @@ class ContinuousBatcher:
         rows = [s for s in self.slots if s is not None and not s.done and s.launched and s.constraint is not None
                 and s.constraint.per_step]
         if rows:
-            dev = self.r.device
-            self.r.state.params.bias.index_copy_(0, torch.tensor([s.slot for s in rows], device=dev),
-                                                 torch.stack([s.constraint.bias() for s in rows]).to(dev))
+            dev, bias = self.r.device, self.r.state.params.bias
+            bias.index_copy_(0, torch.tensor([s.slot for s in rows], device=dev),
+                             bias_rows([s.constraint for s in rows], bias.shape[1], dev))
 
     def _host(self, out: torch.Tensor) -> tuple[HostCopies, int]:
         """Start copying ``out`` to the host; returns where it lands. At most three copies are
@@ -370,7 +368,10 @@ class ContinuousBatcher:
         temperature, top_k, top_p = [float(p.temperature) for p in ps], [p.top_k for p in ps], [float(p.top_p) for p in ps]
         dev = self.r.device
         vocab = self.r.state.params.bias.shape[1]
-        bias = torch.stack([s.constraint.bias() if s.constraint is not None else torch.zeros(vocab) for s in seqs])
+        if any(s.constraint is not None for s in seqs):
+            bias = bias_rows([s.constraint for s in seqs], vocab, dev)
+        else:
+            bias = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=dev)
         sampling = SamplingTensors.build(temperature, top_k, top_p, [s.seed for s in seqs], dev,
                                          [float(p.presence_penalty) for p in ps],
                                          [float(p.frequency_penalty) for p in ps], bias)
