@@ -113,9 +113,9 @@ def tiny_smollm2_heads(tiny_smollm2: list[Path], tmp_path_factory: pytest.TempPa
         try:
             assert train_speculator.main(["--model-dir", str(tiny_smollm2[0].parent), "--dtype", "fp32",
                                           "--out", str(tmp / "heads"), "--prompts", str(tmp / "prompts.txt"),
-                                          "--new-tokens", "32", "--samples", "0", "--steps", "40", "--heads", "3",
-                                          "--hidden-mult", "1", "--draft-vocab", "256", "--lr", "1e-2",
-                                          "--threads", "1", "--quiet"]) == 0
+                                          "--new-tokens", "32", "--samples", "0", "--steps", "100",
+                                          "--batch-size", "32", "--heads", "3", "--hidden-mult", "1",
+                                          "--draft-vocab", "256", "--lr", "1e-2", "--threads", "1", "--quiet"]) == 0
         finally:
             torch.set_num_threads(old)
 
