@@ -68,29 +68,6 @@ SPEC_PROMPTS = ["Give a synonym for happy.", "What is the capital of France?", "
 
 
 @pytest.fixture(scope="session")
-def smollm2_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """3 speculator heads for SmolLM2 trained by `servekit train-speculator` (~35 s) on the live
-    tests' own prompts, so that drafts are accepted often and several tokens per step reach the
-    handler."""
-    from servekit.optimizations.training import train_speculator
-    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
-
-    def train(tmp: Path) -> None:
-        (tmp / "prompts.txt").write_text("\n".join(SPEC_PROMPTS) + "\n")
-        old = torch.get_num_threads()
-        try:
-            assert train_speculator.main(["--model-dir", str(smollm2_archive_files(torch.bfloat16)[0].parent),
-                                          "--dtype", "fp32", "--out", str(tmp / "heads"), "--prompts",
-                                          str(tmp / "prompts.txt"), "--new-tokens", "32", "--samples", "0",
-                                          "--steps", "30", "--heads", "3", "--hidden-mult", "0.5", "--lr", "3e-3",
-                                          "--threads", "2", "--quiet"]) == 0
-        finally:
-            torch.set_num_threads(old)
-
-    return build_once(tmp_path_factory, "smollm2-heads", train) / "heads"
-
-
-@pytest.fixture(scope="session")
 def tiny_smollm2(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """SmolLM2's archive files with a tiny random model (2 layers, width 64) in place of its weights
     (tests/tiny_smollm2.py): the live tests of protocol and engine behaviour serve it, a step taking
