@@ -198,6 +198,42 @@ def test_logit_bias_and_min_tokens(runner, compiler, tokenizer, stops) -> None:
     assert len(out["held"][0]) == 6 and out["held"][0][-1] == stops[0] and stops[0] not in out["held"][0][:-1]
 
 
+def test_bias_rows_are_the_matchers_own_masks(compiler, tokenizer, stops) -> None:
+    """Packed bitmasks unpacked on the device allow exactly the tokens xgrammar's own CPU masking
+    keeps, row by row, at several states of several grammars, beside rows without a grammar, with
+    logit_bias, and with stop tokens held back by min_tokens."""
+    import xgrammar
+
+    from servekit.optimizations.llm.grammar import bias_rows
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "s": STR},
+              "required": ["n", "s"], "additionalProperties": False}
+    json_rows = [compiler.constraint(GrammarSpec.of(JSON, schema)).start() for _ in range(3)]
+    text = '{"n": 42, "s": "ab'
+    for row, upto in zip(json_rows, (0, 5, len(text))):  # three states of one grammar
+        for t in tokenizer.encode(text[:upto]) if upto else []:
+            assert row.accept(t)
+    choice = compiler.constraint(GrammarSpec.of(CHOICE, ["yes", "no"]), logit_bias=((7, 5.0),)).start()
+    biased = compiler.constraint(logit_bias=((11, -3.0), (12, 2.5))).start()
+    held = compiler.constraint(min_tokens=2).start()
+    rows = [json_rows[0], None, json_rows[1], choice, biased, json_rows[2], held]
+    got = bias_rows(rows, VOCAB, torch.device("cpu"))
+    assert got.shape == (len(rows), VOCAB)
+    for r, row in zip(got, rows):
+        want = torch.zeros(VOCAB)
+        if row is not None and row.static is not None:
+            want += row.static
+        if row is not None and row.matcher is not None:
+            mask = xgrammar.allocate_token_bitmask(1, VOCAB)
+            row.matcher.fill_next_token_bitmask(mask)
+            xgrammar.apply_token_bitmask_inplace(want[None], mask, backend="cpu")
+        if row is held:
+            want[list(stops)] = float("-inf")
+        assert torch.equal(r, want)
+    assert torch.isfinite(got[1]).all() and got[4, 11] == -3.0 and got[4, 12] == 2.5
+    assert 0 < int(torch.isfinite(got[3]).sum()) < 10  # "yes" / "no" starts only
+
+
 @pytest.mark.parametrize("kind,value,message", [
     (JSON, {"type": "objekt"}, "invalid JSON schema at type"),
     (JSON, "{not json", "not valid JSON"),
