@@ -107,13 +107,14 @@ def test_compiled_plan_serves_every_bucket_without_recompiling(tmp_path, monkeyp
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     cache_dir()
-    # Compile in this process: inductor's default pool of compile processes (each importing torch)
-    # costs more than it saves on 2 cores.
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)
     cache = tmp_path / "compile-cache"
     path = st_model(tmp_path / "model", "bert")
     plan = {"buckets": {"batch_sizes": [1, 4], "seq_lens": [8, 24]}, "compile": "default", "compile_cache": str(cache)}
-    runner = EmbeddingRunner(path, parse_plan(plan), golden_texts=TEXTS)
+    # Compile in this process: inductor's default pool of compile processes (each importing torch)
+    # costs more than it saves on 2 cores. (Its own patch(): monkeypatch's undo removed the
+    # setting from inductor's config, which broke every later compile of the worker.)
+    with inductor_config.patch(compile_threads=1):
+        runner = EmbeddingRunner(path, parse_plan(plan), golden_texts=TEXTS)
     assert len(runner.forward.bucket_stats) == 4
     assert not runner.forward.compile_cache_hit and list(cache.glob("encoder-*.bin"))
     assert any(p.is_file() for p in (cache / "inductor").rglob("*")), "inductor's cache went elsewhere"
