@@ -141,18 +141,17 @@ def tiny_trained_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_once(tmp_path_factory, "spec-tiny", train)
 
 
-# Modules that take minutes (live servers, end-to-end sweeps, compiles), longest first as measured
-# with --durations=0 on 2 cores (2026-11-26): the longest start first, so that no worker picks one
-# up at the end while the other sits idle. The known-answer benchmark test runs mid-list, where it
-# ran when its tolerance was set. Only a scheduling hint for pytest-xdist (`make test` passes
+# Modules that take minutes (live LLM servers, end-to-end sweeps, compiles), longest first as
+# measured with --durations on 2 cores: the longest start first, so that no worker picks one up at
+# the end while the other sits idle. Only a scheduling hint for pytest-xdist (`make test` passes
 # --no-loadscope-reorder so that this order holds): a module missing here still runs, just later.
 SLOW_MODULES = (
-    "test_reliability_faults.py", "test_bench_e2e.py", "test_plan_bench_ready.py",
-    "test_triton_decode.py", "test_llm_continuous_server.py", "test_k8s_pod_live.py", "test_embedding_runner.py",
-    "test_package.py", "test_reliability_bad_input.py", "test_bench_llm_e2e.py", "test_llm_server.py",
-    "test_rotary_encoders.py", "test_llama_weights.py", "test_prometheus_llm_dashboard.py", "test_reliability_llm.py",
-    "test_speculative_logic.py", "test_bench_known_answer.py", "test_bench_refine.py", "test_archive_cli.py", "test_security_lockdown.py",
-    "test_server_embedding.py", "test_socket_isolation.py", "test_score_server.py", "test_gguf_archive.py",
+    "test_llm_server.py", "test_llm_continuous_server.py", "test_bench_e2e.py", "test_reliability_llm.py",
+    "test_triton_decode.py", "test_archive_path.py", "test_reliability_faults.py", "test_embedding_runner.py",
+    "test_handlers_unit.py", "test_llama_weights.py", "test_bench_llm_e2e.py", "test_embedding_architectures.py",
+    "test_k8s_pod_live.py", "test_rotary_encoders.py", "test_package.py", "test_server_embedding.py",
+    "test_plan_bench_ready.py", "test_bench_known_answer.py", "test_structured_server.py",
+    "test_prometheus_llm_dashboard.py", "test_generate_logic.py",
 )
 
 
