@@ -64,8 +64,6 @@ def _upstream(port_out: multiprocessing.Queue) -> None:  # type: ignore[type-arg
     asyncio.run(main())
 
 
-
-
 def cpu_s(proc: psutil.Process) -> float:
     times = proc.cpu_times()
     return times.user + times.system

@@ -42,7 +42,6 @@ from servekit.benchmarks.host import cpu_model
 STAGES = ("parse", "tokenize", "chunks", "pad")
 
 
-
 def make_bodies(n: int, documents: int, doc_tokens: int, seed: int, tokenizer_json: Path) -> list[bytes]:
     """`n` TEI /rerank bodies: a query of 6-14 words and `documents` documents, each cut at the word
     that brings it to its drawn token count; no text occurs twice in the run."""

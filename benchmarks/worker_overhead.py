@@ -313,7 +313,6 @@ def run(batches: Sequence[int], reps: int, texts: int = 1) -> dict[str, Any]:
                         "tokenizers": tokenizers.__version__}}
 
 
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m servekit.benchmarks.worker_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

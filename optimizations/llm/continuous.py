@@ -45,7 +45,7 @@ import random
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Collection, Hashable
+from typing import Collection, Hashable
 
 import torch
 
@@ -368,10 +368,7 @@ class ContinuousBatcher:
         temperature, top_k, top_p = [float(p.temperature) for p in ps], [p.top_k for p in ps], [float(p.top_p) for p in ps]
         dev = self.r.device
         vocab = self.r.state.params.bias.shape[1]
-        if any(s.constraint is not None for s in seqs):
-            bias = bias_rows([s.constraint for s in seqs], vocab, dev)
-        else:
-            bias = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=dev)
+        bias = bias_rows([s.constraint for s in seqs], vocab, dev)
         sampling = SamplingTensors.build(temperature, top_k, top_p, [s.seed for s in seqs], dev,
                                          [float(p.presence_penalty) for p in ps],
                                          [float(p.frequency_penalty) for p in ps], bias)

@@ -270,9 +270,6 @@ class RowConstraint:
         return self.matcher is None or self.matcher.is_terminated() or self.matcher.accept_token(token)
 
 
-_BITS = {}  # device -> arange(32) int32, the bit positions of a packed bitmask word
-
-
 @functools.cache
 def _batch_matcher() -> Any:
     """xgrammar's batch matcher: fills several rows' bitmasks on its own threads (half the cores)."""
@@ -293,10 +290,7 @@ def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: tor
     if grammar:
         mask = xgr.allocate_token_bitmask(len(grammar), vocab_size)
         _batch_matcher().batch_fill_next_token_bitmask([rows[i].matcher for i in grammar], mask)  # type: ignore[union-attr]
-        bits = _BITS.get(device)
-        if bits is None:
-            bits = _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
-        # Bit b of word w allows token 32 w + b (xgrammar's layout).
+        bits = torch.arange(32, dtype=torch.int32, device=device)  # bit b of word w allows token 32 w + b
         allowed = ((mask.to(device)[:, :, None] >> bits) & 1).view(len(grammar), -1)[:, :vocab_size].bool()
         at = torch.tensor(grammar, device=device)
         bias.index_copy_(0, at, bias.index_select(0, at).masked_fill_(~allowed, float("-inf")))

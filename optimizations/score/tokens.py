@@ -10,8 +10,9 @@ embedding runner's segment cache (optimizations/embed/segment_cache.py), and the
 in Python: a pair that fits is then a few list slices.
 
 An input that does not fit the limit is encoded by the library itself, truncation included: how
-`longest_first` splits the room between two texts is the library's to define (and its versions
-have differed on the flags they report), and such inputs are rare in rerank traffic. Whether an
+`longest_first` splits the room between two texts is the library's to define (assembling it here
+once failed the start-up check on a GPU machine's tokenizers build, which sent every pair of every
+request to the library), and such inputs are rare in rerank traffic. Whether an
 assembled input was cut is known from its texts' token counts.
 
 The result is checked at start against the library's own encodings on probe texts of every length
