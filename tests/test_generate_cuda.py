@@ -134,3 +134,16 @@ def test_speculation_inside_the_continuous_batch_with_graphs_and_compile_equals_
         step()
     assert {0, 3} <= drafts and batcher.spec_stats.proposed[0] > 0
     assert [tokens[i] for i in range(3)] == _run()
+
+
+def test_captured_split_steps_equal_eager() -> None:
+    """A row with min_tokens (a bias that changes with each token) runs the batch in split steps
+    (forward graph, bias loaded, sampling graph): captured, they give what eager gives."""
+    from servekit.optimizations.llm.grammar import DecodeConstraint
+
+    vocab = LlamaConfig.tiny().vocab_size
+    held = DecodeConstraint(min_tokens=8, vocab_size=vocab, stop_token_ids=(7,))
+    params = [SamplingParams(max_tokens=30, stop_token_ids=(7,), constraint=held)] + PARAMS[1:]
+    graphed = [c.tokens for c in _completions(params, cuda_graphs=True)]
+    assert graphed == [c.tokens for c in _completions(params)]
+    assert 7 not in graphed[0][:8]

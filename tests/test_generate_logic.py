@@ -366,3 +366,27 @@ def test_penalty_and_logprob_ranges_are_checked() -> None:
     assert "frequency_penalty" in SamplingParams(frequency_penalty=-3).error()
     assert "logprobs" in SamplingParams(logprobs=21).error()
     assert SamplingParams(logprobs=20, presence_penalty=-2, frequency_penalty=2).error() is None
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "filter", "full"])
+def test_a_split_step_equals_the_whole_step(runner: LlamaRunner, mode: str) -> None:
+    """ForwardStep then SampleStep (the step of batches with grammar rows, the mask loaded between
+    the two) give the whole DecodeStep's output and leave the same state behind."""
+    from servekit.optimizations.llm.sampling import SamplingTensors
+
+    st, b, kv = runner.states[4], 4, runner.kv_buckets[-1]
+    st.load(torch.tensor([5, 17, 99, 3]), torch.tensor([3, 9, 20, 1]),
+            SamplingTensors.build([0.0, 0.7, 1.0, 0.9], [0, 20, 0, 5], [1.0, 0.9, 1.0, 0.5], [1, 2, 3, 4], runner.device,
+                                  [0.0, 0.5, 0.0, 0.2], [0.0, 0.3, 0.0, 0.1], vocab_size=runner.model.config.vocab_size))
+    st.counts.zero_()
+    st.counts[1, 7] = 2.0
+    before = [t.clone() for t in (st.tokens, st.input_pos, st.counts)]
+    whole = runner.steps[(b, mode, kv)].run().clone()
+    after = [t.clone() for t in (st.tokens, st.input_pos, st.counts)]
+    for t, saved in zip((st.tokens, st.input_pos, st.counts), before):
+        t.copy_(saved)
+    runner.forward_steps[(b, kv)].run()
+    split = runner.sample_steps[(b, mode)].run()
+    assert torch.equal(split, whole)
+    assert all(torch.equal(t, want) for t, want in zip((st.tokens, st.input_pos, st.counts), after))
+    assert not torch.equal(after[0], before[0])  # the step did advance the rows

@@ -50,8 +50,8 @@ from typing import Collection, Hashable
 import torch
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SamplingParams,
-                                                 TokenLogprob, read_row, token_ids)
+from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, GraphedStep, HostCopies, LlamaRunner,
+                                                 SamplingParams, TokenLogprob, read_row, token_ids)
 from servekit.optimizations.llm.grammar import RowConstraint, bias_rows
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
 from servekit.optimizations.llm.prefix_cache import PrefixCache, PrefixStats
@@ -128,11 +128,12 @@ class _Seq:
 
 @dataclass
 class _Pending:
-    host: HostCopies
+    host: HostCopies | None  # None: a split step whose sampling half is not launched yet
     slot: int
     mode: str
     seqs: list[tuple[int, _Seq]]  # (row of the output, request)
     drafts: int = 0  # k for a verify step's output (k+1 base tokens and the accepted count per row)
+    sample: GraphedStep | None = None  # a split step's sampling half, launched by _sample()
 
 
 class ContinuousBatcher:
@@ -254,12 +255,16 @@ class ContinuousBatcher:
         prefilled = self._prefill(updates)
         if self._per_step_bias():
             # A row whose bias depends on its last token (a grammar, min_tokens not reached) needs
-            # that token on the host before its next step is launched: read first, then launch.
+            # that token on the host before its next token is sampled; the model's forward does not
+            # (its input tokens are on the device). So: launch the forward, read the previous step
+            # while it runs, fill the bias rows, then launch the sampling.
+            launched = self._launch(split=True)
             for pending in (self._inflight, prefilled):
                 if pending is not None:
                     self._read(pending, updates)
-            self._inflight = prefilled = None
             self._load_bias()
+            self._inflight = self._sample(launched) if launched is not None else None
+            return updates
         launched = self._launch()
         if self._inflight is not None:
             self._read(self._inflight, updates)
@@ -397,7 +402,9 @@ class ContinuousBatcher:
                 and mode in _SPEC_MODES and any(s.speculate for s in active)
                 and all(s.constraint is None for s in active))  # verify steps take no bias
 
-    def _launch(self) -> _Pending | None:
+    def _launch(self, split: bool = False) -> _Pending | None:
+        """Launch the next decode step of the decoding rows (a verify step when they speculate);
+        ``split``: only its forward half, ``_sample()`` launches the rest."""
         active = [s for s in self.slots if s is not None and not s.done and s.launched > 0]
         # Only rows that may still need a token after the launched steps (each gives at least one):
         # the last read finishes the rest.
@@ -406,17 +413,27 @@ class ContinuousBatcher:
         batch = pick_bucket(max(s.slot for s in active) + 1, self.r.batch_buckets)
         mode = _mode([s.params for s in active])
         steps, k = self.r.steps, 0  # a plain step, or a verify step proposing k drafts per row
-        if self._speculates(active, batch, mode):
+        if not split and self._speculates(active, batch, mode):
             steps, k = self.spec.steps, self.spec.n_heads
             batch = pick_bucket(batch, self.spec.spec_buckets)
         # The step writes positions pos .. pos+k of each row: attend to one past the last.
         needed = min(max(s.pos_hi for s in active) + k + 1, self.r.max_seq_len)
-        out = steps[(batch, mode, pick_bucket(needed, self.r.kv_buckets))].run()
+        kv = pick_bucket(needed, self.r.kv_buckets)
         for s in active:
             s.launched += 1
             s.pos_hi += k + 1
-        host, slot = self._host(out)
-        return _Pending(host, slot, mode, [(s.slot, s) for s in active], k)  # decode output row = slot
+        seqs = [(s.slot, s) for s in active]  # decode output row = slot
+        if split:
+            self.r.forward_steps[(batch, kv)].run()
+            return _Pending(None, -1, mode, seqs, sample=self.r.sample_steps[(batch, mode)])
+        host, slot = self._host(steps[(batch, mode, kv)].run())
+        return _Pending(host, slot, mode, seqs, k)
+
+    def _sample(self, pending: _Pending) -> _Pending:
+        """Launch a split step's sampling half (its rows' bias loaded) and the copy of its output."""
+        assert pending.sample is not None
+        pending.host, pending.slot = self._host(pending.sample.run())
+        return pending
 
     def _read(self, pending: _Pending, updates: dict[Hashable, SeqUpdate]) -> None:
         rows = pending.host.wait(pending.slot)

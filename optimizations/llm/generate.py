@@ -156,11 +156,14 @@ class DecodeState:
                                             vocab_size=vocab_size)
         # Times each token was generated so far, per row: the penalties' input (FULL mode only).
         self.counts = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
+        # The last logits of a split step (ForwardStep -> SampleStep; the model's logits are fp32).
+        self.logits = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
 
     def view(self, batch: int) -> "DecodeState":
         """The first ``batch`` rows, sharing memory with this state."""
         out = object.__new__(DecodeState)
         out.tokens, out.input_pos, out.counts = self.tokens[:batch], self.input_pos[:batch], self.counts[:batch]
+        out.logits = self.logits[:batch]
         out.params = SamplingTensors(*(t[:batch] for t in self.params))
         return out
 
@@ -231,12 +234,53 @@ class DecodeStep(GraphedStep):
     def _body(self) -> Tensor:
         st = self.state
         out = decode_one_token(self.forward, st.tokens, st.input_pos, st.params, self.mode, self.kv_len, st.counts)
-        nxt = token_ids(out, self.mode)
-        if self.mode == FULL:
-            st.counts.scatter_add_(1, nxt[:, None], torch.ones_like(st.counts[:, :1]))
-        st.tokens.copy_(nxt[:, None])
-        # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
-        st.input_pos.add_(1).clamp_(max=self.model.max_seq_len - 1)
+        advance(st, out, self.mode, self.model.max_seq_len)
+        return out
+
+
+def advance(st: DecodeState, out: Tensor, mode: str, max_seq_len: int) -> None:
+    """After a step sampled ``out``: each row's next input token, position and penalty counts."""
+    nxt = token_ids(out, mode)
+    if mode == FULL:
+        st.counts.scatter_add_(1, nxt[:, None], torch.ones_like(st.counts[:, :1]))
+    st.tokens.copy_(nxt[:, None])
+    # Finished and dummy rows keep stepping; the clamp keeps their writes inside the cache.
+    st.input_pos.add_(1).clamp_(max=max_seq_len - 1)
+
+
+class ForwardStep(GraphedStep):
+    """The model half of a decode step, for one (batch bucket, kv length): each row's last logits
+    into the state's ``logits``. With its ``SampleStep`` it is a ``DecodeStep`` in two launches, so
+    that bias rows that need each row's previous token (a grammar's mask) are filled on the host
+    while this half runs on the device, and loaded before the sampling half."""
+
+    def __init__(self, model: Transformer, state: DecodeState, kv_len: int,
+                 forward: Callable[..., Tensor] | None = None) -> None:
+        self.state, self.kv_len = state, kv_len
+        self.forward = forward if forward is not None else model
+
+    @torch.no_grad()
+    def _body(self) -> Tensor:
+        st = self.state
+        st.logits.copy_(self.forward(st.tokens, st.input_pos, kv_len=self.kv_len)[:, -1])
+        return st.logits
+
+
+class SampleStep(GraphedStep):
+    """The sampling half of a decode step, for one (batch bucket, sampling mode): samples the
+    state's ``logits`` with its rows' parameters and bias, and advances the rows as
+    ``DecodeStep`` does."""
+
+    def __init__(self, state: DecodeState, mode: str, max_seq_len: int) -> None:
+        self.state, self.mode, self.max_seq_len = state, mode, max_seq_len
+
+    @torch.no_grad()
+    def _body(self) -> Tensor:
+        st = self.state
+        position = st.input_pos[:, -1]
+        out = (sample_full(st.logits, st.params, position, st.counts) if self.mode == FULL
+               else sample(st.logits, st.params, position, self.mode))
+        advance(st, out, self.mode, self.max_seq_len)
         return out
 
 
@@ -355,6 +399,11 @@ class LlamaRunner:
         self.states = {b: self.state.view(b) for b in self.batch_buckets}
         self.steps = {(b, m, kv): DecodeStep(model, self.states[b], m, kv, decode_model)
                       for b in self.batch_buckets for m in PLAIN_MODES for kv in self.kv_buckets}
+        # The same steps in two halves, for batches with rows whose bias needs their last token.
+        self.forward_steps = {(b, kv): ForwardStep(model, self.states[b], kv, decode_model)
+                              for b in self.batch_buckets for kv in self.kv_buckets}
+        self.sample_steps = {(b, m): SampleStep(self.states[b], m, max_seq_len)
+                             for b in self.batch_buckets for m in PLAIN_MODES}
         # A speculative.SpeculativeDecoding, set by llm.load_llm_runner for a speculative plan (typed
         # loosely: speculative.py builds on this module, which must not import it back).
         self.speculation: Any = None
@@ -406,6 +455,9 @@ class LlamaRunner:
                        SamplingTensors.build([1.0] * b, [50] * b, [0.9] * b, [0] * b, self.device))
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         warm_steps(self.steps, decode_order, pool, lambda k: k[1] in (FILTER, FULL) and k[2] == self.kv_buckets[-1])
+        # The halves run the same code as the whole steps probed above: captured, not probed.
+        warm_steps(self.forward_steps, lambda k: (-k[0], -k[1]), pool, lambda k: False)
+        warm_steps(self.sample_steps, lambda k: (-k[0],), pool, lambda k: False)
         self.sync()
         return {"decode_s": time.perf_counter() - t0}
 

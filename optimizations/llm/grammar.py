@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding with xgrammar: compiled grammars, per-row matchers, logit bias.
+"""Grammar-constrained decoding with llguidance: compiled grammars, per-row matchers, logit bias.
 
 The engine speaks token ids, so everything here is in token ids too: a ``DecodeConstraint``
 (immutable, carried by a request's ``SamplingParams``) holds a compiled grammar, OpenAI's
@@ -6,20 +6,23 @@ The engine speaks token ids, so everything here is in token ids too: a ``DecodeC
 ``RowConstraint``, whose ``accept()`` advances the matcher with each sampled token.
 ``bias_rows()`` builds the additive bias rows of a batch's rows for their next tokens (``-inf``
 where a grammar forbids a token or a stop token comes before ``min_tokens``) on the model's
-device: the grammars' masks are filled on the host as packed bitmasks (one bit per token, by
-xgrammar's batch matcher on several threads) and only those cross to the device, where they are
-unpacked. Building each row as floats on the host cost about 0.6 ms per constrained row per step
-on the 2-core VM (a 49152-float row cloned, masked on the CPU, and sent whole), which held 16
-constrained rows on an H100 to 983 tokens/s against 8,791 free.
+device: the grammars' masks are filled on the host as packed bitmasks (one bit per token, several
+rows at once on llguidance's own threads where the host has cores to spare) and only those cross
+to the device, where they are unpacked.
 
-Why xgrammar (figures: benchmarks/grammar_engine_bench.py, docs/structured-output.md): its
-precomputed per-state token masks fill SmolLM2's 49152-token bitmask in a few microseconds per
-token, against tens of microseconds for llguidance's lazy lexer; both compiled every test schema.
+Why llguidance (figures: benchmarks/grammar_engine_bench.py, docs/structured-output.md): over the
+structured benchmark's 24 schemas, most with length-bounded strings (``minLength``/``maxLength``),
+it builds a grammar in 1-3 ms where xgrammar 0.2.8 took 0.2-2.4 s, and its mask costs ~140 µs per
+token on average where xgrammar's costs ~270 µs, with single tokens of 4-40 ms (the first
+character of a bounded string). Compilation is paid by a schema's first request, the mask by every
+step of every constrained row, so both decide what users see. llguidance also refuses what it
+cannot enforce (``uniqueItems``) instead of ignoring it, and rejects control characters inside
+JSON strings, which xgrammar allowed.
 
 Compiled grammars are cached in a bounded LRU keyed by the canonical text of what was asked for
-(a schema's JSON with sorted keys), and compilation runs under a time limit on a helper thread: a
-schema that takes too long is a ``GrammarError`` for its request, never a stalled worker (the
-helper finishes it in the background; that result is dropped).
+(a schema's JSON), each as a matcher in its start state that rows copy; compilation runs under a
+time limit on a helper thread: a schema that takes too long is a ``GrammarError`` for its request,
+never a stalled worker (the helper finishes it in the background and caches it).
 """
 from __future__ import annotations
 
@@ -27,35 +30,29 @@ import collections
 import concurrent.futures
 import functools
 import json
-import re
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import jsonschema
+import llguidance
+import llguidance.torch as llg_torch
 import torch
 from torch import Tensor
-
-
-class _Xgrammar:
-    """xgrammar, imported at its first use: it imports transformers (and what transformers looks
-    for), which a worker that never constrains a request has no need to load."""
-
-    def __getattr__(self, name: str) -> Any:
-        import xgrammar
-
-        return getattr(xgrammar, name)
-
-
-xgr = _Xgrammar()
+from tokenizers import Tokenizer
 
 # What a grammar spec may be (vLLM's structured_outputs names): a JSON schema, any JSON object,
-# a regular expression, one of a list of strings, an EBNF grammar (xgrammar's GBNF dialect).
+# a regular expression, one of a list of strings, a grammar (GBNF, as llama.cpp and vLLM's
+# xgrammar backend take it, or llguidance's Lark dialect).
 JSON, JSON_OBJECT, REGEX, CHOICE, GRAMMAR = "json", "json_object", "regex", "choice", "grammar"
 KINDS = (JSON, JSON_OBJECT, REGEX, CHOICE, GRAMMAR)
 DEFAULT_CACHE_SIZE = 128
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# JSON answers as OpenAI writes them: no free whitespace (a model would spend tokens on it),
+# ", " and ": " between items and keys.
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -95,9 +92,9 @@ class GrammarSpec:
             return cls(kind, json.dumps(value, ensure_ascii=False))
         raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
 
-    def grammar(self) -> xgr.Grammar:
-        """xgrammar's grammar for this spec (raises xgrammar's own errors for bad input; an
-        invalid JSON schema is a ``GrammarError`` naming where it is wrong)."""
+    def grammar(self) -> str:
+        """llguidance's grammar for this spec; ``GrammarError`` naming what is wrong (an invalid
+        JSON schema says where, against its metaschema)."""
         if self.kind == JSON:
             schema = json.loads(self.text)
             try:
@@ -112,28 +109,41 @@ class GrammarSpec:
                 raise GrammarError(f"uniqueItems at {where} is not supported: the grammar cannot keep array items "
                                    "distinct, so answers could break the schema; remove it (or check uniqueness "
                                    "after parsing)")
+            return llguidance.LLMatcher.grammar_from_json_schema(_closed(schema), defaults=JSON_FORMAT)
         if self.kind == JSON_OBJECT:  # OpenAI's json_object: an object, any keys and values
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if self.kind == JSON:
-            return xgr.Grammar.from_json_schema(self.text, any_whitespace=False, strict_mode=True)
-        if self.kind == REGEX:
-            return xgr.Grammar.from_regex(self.text)
-        if self.kind == CHOICE:  # EBNF string literals take JSON's escapes
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                 for c in json.loads(self.text)))
-        return xgr.Grammar.from_ebnf(self.text)
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_FORMAT)
+        try:
+            if self.kind == REGEX:
+                return llguidance.LLMatcher.grammar_from_regex(self.text)
+            return llguidance.grammar_from("choice" if self.kind == CHOICE else "grammar", self.text)
+        except Exception as e:  # the GBNF -> Lark conversion's errors
+            raise GrammarError(f"the {self.kind} cannot be used: {_first_line(e)}") from None
 
 
-def vocab_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
-    """Each token id's bytes (``ChatTokenizer.token_bytes``), special tokens as ``b""`` (xgrammar
-    never allows an empty token inside a grammar), padded to the model's ``vocab_size``."""
-    special = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values() if t.special}
-    size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
-    out = []
-    for i in range(vocab_size):
-        piece = tokenizer.tokenizer.id_to_token(i) if i < size else None
-        out.append(b"" if piece is None or piece in special else tokenizer.token_bytes(i))
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object that lists its properties and
+    says nothing about others (OpenAI's strict mode, which xgrammar's ``strict_mode`` also applied):
+    the answer still validates against the schema as sent, and the model cannot wander into keys
+    nobody asked for. Subschemas of ``allOf`` are left open (closing each would reject the others'
+    properties)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k == "allOf" else _closed(v)) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
     return out
+
+
+def llg_tokenizer(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of a ``ChatTokenizer``'s vocabulary (its ``tokenizers`` definition),
+    ``vocab_size`` ids (the model's rows past the tokenizer's are never allowed), with every stop
+    token allowed where the grammar may end."""
+    copy = Tokenizer.from_str(tokenizer.tokenizer.to_str())
+    copy.no_padding()
+    copy.no_truncation()
+    return llguidance.LLTokenizer(copy.to_str(), n_vocab=vocab_size, eos_token=list(stop_token_ids) or None)
 
 
 class GrammarCompiler:
@@ -142,23 +152,22 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
                  cache_size: int = DEFAULT_CACHE_SIZE, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
-        self.info = xgr.TokenizerInfo(vocab_bytes(tokenizer, vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size,
-                                      stop_token_ids=list(stop_token_ids))
+        self.tokenizer = llg_tokenizer(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size, self.stop_token_ids = vocab_size, tuple(stop_token_ids)
-        self._xgr = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.cache_size, self.timeout_s = cache_size, timeout_s
-        self._cache: collections.OrderedDict[GrammarSpec, xgr.CompiledGrammar] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[GrammarSpec, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
         # Two helpers: one stuck on a pathological schema leaves the other for everyone else.
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="servekit-grammar")
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """A matcher of ``spec`` in its start state (rows run copies of it); cached."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
-        future = self._pool.submit(lambda: self._xgr.compile_grammar(spec.grammar()))
+        future = self._pool.submit(self._build, spec)
         try:
             compiled = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -167,14 +176,16 @@ class GrammarCompiler:
             future.add_done_callback(lambda f: f.exception() is None and self._store(spec, f.result()))
             raise GrammarError(f"the {spec.kind} did not compile within {self.timeout_s:g} s; "
                                "simplify it, or retry: it stays compiling and is cached when done") from None
-        except GrammarError:
-            raise
-        except Exception as e:  # xgrammar's parse/convert errors: the request's fault
-            raise GrammarError(f"the {spec.kind} cannot be used: {_first_line(e)}") from None
         self._store(spec, compiled)
         return compiled
 
-    def _store(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar) -> None:
+    def _build(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
+        if matcher.is_error():  # llguidance reports a bad grammar as a matcher in its error state
+            raise GrammarError(f"the {spec.kind} cannot be used: {_first_line(matcher.get_error())}")
+        return matcher
+
+    def _store(self, spec: GrammarSpec, compiled: llguidance.LLMatcher) -> None:
         with self._lock:
             self._cache[spec] = compiled
             self._cache.move_to_end(spec)
@@ -194,9 +205,10 @@ class GrammarCompiler:
 
 
 def _unenforced(schema: Any, path: str = "(root)") -> str | None:
-    """Where ``schema`` asks for ``uniqueItems: true``, which xgrammar accepts but does not enforce
-    (an array of enum values came back with one value three times): a schema the grammar cannot keep
-    is refused rather than answered with JSON that fails it."""
+    """Where ``schema`` asks for ``uniqueItems: true``, which no grammar can enforce (xgrammar
+    accepted it and answered an array of enum values with one value three times; llguidance
+    refuses it as an unimplemented key): refused with where it is, rather than a vaguer message or
+    JSON that fails its schema."""
     if isinstance(schema, dict):
         if schema.get("uniqueItems") is True:
             return path
@@ -212,10 +224,14 @@ def _unenforced(schema: Any, path: str = "(root)") -> str | None:
     return None
 
 
-def _first_line(e: Exception) -> str:
-    """xgrammar's message without its timestamp and C++ source location."""
-    lines = str(e).strip().splitlines()
-    return re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", lines[-1]) if lines else type(e).__name__
+def _first_line(e: Exception | str) -> str:
+    """The gist of llguidance's multi-line message: its first line and the regex parser's
+    ``error:`` line when there is one (the lines between draw the error's position)."""
+    lines = [line.strip() for line in str(e).strip().splitlines()]
+    if not lines:
+        return type(e).__name__
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return f"{lines[0]} {detail}" if detail else lines[0]
 
 
 @dataclass(frozen=True)
@@ -223,7 +239,7 @@ class DecodeConstraint:
     """A request's constraints on each next token: a compiled grammar, ``logit_bias`` (token id ->
     bias added to the logit) and ``min_tokens`` (stop tokens masked until that many were generated)."""
 
-    grammar: xgr.CompiledGrammar | None = None
+    grammar: llguidance.LLMatcher | None = None  # the compiled grammar's start state
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     vocab_size: int = 0
@@ -238,8 +254,7 @@ class RowConstraint:
 
     def __init__(self, c: DecodeConstraint) -> None:
         self.c = c
-        self.matcher = (xgr.GrammarMatcher(c.grammar, override_stop_tokens=list(c.stop_token_ids) or None)
-                        if c.grammar is not None else None)
+        self.matcher = c.grammar.deep_copy() if c.grammar is not None else None  # microseconds
         self.generated = 0
         self._stops_masked = False
         self.static: Tensor | None = None  # the logit_bias row (vocab_size,), when there is one
@@ -267,13 +282,15 @@ class RowConstraint:
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False if the grammar rejects it (it was masked: a bug)."""
         self.generated += 1
-        return self.matcher is None or self.matcher.is_terminated() or self.matcher.accept_token(token)
+        return self.matcher is None or self.matcher.is_stopped() or self.matcher.consume_token(token)
 
 
 @functools.cache
-def _batch_matcher() -> Any:
-    """xgrammar's batch matcher: fills several rows' bitmasks on its own threads (half the cores)."""
-    return xgr.BatchGrammarMatcher("auto")
+def _executor() -> llguidance.LLExecutor | None:
+    """llguidance's pool for filling several rows' masks at once: half the cores (the engine, the
+    handler and TorchServe's own threads keep the rest), None on a host with too few to share."""
+    threads = min(8, (os.cpu_count() or 1) // 2)
+    return llguidance.LLExecutor(threads) if threads > 1 else None
 
 
 def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: torch.device) -> Tensor:
@@ -288,10 +305,17 @@ def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: tor
                          torch.stack([rows[i].static for i in static]).to(device))  # type: ignore[union-attr]
     grammar = [i for i, r in enumerate(rows) if r is not None and r.matcher is not None]
     if grammar:
-        mask = xgr.allocate_token_bitmask(len(grammar), vocab_size)
-        _batch_matcher().batch_fill_next_token_bitmask([rows[i].matcher for i in grammar], mask)  # type: ignore[union-attr]
+        mask = llg_torch.allocate_token_bitmask(len(grammar), vocab_size)
+        matchers = [rows[i].matcher for i in grammar]
+        executor = _executor()
+        if executor is not None and len(matchers) > 1:
+            llg_torch.fill_next_token_bitmask_par(executor, [(m, j) for j, m in enumerate(matchers)], mask)
+        else:
+            for j, m in enumerate(matchers):
+                llg_torch.fill_next_token_bitmask(m, mask, j)
         bits = torch.arange(32, dtype=torch.int32, device=device)  # bit b of word w allows token 32 w + b
-        allowed = ((mask.to(device)[:, :, None] >> bits) & 1).view(len(grammar), -1)[:, :vocab_size].bool()
+        packed = mask.to(device, non_blocking=True)  # pinned on CUDA hosts: queued, no wait
+        allowed = ((packed[:, :, None] >> bits) & 1).view(len(grammar), -1)[:, :vocab_size].bool()
         at = torch.tensor(grammar, device=device)
         bias.index_copy_(0, at, bias.index_select(0, at).masked_fill_(~allowed, float("-inf")))
     for i, r in enumerate(rows):
