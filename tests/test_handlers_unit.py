@@ -57,9 +57,10 @@ def test_embedding_handler_answers_a_mixed_batch(embedding, capsys) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm(one_thread):
+def llm(one_thread, tiny_smollm2):
+    """The LLM handler on conftest's `tiny_smollm2` (SmolLM2's tokenizer, template and plan around a
+    tiny model): these tests are about the handler's protocol, not SmolLM2's answers."""
     from servekit.handlers.llm_handler import LlmService
-    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     cfg = yaml.safe_load(model_config("smollm2-cpu").read_text())
     cfg["servekit"].update({"max_seq_len": 256, "buckets": {"batch_sizes": [1, 2, 4], "prompt_lens": [64, 128],
@@ -67,7 +68,7 @@ def llm(one_thread):
     cfg["servekit"]["limits"] = {"max_tokens": 64}
     cfg["batchSize"] = 1  # what the auto-benchmark strips: the handler must not read it
     assert cfg["continuousBatching"] is True  # TorchServe's protocol, driven here by mock_context.serve
-    ctx = mock_context(smollm2_archive_files(torch.bfloat16)[0].parent, cfg, batch_size=4, model_name="smollm2")
+    ctx = mock_context(tiny_smollm2[0].parent, cfg, batch_size=4, model_name="smollm2")
     service = LlmService()
     service.initialize(ctx)
     return service, ctx
