@@ -260,7 +260,7 @@ def test_speculating_requests_joining_and_leaving_get_their_solo_output(spec_run
 
     def step(n: int) -> None:
         for _ in range(n):
-            kinds.append(batcher._inflight.drafts if batcher._inflight else None)
+            kinds.append(batcher._inflight[0].drafts if batcher._inflight else None)
             rec.step()
 
     step(4)

@@ -119,7 +119,7 @@ def test_speculation_inside_the_continuous_batch_with_graphs_and_compile_equals_
     prompts, tokens, drafts = _prompts(), {i: [] for i in range(3)}, set()
 
     def step() -> None:
-        drafts.add(batcher._inflight.drafts if batcher._inflight else None)
+        drafts.add(batcher._inflight[0].drafts if batcher._inflight else None)
         for key, u in batcher.step().items():
             tokens[key] += u.tokens
 

@@ -108,8 +108,9 @@ def runner() -> LlamaRunner:
                        kv_buckets=(128, 256))
 
 
-def _run(runner: LlamaRunner, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple[list, str]]:
-    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+def _run(runner: LlamaRunner, requests: dict[str, tuple[list[int], SamplingParams]],
+         max_num_seqs: int = 4) -> dict[str, tuple[list, str]]:
+    b = ContinuousBatcher(runner, max_num_seqs, prefill_chunk=32, max_num_batched_tokens=64)
     out: dict[str, list] = {k: [] for k in requests}
     finish: dict[str, str] = {}
     for key, (prompt, params) in requests.items():
@@ -166,7 +167,10 @@ def test_regex_choice_grammar_and_json_object(runner, compiler, tokenizer, stops
         assert finish == "stop" and check(text), (key, text)
 
 
-def test_a_mixed_batch_gives_each_row_its_solo_output(runner, compiler, tokenizer, stops) -> None:
+@pytest.mark.parametrize("max_num_seqs", [4, 2])
+def test_a_mixed_batch_gives_each_row_its_solo_output(runner, compiler, tokenizer, stops, max_num_seqs) -> None:
+    """Each row gets its solo tokens; with 2 slots, waiting requests take slots that finished rows
+    free while the next split step's forward is already launched."""
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Mixed batch."}])
     c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[0]))
     bias = compiler.constraint(logit_bias=((tokenizer.encode("Hello")[0], 6.0),), min_tokens=4)
@@ -178,7 +182,22 @@ def test_a_mixed_batch_gives_each_row_its_solo_output(runner, compiler, tokenize
                                            constraint=c)),
         "biased": (prompt[2:], SamplingParams(max_tokens=9, stop_token_ids=stops, constraint=bias)),
     }
-    together = _run(runner, rows)
+    together = _run(runner, rows, max_num_seqs)
+    for key, request in rows.items():
+        assert _run(runner, {key: request})[key] == together[key], key
+
+
+def test_a_request_taking_a_freed_slot_mid_batch_gets_its_solo_output(runner, compiler, tokenizer, stops) -> None:
+    """Two slots: a constrained request ends early and a free one takes its slot while a second
+    constrained one runs, its next forward already launched. The new row is loaded only after that
+    step's sampling (which still covers the slot): it gets what it gets alone (a free row, so that
+    its tokens are the model's, not ones its grammar forces)."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Slots."}])
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[0]))
+    rows = {"short": (prompt, SamplingParams(max_tokens=3, stop_token_ids=stops, constraint=c)),
+            "long": (prompt[1:], SamplingParams(max_tokens=30, stop_token_ids=stops, constraint=c)),
+            "late": (prompt[2:], SamplingParams(max_tokens=12, stop_token_ids=stops))}
+    together = _run(runner, rows, max_num_seqs=2)
     for key, request in rows.items():
         assert _run(runner, {key: request})[key] == together[key], key
 
@@ -280,6 +299,20 @@ def test_objects_take_only_the_listed_properties_and_strings_no_control_characte
     assert consumed('{"a": "xy"}')
     assert not consumed('{"a": "xy", "b"')
     assert not consumed('{"a": "x\x01')
+
+
+def test_numbers_end(compiler, tokenizer) -> None:
+    """A number the schema leaves open still ends: at most 9 decimals, within +-(2^53 - 1)."""
+    spec = GrammarSpec.of(JSON, {"type": "array", "items": {"type": "number"}})
+    ints = GrammarSpec.of(JSON, {"type": "array", "items": {"type": "integer"}})
+
+    def complete(s: GrammarSpec, text: str) -> bool:
+        row = compiler.constraint(s).start()
+        return all(row.accept(t) for t in tokenizer.encode(text)) and row.matcher.is_accepting()
+
+    assert complete(spec, "[8495.011111111, -2.5, 9007199254740991]")
+    assert not complete(spec, "[8495.0111111111]")
+    assert not complete(ints, "[90071992547409910]") and complete(ints, "[-9007199254740991]")
 
 
 def test_properties_come_out_in_the_schemas_order(runner, compiler, tokenizer, stops) -> None:

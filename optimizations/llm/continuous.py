@@ -160,8 +160,11 @@ class ContinuousBatcher:
         self.waiting: collections.deque[_Seq] = collections.deque()
         self.prefilling: collections.deque[_Seq] = collections.deque()  # in slots, prompts not all in yet; oldest first
         self.by_key: dict[Hashable, _Seq] = {}
-        # A launched output not read yet: its host copy, the sampling mode, and (output row, request) pairs.
-        self._inflight: _Pending | None = None
+        # Launched outputs not read yet (a decode step's, a prefill's first tokens): each with its
+        # host copy, sampling mode and (output row, request) pairs.
+        self._inflight: list[_Pending] = []
+        # A split step whose forward half runs and whose sampling half waits for its rows' bias.
+        self._forward: _Pending | None = None
         self._hosts: dict[tuple, HostCopies] = {}
         # Requests of a packed forward that failed: prefilled alone, one at a time, so that only the culprit fails.
         self._suspects: set[Hashable] = set()
@@ -243,7 +246,7 @@ class ContinuousBatcher:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.running > 0 or self._inflight is not None
+        return bool(self.waiting) or self.running > 0 or bool(self._inflight) or self._forward is not None
 
     # -- one iteration -------------------------------------------------------------------------
     @torch.no_grad()
@@ -251,27 +254,42 @@ class ContinuousBatcher:
         """Admit waiting requests into free slots, run one packed prefill forward, launch the next
         decode step, read the previous one. Returns the new tokens of every request that got some."""
         updates: dict[Hashable, SeqUpdate] = {}
-        self._admit()
-        prefilled = self._prefill(updates)
+        admitted = self._forward is None
+        if admitted:
+            self._admit()
+            prefilled = self._prefill(updates)
+            if not self._per_step_bias():  # pipelined: launch step t+1, then read step t
+                launched = self._launch()
+                self._read_all(updates)
+                if prefilled is not None:
+                    self._read(prefilled, updates)
+                self._inflight = [launched] if launched is not None else []
+                return updates
+            self._inflight += [prefilled] if prefilled is not None else []
+            self._forward = self._launch(split=True)
+        # A row whose bias depends on its last token (a grammar, min_tokens not reached) needs that
+        # token on the host before its next token is sampled; the model's forward does not (its
+        # input tokens are on the device). So the step runs in halves: while the forward runs, the
+        # host reads the previous tokens and fills the bias rows; then the sampling is launched.
+        self._read_all(updates)
+        self._load_bias()
+        if self._forward is not None:
+            self._inflight = [self._sample(self._forward)]
+            self._forward = None
+        if not admitted:  # after the sampling: new rows load their state behind it on the device
+            self._admit()
+            prefilled = self._prefill(updates)
+            self._inflight += [prefilled] if prefilled is not None else []
         if self._per_step_bias():
-            # A row whose bias depends on its last token (a grammar, min_tokens not reached) needs
-            # that token on the host before its next token is sampled; the model's forward does not
-            # (its input tokens are on the device). So: launch the forward, read the previous step
-            # while it runs, fill the bias rows, then launch the sampling.
-            launched = self._launch(split=True)
-            for pending in (self._inflight, prefilled):
-                if pending is not None:
-                    self._read(pending, updates)
-            self._load_bias()
-            self._inflight = self._sample(launched) if launched is not None else None
-            return updates
-        launched = self._launch()
-        if self._inflight is not None:
-            self._read(self._inflight, updates)
-        if prefilled is not None:
-            self._read(prefilled, updates)
-        self._inflight = launched
+            # The next forward now, before this step's tokens are handed out: it needs only the
+            # sampled tokens, which the device has, and runs while the host works.
+            self._forward = self._launch(split=True)
         return updates
+
+    def _read_all(self, updates: dict[Hashable, SeqUpdate]) -> None:
+        for pending in self._inflight:
+            self._read(pending, updates)
+        self._inflight = []
 
     def _per_step_bias(self) -> bool:
         return any(s is not None and not s.done and s.launched and s.constraint is not None and s.constraint.per_step
@@ -491,7 +509,7 @@ class ContinuousBatcher:
         self.waiting.clear()
         self.prefilling.clear()
         self._suspects.clear()
-        self._inflight = None
+        self._inflight, self._forward = [], None
         if self.prefix is not None:  # what the failed step left in the cache is unknown
             self.prefix.clear()
         return out

@@ -40,7 +40,6 @@ import llguidance
 import llguidance.torch as llg_torch
 import torch
 from torch import Tensor
-from tokenizers import Tokenizer
 
 # What a grammar spec may be (vLLM's structured_outputs names): a JSON schema, any JSON object,
 # a regular expression, one of a list of strings, a grammar (GBNF, as llama.cpp and vLLM's
@@ -53,6 +52,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # JSON answers as OpenAI writes them: no free whitespace (a model would spend tokens on it),
 # ", " and ": " between items and keys.
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+SAFE_INTEGER = 2**53 - 1  # JSON numbers every parser reads exactly
 
 
 class GrammarError(ValueError):
@@ -109,7 +109,7 @@ class GrammarSpec:
                 raise GrammarError(f"uniqueItems at {where} is not supported: the grammar cannot keep array items "
                                    "distinct, so answers could break the schema; remove it (or check uniqueness "
                                    "after parsing)")
-            return llguidance.LLMatcher.grammar_from_json_schema(_closed(schema), defaults=JSON_FORMAT)
+            return llguidance.LLMatcher.grammar_from_json_schema(_for_grammar(schema), defaults=JSON_FORMAT)
         if self.kind == JSON_OBJECT:  # OpenAI's json_object: an object, any keys and values
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_FORMAT)
         try:
@@ -120,30 +120,73 @@ class GrammarSpec:
             raise GrammarError(f"the {self.kind} cannot be used: {_first_line(e)}") from None
 
 
-def _closed(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on each object that lists its properties and
-    says nothing about others (OpenAI's strict mode, which xgrammar's ``strict_mode`` also applied):
-    the answer still validates against the schema as sent, and the model cannot wander into keys
-    nobody asked for. Subschemas of ``allOf`` are left open (closing each would reject the others'
-    properties)."""
+def _for_grammar(schema: Any) -> Any:
+    """``schema`` as the grammar is built from it, narrowed so that a model's answer ends, and still
+    valid against the schema as sent:
+
+    - ``additionalProperties: false`` on each object that lists its properties and says nothing of
+      others (OpenAI's strict mode; xgrammar's ``strict_mode`` did the same): no wandering into
+      keys nobody asked for;
+    - numbers get at most 9 decimals (``multipleOf: 1e-9``, unless the schema sets a
+      ``multipleOf``), and numbers and integers stay within +-(2^53 - 1) where the schema sets no
+      bound: an H100 run of SmolLM2 sampled ``"amount": 8495.0111111...`` until ``max_tokens``
+      (xgrammar's own number rule caps digits the same way).
+
+    Subschemas of ``allOf`` are left alone (closing each would reject the others' properties)."""
     if isinstance(schema, list):
-        return [_closed(s) for s in schema]
+        return [_for_grammar(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k == "allOf" else _closed(v)) for k, v in schema.items()}
+    out = {k: (v if k == "allOf" else _for_grammar(v)) for k, v in schema.items()}
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
+    if out.get("type") in ("number", "integer"):
+        if out["type"] == "number" and "multipleOf" not in out:
+            out["multipleOf"] = 1e-9
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
     return out
 
 
 def llg_tokenizer(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
-    """llguidance's view of a ``ChatTokenizer``'s vocabulary (its ``tokenizers`` definition),
-    ``vocab_size`` ids (the model's rows past the tokenizer's are never allowed), with every stop
-    token allowed where the grammar may end."""
-    copy = Tokenizer.from_str(tokenizer.tokenizer.to_str())
-    copy.no_padding()
-    copy.no_truncation()
-    return llguidance.LLTokenizer(copy.to_str(), n_vocab=vocab_size, eos_token=list(stop_token_ids) or None)
+    """llguidance's view of a ``ChatTokenizer``'s vocabulary: ``vocab_size`` ids, each as the bytes
+    it stands for, with every stop token allowed where the grammar may end."""
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tokenizer, vocab_size)), n_vocab=vocab_size,
+                                  eos_token=list(stop_token_ids) or tokenizer.eos_token_id)
+
+
+class _Vocab:
+    """A vocabulary as llguidance's ``TokenizerWrapper`` takes it: each id's bytes from
+    ``ChatTokenizer.token_bytes`` (special tokens marked by llguidance's 0xFF prefix: never inside a
+    grammar's text; ids past the tokenizer's, empty), and an encoder of text. Built from our own
+    byte table rather than llguidance's reading of tokenizer.json: an H100 machine's GGUF-converted
+    SmolLM2 tokenizer.json (a ByteLevel decoder inside a Sequence) made llguidance take ``":`` for
+    one byte, and its grammar asked for a second ``:``."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        special = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values() if t.special}
+        size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.tokens: list[bytes] = []
+        self.special_token_ids: list[int] = []
+        for i in range(vocab_size):
+            piece = tokenizer.tokenizer.id_to_token(i) if i < size else None
+            if piece is None:
+                self.tokens.append(b"")
+            elif piece in special:
+                self.tokens.append(b"\xff" + piece.encode())
+                self.special_token_ids.append(i)
+            else:
+                self.tokens.append(tokenizer.token_bytes(i))
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = None
+        self._encode = tokenizer.tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # llguidance then passes text, not bytes
+            raise TypeError("text only")
+        return self._encode(text, add_special_tokens=False).ids
 
 
 class GrammarCompiler:
