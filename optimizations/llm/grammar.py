@@ -336,33 +336,74 @@ def _executor() -> llguidance.LLExecutor | None:
     return llguidance.LLExecutor(threads) if threads > 1 else None
 
 
+class _Staging:
+    """Pinned host buffers that packed masks are filled in and copied to the device from: a ring of
+    three, each reused only once its last copy has completed (a CUDA event), instead of a pinned
+    allocation per step."""
+
+    def __init__(self, words: int) -> None:
+        self.words, self.rows, self.next = words, 0, 0
+        self.bufs: list[Tensor] = []
+        self.events: list[torch.cuda.Event | None] = []
+
+    def take(self, n: int) -> tuple[int, Tensor]:
+        if n > self.rows:
+            for event in self.events:  # copies from the old buffers must land before they go
+                if event is not None:
+                    event.synchronize()
+            self.rows = max(n, 2 * self.rows)
+            self.bufs = [torch.empty(self.rows, self.words, dtype=torch.int32, pin_memory=True) for _ in range(3)]
+            self.events = [None] * 3
+        i, self.next = self.next, (self.next + 1) % 3
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # done long ago: a step has been read since
+        return i, self.bufs[i][:n]
+
+    def copied(self, i: int) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self.events[i] = event
+
+
+@functools.cache
+def _staging(device: torch.device, words: int) -> _Staging:
+    return _Staging(words)
+
+
 def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: torch.device) -> Tensor:
     """The additive bias rows ``(len(rows), vocab_size)`` float32 on ``device`` for each row's next
     token: its ``logit_bias``, ``-inf`` where its grammar forbids a token, stop tokens masked before
-    ``min_tokens``; zeros for a row without constraints (None)."""
+    ``min_tokens``; zeros for a row without constraints (None). No host sync before the masks are
+    on their way: the caller fills them while the device still runs the step's forward."""
     n = len(rows)
     bias = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
     static = [i for i, r in enumerate(rows) if r is not None and r.static is not None]
     if static:
         bias.index_copy_(0, torch.tensor(static, device=device),
                          torch.stack([rows[i].static for i in static]).to(device))  # type: ignore[union-attr]
-    grammar = [i for i, r in enumerate(rows) if r is not None and r.matcher is not None]
+    grammar = [(r.matcher, i) for i, r in enumerate(rows) if r is not None and r.matcher is not None]
     if grammar:
-        mask = llg_torch.allocate_token_bitmask(len(grammar), vocab_size)
-        matchers = [rows[i].matcher for i in grammar]
+        # Every row's packed mask (all ones where there is no grammar), so that one masked_fill
+        # applies them all: no row index tensors, which would wait for the device.
+        words = (vocab_size + 31) // 32
+        cuda = device.type == "cuda"
+        slot, host = _staging(device, words).take(n) if cuda else (0, torch.empty(n, words, dtype=torch.int32))
+        if len(grammar) < n:
+            host.fill_(-1)
         executor = _executor()
-        if executor is not None and len(matchers) > 1:
-            llg_torch.fill_next_token_bitmask_par(executor, [(m, j) for j, m in enumerate(matchers)], mask)
+        if executor is not None and len(grammar) > 1:
+            llg_torch.fill_next_token_bitmask_par(executor, grammar, host)
         else:
-            for j, m in enumerate(matchers):
-                llg_torch.fill_next_token_bitmask(m, mask, j)
+            for m, i in grammar:
+                llg_torch.fill_next_token_bitmask(m, host, i)
+        packed = host.to(device, non_blocking=True)
+        if cuda:
+            _staging(device, words).copied(slot)
         bits = torch.arange(32, dtype=torch.int32, device=device)  # bit b of word w allows token 32 w + b
-        packed = mask.to(device, non_blocking=True)  # pinned on CUDA hosts: queued, no wait
-        allowed = ((packed[:, :, None] >> bits) & 1).view(len(grammar), -1)[:, :vocab_size].bool()
-        at = torch.tensor(grammar, device=device)
-        bias.index_copy_(0, at, bias.index_select(0, at).masked_fill_(~allowed, float("-inf")))
+        allowed = ((packed[:, :, None] >> bits) & 1).view(n, -1)[:, :vocab_size].bool()
+        bias.masked_fill_(~allowed, float("-inf"))
     for i, r in enumerate(rows):
-        if r is not None:
+        if r is not None and r.c.min_tokens:
             r.mask_stops(bias[i])
     return bias
 
