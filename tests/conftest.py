@@ -22,6 +22,14 @@ os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSeri
 
 import torch  # noqa: E402  (after OMP_WAIT_POLICY)
 
+# Without a GPU, Triton kernels run only in its interpreter, which TRITON_INTERPRET=1 selects when
+# triton itself is first imported. test_triton_decode.py and test_triton_prefill.py set it at their
+# import, but collecting the other modules imports triton before them (servekit.optimizations.llm.
+# grammar -> llguidance.torch -> torch._dynamo -> triton), and every interpreted kernel then failed
+# ("Cannot call @triton.jit'd outside of the scope of a kernel").
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from servekit.torchserve import TorchServe
 from servekit.archive import build_archive
 from session_cache import build_once
