@@ -67,10 +67,7 @@ def main() -> None:
     timer = Timer()
     for name, label in PHASES.items():
         setattr(engine, name, timer.wrap(getattr(engine, name), label))
-    grammar.llg_torch.fill_next_token_bitmask_par = timer.wrap(grammar.llg_torch.fill_next_token_bitmask_par,
-                                                               "  of which: fill masks")
-    grammar.llg_torch.fill_next_token_bitmask = timer.wrap(grammar.llg_torch.fill_next_token_bitmask,
-                                                           "  of which: fill masks")
+    grammar.fill_masks = timer.wrap(grammar.fill_masks, "  of which: fill masks")
     print(f"{plan.label()}, {args.requests} requests of at most {args.max_tokens} tokens, temperature 0.8")
     for constrained in (False, True):
         for rep in range(args.repeats):

@@ -37,7 +37,6 @@ from typing import Any, Sequence
 
 import jsonschema
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 from torch import Tensor
 
@@ -370,6 +369,20 @@ def _staging(device: torch.device, words: int) -> _Staging:
     return _Staging(words)
 
 
+def fill_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], masks: Tensor) -> None:
+    """Each matcher's packed mask of allowed next tokens into its row of ``masks`` (int32, CPU,
+    contiguous, 32 tokens per word), several rows at once on llguidance's threads when there are
+    cores for them. (llguidance.torch wraps the same calls, but importing it imports torch's
+    compiler stack for a decorator, seconds of a worker's start.)"""
+    row_bytes = masks.shape[1] * masks.element_size()
+    executor = _executor()
+    if executor is not None and len(matchers) > 1:
+        executor.unsafe_compute_mask_ptr(list(matchers), masks.data_ptr(), row_bytes, masks.shape[0])
+    else:
+        for m, i in matchers:
+            m.unsafe_compute_mask_ptr(masks[i].data_ptr(), row_bytes)
+
+
 def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: torch.device) -> Tensor:
     """The additive bias rows ``(len(rows), vocab_size)`` float32 on ``device`` for each row's next
     token: its ``logit_bias``, ``-inf`` where its grammar forbids a token, stop tokens masked before
@@ -390,12 +403,7 @@ def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: tor
         slot, host = _staging(device, words).take(n) if cuda else (0, torch.empty(n, words, dtype=torch.int32))
         if len(grammar) < n:
             host.fill_(-1)
-        executor = _executor()
-        if executor is not None and len(grammar) > 1:
-            llg_torch.fill_next_token_bitmask_par(executor, grammar, host)
-        else:
-            for m, i in grammar:
-                llg_torch.fill_next_token_bitmask(m, host, i)
+        fill_masks(grammar, host)
         packed = host.to(device, non_blocking=True)
         if cuda:
             _staging(device, words).copied(slot)
