@@ -24,9 +24,9 @@ import torch  # noqa: E402  (after OMP_WAIT_POLICY)
 
 # Without a GPU, Triton kernels run only in its interpreter, which TRITON_INTERPRET=1 selects when
 # triton itself is first imported. test_triton_decode.py and test_triton_prefill.py set it at their
-# import, but any module collected before them that imports torch._dynamo imports triton first (one
-# did, through llguidance.torch), and then every interpreted kernel failed ("Cannot call
-# @triton.jit'd outside of the scope of a kernel").
+# import, but any module collected before them that imports torch's compiler stack (torch._dynamo
+# imports triton) would set triton up first: that happened once through llguidance.torch, and every
+# interpreted kernel then failed ("Cannot call @triton.jit'd outside of the scope of a kernel").
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
