@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servekit.optimizations.models.errors import UnsupportedModel
-from servekit.optimizations.models.weights import load_safetensors
+from servekit.optimizations.models.weights import embedding, load_safetensors
 
 if TYPE_CHECKING:  # rotary_encoder imports this module
     from servekit.optimizations.models.rotary_encoder import RotaryEncoderConfig
@@ -145,12 +145,12 @@ class Encoder(nn.Module):
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.word_embeddings = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = embedding(cfg.max_position_embeddings, cfg.hidden_size)
         if cfg.type_vocab_size:
-            self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+            self.token_type_embeddings = embedding(cfg.type_vocab_size, cfg.hidden_size)
         if cfg.relative_buckets:
-            self.relative_attention_bias = nn.Embedding(cfg.relative_buckets, cfg.num_attention_heads)
+            self.relative_attention_bias = embedding(cfg.relative_buckets, cfg.num_attention_heads)
         self.emb_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
 

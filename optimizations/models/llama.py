@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from servekit.optimizations.models.families import (ACTIVATIONS, DECODER_FAMILIES, SANDWICH, SLIDING,
                                                    DecoderFamily, decoder_family)
-from servekit.optimizations.models.weights import INDEX, safetensors_files
+from servekit.optimizations.models.weights import INDEX, embedding, safetensors_files
 
 # Architectures served by this module (families.py says what each one sets).
 SUPPORTED_MODEL_TYPES = tuple(DECODER_FAMILIES)
@@ -474,7 +474,7 @@ class Transformer(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings = embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output = (SoftCappedLinear(config.dim, config.vocab_size, config.logit_softcap) if config.logit_softcap

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servekit.optimizations.models.errors import UnsupportedModel
-from servekit.optimizations.models.weights import load_safetensors
+from servekit.optimizations.models.weights import embedding, load_safetensors
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
@@ -301,9 +301,9 @@ class RotaryEncoder(nn.Module):
     def __init__(self, cfg: RotaryEncoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.word_embeddings = embedding(cfg.vocab_size, cfg.hidden_size)
         if cfg.type_vocab_size:
-            self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+            self.token_type_embeddings = embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.emb_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
         layer = ModernBertLayer if cfg.family == "modernbert" else NomicBertLayer
         self.layers = nn.ModuleList(layer(cfg, i == 0) for i in range(cfg.num_hidden_layers))

@@ -63,3 +63,13 @@ def tensor_names(model_dir: Path, rename: Callable[[str], str | None]) -> set[st
         except Exception as e:
             raise UnsupportedModel(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     return names
+
+
+def embedding(num: int, dim: int) -> torch.nn.Embedding:
+    """``nn.Embedding(num, dim)``, without its random init when built on the meta device (a model
+    whose checkpoint is loaded next): there, the init's ``normal_`` goes through torch's reference
+    implementations, whose first call imports torch's compiler stack (~2 s of CPU at every worker's
+    start on the 2-core machine)."""
+    if torch.get_default_device().type == "meta":
+        return torch.nn.Embedding.from_pretrained(torch.empty(num, dim), freeze=False)
+    return torch.nn.Embedding(num, dim)
