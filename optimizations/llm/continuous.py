@@ -51,11 +51,11 @@ import torch
 
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, GraphedStep, HostCopies, LlamaRunner,
-                                                 SamplingParams, TokenLogprob, read_row, token_ids)
+                                                 SamplingParams, TokenLogprob, read_row, sample_mode, token_ids)
 from servekit.optimizations.llm.grammar import RowConstraint, bias_rows
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
 from servekit.optimizations.llm.prefix_cache import PrefixCache, PrefixStats
-from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sample, sample_full, sampling_mode
+from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sampling_mode
 from servekit.optimizations.llm.speculative import SpecStats
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class ContinuousBatcher:
             sampling = SamplingTensors.build([0.0], [0], [1.0], [0], dev)
             logits = torch.zeros(1, self.r.model.config.vocab_size, device=dev)
             last = torch.zeros(1, dtype=torch.int64, device=dev)
-            probe = sample_full(logits, sampling, last, None) if full else sample(logits, sampling, last, GREEDY)
+            probe = sample_mode(logits, sampling, last, FULL if full else GREEDY)
             for rows in sorted(set(range(1, self.max_num_seqs + 1)) | set(self.r.batch_buckets)):
                 key = ((rows, *probe.shape[1:]), probe.dtype)
                 if key not in self._hosts:
@@ -397,7 +397,7 @@ class ContinuousBatcher:
                                          [float(p.frequency_penalty) for p in ps], bias)
         mode = sampling_mode(temperature, top_k, top_p, any(p.full for p in ps))
         last = torch.tensor([len(s.prompt) - 1 for s in seqs], device=dev)  # the position each sample is keyed by
-        out = sample_full(logits, sampling, last, None) if mode == FULL else sample(logits, sampling, last, mode)
+        out = sample_mode(logits, sampling, last, mode)
         self.r.state.load_rows(torch.tensor([s.slot for s in seqs], device=dev), token_ids(out, mode), last + 1,
                                sampling)
         return out, mode

@@ -119,10 +119,16 @@ def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor, para
 
     Every live row's position must be below ``kv_len`` (default: the whole cache).
     """
-    logits = model(tokens, input_pos, kv_len=kv_len)[:, -1]
+    return sample_mode(model(tokens, input_pos, kv_len=kv_len)[:, -1], params, input_pos[:, -1], mode, counts)
+
+
+def sample_mode(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str,
+                counts: Tensor | None = None) -> Tensor:
+    """A decode step's output from its rows' last logits: ``sample_full``'s rows (penalised by
+    ``counts``) in FULL mode, else the sampled ids."""
     if mode == FULL:
-        return sample_full(logits, params, input_pos[:, -1], counts)
-    return sample(logits, params, input_pos[:, -1], mode)
+        return sample_full(logits, params, position, counts)
+    return sample(logits, params, position, mode)
 
 
 def token_ids(out: Tensor, mode: str) -> Tensor:
@@ -277,9 +283,7 @@ class SampleStep(GraphedStep):
     @torch.no_grad()
     def _body(self) -> Tensor:
         st = self.state
-        position = st.input_pos[:, -1]
-        out = (sample_full(st.logits, st.params, position, st.counts) if self.mode == FULL
-               else sample(st.logits, st.params, position, self.mode))
+        out = sample_mode(st.logits, st.params, st.input_pos[:, -1], self.mode, st.counts)
         advance(st, out, self.mode, self.max_seq_len)
         return out
 

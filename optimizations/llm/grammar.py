@@ -389,24 +389,25 @@ def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: tor
     ``min_tokens``; zeros for a row without constraints (None). No host sync before the masks are
     on their way: the caller fills them while the device still runs the step's forward."""
     n = len(rows)
+    grammar = [(r.matcher, i) for i, r in enumerate(rows) if r is not None and r.matcher is not None]
+    staging = _staging(device, (vocab_size + 31) // 32) if device.type == "cuda" and grammar else None
+    if grammar:
+        # Every row's packed mask (all ones where there is no grammar), filled before any device
+        # work here (the static rows' index tensor would wait for the device), so that one
+        # masked_fill applies them all.
+        slot, host = staging.take(n) if staging else (0, torch.empty(n, (vocab_size + 31) // 32, dtype=torch.int32))
+        if len(grammar) < n:
+            host.fill_(-1)
+        fill_masks(grammar, host)
     bias = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
     static = [i for i, r in enumerate(rows) if r is not None and r.static is not None]
     if static:
         bias.index_copy_(0, torch.tensor(static, device=device),
                          torch.stack([rows[i].static for i in static]).to(device))  # type: ignore[union-attr]
-    grammar = [(r.matcher, i) for i, r in enumerate(rows) if r is not None and r.matcher is not None]
     if grammar:
-        # Every row's packed mask (all ones where there is no grammar), so that one masked_fill
-        # applies them all: no row index tensors, which would wait for the device.
-        words = (vocab_size + 31) // 32
-        cuda = device.type == "cuda"
-        slot, host = _staging(device, words).take(n) if cuda else (0, torch.empty(n, words, dtype=torch.int32))
-        if len(grammar) < n:
-            host.fill_(-1)
-        fill_masks(grammar, host)
         packed = host.to(device, non_blocking=True)
-        if cuda:
-            _staging(device, words).copied(slot)
+        if staging:
+            staging.copied(slot)
         bits = torch.arange(32, dtype=torch.int32, device=device)  # bit b of word w allows token 32 w + b
         allowed = ((packed[:, :, None] >> bits) & 1).view(n, -1)[:, :vocab_size].bool()
         bias.masked_fill_(~allowed, float("-inf"))
