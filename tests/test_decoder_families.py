@@ -317,11 +317,12 @@ def test_checkpoint_with_unannounced_bias_is_refused(checkpoints, tmp_path: Path
         load_llama(folder)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "gemma2", "phi3"])
 def test_speculator_trained_on_a_model_dir_serves_plain_greedy_output(family: str, checkpoints, tmp_path: Path) -> None:
-    """`servekit train-speculator --model-dir` on a Qwen2 checkpoint (sharded, biases) and on Gemma
-    ones (scaled embeddings, sliding layers, soft-capped logits), then the heads served from the
-    model folder: speculative greedy output equals plain greedy output."""
+    """`servekit train-speculator --model-dir` on a Qwen2 checkpoint (sharded, biases), a Qwen3 one
+    (q/k norms per head), Gemma ones (scaled embeddings, sliding layers, soft-capped logits) and a
+    Phi-3 one (fused qkv and gate_up weights), then the heads served from the model folder:
+    speculative greedy output equals plain greedy output."""
     from servekit.optimizations.training import train_speculator
 
     folder = tmp_path / "model"
