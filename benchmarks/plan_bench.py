@@ -156,14 +156,20 @@ def bench_plan(name: str, raw: dict, iters: int, folder: Path) -> dict:
             "recompiles_after_warmup": runner.recompiles(), "peak_gpu_mem_mb": mem, "buckets": rows}
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    gpu = torch.cuda.is_available()
-    names = args.plans or (list(PLANS) if gpu else CPU_PLANS)
-    buckets = dict(GPU_BUCKETS if gpu else CPU_BUCKETS)
+def chosen_buckets(args: argparse.Namespace) -> dict[str, list[int]]:
+    """The device's default buckets, with --batch-sizes / --seq-lens where given."""
+    buckets = dict(GPU_BUCKETS if torch.cuda.is_available() else CPU_BUCKETS)
     if args.batch_sizes:
         buckets["batch_sizes"] = sorted(set(args.batch_sizes))
     if args.seq_lens:
         buckets["seq_lens"] = sorted(set(args.seq_lens))
+    return buckets
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    gpu = torch.cuda.is_available()
+    names = args.plans or (list(PLANS) if gpu else CPU_PLANS)
+    buckets = chosen_buckets(args)
     folder = Path(args.model_dir) if args.model_dir else model_dir()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -226,8 +232,7 @@ def markdown(results: dict) -> str:
 
 def cmd_ready(args: argparse.Namespace) -> int:
     """Worker-ready time in fresh processes: cold (empty caches) then with the compile cache."""
-    gpu = torch.cuda.is_available()
-    raw = {**PLANS[args.plan], "buckets": GPU_BUCKETS if gpu else CPU_BUCKETS}
+    raw = {**PLANS[args.plan], "buckets": chosen_buckets(args)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as cache:
@@ -296,8 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--plans", nargs="*", choices=sorted(PLANS) + sorted(TRANSFORMERS_PLANS))
     r.add_argument("--iters", type=int, default=50)
     r.add_argument("--model-dir", help="an encoder folder (sentence-transformers or Hugging Face; default: MiniLM)")
-    r.add_argument("--batch-sizes", nargs="+", type=int, help="batch buckets (default: 1 to 64)")
-    r.add_argument("--seq-lens", nargs="+", type=int, help="sequence buckets (default: 16 to 128)")
     r.set_defaults(fn=cmd_run)
     w = sub.add_parser("ready", help="worker-ready time with and without the compile cache")
     w.add_argument("--out", required=True)
@@ -305,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
                    choices=sorted(PLANS))
     w.add_argument("--model-dir", help="an encoder folder (sentence-transformers or Hugging Face; default: MiniLM)")
     w.set_defaults(fn=cmd_ready)
+    for cmd in (r, w):
+        cmd.add_argument("--batch-sizes", nargs="+", type=int,
+                         help=f"batch buckets (default: {GPU_BUCKETS['batch_sizes']} on a GPU, {CPU_BUCKETS['batch_sizes']} on CPU)")
+        cmd.add_argument("--seq-lens", nargs="+", type=int,
+                         help=f"sequence buckets (default: {GPU_BUCKETS['seq_lens']} on a GPU, {CPU_BUCKETS['seq_lens']} on CPU)")
     md = sub.add_parser("render", help="rewrite DIR/plans.md from DIR/plans.json and DIR/ready-*.json")
     md.add_argument("dir")
     md.set_defaults(fn=cmd_render)
