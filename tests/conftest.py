@@ -167,9 +167,11 @@ def tiny_trained_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # measured with --durations on 2 cores: the longest start first, so that no worker picks one up at
 # the end while the other sits idle. Only a scheduling hint for pytest-xdist (`make test` passes
 # --no-loadscope-reorder so that this order holds): a module missing here still runs, just later.
+# The second is one that needs no session artefact: the first builds the tiny SmolLM2, its heads
+# and its archive (~25 s), and a second LLM module would wait for them with its core idle.
 SLOW_MODULES = (
-    "test_llm_server.py", "test_llm_continuous_server.py", "test_bench_e2e.py", "test_reliability_llm.py",
-    "test_triton_decode.py", "test_archive_path.py", "test_reliability_faults.py", "test_embedding_runner.py",
+    "test_llm_server.py", "test_triton_decode.py", "test_llm_continuous_server.py", "test_bench_e2e.py",
+    "test_reliability_llm.py", "test_archive_path.py", "test_reliability_faults.py", "test_embedding_runner.py",
     "test_handlers_unit.py", "test_llama_weights.py", "test_bench_llm_e2e.py", "test_embedding_architectures.py",
     "test_k8s_pod_live.py", "test_rotary_encoders.py", "test_package.py", "test_server_embedding.py",
     "test_plan_bench_ready.py", "test_bench_known_answer.py", "test_structured_server.py",

@@ -297,7 +297,7 @@ def serving(pod, prometheus):
         facts["model"] = json.loads(body)[0]
         inference = f"http://127.0.0.1:{pod.ports['inference']}"
         with Load(inference) as load:
-            time.sleep(8)
+            time.sleep(5)  # five scrapes of load before the kill: every rate() of the panels has its two samples
             # A worker dies mid-load (what a CUDA error or an OOM kill does): TorchServe restarts it.
             pid = int(next(w["pid"] for w in facts["model"]["workers"]))
             os.kill(pid, signal.SIGKILL)
@@ -310,7 +310,7 @@ def serving(pod, prometheus):
                     break
                 time.sleep(0.3)
             facts["restart"] = restart
-            time.sleep(8)
+            time.sleep(4)  # the restarted worker serves: scrapes and rule evaluations (1 s each) see it
         facts["codes"] = load.codes
         time.sleep(3)  # a last scrape and rule evaluation after the load
         yield facts
