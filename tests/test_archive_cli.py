@@ -11,9 +11,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def archive(*args: str, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "servekit.archive", "smollm2", "--out", str(out), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def archive(capsys: pytest.CaptureFixture, *args: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
+    """`servekit archive smollm2 ...` in this process (its main(), as the console script calls it; a
+    subprocess would spend seconds importing torch before each refusal): (exit code, stderr)."""
+    from servekit.archive import main
+
+    monkeypatch.chdir(ROOT)  # the paths below are the checkout's
+    code = main(["smollm2", "--out", str(out), *args])
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -25,11 +30,12 @@ def archive(*args: str, out: Path) -> subprocess.CompletedProcess:
      "speculator heads not found: no/such/heads/speculator.json"),
     (["--config", "no/such.yaml"], "model-config not found: no/such.yaml"),
 ])
-def test_archive_refuses_mismatched_speculator(tmp_path: Path, args: list[str], message: str) -> None:
-    r = archive(*args, out=tmp_path)
-    assert r.returncode == 2, r
-    assert r.stderr.strip() == f"servekit archive: error: {message}" or message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+def test_archive_refuses_mismatched_speculator(tmp_path: Path, args: list[str], message: str, capsys,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    code, err = archive(capsys, *args, out=tmp_path, monkeypatch=monkeypatch)
+    assert code == 2, err
+    assert err.strip() == f"servekit archive: error: {message}" or message in err, err
+    assert "Traceback" not in err
     assert not list(tmp_path.iterdir())  # nothing written
 
 
