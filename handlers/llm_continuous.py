@@ -99,7 +99,13 @@ class ContinuousFrontend:
         first_token = any(self.live[rid].answer.generated(k) == 0 for rid, k in updates)
         rest = self._last_return + min(MAX_PACE_S, PACE_PER_REQUEST_S * len(keys)) - time.perf_counter()
         if updates and not first_token and not answers and rest > 0:
-            time.sleep(rest)
+            # Requests still waiting for their first token (taken in by this call or an earlier one)
+            # end the wait when it comes: pacing spaces the chunks of running requests, never a TTFT.
+            starting = [key for key in keys if self.live[key[0]].answer.generated(key[1]) == 0 and key not in updates]
+            if starting:
+                self.engine.wait(starting, rest)
+            else:
+                time.sleep(rest)
             for key, u in self.engine.take(keys, 0).items():
                 updates[key] = u if key not in updates else updates[key].merge(u)
         out = [answers.get(i, "") for i in range(len(data))]

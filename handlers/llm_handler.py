@@ -82,7 +82,13 @@ class LlmService:
         self.initialized = True
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:
-        return self.frontend.handle(data, context)
+        # A call emits a metric line or more per request in it (TTFT, ITL, token counts): one write
+        # of them all when it returns, not a write and flush of the worker's stdout per line.
+        self.metrics.begin_batch()
+        try:
+            return self.frontend.handle(data, context)
+        finally:
+            self.metrics.flush()
 
 
 _service = LlmService()

@@ -352,3 +352,36 @@ def test_engine_counters_drop_to_zero_once_settled_after_a_cancel(runner: LlamaR
     engine.cancel("long")
     assert engine.settle(5.0)
     assert (engine.running, engine.waiting, engine.kv_usage) == (0, 0, 0.0)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_request_left_alone_in_a_high_row_moves_down_and_keeps_its_output(runner: LlamaRunner,
+                                                                             prefix_caching: bool) -> None:
+    """Three short requests end one after another; the long one in row 3 (bucket 4) moves to row 1
+    when two are left (bucket 2, the other one moving to row 0), then to row 0 (bucket 1), penalty
+    counts and sampling state with it, and every request gets its solo tokens. With
+    the prefix cache the move is a swap: the blocks row 0 kept from a finished request move up and
+    still serve a later prompt that starts with them."""
+    b = ContinuousBatcher(runner, prefix_caching=prefix_caching)
+    rec = Recorder(b)
+    cases = {"a": (_prompt(40, 11), SamplingParams(max_tokens=4)),
+             "b": (_prompt(7, 12), SamplingParams(max_tokens=5)),
+             "c": (_prompt(9, 13), SamplingParams(max_tokens=6)),
+             "d": (_prompt(12, 14), SamplingParams(max_tokens=40, temperature=0.9, seed=3, frequency_penalty=0.7))}
+    for key, case in cases.items():
+        rec.add(key, *case)
+    rows = []
+    while b.has_work:
+        rec.step()
+        if "d" in b.by_key:
+            rows.append(b.by_key["d"].slot)
+    assert sorted(set(rows), reverse=True) == [3, 1, 0] and rows[-1] == 0 and b.moves == 3
+    for key, (prompt, params) in cases.items():
+        assert rec.tokens[key] == _solo(runner, prompt, params).tokens, key
+    later = cases["a"][0] + _prompt(5, 15)
+    rec.add("e", later, SamplingParams(max_tokens=8))
+    cached = []
+    while b.has_work:
+        cached += [u.cached_tokens for k, u in rec.step().items() if k == "e" and u.tokens]
+    assert rec.tokens["e"] == _solo(runner, later, SamplingParams(max_tokens=8)).tokens
+    assert cached[0] == (32 if prefix_caching else 0)

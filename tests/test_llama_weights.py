@@ -181,3 +181,31 @@ def test_token_bytes_spell_the_text_whatever_the_decoder_wrapping(converted: Pat
         ids = tok.encode(text)
         assert b"".join(tok.token_bytes(i) for i in ids).decode() == text
         assert any("\ufffd" in tok.token_text(i) for i in ids)  # a token holding part of a character
+
+
+def test_chat_ids_by_cached_pieces_equal_the_whole_texts_ids(converted: Path) -> None:
+    """Byte-level tokenizers encode a rendered chat piece by piece between its special tokens, with
+    a cache per piece: the ids equal the library's for the whole text, hit or miss; an added token
+    that strips whitespace (its piece's ids depend on its neighbours) turns the pieces off."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from servekit.optimizations.llm.chat_template import ChatTokenizer, PieceCache
+
+    tok = ChatTokenizer(converted)
+    whole = lambda text: tok.tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello  there\n\n"},
+             {"role": "assistant", "content": " Hi!<|im_end|>"}, {"role": "user", "content": "Ünïcödé ✓ 你好 🚀 "}]
+    texts = [tok.render(turns[:k]) for k in range(1, len(turns) + 1)] * 2  # the second round hits the cache
+    texts += ["", "<|im_start|>", "<|im_start|><|im_end|>\n<|endoftext|>", "  <|im_end|>  x<|im_start|>user\n"]
+    assert tok._pieces is not None and tok._pieces.split is not None
+    for text in texts:
+        assert tok.encode(text) == whole(text), text
+    assert 0 < len(tok._pieces.cache) <= tok._pieces.size
+    small = PieceCache(tok.tokenizer, size=2)
+    for text in texts:
+        assert small.encode(text) == whole(text)
+    assert len(small.cache) == 2
+    stripping = Tokenizer.from_str(tok.tokenizer.to_str())
+    stripping.add_special_tokens([AddedToken("<|sep|>", rstrip=True)])
+    assert PieceCache(stripping).split is None
+    assert PieceCache(stripping).encode("a <|sep|>  b") == stripping.encode("a <|sep|>  b", add_special_tokens=False).ids

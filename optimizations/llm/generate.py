@@ -184,6 +184,11 @@ class DecodeState:
         counts.scatter_add_(1, first_tokens[:, None], torch.ones_like(counts[:, :1]))
         self.counts.index_copy_(0, rows, counts)
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Row ``src``'s state (token, position, sampling parameters, penalty counts) into row ``dst``."""
+        rows = [self.tokens, self.input_pos, *self.params, self.counts]
+        torch._foreach_copy_([t[dst] for t in rows], [t[src] for t in rows])
+
     def load(self, first_tokens: Tensor, positions: Tensor, params: SamplingTensors) -> None:
         """Every row at once (warm-up)."""
         self.tokens.copy_(first_tokens[:, None])

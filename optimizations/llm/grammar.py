@@ -40,6 +40,8 @@ import llguidance
 import torch
 from torch import Tensor
 
+from servekit.optimizations.llm.sampling import upload
+
 # What a grammar spec may be (vLLM's structured_outputs names): a JSON schema, any JSON object,
 # a regular expression, one of a list of strings, a grammar (GBNF, as llama.cpp and vLLM's
 # xgrammar backend take it, or llguidance's Lark dialect).
@@ -316,7 +318,7 @@ class RowConstraint:
         host sync. Once ``min_tokens`` is reached the row is built once more without the mask."""
         self._stops_masked = self.generated < self.c.min_tokens
         if self._stops_masked and self.c.stop_token_ids:
-            stops = torch.tensor(self.c.stop_token_ids, device=row.device)
+            stops = upload(self.c.stop_token_ids, torch.int64, row.device)
             kept = row[stops].clone()
             row[stops] = float("-inf")
             row[stops] = torch.where(torch.isfinite(row).any(), torch.full_like(kept, float("-inf")), kept)
@@ -402,7 +404,7 @@ def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: tor
     bias = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
     static = [i for i, r in enumerate(rows) if r is not None and r.static is not None]
     if static:
-        bias.index_copy_(0, torch.tensor(static, device=device),
+        bias.index_copy_(0, upload(static, torch.int64, device),
                          torch.stack([rows[i].static for i in static]).to(device))  # type: ignore[union-attr]
     if grammar:
         packed = host.to(device, non_blocking=True)

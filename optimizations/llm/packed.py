@@ -253,8 +253,7 @@ class PackedPrefill:
         b[0].fill_(pad_id)
         b[2].fill_(model.spare_row)  # padding tokens write into the row no request uses
         b[5].fill_(-1)  # no request: the program exits
-        self._blank, self._host = blank, blank.clone()
-        self._host_views = torch.split(self._host, sizes)
+        self._blank, self._sizes = blank, sizes
         self._steps: dict[int, _PackedStep] = {}
         # One hook object for every bucket (compiled layers see the same one each time).
         self.triton = (TritonAttention(self.seq, self.block_seq, self.block_off, self.rows, self.positions, s)
@@ -267,9 +266,12 @@ class PackedPrefill:
         total = sum(len(c.tokens) for c in chunks)
         if total > self.max_tokens or any(not c.tokens for c in chunks):
             raise ValueError(f"chunks of {total} tokens (empty ones refused) exceed the budget of {self.max_tokens}")
-        host = self._host
-        host.copy_(self._blank)
-        tokens, positions, rows, last_idx, seq, block_seq, block_off = self._host_views
+        # A fresh host copy of the blank tables per forward, pinned on CUDA: the copy to the device
+        # is queued behind the step in flight instead of waiting for it (a pageable source would
+        # wait), and PyTorch's pinned-memory cache keeps each buffer until its copy has run, so the
+        # next forward's tables never overwrite one still being read.
+        host = self._blank.pin_memory() if self.device.type == "cuda" else self._blank.clone()
+        tokens, positions, rows, last_idx, seq, block_seq, block_off = torch.split(host, self._sizes)
         segments, tok, pos, row, last, blocks = [], [], [], [], [], []
         start = 0
         for i, c in enumerate(chunks):
@@ -290,7 +292,7 @@ class PackedPrefill:
         seq[:4 * len(segments)] = torch.tensor(segments).flatten()
         block_seq[:len(blocks)] = torch.tensor([b[0] for b in blocks])
         block_off[:len(blocks)] = torch.tensor([b[1] for b in blocks])
-        self._dev.copy_(host)
+        self._dev.copy_(host, non_blocking=True)
         return total, segments
 
     @torch.no_grad()

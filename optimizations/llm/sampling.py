@@ -20,12 +20,25 @@ default ``raw_logprobs``), for the sampled token and the row's top alternatives.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 _M32 = 0xFFFFFFFF
+
+
+def upload(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """``values`` as a tensor on ``device`` without the host waiting for the device. On CUDA,
+    ``torch.tensor(values, device=...)`` copies from pageable memory, which first waits until every
+    step already launched on the stream has run: the engine would stall the host (and leave the
+    device idle after) at each admission. Here the values go through pinned memory and an
+    asynchronous copy queued behind that work; PyTorch's pinned-memory cache keeps the block until
+    its copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class SamplingTensors(NamedTuple):
@@ -51,12 +64,9 @@ class SamplingTensors(NamedTuple):
         zeros = [0.0] * len(temperature)
         if bias is None:
             bias = torch.zeros(len(temperature), vocab_size, dtype=torch.float32, device=device)
-        return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
-                   torch.tensor(top_k, dtype=torch.int64, device=device),
-                   torch.tensor(top_p, dtype=torch.float32, device=device),
-                   torch.tensor([s & _M32 for s in seed], dtype=torch.int64, device=device),
-                   torch.tensor(presence or zeros, dtype=torch.float32, device=device),
-                   torch.tensor(frequency or zeros, dtype=torch.float32, device=device),
+        return cls(upload(temperature, torch.float32, device), upload(top_k, torch.int64, device),
+                   upload(top_p, torch.float32, device), upload([s & _M32 for s in seed], torch.int64, device),
+                   upload(presence or zeros, torch.float32, device), upload(frequency or zeros, torch.float32, device),
                    bias.to(device=device, dtype=torch.float32))
 
     def copy_(self, other: "SamplingTensors") -> None:
