@@ -20,6 +20,8 @@
 #        decode-steps   SmolLM2 and the Qwen2.5-0.5B shape in-process, batch 1, 8 and 32 (after shaped)
 #        bulk           the bulk-embedding sweep (benchmarks/sweeps/minilm-gpu-bulk.yaml)
 #        llm-workload   SmolLM2 served, shipped config, every prompt set (benchmarks/llm_workload_bench.py)
+#        llm-split      where SmolLM2's batch-1 TTFT and 32-stream time go: the same requests through the engine
+#                       in-process (host ms per engine phase) and served (the handler's own TTFT beside the client's)
 #        llm-sweep      the LLM goodput sweep on the mixed prompt set (benchmarks/sweeps/smollm2-gpu.yaml)
 #        llm-shapes     the Qwen2.5-0.5B and Gemma-3-270M shapes served (built into shaped/ when missing):
 #                       batch 1 (with its share of the bandwidth bound) and 32 streams
@@ -31,7 +33,7 @@
 set -uo pipefail
 out=${OUT_DIR:-${OUT:-gpu-out}}
 heads=${SPEC_HEADS:-/opt/spec/heads}
-steps=" llm-inprocess spec serve oom plans-ready sweep soak shaped families-cuda encoder-plans byom-sweep byom-llm spec-cb decode-steps bulk llm-workload llm-sweep llm-shapes llm-shapes-8b "
+steps=" llm-inprocess spec serve oom plans-ready sweep soak shaped families-cuda encoder-plans byom-sweep byom-llm spec-cb decode-steps bulk llm-workload llm-split llm-sweep llm-shapes llm-shapes-8b "
 for step in "$@"; do
   [[ $steps == *" $step "* ]] || { echo "unknown step: $step (see the header of $0)" >&2; exit 2; }
 done
@@ -69,6 +71,12 @@ for step in "$@"; do
     bulk) python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/minilm-gpu-bulk.yaml --out "$out/$step" ;;
     llm-workload) timeout 520 python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step" 2>&1 \
                     | tee "$out/$step/log.txt" ;;
+    llm-split)
+      for how in in-process served; do
+        timeout 260 python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step/$how" $([[ $how == in-process ]] && echo --in-process) \
+          --measures ttft batch1 streams followup --sets short passages --lengths 100 600 1900 --ttft-again 2>&1 \
+          | tee "$out/$step/$how.log" || echo "llm-split $how failed" >&2
+      done ;;
     llm-sweep) timeout 520 python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/smollm2-gpu.yaml \
                  --out "$out/$step" 2>&1 | tee "$out/$step/log.txt" ;;
     llm-shapes|llm-shapes-8b)

@@ -22,6 +22,12 @@ the served model's own tokens):
             usage.prompt_tokens_details.cached_tokens (a prefix-cache hit), beside the same kind of
             follow-up sent cold (no earlier turn).
 
+Where the time went: served, each measure also reports the handler's own mean TTFT and inter-token
+latency (its metrics, scraped before and after), so client TTFT minus handler TTFT is TorchServe's
+share (queue, batch delay, IPC, HTTP). --in-process drives the same engine with the same requests in
+this process, no TorchServe (the engine's share), and reports host milliseconds per engine step in
+each phase. --ttft-again repeats the batch-1 probe after every other measure.
+
 Sets: short (<= 60 words), passages (450-700 tokens), mixed (20-2,000 tokens). Every set's
 max_tokens is --max-tokens (the mixed set's per prompt, 32 to --max-tokens), capped so that prompt
 and answer fit max_seq_len. Answers stop where the model stops (a real model's early stop counts
@@ -32,6 +38,7 @@ memory bandwidth (a table of known GPUs). Writes llm_workload_bench.json and .md
     python3 -m servekit.benchmarks.llm_workload_bench --out benchmarks/results/llm-workload-h100
     python3 -m servekit.benchmarks.llm_workload_bench --out DIR --model-dir shaped/llama-3.1-8b \\
         --measures ttft batch1 streams --sets short passages
+    python3 -m servekit.benchmarks.llm_workload_bench --out DIR --in-process --measures ttft batch1 streams
     python -m servekit.benchmarks.llm_workload_bench --out /tmp/llm-workload-cpu --smoke   # CPU, < 2 min
 """
 from __future__ import annotations
@@ -44,7 +51,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import yaml
@@ -100,22 +107,31 @@ def weight_bytes_per_token(model_dir: Path, precision: str) -> int:
 
 
 # -- load shapes -----------------------------------------------------------------------------------
-def one_by_one(url: str, prompts: list[Prompt]) -> list[Timing]:
-    return [stream_chat(url, list(p.messages), p.max_tokens) for p in prompts]
+# One streamed greedy chat: (messages, max_tokens, t0: the perf_counter time to time from or None)
+# -> its timing. Served: an HTTP request (stream_chat); --in-process: the engine driven directly.
+Chat = Callable[[list[dict[str, str]], int, float | None], Timing]
 
 
-def closed_loop(url: str, prompts: list[Prompt], streams: int) -> tuple[list[Timing], float]:
+def http_chat(url: str) -> Chat:
+    return lambda messages, max_tokens, t0=None: stream_chat(url, messages, max_tokens, t0=t0)
+
+
+def one_by_one(chat: Chat, prompts: list[Prompt]) -> list[Timing]:
+    return [chat(list(p.messages), p.max_tokens, None) for p in prompts]
+
+
+def closed_loop(chat: Chat, prompts: list[Prompt], streams: int) -> tuple[list[Timing], float]:
     """`streams` clients starting together, client i sending prompts i, i + streams, ... back to back."""
     out: list[list[Timing]] = [[] for _ in range(streams)]
 
     def client(i: int) -> None:
-        out[i] = one_by_one(url, prompts[i::streams])
+        out[i] = one_by_one(chat, prompts[i::streams])
 
     wall = run_together(client, streams)
     return [t for ts in out for t in ts], wall
 
 
-def poisson(url: str, prompts: list[Prompt], rate: float, duration: float, seed: int
+def poisson(chat: Chat, prompts: list[Prompt], rate: float, duration: float, seed: int
             ) -> tuple[list[Timing], float, list[float]]:
     """Open loop: prompts sent at Poisson arrival times (rate/s) over `duration` s, each from its own
     thread and timed from its scheduled send. Returns the timings, the time until the last answer,
@@ -130,7 +146,7 @@ def poisson(url: str, prompts: list[Prompt], rate: float, duration: float, seed:
 
     def one(i: int, at: float) -> None:
         late.append(time.perf_counter() - at)
-        out[i] = stream_chat(url, list(prompts[i].messages), prompts[i].max_tokens, t0=at)
+        out[i] = chat(list(prompts[i].messages), prompts[i].max_tokens, at)
 
     for i, a in enumerate(arrivals):
         at = start + float(a)
@@ -147,12 +163,12 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 2)
 
 
-def ttft_by_length(url: str, gen: PromptGenerator, lengths: list[int], later: int) -> list[dict[str, Any]]:
+def ttft_by_length(chat: Chat, gen: PromptGenerator, lengths: list[int], later: int) -> list[dict[str, Any]]:
     """Batch 1 per prompt length: the first request of that length, then `later` more."""
     rows = []
     for n in lengths:
-        first = stream_chat(url, list(gen.of_tokens(n, 8).messages), 8)
-        rest = [stream_chat(url, list(gen.of_tokens(n, 8).messages), 8) for _ in range(later)]
+        first = chat(list(gen.of_tokens(n, 8).messages), 8, None)
+        rest = [chat(list(gen.of_tokens(n, 8).messages), 8, None) for _ in range(later)]
         ok = [t.ttft_s * 1e3 for t in rest if t.ttft_s is not None]
         rows.append({"tokens": n, "prompt_tokens": first.prompt_tokens, "first_ttft_ms": _ms(first.ttft_s),
                      "first_error": first.error or None, "later": len(rest), "later_failed": len(rest) - len(ok),
@@ -162,13 +178,13 @@ def ttft_by_length(url: str, gen: PromptGenerator, lengths: list[int], later: in
     return rows
 
 
-def prefill(url: str, gen: PromptGenerator, streams: int, tokens: int, rounds: int) -> dict[str, Any]:
+def prefill(chat: Chat, gen: PromptGenerator, streams: int, tokens: int, rounds: int) -> dict[str, Any]:
     """`streams` prompts of `tokens` sent together (16 max tokens), `rounds` times: prompt tokens
     per second up to the last first token."""
     per_round, timings = [], []
     for _ in range(rounds):
         prompts = [gen.of_tokens(tokens, 16) for _ in range(streams)]
-        got, _ = closed_loop(url, prompts, streams)
+        got, _ = closed_loop(chat, prompts, streams)
         timings += got
         firsts = [t.ttft_s for t in got if t.ttft_s is not None]
         if len(firsts) == len(got):
@@ -189,18 +205,18 @@ def figures(timings: list[Timing], wall_s: float) -> dict[str, Any]:
             "prompt_tokens_max": max(prompt) if prompt else None, "wall_s": round(wall_s, 2)}
 
 
-def followup(url: str, gen: PromptGenerator, n: int, tokens: int) -> dict[str, Any]:
+def followup(chat: Chat, gen: PromptGenerator, n: int, tokens: int) -> dict[str, Any]:
     """Chats sent, then their follow-up turns (prefix-cache hits where the server caches), beside
     follow-ups of other chats sent cold."""
     hits, cold = [], []
     for conv in gen.conversation(n, tokens):
-        first = stream_chat(url, list(conv.messages), conv.max_tokens)
+        first = chat(list(conv.messages), conv.max_tokens, None)
         turn = [*conv.messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": conv.followup}]
-        hits.append(stream_chat(url, turn, 16))
+        hits.append(chat(turn, 16, None))
     for conv in gen.conversation(n, tokens):  # the same shape, its earlier turns never sent
         answer = gen.of_tokens(80, 1).messages[0]["content"]
-        cold.append(stream_chat(url, [*conv.messages, {"role": "assistant", "content": answer},
-                                      {"role": "user", "content": conv.followup}], 16))
+        cold.append(chat([*conv.messages, {"role": "assistant", "content": answer},
+                          {"role": "user", "content": conv.followup}], 16, None))
 
     def row(ts: list[Timing]) -> dict[str, Any]:
         ok = [t.ttft_s * 1e3 for t in ts if t.ttft_s is not None]
@@ -233,13 +249,76 @@ def checkpoint_dir(args: argparse.Namespace, precision: str) -> Path:
     return smollm2_archive_files(dtype)[0].parent
 
 
-def measure(url: str, args: argparse.Namespace, gen: PromptGenerator, res: dict[str, Any], save) -> None:
-    """Every measure of --measures against the served model, saving after each."""
-    if "ttft" in args.measures:
-        res["ttft"] = ttft_by_length(url, gen, args.lengths, args.later)
+# -- where the time went ------------------------------------------------------------------------------
+class Split:
+    """Figures beside a measure's client-side ones that say where its time went (none here)."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> dict[str, Any]:
+        return {}
+
+
+class HandlerSplit(Split):
+    """Served: the handler's own TTFT and inter-token latency over the measure (its Prometheus
+    histograms' sums and counts on TorchServe's metrics port): TTFT from the handler call that took
+    the request in to the call that has its first token. Client TTFT minus this is the frontend's
+    queue, batch delay, IPC and HTTP."""
+
+    NAMES = ("servekit_llm_ttft_seconds_sum", "servekit_llm_ttft_seconds_count", "servekit_llm_itl_seconds_sum",
+             "servekit_llm_itl_seconds_count")
+
+    def __init__(self, metrics_url: str) -> None:
+        self.url, self.before = f"{metrics_url}/metrics", {}
+
+    def _scrape(self) -> dict[str, float]:
+        import requests
+
+        out = dict.fromkeys(self.NAMES, 0.0)
+        try:
+            text = requests.get(self.url, timeout=10).text
+        except requests.RequestException:
+            return out
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in out:
+                out[name] += float(line.rsplit(" ", 1)[1])
+        return out
+
+    def start(self) -> None:
+        self.before = self._scrape()
+
+    def stop(self) -> dict[str, Any]:
+        d = {k: v - self.before.get(k, 0.0) for k, v in self._scrape().items()}
+
+        def mean_ms(kind: str) -> float | None:
+            n = d[f"servekit_llm_{kind}_seconds_count"]
+            return round(d[f"servekit_llm_{kind}_seconds_sum"] / n * 1e3, 3) if n else None
+
+        return {"handler_ttft_ms_mean": mean_ms("ttft"), "handler_itl_ms_mean": mean_ms("itl")}
+
+
+def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dict[str, Any], save,
+            split: Split | None = None) -> None:
+    """Every measure of --measures against the model, saving after each; `split` adds where each
+    measure's time went."""
+    split = split or Split()
+
+    def probe(lengths_key: str = "ttft") -> None:
+        split.start()
+        rows = ttft_by_length(chat, gen, args.lengths, args.later)
+        res[lengths_key] = rows
+        res.setdefault("splits", {})[lengths_key] = split.stop()
+        print(f"  {lengths_key} split: {json.dumps(res['splits'][lengths_key])}", flush=True)
         save()
+
+    if "ttft" in args.measures:
+        probe()
     if "prefill" in args.measures:
-        res["prefill"] = prefill(url, gen, args.prefill_streams, args.prefill_tokens, args.prefill_rounds)
+        split.start()
+        res["prefill"] = {**prefill(chat, gen, args.prefill_streams, args.prefill_tokens, args.prefill_rounds),
+                          **split.stop()}
         print(f"  prefill: {json.dumps(res['prefill'])}", flush=True)
         save()
     for name in args.sets:
@@ -247,26 +326,127 @@ def measure(url: str, args: argparse.Namespace, gen: PromptGenerator, res: dict[
         take = {"short": lambda k: gen.short(k, args.max_tokens), "passages": lambda k: gen.passages(k, args.max_tokens),
                 "mixed": lambda k: gen.mixed(k, (min(32, args.max_tokens), args.max_tokens))}[name]
         if "batch1" in args.measures:
-            got = one_by_one(url, take(args.batch1))
-            per["batch1"] = figures(got, sum(t.last_s or 0 for t in got))
+            split.start()
+            got = one_by_one(chat, take(args.batch1))
+            per["batch1"] = {**figures(got, sum(t.last_s or 0 for t in got)), **split.stop()}
             print(f"  {name} batch 1: {json.dumps(per['batch1'])}", flush=True)
         if "streams" in args.measures:
-            got, wall = closed_loop(url, take(args.streams * args.stream_requests), args.streams)
+            split.start()
+            got, wall = closed_loop(chat, take(args.streams * args.stream_requests), args.streams)
+            # Each client's first request arrives with the other clients' (a burst of `streams`);
+            # the later ones as requests end.
+            burst = [(t.ttft_s or 0) * 1e3 for t in got[::args.stream_requests]]
+            later = [(t.ttft_s or 0) * 1e3 for i, t in enumerate(got) if i % args.stream_requests]
             per["streams"] = {"streams": args.streams, **figures(got, wall),
-                              "ttft_ms_max": round(max((t.ttft_s or 0) for t in got) * 1e3, 2)}
+                              "ttft_ms_max": round(max((t.ttft_s or 0) for t in got) * 1e3, 2),
+                              "ttft_ms_p99_burst": round(float(np.percentile(burst, 99)), 2),
+                              "ttft_ms_p99_later": round(float(np.percentile(later, 99)), 2) if later else None,
+                              **split.stop()}
             print(f"  {name} {args.streams} streams: {json.dumps(per['streams'])}", flush=True)
         if "poisson" in args.measures:
             prompts = take(int(args.rate * args.duration * 1.5) + 10)
-            got, wall, late = poisson(url, prompts, args.rate, args.duration, args.seed)
+            split.start()
+            got, wall, late = poisson(chat, prompts, args.rate, args.duration, args.seed)
             per["poisson"] = {"rate": args.rate, "duration_s": args.duration, **figures(got, wall),
                               "achieved_rate": round(len(got) / args.duration, 2),
-                              "send_late_ms_p99": round(float(np.percentile(late, 99)) * 1e3, 2) if late else None}
+                              "send_late_ms_p99": round(float(np.percentile(late, 99)) * 1e3, 2) if late else None,
+                              **split.stop()}
             print(f"  {name} poisson {args.rate}/s: {json.dumps(per['poisson'])}", flush=True)
         save()
     if "followup" in args.measures:
-        res["followup"] = followup(url, gen, args.conversations, args.conversation_tokens)
+        split.start()
+        res["followup"] = {**followup(chat, gen, args.conversations, args.conversation_tokens), **split.stop()}
         print(f"  followup: {json.dumps(res['followup'])}", flush=True)
         save()
+    if args.ttft_again:  # the same probe once everything else ran: after READY against warm
+        probe("ttft_again")
+
+
+# -- the engine in this process ----------------------------------------------------------------------
+ENGINE_PHASES = {"step": "step", "_admit": "admit", "_prefill": "prefill", "_start_rows": "first tokens",
+                 "_launch": "launch decode", "_read_all": "read decode"}
+
+
+class EngineChat:
+    """--in-process: the model-config's engine in this process, driven as the LLM handler drives
+    it (same plan, batch size, chat template, stop tokens, greedy parameters) but with no
+    TorchServe, HTTP or handler in between: the engine's own share of every figure. A request's
+    TTFT runs from its submission (the prompt is tokenized before) to the engine's first update."""
+
+    def __init__(self, cfg: dict[str, Any], folder: Path) -> None:
+        from servekit.optimizations.llm.chat_template import ChatTokenizer
+        from servekit.optimizations.llm.continuous import ContinuousBatcher, EngineThread
+        from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, stop_token_ids
+
+        t0 = time.perf_counter()
+        runner, plan, _ = load_llm_runner(str(folder), parse_llm_plan(cfg.get("servekit")))
+        self.tokenizer = ChatTokenizer(folder)
+        self.stops = tuple(stop_token_ids(folder, self.tokenizer))
+        self.batcher = ContinuousBatcher(runner, int(cfg.get("batchSize") or runner.max_batch), plan.prefill_chunk,
+                                         plan.max_num_batched_tokens, prefix_caching=plan.prefix_caching)
+        self.built = self.batcher.warmup()
+        self.ready_s = round(time.perf_counter() - t0, 1)
+        # Host seconds per engine phase (a phase that waits for the device counts that wait).
+        self.seconds: dict[str, float] = dict.fromkeys(ENGINE_PHASES.values(), 0.0)
+        self.steps = 0
+        for attr, label in ENGINE_PHASES.items():
+            setattr(self.batcher, attr, self._timed(getattr(self.batcher, attr), label))
+        self.engine = EngineThread(self.batcher, runner.device)
+        self._keys = iter(range(1 << 62))
+        self._lock = threading.Lock()
+
+    def _timed(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[label] += time.perf_counter() - t0
+                self.steps += label == "step"
+        return timed
+
+    def __call__(self, messages: list[dict[str, str]], max_tokens: int, t0: float | None = None) -> Timing:
+        from servekit.optimizations.llm.continuous import FINISH_ERROR
+        from servekit.optimizations.llm.generate import SamplingParams
+
+        prompt = self.tokenizer.encode_chat(messages)
+        with self._lock:
+            key = next(self._keys)
+        t0 = time.perf_counter() if t0 is None else t0
+        self.engine.submit(key, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                       stop_token_ids=self.stops))
+        first = last = None
+        out: list[int] = []
+        chunks = cached = 0
+        while True:
+            u = self.engine.take([key], 120.0).get(key)
+            if u is None or u.finish_reason == FINISH_ERROR:
+                return Timing(500, None, None, 0, len(prompt), 0, "", f"engine: {u.error if u else 'no update in 120 s'}")
+            now = time.perf_counter() - t0
+            if u.tokens:
+                first = now if first is None else first
+                last, chunks = now, chunks + 1
+                out += u.tokens
+                cached = cached or u.cached_tokens
+            if u.finish_reason is not None:
+                text = self.tokenizer.decode([t for t in out if t not in self.stops])
+                return Timing(200, first, last, len(out), len(prompt), chunks, text, cached_tokens=cached)
+
+
+class EngineSplit(Split):
+    """--in-process: host milliseconds per engine step in each phase over the measure, and steps."""
+
+    def __init__(self, chat: EngineChat) -> None:
+        self.chat, self.before, self.steps0, self.t0 = chat, {}, 0, 0.0
+
+    def start(self) -> None:
+        self.before, self.steps0, self.t0 = dict(self.chat.seconds), self.chat.steps, time.perf_counter()
+
+    def stop(self) -> dict[str, Any]:
+        steps = self.chat.steps - self.steps0
+        wall = time.perf_counter() - self.t0
+        per = {k: round((v - self.before[k]) / steps * 1e3, 3) for k, v in self.chat.seconds.items()} if steps else {}
+        return {"engine_steps": steps, "engine_steps_per_s": round(steps / wall, 1), "engine_ms_per_step": per}
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -294,6 +474,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     def save() -> None:
         (args.out / "llm_workload_bench.json").write_text(json.dumps(res, indent=1))
 
+    res["mode"] = "in-process" if args.in_process else "served"
+    if args.in_process:
+        chat = EngineChat(cfg, folder)
+        res["ready_s"], res["engine_warmup"] = chat.ready_s, chat.built
+        print(f"== {res['model']} in-process: engine ready after {chat.ready_s} s", flush=True)
+        save()
+        measure(chat, args, gen, res, save, EngineSplit(chat))
+        share(res)
+        save()
+        return res
     name = served_name(str(args.model_dir) if args.model_dir else MODEL)
     with tempfile.TemporaryDirectory(prefix="servekit-llm-workload-") as tmp:
         work = Path(tmp)
@@ -309,7 +499,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             print(f"== {name}: archive {res['archive_s']} s, worker READY after {res['ready_s']} s", flush=True)
             save()
             try:
-                measure(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions", args, gen, res, save)
+                measure(http_chat(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions"), args, gen, res,
+                        save, HandlerSplit(ts.metrics_url))
             finally:
                 for log in ("model_log.log", "ts_log.log"):  # the worker's own account, beside the figures
                     src = work / "run" / "logs" / log
@@ -335,7 +526,8 @@ def share(res: dict[str, Any]) -> None:
 
 def markdown(res: dict[str, Any]) -> str:
     env, w = res["environment"], res["weights"]
-    L = [f"# {Path(res['model']).name} served through TorchServe: realistic prompt lengths ({env.get('gpu') or 'CPU'})",
+    how = ("in-process engine, no TorchServe" if res.get("mode") == "in-process" else "served through TorchServe")
+    L = [f"# {Path(res['model']).name} ({how}): realistic prompt lengths ({env.get('gpu') or 'CPU'})",
          "", f"{env['date']}; torch {env.get('torch')}, CUDA {env.get('cuda')}, TorchServe {env.get('torchserve')}, "
          f"transformers {env.get('transformers')}, Python {env.get('python')}, {env.get('cpu_count')} CPUs. "
          f"Command: `{env['command']}`.", "",
@@ -348,12 +540,15 @@ def markdown(res: dict[str, Any]) -> str:
     if w.get("bound_tok_per_s"):
         L += [f"Weights read per decode token: {w['bytes_per_token'] / 1e9:.3f} GB ({w['precision']}); at "
               f"{w['hbm_bytes_per_s'] / 1e12:.2f} TB/s the batch-1 bound is {w['bound_tok_per_s']} tokens/s.", ""]
-    if res.get("ttft"):
-        L += ["## Batch-1 TTFT by prompt length", "", "| tokens | served prompt tokens | first request ms | "
+    for key, title in (("ttft", "Batch-1 TTFT by prompt length"),
+                       ("ttft_again", "Batch-1 TTFT by prompt length, again after every other measure")):
+        if not res.get(key):
+            continue
+        L += [f"## {title}", "", "| tokens | served prompt tokens | first request ms | "
               "later p50 ms | later max ms |", "| --- | --- | --- | --- | --- |"]
         L += [f"| {r['tokens']} | {r['prompt_tokens']} | {r['first_ttft_ms']} | {r['later_ttft_ms_p50']} | "
-              f"{r['later_ttft_ms_max']} |" for r in res["ttft"]]
-        L.append("")
+              f"{r['later_ttft_ms_max']} |" for r in res[key]]
+        L += ["", f"Where the time went: `{json.dumps(res.get('splits', {}).get(key, {}))}`", ""]
     if res.get("prefill"):
         p = res["prefill"]
         L += ["## Prefill throughput", "", f"{p['streams']} prompts of {p['tokens']} tokens ({p['prompt_tokens_per_request']} "
@@ -407,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=5)
     p.add_argument("--conversation-tokens", type=int, default=1500)
     p.add_argument("--ready-timeout", type=float, default=1800.0)
+    p.add_argument("--in-process", action="store_true",
+                   help="drive the model-config's engine in this process (no TorchServe): the engine's share of each figure")
+    p.add_argument("--ttft-again", action="store_true",
+                   help="run the batch-1 TTFT probe again after every other measure (after READY against warm)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke run: config/models/smollm2-cpu.yaml, tiny counts, the short set (~2 min on 2 cores)")
     args = p.parse_args(argv)
@@ -425,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "llm_workload_bench.md").write_text(markdown(res))
     print(markdown(res))
     failed = sum(r.get("failed", 0) for per in res["sets"].values() for r in per.values())
-    failed += sum(1 for r in res.get("ttft", []) if r["first_ttft_ms"] is None or r["later_failed"])
+    failed += sum(1 for r in res.get("ttft", []) + res.get("ttft_again", [])
+                  if r["first_ttft_ms"] is None or r["later_failed"])
     failed += (res.get("prefill") or {}).get("failed", 0)
     return 1 if failed else 0
 
