@@ -253,15 +253,18 @@ def draft_vocabulary(targets: Tensor, vocab_size: int, size: int) -> tuple[Tenso
 
 # --- training and evaluation ----------------------------------------------------------------------
 
-def _autocast(device: torch.device):
+def _autocast(device: torch.device, base_dtype: torch.dtype):
+    """The heads' weights stay fp32 while they meet the frozen base's embedding and lm_head: on
+    CUDA always in bf16 autocast; on the CPU in the base's own dtype when it is not fp32 (without
+    autocast an fp32 feature meets a bf16 lm_head and the matmul refuses mixed dtypes)."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+    return torch.autocast("cpu", dtype=base_dtype, enabled=base_dtype != torch.float32)
 
 
 def head_losses(model: Transformer, speculator: Speculator, ex: Examples) -> tuple[list[Tensor], list[Tensor]]:
     """Per-head mean cross-entropy and per-example correctness (-1 where there is no target)."""
-    with _autocast(ex.hidden.device):
+    with _autocast(ex.hidden.device, model.output.weight.dtype):
         logits = speculator(model, ex.hidden.float(), ex.inputs)
     losses, correct = [], []
     for j, lg in enumerate(logits):
@@ -469,11 +472,18 @@ def build_parser(prog: str = "python -m servekit.optimizations.training.train_sp
     p.add_argument("--max-train-seconds", type=float, default=None,
                    help="train for at most this long (the learning-rate schedule then runs over this time)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if cuda else "cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if cuda else "fp32", help="base model dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="base model dtype (default: bf16 on --device cuda, fp32 on cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
+
+
+def base_dtype(args: argparse.Namespace) -> torch.dtype:
+    """``--dtype``, else bf16 on ``--device cuda`` and fp32 on cpu: the default follows the device
+    the base runs on, not whether the machine has a GPU (``--device cpu`` on a GPU machine got bf16)."""
+    return DTYPES[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = None if args.quiet else (lambda msg: print(msg, flush=True))
     device = torch.device(args.device)
     t0 = time.perf_counter()
-    model, tokenizer, source, stop = load_base(args, device, DTYPES[args.dtype])
+    model, tokenizer, source, stop = load_base(args, device, base_dtype(args))
     speculator, report = run_recipe(model, tokenizer, args, progress, source, stop)
     report["total_seconds"] = round(time.perf_counter() - t0, 2)
     out = save_speculator(speculator, args.out, report)
