@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
