@@ -44,6 +44,8 @@ memory bandwidth (a table of known GPUs). Writes llm_workload_bench.json and .md
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import json
 import struct
 import sys
@@ -367,6 +369,31 @@ ENGINE_PHASES = {"step": "step", "_admit": "admit", "_prefill": "prefill", "_sta
                  "_launch": "launch decode", "_read_all": "read decode"}
 
 
+class PhaseTimer:
+    """Host seconds spent in an object's methods (or a module's functions), summed per label, and
+    the calls per label: `instrument` replaces the attribute with a timed wrapper. A phase that
+    waits for the device counts that wait."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def instrument(self, owner: Any, attr: str, label: str) -> None:
+        fn = getattr(owner, attr)
+        self.seconds[label] += 0.0  # listed from the start, called or not
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+
+        setattr(owner, attr, timed)
+
+
 class EngineChat:
     """--in-process: the model-config's engine in this process, driven as the LLM handler drives
     it (same plan, batch size, chat template, stop tokens, greedy parameters) but with no
@@ -386,24 +413,12 @@ class EngineChat:
                                          plan.max_num_batched_tokens, prefix_caching=plan.prefix_caching)
         self.built = self.batcher.warmup()
         self.ready_s = round(time.perf_counter() - t0, 1)
-        # Host seconds per engine phase (a phase that waits for the device counts that wait).
-        self.seconds: dict[str, float] = dict.fromkeys(ENGINE_PHASES.values(), 0.0)
-        self.steps = 0
+        self.timer = PhaseTimer()
         for attr, label in ENGINE_PHASES.items():
-            setattr(self.batcher, attr, self._timed(getattr(self.batcher, attr), label))
+            self.timer.instrument(self.batcher, attr, label)
         self.engine = EngineThread(self.batcher, runner.device)
         self._keys = iter(range(1 << 62))
         self._lock = threading.Lock()
-
-    def _timed(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-        def timed(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds[label] += time.perf_counter() - t0
-                self.steps += label == "step"
-        return timed
 
     def __call__(self, messages: list[dict[str, str]], max_tokens: int, t0: float | None = None) -> Timing:
         from servekit.optimizations.llm.continuous import FINISH_ERROR
@@ -440,12 +455,14 @@ class EngineSplit(Split):
         self.chat, self.before, self.steps0, self.t0 = chat, {}, 0, 0.0
 
     def start(self) -> None:
-        self.before, self.steps0, self.t0 = dict(self.chat.seconds), self.chat.steps, time.perf_counter()
+        timer = self.chat.timer
+        self.before, self.steps0, self.t0 = dict(timer.seconds), timer.calls["step"], time.perf_counter()
 
     def stop(self) -> dict[str, Any]:
-        steps = self.chat.steps - self.steps0
+        timer = self.chat.timer
+        steps = timer.calls["step"] - self.steps0
         wall = time.perf_counter() - self.t0
-        per = {k: round((v - self.before[k]) / steps * 1e3, 3) for k, v in self.chat.seconds.items()} if steps else {}
+        per = {k: round((v - self.before[k]) / steps * 1e3, 3) for k, v in timer.seconds.items()} if steps else {}
         return {"engine_steps": steps, "engine_steps_per_s": round(steps / wall, 1), "engine_ms_per_step": per}
 
 

@@ -10,14 +10,12 @@ grammar masks, launching the halves of a split step) and tokens/s.
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import yaml
 
+from servekit.benchmarks.llm_workload_bench import PhaseTimer
 from servekit.benchmarks.structured_bench import SCHEMAS
 from servekit.optimizations.device import DTYPES
 from servekit.optimizations.llm import grammar
@@ -30,23 +28,6 @@ from servekit.resources import model_config
 
 PHASES = {"_read_all": "read tokens", "_load_bias": "load masks", "_sample": "launch sampling",
           "_launch": "launch step/forward", "_prefill": "prefill", "_admit": "admit"}
-
-
-class Timer:
-    """Host seconds per label, summed over calls."""
-
-    def __init__(self) -> None:
-        self.seconds: collections.Counter[str] = collections.Counter()
-
-    def wrap(self, fn: Callable, label: str) -> Callable:
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - t0
-        return timed
 
 
 def main() -> None:
@@ -64,10 +45,10 @@ def main() -> None:
     compiler = grammar.GrammarCompiler(tokenizer, runner.model.config.vocab_size, stops)
     engine = ContinuousBatcher(runner, min(32, runner.max_batch))
     engine.warmup()
-    timer = Timer()
+    timer = PhaseTimer()
     for name, label in PHASES.items():
-        setattr(engine, name, timer.wrap(getattr(engine, name), label))
-    grammar.fill_masks = timer.wrap(grammar.fill_masks, "  of which: fill masks")
+        timer.instrument(engine, name, label)
+    timer.instrument(grammar, "fill_masks", "  of which: fill masks")
     print(f"{plan.label()}, {args.requests} requests of at most {args.max_tokens} tokens, temperature 0.8")
     for constrained in (False, True):
         for rep in range(args.repeats):
