@@ -337,40 +337,6 @@ def _executor() -> llguidance.LLExecutor | None:
     return llguidance.LLExecutor(threads) if threads > 1 else None
 
 
-class _Staging:
-    """Pinned host buffers that packed masks are filled in and copied to the device from: a ring of
-    three, each reused only once its last copy has completed (a CUDA event), instead of a pinned
-    allocation per step."""
-
-    def __init__(self, words: int) -> None:
-        self.words, self.rows, self.next = words, 0, 0
-        self.bufs: list[Tensor] = []
-        self.events: list[torch.cuda.Event | None] = []
-
-    def take(self, n: int) -> tuple[int, Tensor]:
-        if n > self.rows:
-            for event in self.events:  # copies from the old buffers must land before they go
-                if event is not None:
-                    event.synchronize()
-            self.rows = max(n, 2 * self.rows)
-            self.bufs = [torch.empty(self.rows, self.words, dtype=torch.int32, pin_memory=True) for _ in range(3)]
-            self.events = [None] * 3
-        i, self.next = self.next, (self.next + 1) % 3
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # done long ago: a step has been read since
-        return i, self.bufs[i][:n]
-
-    def copied(self, i: int) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self.events[i] = event
-
-
-@functools.cache
-def _staging(device: torch.device, words: int) -> _Staging:
-    return _Staging(words)
-
-
 def fill_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], masks: Tensor) -> None:
     """Each matcher's packed mask of allowed next tokens into its row of ``masks`` (int32, CPU,
     contiguous, 32 tokens per word), several rows at once on llguidance's threads when there are
@@ -392,12 +358,12 @@ def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: tor
     on their way: the caller fills them while the device still runs the step's forward."""
     n = len(rows)
     grammar = [(r.matcher, i) for i, r in enumerate(rows) if r is not None and r.matcher is not None]
-    staging = _staging(device, (vocab_size + 31) // 32) if device.type == "cuda" and grammar else None
     if grammar:
         # Every row's packed mask (all ones where there is no grammar), filled before any device
         # work here (the static rows' index tensor would wait for the device), so that one
-        # masked_fill applies them all.
-        slot, host = staging.take(n) if staging else (0, torch.empty(n, (vocab_size + 31) // 32, dtype=torch.int32))
+        # masked_fill applies them all. Pinned on CUDA: the copy is queued without waiting, and
+        # PyTorch's pinned-memory cache hands the block out again only once its copy has run.
+        host = torch.empty(n, (vocab_size + 31) // 32, dtype=torch.int32, pin_memory=device.type == "cuda")
         if len(grammar) < n:
             host.fill_(-1)
         fill_masks(grammar, host)
@@ -408,8 +374,6 @@ def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: tor
                          torch.stack([rows[i].static for i in static]).to(device))  # type: ignore[union-attr]
     if grammar:
         packed = host.to(device, non_blocking=True)
-        if staging:
-            staging.copied(slot)
         bits = torch.arange(32, dtype=torch.int32, device=device)  # bit b of word w allows token 32 w + b
         allowed = ((packed[:, :, None] >> bits) & 1).view(n, -1)[:, :vocab_size].bool()
         bias.masked_fill_(~allowed, float("-inf"))
