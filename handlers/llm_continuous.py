@@ -87,8 +87,17 @@ class ContinuousFrontend:
         for rid in [r for r in self.live if r not in present]:  # the frontend dropped it: client gone
             self._cancel(self.live.pop(rid))
         running = {i for i, rid in enumerate(ids) if rid in self.live}
-        requests, answers = parse_each(data, context, self.metrics, self.api.model_name, self.api.created,
-                                       self.api.parse, skip=running)
+        prepared, answers = parse_each(data, context, self.metrics, self.api.model_name, self.api.created,
+                                       self.api.prepare, skip=running)
+        # The new requests' prompts in one tokenizer call: a burst of long prompts (TorchServe hands
+        # over all that arrived together) would otherwise be tokenized one after another on this
+        # thread, holding the GIL from the engine thread, before the first of them reached the engine.
+        requests: dict[int, LlmRequest] = {}
+        for i, got in self.api.tokenize(prepared).items():
+            if isinstance(got, RequestError):
+                answers[i] = fail_request(context, i, self.metrics, got)
+            else:
+                requests[i] = got
         for i, req in requests.items():
             self.live[ids[i]] = _Live(ids[i], req, self.api.answer(req, ids[i]), t0)
             self.metrics.emit("servekit_llm_prompt_tokens_total", "counter", req.prompt_tokens)

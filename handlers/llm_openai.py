@@ -18,10 +18,10 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from servekit.handlers.common import RequestError, clip, decode_body, int_field, number_field, shown, without_nulls
-from servekit.handlers.llm_openai_tools import (ToolPlan, parse_extras, template_messages, tool_message,
+from servekit.handlers.llm_openai_tools import (Extras, ToolPlan, parse_extras, template_messages, tool_message,
                                                 tool_stream_events)
 from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
 from servekit.optimizations.llm.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, LlamaRunner,
@@ -71,6 +71,19 @@ class LlmRequest:
     speculate: bool = True  # servekit extension: false keeps this request from speculative decoding
     tools: ToolPlan | None = None  # tool calls are parsed out of the answer (handlers/llm_openai_tools.py)
     n: int = 1  # choices per prompt
+
+
+@dataclass
+class PreparedRequest:
+    """A request checked up to its prompts' texts (``OpenAIApi.prepare``), waiting to be tokenized:
+    a chat's one rendered conversation, or a completion's prompts."""
+    chat: bool
+    body: dict[str, Any]
+    extras: Extras
+    texts: list[str]
+
+
+K = TypeVar("K")
 
 
 def _bad(message: str, code: str = "invalid_request") -> RequestError:
@@ -190,6 +203,15 @@ class OpenAIApi:
     def parse(self, raw: dict[str, Any], route: str) -> LlmRequest:
         """One request of TorchServe's batch (``raw``: its data entry) on ``route``: its choices for
         the engine, every limit checked; a ``RequestError`` (404 or 4xx) naming what is wrong."""
+        got = self.tokenize({0: self.prepare(raw, route)})[0]
+        if isinstance(got, RequestError):
+            raise got
+        return got
+
+    def prepare(self, raw: dict[str, Any], route: str) -> PreparedRequest:
+        """``parse`` up to tokenizing: the request checked as far as its prompts' texts (rendered
+        with the chat template), or a ``RequestError``. ``tokenize`` does the rest, for a whole
+        batch of requests at once."""
         if route not in (CHAT_ROUTE, COMPLETIONS_ROUTE):
             raise RequestError(404, "not_found_error", f"unknown route '{route}'; use /v1/chat/completions or "
                                "/v1/completions under /predictions/<model>/<version>/", "unknown_route")
@@ -210,10 +232,9 @@ class OpenAIApi:
             messages = _messages(body["messages"])
             self._check_chars("messages", sum(len(m["content"]) for m in messages))
             try:
-                prompt = self.tokenizer.encode_chat(messages, tools=extras.tools)
+                texts = [self.tokenizer.render(messages, tools=extras.tools)]
             except TemplateError as e:
                 raise _bad(str(e), "invalid_messages") from None
-            prompts = [prompt]
         else:
             texts = body.get("prompt")
             texts = [texts] if isinstance(texts, str) else texts
@@ -221,25 +242,55 @@ class OpenAIApi:
                 raise _bad("'prompt' must be a string or a non-empty list of strings", "invalid_type")
             for k, t in enumerate(texts):
                 self._check_chars("prompt" if len(texts) == 1 else f"prompt[{k}]", len(t))
-            prompts = [self.tokenizer.encode_prompt(t) for t in texts]
-            if not all(prompts):
-                raise _bad("'prompt' is empty" if len(prompts) == 1 else
-                           f"'prompt[{[bool(p) for p in prompts].index(False)}]' is empty", "empty_prompt")
+        return PreparedRequest(chat, body, extras, texts)
+
+    def tokenize(self, prepared: dict[K, PreparedRequest]) -> dict[K, LlmRequest | RequestError]:
+        """The prepared requests' prompts tokenized together (one batch call for the chats, one for
+        the text completions: a burst of long prompts costs about one prompt's time, not the sum),
+        then each request's remaining checks: its ``LlmRequest``, or its own ``RequestError``."""
+        prompts = self._encode(prepared)  # any str encodes: decode_body let no unpaired surrogate through
+        out: dict[K, LlmRequest | RequestError] = {}
+        for key, p in prepared.items():
+            try:
+                out[key] = self._request(p, prompts[key])
+            except RequestError as e:
+                out[key] = e
+        return out
+
+    def _encode(self, prepared: dict[K, PreparedRequest]) -> dict[K, list[list[int]]]:
+        """Each prepared request's prompt ids: the chats' in one batch call, the completions' in another."""
+        chats = [key for key, p in prepared.items() if p.chat]
+        plain = [key for key, p in prepared.items() if not p.chat]
+        prompts: dict[K, list[list[int]]] = {}
+        if chats:
+            ids = iter(self.tokenizer.encode_batch([prepared[key].texts[0] for key in chats]))
+            prompts |= {key: [next(ids)] for key in chats}
+        if plain:
+            ids = iter(self.tokenizer.encode_prompts([t for key in plain for t in prepared[key].texts]))
+            prompts |= {key: [next(ids) for _ in prepared[key].texts] for key in plain}
+        return prompts
+
+    def _request(self, p: PreparedRequest, prompts: list[list[int]]) -> LlmRequest:
+        """A prepared request with its prompts' ids: the checks that need them, and the rest."""
+        body = p.body
+        if not p.chat and not all(prompts):
+            raise _bad("'prompt' is empty" if len(prompts) == 1 else
+                       f"'prompt[{[bool(q) for q in prompts].index(False)}]' is empty", "empty_prompt")
         n = int_field(body, "n", 1, self.runner.max_batch, 1)
         if len(prompts) * n > self.runner.max_batch:
             raise _bad(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} choices; at most "
                        f"{self.runner.max_batch} per request", "too_many_choices")
         choices = []
         for prompt in prompts:
-            params = self._params(body, chat, len(prompt))
+            params = self._params(body, p.chat, len(prompt))
             for k in range(n):  # a seeded request's choices differ: choice k samples with seed + k
                 seed = None if params.seed is None else (params.seed + k) % 2**32
-                choices.append((prompt, dataclasses.replace(params, seed=seed, constraint=extras.constraint)))
+                choices.append((prompt, dataclasses.replace(params, seed=seed, constraint=p.extras.constraint)))
         speculate = body.get("speculate", True)
         if not isinstance(speculate, bool):
             raise _bad("'speculate' must be true or false", "invalid_type")
-        return LlmRequest(chat, choices, sum(len(p) for p in prompts), *self._stream_flags(body),
-                          _stop(body.get("stop")), body.get("model"), speculate, extras.plan, n)
+        return LlmRequest(p.chat, choices, sum(len(q) for q in prompts), *self._stream_flags(body),
+                          _stop(body.get("stop")), body.get("model"), speculate, p.extras.plan, n)
 
     def _check_chars(self, field: str, n_chars: int) -> None:
         """Before tokenizing: a prompt longer than MAX_CHARS_PER_TOKEN characters per token the model

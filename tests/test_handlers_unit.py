@@ -97,6 +97,26 @@ def test_llm_handler_answers_a_mixed_batch_and_reads_the_registered_batch_size(l
     assert "[METRICS]servekit_llm_running_seqs.Count:0|" in lines  # the gauges once the last request ended
 
 
+def test_llm_requests_taken_in_together_are_tokenized_in_one_call(llm, monkeypatch) -> None:
+    """The prompts of the requests one handler call takes in go through one batch call of the
+    tokenizer per route kind; each request still gets its own ids and its own error."""
+    service, ctx = llm
+    tok = service.api.tokenizer
+    real, calls = tok.encode_batch, []
+    monkeypatch.setattr(tok, "encode_batch", lambda texts: calls.append(len(texts)) or real(texts))
+    chats = [{"messages": [{"role": "user", "content": f"Name {k} colours."}], "max_tokens": 2, "temperature": 0}
+             for k in range(3)]
+    routes = [("v1/chat/completions", c) for c in chats] + [("v1/completions", {"prompt": "", "max_tokens": 2})]
+    out = serve(service.handle, ctx, routes)
+    assert calls == [3] and [o[0] for o in out] == [200, 200, 200, 400]
+    prepared = {k: service.api.prepare({"body": body}, route) for k, (route, body) in enumerate(routes)}
+    got = service.api.tokenize(prepared)
+    for k, chat in enumerate(chats):
+        whole = tok.tokenizer.encode(tok.render(chat["messages"]), add_special_tokens=False).ids
+        assert got[k].choices[0][0] == whole and got[k].prompt_tokens == len(whole)
+    assert "'prompt' is empty" in got[3].message
+
+
 def test_llm_handler_holds_running_non_streamed_answers_back(llm, capsys) -> None:
     """While it runs, a streamed request gets its chunks and a non-streamed one no response at all
     (left out of context.request_ids: TorchServe 0.12 would send its 200 head with a part), so a
@@ -287,8 +307,8 @@ def test_llm_prompts_over_the_character_limit_are_refused_before_tokenizing(llm,
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("tokenized a prompt over the character limit")
 
-    monkeypatch.setattr(service.api.tokenizer, "encode_prompt", no_tokenizing)
-    monkeypatch.setattr(service.api.tokenizer, "encode_chat", no_tokenizing)
+    monkeypatch.setattr(service.api.tokenizer, "encode_prompts", no_tokenizing)
+    monkeypatch.setattr(service.api.tokenizer, "encode_batch", no_tokenizing)
     t0 = time.perf_counter()
     answers = serve(service.handle, ctx, [
         ("v1/completions", {"prompt": huge, "max_tokens": 2}),

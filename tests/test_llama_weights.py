@@ -205,6 +205,14 @@ def test_chat_ids_by_cached_pieces_equal_the_whole_texts_ids(converted: Path) ->
     for text in texts:
         assert small.encode(text) == whole(text)
     assert len(small.cache) == 2
+    # Texts tokenized together (one batch call for the pieces none had cached): each text's own ids,
+    # with pieces repeated across texts, some cached and some not, and more pieces than the cache holds.
+    small.cache.clear()
+    small.encode(texts[1])
+    assert small.encode_batch(texts) == [whole(text) for text in texts] and len(small.cache) == 2
+    assert tok.encode_batch(texts[::-1]) == [whole(text) for text in texts[::-1]]
+    plain = ["The sea", "", "x y"]
+    assert tok.encode_prompts(plain) == [tok.tokenizer.encode(t, add_special_tokens=True).ids for t in plain]
     stripping = Tokenizer.from_str(tok.tokenizer.to_str())
     stripping.add_special_tokens([AddedToken("<|sep|>", rstrip=True)])
     assert PieceCache(stripping).split is None

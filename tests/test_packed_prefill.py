@@ -42,8 +42,9 @@ def test_plan_prefill_keeps_the_budget_advances_the_oldest_and_shares_chunks_fir
 
 
 def test_token_buckets_cover_the_budget() -> None:
-    assert token_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
-    assert token_buckets(600) == (16, 32, 64, 128, 256, 512, 600)
+    assert token_buckets(2048) == (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert token_buckets(600) == (16, 32, 64, 128, 192, 256, 384, 512, 600)
+    assert token_buckets(700) == (16, 32, 64, 128, 192, 256, 384, 512, 700)  # 768 would exceed the budget
     assert token_buckets(10) == (10,)
 
 

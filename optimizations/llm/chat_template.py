@@ -78,17 +78,28 @@ class ChatTokenizer:
         return self.encode(self.render(messages, add_generation_prompt, tools))
 
     def encode(self, text: str) -> list[int]:
-        """Ids of text that holds its special tokens already (a rendered chat template). Byte-level
-        tokenizers go piece by piece through a cache (``PieceCache``): the system prompt and a
-        conversation's earlier turns are tokenized once, not with every request that repeats them."""
+        """Ids of text that holds its special tokens already (a rendered chat template)."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` of each text, in one call of the library's batch encoder: it tokenizes the
+        texts on its own threads, in parallel, without holding the GIL (the engine thread steps the
+        model meanwhile), where one ``encode`` per text would run them one after another on this
+        thread. The ids are each text's own. Byte-level tokenizers go piece by piece through a cache
+        (``PieceCache``): the system prompt and a conversation's earlier turns are tokenized once,
+        not with every request that repeats them."""
         if self._pieces is not None:
-            return self._pieces.encode(text)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return self._pieces.encode_batch(texts)
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def encode_prompt(self, text: str) -> list[int]:
         """Ids of a plain completion prompt, with what the tokenizer's post-processor adds (Llama's
         BOS; nothing for tokenizers without one), as transformers' ``tokenizer(text)`` does."""
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return self.encode_prompts([text])[0]
+
+    def encode_prompts(self, texts: list[str]) -> list[list[int]]:
+        """``encode_prompt`` of each text, in one batch call (as ``encode_batch``)."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)] if texts else []
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -142,25 +153,33 @@ class PieceCache:
         self.cache: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
 
     def encode(self, text: str) -> list[int]:
-        if self.split is None:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        out: list[int] = []
-        for k, piece in enumerate(self.split.split(text)):
-            if k % 2:  # re.split puts each matched added token between the pieces
-                out.append(self.ids[piece])
-            elif piece:
-                out += self._piece(piece)
-        return out
+        return self.encode_batch([text])[0]
 
-    def _piece(self, piece: str) -> list[int]:
-        ids = self.cache.get(piece)
-        if ids is None:
-            ids = self.cache[piece] = self.tokenizer.encode(piece, add_special_tokens=False).ids
-            if len(self.cache) > self.size:
-                self.cache.popitem(last=False)
-        else:
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids; the pieces none of them had cached are tokenized in one batch call."""
+        if self.split is None:
+            return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)] if texts else []
+        parts = [self.split.split(text) for text in texts]  # re.split puts each matched added token between the pieces
+        pieces = dict.fromkeys(piece for p in parts for piece in p[::2] if piece)
+        ids = {piece: self.cache[piece] for piece in pieces if piece in self.cache}
+        missing = [piece for piece in pieces if piece not in ids]
+        if missing:
+            ids.update(zip(missing, (e.ids for e in self.tokenizer.encode_batch(missing, add_special_tokens=False))))
+        for piece in pieces:  # the pieces used now are the most recently used
+            self.cache[piece] = ids[piece]
             self.cache.move_to_end(piece)
-        return ids
+        while len(self.cache) > self.size:
+            self.cache.popitem(last=False)
+        out = []
+        for p in parts:
+            row: list[int] = []
+            for k, piece in enumerate(p):
+                if k % 2:
+                    row.append(self.ids[piece])
+                elif piece:
+                    row += ids[piece]
+            out.append(row)
+        return out
 
 
 def is_byte_level(tokenizer: Tokenizer) -> bool:
