@@ -33,9 +33,10 @@ demo: install
 	$(BIN)/servekit demo
 
 # Test modules run in parallel, each whole on one worker (--dist loadscope: its module-scoped
-# servers start once), the slowest first in tests/conftest.py's order (--no-loadscope-reorder);
-# docs/testing.md says how tests share servers and archives.
-TEST_WORKERS ?= 2
+# servers start once), the slowest first in tests/conftest.py's order (--no-loadscope-reorder).
+# Of 3 workers, two run the work and the third only the modules that mostly wait (conftest.py's
+# WAITING_MODULES); docs/testing.md says how tests share servers and archives.
+TEST_WORKERS ?= 3
 test: install tools
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 

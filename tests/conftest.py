@@ -182,3 +182,35 @@ SLOW_MODULES = (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order otherwise
+
+
+# Modules whose minutes are mostly waiting: a handler that sleeps 20 ms per request behind fixed
+# measurement windows, one core nearly idle meanwhile. With 3 or more workers the last one runs
+# only these (the others never wait behind them), while the rest run everything else.
+WAITING_MODULES = ("test_bench_known_answer.py", "test_bench_refine.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xdist's Scheduling)
+    workers = config.getoption("numprocesses", 0)
+    if config.getoption("dist", None) != "loadscope" or not isinstance(workers, int) or workers < 3:
+        return None  # xdist's own scheduling
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WaitingLaneScheduling(LoadScopeScheduling):
+        """loadscope with one lane for WAITING_MODULES: worker gw{N-1} takes only those (and stops
+        when none is left); the other workers take them only once nothing else is queued."""
+
+        def _assign_work_unit(self, node) -> None:  # noqa: ANN001 (xdist's WorkerController)
+            waiting_lane = node.gateway.id == f"gw{workers - 1}"
+            scopes = [s for s in self.workqueue if (Path(s.split("::")[0]).name in WAITING_MODULES) == waiting_lane]
+            if not scopes and waiting_lane:
+                node.shutdown()
+                return
+            scope = (scopes or list(self.workqueue))[0]
+            work_unit = self.workqueue.pop(scope)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+    return WaitingLaneScheduling(config, log)
