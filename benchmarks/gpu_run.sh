@@ -22,8 +22,9 @@
 #        llm-workload   SmolLM2 served, shipped config, every prompt set (benchmarks/llm_workload_bench.py)
 #        llm-split      where SmolLM2's batch-1 TTFT and 32-stream time go: the same requests through the engine
 #                       in-process (host ms per engine phase) and served (the handler's own TTFT beside the client's)
-#        llm-budget     SmolLM2 served with the shipped config but max_num_batched_tokens of each of $LLM_BUDGETS
-#                       (default "4096 8192"): batch-1 TTFT, prefill throughput and 32 streams against the step cost
+#        llm-plan-keys  SmolLM2 served with the shipped config but other values of its plan keys, one served
+#                       run per variant of $LLM_VARIANTS (default "max_num_batched_tokens=4096"; a variant is
+#                       key=value[,key=value]): batch-1 TTFT, prefill throughput, 32 streams of short and passages
 #        llm-sweep      the LLM goodput sweep on the mixed prompt set (benchmarks/sweeps/smollm2-gpu.yaml)
 #        llm-shapes     the Qwen2.5-0.5B and Gemma-3-270M shapes served (built into shaped/ when missing):
 #                       batch 1 (with its share of the bandwidth bound) and 32 streams
@@ -35,7 +36,7 @@
 set -uo pipefail
 out=${OUT_DIR:-${OUT:-gpu-out}}
 heads=${SPEC_HEADS:-/opt/spec/heads}
-steps=" llm-inprocess spec serve oom plans-ready sweep soak shaped families-cuda encoder-plans byom-sweep byom-llm spec-cb decode-steps bulk llm-workload llm-split llm-budget llm-sweep llm-shapes llm-shapes-8b "
+steps=" llm-inprocess spec serve oom plans-ready sweep soak shaped families-cuda encoder-plans byom-sweep byom-llm spec-cb decode-steps bulk llm-workload llm-split llm-plan-keys llm-sweep llm-shapes llm-shapes-8b "
 for step in "$@"; do
   [[ $steps == *" $step "* ]] || { echo "unknown step: $step (see the header of $0)" >&2; exit 2; }
 done
@@ -79,14 +80,14 @@ for step in "$@"; do
           --measures ttft batch1 streams followup --sets short passages --lengths 100 600 1900 --ttft-again 2>&1 \
           | tee "$out/$step/$how.log" || echo "llm-split $how failed" >&2
       done ;;
-    llm-budget)
-      for budget in ${LLM_BUDGETS:-4096 8192}; do
+    llm-plan-keys)
+      for variant in ${LLM_VARIANTS:-max_num_batched_tokens=4096}; do
         python3 -c "import sys, yaml; c = yaml.safe_load(open('config/models/smollm2.yaml'))
-c['servekit']['max_num_batched_tokens'] = int(sys.argv[1]); yaml.safe_dump(c, sys.stdout)" "$budget" \
-          > "$out/$step/smollm2-$budget.yaml"
-        timeout 240 python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step/$budget" \
-          --config "$out/$step/smollm2-$budget.yaml" --measures ttft prefill streams --sets short passages \
-          --lengths 600 2>&1 | tee "$out/$step/$budget.log" || echo "llm-budget $budget failed" >&2
+c['servekit'].update({k: int(v) for k, v in (kv.split('=') for kv in sys.argv[1].split(','))}); yaml.safe_dump(c, sys.stdout)" \
+          "$variant" > "$out/$step/${variant//[=,]/-}.yaml"
+        timeout 240 python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step/${variant//[=,]/-}" \
+          --config "$out/$step/${variant//[=,]/-}.yaml" --measures ttft prefill streams --sets short passages \
+          --lengths 600 2>&1 | tee "$out/$step/${variant//[=,]/-}.log" || echo "llm-plan-keys $variant failed" >&2
       done ;;
     llm-sweep) timeout 520 python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/smollm2-gpu.yaml \
                  --out "$out/$step" 2>&1 | tee "$out/$step/log.txt" ;;
