@@ -37,6 +37,12 @@ demo: install
 # Of 3 workers, two run the work and the third only the modules that mostly wait (conftest.py's
 # WAITING_MODULES); docs/testing.md says how tests share servers and archives.
 TEST_WORKERS ?= 3
+# Every process the suite starts (TorchServe workers, CLI subprocesses, pytest workers) imports
+# torch. The packages are installed without bytecode (--no-compile above, uv's default), so with
+# PYTHONDONTWRITEBYTECODE in the environment each of them compiled torch's modules from source
+# again: ~20 s of CPU instead of ~7 s for one import of torch, its compiler stack and transformers.
+# The first import writes the .pyc files; later processes read them.
+unexport PYTHONDONTWRITEBYTECODE
 test: install tools
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
