@@ -3,8 +3,6 @@
 the Triton decode kernels do not fuse, and an unsupported architecture refused from the header."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -16,12 +14,15 @@ import yaml
 from decoder_checkpoints import write_checkpoint
 
 gguf = pytest.importorskip("gguf")
-ROOT = Path(__file__).resolve().parent.parent
 
 
-def archive(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "servekit.archive", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def archive(capsys: pytest.CaptureFixture):
+    """`servekit archive` through its main() in this process (test_archive_path.py runs the command
+    itself): what is checked here is what it writes, and a fresh interpreter costs ~5 s of CPU."""
+    from test_archive_path import archive_here
+
+    return lambda *args: archive_here(capsys, *args)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def _weights(mar: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("cuda", torch.bfloat16)])
 def test_gguf_weights_take_the_generated_plans_precision(qwen3_gguf: Path, tmp_path: Path, device: str,
-                                                         dtype: torch.dtype) -> None:
+                                                         dtype: torch.dtype, archive) -> None:
     r = archive(qwen3_gguf, "--out", tmp_path, "--device", device, "--no-compress")
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "tiny-qwen3.yaml").read_text()
@@ -52,7 +53,7 @@ def test_gguf_weights_take_the_generated_plans_precision(qwen3_gguf: Path, tmp_p
         assert plan["kernels"] == "torch" and "do not cover qwen3 blocks" in text
 
 
-def test_gguf_weights_take_a_given_configs_precision(qwen3_gguf: Path, tmp_path: Path) -> None:
+def test_gguf_weights_take_a_given_configs_precision(qwen3_gguf: Path, tmp_path: Path, archive) -> None:
     config = tmp_path / "plan.yaml"
     config.write_text(yaml.safe_dump({"servekit": {"device": "cpu", "precision": "fp32", "max_seq_len": 128,
                                                    "limits": {"max_tokens": 16}}}))
@@ -61,7 +62,7 @@ def test_gguf_weights_take_a_given_configs_precision(qwen3_gguf: Path, tmp_path:
     assert {t.dtype for t in _weights(tmp_path / "out" / "tiny-qwen3.mar").values()} == {torch.float32}
 
 
-def test_an_unsupported_gguf_is_refused_at_once(tmp_path: Path) -> None:
+def test_an_unsupported_gguf_is_refused_at_once(tmp_path: Path, archive) -> None:
     writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(64, 8).numpy())

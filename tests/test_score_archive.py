@@ -4,8 +4,6 @@ written beside the archive, and a one-line exit-2 error with nothing written for
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -16,12 +14,15 @@ from servekit.archive import main
 from servekit.model_source import infer_kind, model_source
 from tiny_classifiers import cross_encoder, hf_classifier
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
-def archive(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "servekit.archive", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def archive(capsys: pytest.CaptureFixture):
+    """`servekit archive` through its main() in this process (test_archive_path.py runs the command
+    itself): what is checked here is what it writes, and a fresh interpreter costs ~5 s of CPU."""
+    from test_archive_path import archive_here
+
+    return lambda *args: archive_here(capsys, *args)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_kinds_and_files_read_from_the_models_own_files(models):
     assert model_source(models["single"]).max_tokens == 80  # no limit given: the position table's
 
 
-def test_archive_of_a_crossencoder_writes_the_mar_and_its_model_config(models, tmp_path):
+def test_archive_of_a_crossencoder_writes_the_mar_and_its_model_config(models, tmp_path, archive):
     out = tmp_path / "store"
     r = archive(models["ce"], "--out", out, "--device", "cpu", "--no-compress", "--name", "reranker")
     assert r.returncode == 0, r.stderr
