@@ -16,7 +16,12 @@ OpenAI chat completions with ``response_format: {"type": "json_schema", ...}``:
    schema of the set with a new ``description``, so a new cache key): each one's TTFT minus the
    cached median is the first use's added time (compiling the grammar).
 3. Tokens/s with constrained and free rows mixed: rounds of ``--concurrency`` streamed requests sent
-   at the same instant, all free, half constrained, all constrained; total tokens/s per mix.
+   at the same instant, all free, half constrained, all constrained; total tokens/s per mix. The
+   schemas' answers are about half as long as free ones, so rows sit empty between a short answer's
+   end and the round's last one: a fourth mix sends free requests capped at the length of the
+   constrained answer of the same round and position ("free, matched lengths"), and the comparison
+   gives the all-constrained tokens/s against both (``compare()``). Per mix also the answers'
+   length, TTFT and tokens per engine step (tokens/s x the handler's mean inter-token time).
 
     # GPU (benchmarks/gpu_run_extra.sh structured):
     python3 -m servekit.benchmarks.structured_bench --out DIR
@@ -45,6 +50,7 @@ import requests
 from servekit.benchmarks.bench.stats import percentile
 from servekit.benchmarks.llm_inprocess import environment as llm_environment
 from servekit.benchmarks.llm_serve_bench import run_together, variant_config
+from servekit.benchmarks.llm_workload_bench import HandlerSplit
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 
@@ -308,33 +314,85 @@ def added_ttft(url: str, n: int, first_use: int, nonce: str) -> dict[str, Any]:
             "first_use_ttft_ms_by_schema": per_schema}
 
 
-def mixed(url: str, concurrency: int, rounds: int, max_tokens: int) -> list[dict[str, Any]]:
-    """Rounds of `concurrency` streamed requests sent at once: all free, half constrained, all constrained."""
+MATCHED = "free, matched lengths"
+
+
+def matched_max_tokens(constrained: list[list["Answer"]]) -> list[list[int]]:
+    """Per round and request, the ``max_tokens`` of a free request as long as the constrained
+    answer of the same round and position: its completion tokens (at least 1)."""
+    return [[max(1, a.tokens) for a in answers] for answers in constrained]
+
+
+def mix_row(name: str, share: float, concurrency: int, answers: list["Answer"], wall: float,
+            handler: dict[str, Any]) -> dict[str, Any]:
+    """One mix's figures: tokens/s over the rounds' wall time, answer length, TTFT, and tokens per
+    engine step estimated as tokens/s x the handler's mean inter-token time (its ITL histogram:
+    one step per token of a decoding row)."""
+    ok = [a for a in answers if a.status == 200]
+    ttft = [a.ttft_s for a in ok if a.ttft_s is not None]
+    tokens = sum(a.tokens for a in ok)
+    tok_s = tokens / wall if wall else None
+    itl = handler.get("handler_itl_ms_mean")
+    return {"mix": name, "constrained_share": share, "concurrency": concurrency, "requests": len(answers),
+            "failed": len(answers) - len(ok), "completion_tokens": tokens,
+            "mean_answer_tokens": round(tokens / len(ok), 1) if ok else None,
+            "tok_per_s_total": round(tok_s, 1) if tok_s else None,
+            "tokens_per_step": round(tok_s * itl / 1e3, 1) if tok_s and itl else None,
+            "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99), **handler}
+
+
+def compare(mixes: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]:
+    """All constrained tokens/s as a share of free tokens/s at the same load: against free answers
+    of their natural length (the target's wording) and against free answers capped at the
+    constrained answers' lengths (the same rows busy for about the same steps)."""
+    by = {m["mix"]: m for m in mixes}
+    json_ = by.get("all constrained")
+    out: dict[str, Any] = {"target": target}
+    for key, name in (("vs_free", "all free"), ("vs_free_matched", MATCHED)):
+        free = by.get(name)
+        if json_ and free and json_["tok_per_s_total"] and free["tok_per_s_total"]:
+            share = json_["tok_per_s_total"] / free["tok_per_s_total"]
+            out[key] = {"share": round(share, 3), "met": share >= target,
+                        "constrained_tok_per_s": json_["tok_per_s_total"], "free_tok_per_s": free["tok_per_s_total"],
+                        "constrained_answer_tokens": json_["mean_answer_tokens"],
+                        "free_answer_tokens": free["mean_answer_tokens"]}
+    return out
+
+
+def mixed(url: str, concurrency: int, rounds: int, max_tokens: int, split: Any = None) -> list[dict[str, Any]]:
+    """Rounds of `concurrency` streamed requests sent at once: all free, half constrained, all
+    constrained, then free again with each request capped at the length of the constrained answer
+    of its round and position. `split`: the handler's metrics (start/stop) around each mix."""
     out = []
-    for share in (0.0, 0.5, 1.0):
+    constrained: list[list[Answer]] = []
+    caps: list[list[int]] = []
+    for name, share in (("all free", 0.0), ("half constrained", 0.5), ("all constrained", 1.0), (MATCHED, 0.0)):
+        if name == MATCHED:
+            caps = matched_max_tokens(constrained)
         n_constrained = round(concurrency * share)
         answers: list[Answer] = []
         wall = 0.0
+        if split is not None:
+            split.start()
         for r in range(rounds):
             got: list[Answer | None] = [None] * concurrency
             asks = []
             for i in range(concurrency):
-                name, topic, schema = SCHEMAS[(r * concurrency + i) % len(SCHEMAS)]
-                asks.append((PROMPTS[i % len(PROMPTS)].format(topic=topic), (name, schema) if i < n_constrained else None))
+                schema_name, topic, schema = SCHEMAS[(r * concurrency + i) % len(SCHEMAS)]
+                asks.append((PROMPTS[i % len(PROMPTS)].format(topic=topic),
+                             (schema_name, schema) if i < n_constrained else None,
+                             caps[r][i] if name == MATCHED else max_tokens))
 
             def one(i: int, got: list = got, asks: list = asks) -> None:
-                got[i] = chat(url, asks[i][0], max_tokens, True, asks[i][1], seed=i)
+                got[i] = chat(url, asks[i][0], asks[i][2], True, asks[i][1], seed=i)
 
             wall += run_together(one, concurrency)
             answers += [a for a in got if a is not None]
-        ok = [a for a in answers if a.status == 200]
-        ttft = [a.ttft_s for a in ok if a.ttft_s is not None]
-        tokens = sum(a.tokens for a in ok)
-        out.append({"constrained_share": share, "concurrency": concurrency, "requests": len(answers),
-                    "failed": len(answers) - len(ok), "completion_tokens": tokens,
-                    "tok_per_s_total": round(tokens / wall, 1) if wall else None,
-                    "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99)})
-        print(f"  mixed {share:.0%} constrained: {json.dumps(out[-1])}", flush=True)
+            if share == 1.0:
+                constrained.append([a if a is not None else Answer(None, True, -1, None, "", 0, None, 0.0)
+                                    for a in got])
+        out.append(mix_row(name, share, concurrency, answers, wall, split.stop() if split is not None else {}))
+        print(f"  mixed, {name}: {json.dumps(out[-1])}", flush=True)
     return out
 
 
@@ -363,10 +421,21 @@ def markdown(res: dict[str, Any]) -> str:
                   "", "First-use TTFT by schema (ms): " + ", ".join(
                       f"{k} {v}" for k, v in t.get("first_use_ttft_ms_by_schema", {}).items())]
     if res.get("mixed"):
-        lines += ["", "| constrained rows | requests | tokens/s total | TTFT p50 ms | TTFT p99 ms |",
-                  "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {m['constrained_share']:.0%} of {m['concurrency']} | {m['requests']} | {m['tok_per_s_total']} | "
-                  f"{m['ttft_ms_p50']} | {m['ttft_ms_p99']} |" for m in res["mixed"]]
+        lines += ["", "| rows (streams at once) | requests | tokens per answer | tokens/s total | tokens per step "
+                      "(tokens/s x handler ITL) | TTFT p50 ms | TTFT p99 ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {m['mix']} ({m['concurrency']}) | {m['requests']} | {m['mean_answer_tokens']} | "
+                  f"{m['tok_per_s_total']} | {m['tokens_per_step']} | {m['ttft_ms_p50']} | {m['ttft_ms_p99']} |"
+                  for m in res["mixed"]]
+        c = res.get("comparison", {})
+        for key, what in (("vs_free", "free answers"), ("vs_free_matched", "free answers capped at the constrained "
+                                                                            "answers' lengths")):
+            if key in c:
+                v = c[key]
+                lines.append(f"\nAll constrained against {what}: {v['constrained_tok_per_s']} / {v['free_tok_per_s']} "
+                             f"tokens/s = {v['share']:.0%} (target {c['target']:.0%}: "
+                             f"{'met' if v['met'] else 'missed'}; {v['constrained_answer_tokens']} against "
+                             f"{v['free_answer_tokens']} tokens per answer).")
     if res.get("error"):
         lines += ["", f"**error:** {res['error']}"]
     return "\n".join(lines) + "\n"
@@ -435,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
                 res["ttft"] = added_ttft(url, args.ttft_requests, args.first_use, f"{time.time_ns()}")
                 print(f"== TTFT: {json.dumps(res['ttft'])}", flush=True)
                 save()
-                res["mixed"] = mixed(url, args.concurrency, args.rounds, args.mixed_max_tokens)
+                res["mixed"] = mixed(url, args.concurrency, args.rounds, args.mixed_max_tokens,
+                                     HandlerSplit(ts.metrics_url))
+                res["comparison"] = compare(res["mixed"])
         except Exception as e:  # keep what was measured
             res["error"] = f"{type(e).__name__}: {e}"
     save()

@@ -1,17 +1,30 @@
 """Where a constrained decode step's time goes: the continuous engine in-process (no TorchServe),
-the same requests once free and once each under a JSON schema of the structured benchmark; host
-time per engine step in each of the engine's phases (reading tokens, filling and loading the
-grammar masks, launching the halves of a split step) and tokens/s.
+the same requests free, each under a JSON schema of the structured benchmark, and free again at
+the constrained answers' lengths; host time per engine step in each of the engine's phases
+(reading tokens, filling and loading the grammar masks, launching the halves of a split step),
+tokens/s, tokens per step and TTFT.
 
-    python3 -m servekit.benchmarks.structured_engine_profile               # GPU, shipped smollm2.yaml
+The schemas' answers are shorter than free ones (about 50 tokens against 100+ at 128 at most), so
+rows sit empty after a short answer ends and the plain comparison weighs per-request costs twice.
+"free, matched lengths" gives each request exactly as many tokens as its constrained answer had
+(``max_tokens`` set to it, stop tokens off): the same rows busy for the same steps, so tokens/s
+and ms per step compare the steps alone (``comparison()``).
+
+    python3 -m servekit.benchmarks.structured_engine_profile --requests 32 16   # GPU, shipped smollm2.yaml
     python -m servekit.benchmarks.structured_engine_profile --config config/models/smollm2-cpu.yaml \\
-        --requests 2 --max-tokens 16                                          # CPU smoke run
+        --requests 2 --max-tokens 16 --repeats 1                               # CPU smoke run
+
+``--mask-threads`` repeats the constrained runs with llguidance's mask fill on that many threads
+(0 or 1: one row after another on the engine's thread) instead of the engine's choice.
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -28,14 +41,71 @@ from servekit.resources import model_config
 
 PHASES = {"_read_all": "read tokens", "_load_bias": "load masks", "_sample": "launch sampling",
           "_launch": "launch step/forward", "_prefill": "prefill", "_admit": "admit"}
+FREE, JSON, MATCHED = "free", "JSON schema", "free, matched lengths"
+
+
+def run_once(engine: ContinuousBatcher, timer: PhaseTimer, prompts: list[list[int]],
+             params: list[SamplingParams], key: Any) -> dict[str, Any]:
+    """All requests added at once, stepped until done: tokens/s, ms and tokens per step, TTFT from
+    the start, each request's answer length and host ms per step in each phase."""
+    timer.seconds.clear()
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add((key, i), prompt, p)
+    lengths, ttft = [0] * len(prompts), [0.0] * len(prompts)
+    steps = 0
+    t0 = time.perf_counter()
+    while engine.has_work:
+        updates = engine.step()
+        now = time.perf_counter() - t0
+        steps += 1
+        for (_, i), u in updates.items():
+            if u.tokens and not lengths[i]:
+                ttft[i] = now
+            lengths[i] += len(u.tokens)
+    wall = time.perf_counter() - t0
+    tokens = sum(lengths)
+    return {"steps": steps, "tokens": tokens, "tok_per_s": tokens / wall, "ms_per_step": wall / steps * 1e3,
+            "tokens_per_step": tokens / steps, "mean_length": tokens / len(lengths), "lengths": lengths,
+            "ttft_ms_p50": statistics.median(ttft) * 1e3, "ttft_ms_max": max(ttft) * 1e3,
+            "host_ms_per_step": {k: v / steps * 1e3 for k, v in sorted(timer.seconds.items())}}
+
+
+def matched(params: list[SamplingParams], lengths: list[int]) -> list[SamplingParams]:
+    """Free requests of exactly the constrained answers' lengths: each request's ``max_tokens`` set
+    to its constrained answer's length and its stop tokens off, without its constraint."""
+    return [SamplingParams(max_tokens=max(1, n), temperature=p.temperature, seed=p.seed, stop_token_ids=())
+            for p, n in zip(params, lengths)]
+
+
+def comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """Constrained tokens/s as a share of free tokens/s, plain and at matched lengths (best run of
+    each), and the ms per step of each."""
+    best = {k: max(v, key=lambda r: r["tok_per_s"]) for k, v in runs.items() if v}
+    out: dict[str, float] = {f"ms_per_step {k}": round(r["ms_per_step"], 3) for k, r in best.items()}
+    if JSON in best:
+        for k in (FREE, MATCHED):
+            if k in best:
+                out[f"JSON / {k}"] = round(best[JSON]["tok_per_s"] / best[k]["tok_per_s"], 3)
+    return out
+
+
+def line(name: str, rep: int, r: dict[str, Any]) -> str:
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in r["host_ms_per_step"].items())
+    return (f"{name} (run {rep + 1}): {r['steps']} steps, {r['tokens']} tokens (mean {r['mean_length']:.1f} per "
+            f"answer), {r['tok_per_s']:.0f} tokens/s, {r['ms_per_step']:.2f} ms per step, "
+            f"{r['tokens_per_step']:.1f} tokens per step, TTFT p50 {r['ttft_ms_p50']:.1f} ms (max "
+            f"{r['ttft_ms_max']:.1f}); host ms per step: {phases}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=model_config("smollm2"), help="LLM model-config")
-    ap.add_argument("--requests", type=int, default=16, help="requests at once (one per schema, in order)")
+    ap.add_argument("--requests", type=int, nargs="+", default=[32, 16],
+                    help="requests at once (one per schema, in order); one profile per value")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--mask-threads", type=int, nargs="*", default=[],
+                    help="also run the constrained requests with the masks filled on this many threads")
     args = ap.parse_args()
     plan = parse_llm_plan(yaml.safe_load(args.config.read_text())["servekit"])
     model_dir = smollm2_archive_files(DTYPES[plan.precision])[0].parent
@@ -49,25 +119,34 @@ def main() -> None:
     for name, label in PHASES.items():
         timer.instrument(engine, name, label)
     timer.instrument(grammar, "fill_masks", "  of which: fill masks")
-    print(f"{plan.label()}, {args.requests} requests of at most {args.max_tokens} tokens, temperature 0.8")
-    for constrained in (False, True):
+    engine_executor = grammar._executor
+    for n in args.requests:
+        print(f"{plan.label()}, {n} requests of at most {args.max_tokens} tokens, temperature 0.8", flush=True)
+        prompts, free, constrained = [], [], []
+        for i in range(n):
+            _, topic, schema = SCHEMAS[i % len(SCHEMAS)]
+            prompts.append(tokenizer.encode_chat([{"role": "user", "content": f"Describe {topic} as JSON."}]))
+            free.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, stop_token_ids=stops))
+            constrained.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, stop_token_ids=stops,
+                                              constraint=compiler.constraint(grammar.GrammarSpec.of(grammar.JSON, schema))))
+        runs: dict[str, list[dict[str, Any]]] = {FREE: [], JSON: [], MATCHED: []}
+        for name, params in ((FREE, free), (JSON, constrained)):
+            for rep in range(args.repeats):
+                runs[name].append(run_once(engine, timer, prompts, params, (name, rep)))
+                print(line(name, rep, runs[name][-1]), flush=True)
+        # Sampled with a seed each, the constrained answers have the same lengths every run.
+        same = matched(free, runs[JSON][0]["lengths"])
         for rep in range(args.repeats):
-            timer.seconds.clear()
-            for i in range(args.requests):
-                _, topic, schema = SCHEMAS[i % len(SCHEMAS)]
-                c = compiler.constraint(grammar.GrammarSpec.of(grammar.JSON, schema)) if constrained else None
-                engine.add((constrained, rep, i), tokenizer.encode_chat([{"role": "user", "content": f"Describe {topic} as JSON."}]),
-                           SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, stop_token_ids=stops,
-                                          constraint=c))
-            steps = tokens = 0
-            t0 = time.perf_counter()
-            while engine.has_work:
-                tokens += sum(len(u.tokens) for u in engine.step().values())
-                steps += 1
-            wall = time.perf_counter() - t0
-            phases = ", ".join(f"{k} {v / steps * 1e3:.3f}" for k, v in sorted(timer.seconds.items()))
-            print(f"{'JSON schema' if constrained else 'free'} (run {rep + 1}): {steps} steps, {tokens} tokens, "
-                  f"{tokens / wall:.0f} tokens/s, {wall / steps * 1e3:.2f} ms per step; host ms per step: {phases}")
+            runs[MATCHED].append(run_once(engine, timer, prompts, same, (MATCHED, rep)))
+            print(line(MATCHED, rep, runs[MATCHED][-1]), flush=True)
+        print(f"comparison at {n} rows: {comparison(runs)}", flush=True)
+        for threads in args.mask_threads:
+            executor = grammar.llguidance.LLExecutor(threads) if threads > 1 else None
+            grammar._executor = functools.cache(lambda e=executor: e)
+            for rep in range(args.repeats):
+                r = run_once(engine, timer, prompts, constrained, ("threads", threads, rep))
+                print(line(f"{JSON}, masks on {threads} threads", rep, r), flush=True)
+            grammar._executor = engine_executor
 
 
 if __name__ == "__main__":

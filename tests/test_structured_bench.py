@@ -114,3 +114,32 @@ def test_warming_uses_every_schema_once_and_names_refusals(endpoint):
     assert got["schemas"] == len(sb.SCHEMAS) and got["refused"] == {}
     refused = sb.warm_schemas(endpoint.replace("/v1/chat/completions", "/nowhere"))["refused"]
     assert sorted(refused) == sorted(n for n, _, _ in sb.SCHEMAS) and "unknown route" in refused["person"]
+
+
+def _answers(lengths: list[int], ttft: float = 0.05, status: int = 200) -> list:
+    return [sb.Answer(None, True, status, "stop", "", n, ttft, 0.2) for n in lengths]
+
+
+def test_free_requests_are_capped_at_the_constrained_answers_lengths():
+    rounds = [_answers([50, 12, 0]), _answers([128, 7, 33])]
+    assert sb.matched_max_tokens(rounds) == [[50, 12, 1], [128, 7, 33]]
+
+
+def test_the_comparison_gives_the_share_against_free_and_against_matched_lengths():
+    handler = {"handler_ttft_ms_mean": 20.0, "handler_itl_ms_mean": 2.0}
+    mixes = [sb.mix_row("all free", 0.0, 4, _answers([100, 100, 100, 100]), 0.1, handler),
+             sb.mix_row("half constrained", 0.5, 4, _answers([100, 100, 50, 50]), 0.1, handler),
+             sb.mix_row("all constrained", 1.0, 4, _answers([50, 50, 40, 60]) + _answers([0], status=400), 0.1, handler),
+             sb.mix_row(sb.MATCHED, 0.0, 4, _answers([50, 50, 40, 55]), 0.05, {})]
+    free, constrained, matched = mixes[0], mixes[2], mixes[3]
+    assert free["tok_per_s_total"] == 4000 and free["tokens_per_step"] == 8.0 and free["mean_answer_tokens"] == 100
+    assert constrained["failed"] == 1 and constrained["mean_answer_tokens"] == 50 and constrained["tok_per_s_total"] == 2000
+    assert matched["tokens_per_step"] is None and matched["ttft_ms_p50"] == 50.0
+    c = sb.compare(mixes)
+    assert c["vs_free"]["share"] == 0.5 and not c["vs_free"]["met"]
+    assert c["vs_free_matched"]["share"] == round(2000 / 3900, 3) and c["vs_free_matched"]["free_answer_tokens"] == 48.8
+    assert sb.compare(mixes, target=0.5)["vs_free"]["met"]
+    md = sb.markdown({"environment": {}, "mixed": mixes, "comparison": c})
+    assert "| free, matched lengths (4) | 4 | 48.8 | 3900.0 | None |" in md
+    assert "All constrained against free answers: 2000.0 / 4000.0 tokens/s = 50% (target 90%: missed" in md
+    assert "capped at the constrained answers' lengths: 2000.0 / 3900.0 tokens/s = 51%" in md

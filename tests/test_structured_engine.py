@@ -217,6 +217,53 @@ def test_logit_bias_and_min_tokens(runner, compiler, tokenizer, stops) -> None:
     assert len(out["held"][0]) == 6 and out["held"][0][-1] == stops[0] and stops[0] not in out["held"][0][:-1]
 
 
+def test_a_complete_grammar_ends_before_min_tokens(runner, compiler, tokenizer, stops) -> None:
+    """The split steps apply the grammar's packed masks inside the sampling step, after the bias
+    rows that hold the stop tokens back: once the grammar allows only a stop, the grammar wins."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Yes or no?"}])
+    eos = (tokenizer.eos_token_id,)  # one stop, not id 0: a row left with no finite logit would sample id 0
+    c = GrammarCompiler(tokenizer, VOCAB, eos).constraint(GrammarSpec.of(CHOICE, ["yes", "no"]), min_tokens=20)
+    tokens, finish = _run(runner, {"a": (prompt, SamplingParams(max_tokens=30, stop_token_ids=eos, constraint=c))})["a"]
+    assert finish == "stop" and len(tokens) < 20 and tokens[-1] == eos[0]
+    assert tokenizer.tokenizer.decode(tokens[:-1], skip_special_tokens=False) in ("yes", "no")
+
+
+def test_masked_bias_applies_packed_masks_and_lets_a_grammar_win() -> None:
+    from servekit.optimizations.llm.sampling import masked_bias
+
+    vocab = 40  # two words, the second partly past the vocabulary
+    packed = torch.tensor([[-1, -1], [0b101, 0], [0, 1 << 3]], dtype=torch.int32)
+    bias = torch.zeros(3, vocab)
+    bias[1, 2], bias[2, 35] = 4.0, float("-inf")  # row 2: its only allowed token (35) held back
+    got = masked_bias(bias, packed, torch.randn(3, vocab))
+    assert torch.equal(got[0], bias[0])
+    assert torch.isfinite(got[1]).nonzero().flatten().tolist() == [0, 2] and got[1, 2] == 4.0
+    assert torch.isfinite(got[2]).nonzero().flatten().tolist() == [35] and got[2, 35] == 0.0
+
+
+def test_masks_filled_on_threads_equal_one_by_one(compiler, tokenizer) -> None:
+    """fill_masks on llguidance's threads (the engine's path on a GPU host) and packed_masks (rows
+    without a grammar all ones) give the masks of the rows filled one after another."""
+    import llguidance
+
+    from servekit.optimizations.llm.grammar import fill_masks, packed_masks
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "s": STR},
+              "required": ["n", "s"], "additionalProperties": False}
+    rows = [compiler.constraint(GrammarSpec.of(JSON, schema)).start() for _ in range(3)]
+    for row, text in zip(rows, ('{"n": 4', '{"n": 42, "s": "a', "")):
+        for t in tokenizer.encode(text) if text else []:
+            assert row.accept(t)
+    matchers = [(rows[0].matcher, 0), (rows[1].matcher, 2), (rows[2].matcher, 3)]
+    words = (VOCAB + 31) // 32
+    one_by_one, threads = torch.zeros(5, words, dtype=torch.int32), torch.zeros(5, words, dtype=torch.int32)
+    fill_masks(matchers, one_by_one, None)
+    fill_masks(matchers, threads, llguidance.LLExecutor(2))
+    assert torch.equal(one_by_one, threads) and len({tuple(one_by_one[i].tolist()) for i in (0, 2, 3)}) == 3
+    packed = packed_masks(matchers, 5, words, torch.device("cpu"))
+    assert torch.equal(packed[[0, 2, 3]], one_by_one[[0, 2, 3]]) and (packed[[1, 4]] == -1).all()
+
+
 def _allowed(words: torch.Tensor) -> torch.Tensor:
     """A packed bitmask row (int32 words) as one bool per token, bit by bit in Python."""
     return torch.tensor([bool((int(words[t // 32]) >> (t % 32)) & 1) for t in range(VOCAB)])

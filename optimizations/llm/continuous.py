@@ -50,9 +50,9 @@ from typing import Collection, Hashable
 import torch
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, GraphedStep, HostCopies, LlamaRunner,
+from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SampleStep,
                                                  SamplingParams, TokenLogprob, read_row, sample_mode, token_ids)
-from servekit.optimizations.llm.grammar import RowConstraint, bias_rows
+from servekit.optimizations.llm.grammar import RowConstraint, bias_rows, packed_masks
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
 from servekit.optimizations.llm.prefix_cache import PrefixCache, PrefixStats, copy_rows
 from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sampling_mode, upload
@@ -133,7 +133,7 @@ class _Pending:
     mode: str
     seqs: list[tuple[int, _Seq]]  # (row of the output, request)
     drafts: int = 0  # k for a verify step's output (k+1 base tokens and the accepted count per row)
-    sample: GraphedStep | None = None  # a split step's sampling half, launched by _sample()
+    sample: SampleStep | None = None  # a split step's sampling half, launched by _sample()
 
 
 class ContinuousBatcher:
@@ -299,13 +299,26 @@ class ContinuousBatcher:
                    for s in self.slots)
 
     def _load_bias(self) -> None:
-        """Each decoding row with a per-step bias gets its bias for its next token (host -> device)."""
-        rows = [s for s in self.slots if s is not None and not s.done and s.launched and s.constraint is not None
-                and s.constraint.per_step]
-        if rows:
-            dev, bias = self.r.device, self.r.state.params.bias
-            bias.index_copy_(0, upload([s.slot for s in rows], torch.int64, dev),
-                             bias_rows([s.constraint for s in rows], bias.shape[1], dev))
+        """Before a split step's sampling half, for each decoding row's next token: the grammar rows'
+        packed masks, filled on the host (several rows at once) while the forward runs and copied
+        as one block of bits that the captured sampling step unpacks and applies; the bias rows
+        that change with the token (stop tokens before ``min_tokens``) of the rows that have them."""
+        if self._forward is None or self._forward.sample is None:
+            return
+        st = self._forward.sample.state
+        batch = st.packed.shape[0]
+        rows = [s for s in self.slots[:batch] if s is not None and not s.done and s.launched and s.constraint is not None]
+        dev = self.r.device
+        matchers = [(s.constraint.matcher, s.slot) for s in rows if s.constraint.matcher is not None]
+        if matchers:
+            st.packed.copy_(packed_masks(matchers, batch, st.packed.shape[1], dev), non_blocking=True)
+        else:  # masks left by grammar rows that have finished
+            st.packed.fill_(-1)
+        changing = [s for s in rows if s.constraint.bias_changes]
+        if changing:
+            bias = self.r.state.params.bias
+            bias.index_copy_(0, upload([s.slot for s in changing], torch.int64, dev),
+                             bias_rows([s.constraint for s in changing], bias.shape[1], dev, grammar=False))
 
     def _host(self, out: torch.Tensor) -> tuple[HostCopies, int]:
         """Start copying ``out`` to the host; returns where it lands. At most three copies are
@@ -434,6 +447,10 @@ class ContinuousBatcher:
         mode = sampling_mode(temperature, top_k, top_p, any(p.full for p in ps))
         last = upload([len(s.prompt) - 1 for s in seqs], torch.int64, dev)  # the position each sample is keyed by
         out = sample_mode(logits, sampling, last, mode)
+        if any(s.constraint is not None and s.constraint.matcher is not None for s in seqs):
+            # The decode state keeps the bias without the grammar: its split steps apply each
+            # step's packed masks themselves.
+            sampling = sampling._replace(bias=bias_rows([s.constraint for s in seqs], vocab, dev, grammar=False))
         self.r.state.load_rows(upload([s.slot for s in seqs], torch.int64, dev), token_ids(out, mode), last + 1,
                                sampling)
         return out, mode

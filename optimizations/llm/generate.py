@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from servekit.optimizations.models.llama import Transformer, WithBlocks
-from servekit.optimizations.llm.sampling import FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, sample, sample_full
+from servekit.optimizations.llm.sampling import (FILTER, FULL, PLAIN_MODES, TOP_LOGPROBS, SamplingTensors, masked_bias,
+                                                 sample, sample_full)
 
 if TYPE_CHECKING:
     from servekit.optimizations.llm.grammar import DecodeConstraint
@@ -164,12 +165,15 @@ class DecodeState:
         self.counts = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
         # The last logits of a split step (ForwardStep -> SampleStep; the model's logits are fp32).
         self.logits = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
+        # A split step's grammar masks, packed (32 tokens per int32 word; -1: no grammar), applied
+        # by SampleStep: the host copies only these bits, no unpacking launched from it.
+        self.packed = torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
 
     def view(self, batch: int) -> "DecodeState":
         """The first ``batch`` rows, sharing memory with this state."""
         out = object.__new__(DecodeState)
         out.tokens, out.input_pos, out.counts = self.tokens[:batch], self.input_pos[:batch], self.counts[:batch]
-        out.logits = self.logits[:batch]
+        out.logits, out.packed = self.logits[:batch], self.packed[:batch]
         out.params = SamplingTensors(*(t[:batch] for t in self.params))
         return out
 
@@ -279,8 +283,8 @@ class ForwardStep(GraphedStep):
 
 class SampleStep(GraphedStep):
     """The sampling half of a decode step, for one (batch bucket, sampling mode): samples the
-    state's ``logits`` with its rows' parameters and bias, and advances the rows as
-    ``DecodeStep`` does."""
+    state's ``logits`` with its rows' parameters, bias and packed grammar masks, and advances the
+    rows as ``DecodeStep`` does."""
 
     def __init__(self, state: DecodeState, mode: str, max_seq_len: int) -> None:
         self.state, self.mode, self.max_seq_len = state, mode, max_seq_len
@@ -288,7 +292,8 @@ class SampleStep(GraphedStep):
     @torch.no_grad()
     def _body(self) -> Tensor:
         st = self.state
-        out = sample_mode(st.logits, st.params, st.input_pos[:, -1], self.mode, st.counts)
+        params = st.params._replace(bias=masked_bias(st.params.bias, st.packed, st.logits))
+        out = sample_mode(st.logits, params, st.input_pos[:, -1], self.mode, st.counts)
         advance(st, out, self.mode, self.max_seq_len)
         return out
 

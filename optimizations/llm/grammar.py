@@ -40,7 +40,7 @@ import llguidance
 import torch
 from torch import Tensor
 
-from servekit.optimizations.llm.sampling import upload
+from servekit.optimizations.llm.sampling import unpack_masks, upload
 
 # What a grammar spec may be (vLLM's structured_outputs names): a JSON schema, any JSON object,
 # a regular expression, one of a list of strings, a grammar (GBNF, as llama.cpp and vLLM's
@@ -310,7 +310,13 @@ class RowConstraint:
     @property
     def per_step(self) -> bool:
         """Whether the bias changes with each token (the host must see a token before the next step)."""
-        return self.matcher is not None or self.generated < self.c.min_tokens or self._stops_masked
+        return self.matcher is not None or self.bias_changes
+
+    @property
+    def bias_changes(self) -> bool:
+        """Whether the bias row without the grammar's mask changes with this token: stop tokens held
+        back until ``min_tokens``, and the one rebuild that lets them in again."""
+        return self.generated < self.c.min_tokens or self._stops_masked
 
     def mask_stops(self, row: Tensor) -> None:
         """Before ``min_tokens`` tokens, the stop tokens of ``row`` (on any device) become ``-inf``,
@@ -337,13 +343,15 @@ def _executor() -> llguidance.LLExecutor | None:
     return llguidance.LLExecutor(threads) if threads > 1 else None
 
 
-def fill_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], masks: Tensor) -> None:
+def fill_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], masks: Tensor,
+               executor: llguidance.LLExecutor | None | str = "engine") -> None:
     """Each matcher's packed mask of allowed next tokens into its row of ``masks`` (int32, CPU,
     contiguous, 32 tokens per word), several rows at once on llguidance's threads when there are
     cores for them. (llguidance.torch wraps the same calls, but importing it imports torch's
-    compiler stack for a decorator, seconds of a worker's start.)"""
+    compiler stack for a decorator, seconds of a worker's start.) ``executor``: those threads
+    (None: one row after another), by default the engine's choice."""
     row_bytes = masks.shape[1] * masks.element_size()
-    executor = _executor()
+    executor = _executor() if executor == "engine" else executor
     if executor is not None and len(matchers) > 1:
         executor.unsafe_compute_mask_ptr(list(matchers), masks.data_ptr(), row_bytes, masks.shape[0])
     else:
@@ -351,32 +359,43 @@ def fill_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], masks: Tens
             m.unsafe_compute_mask_ptr(masks[i].data_ptr(), row_bytes)
 
 
-def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: torch.device) -> Tensor:
+def packed_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], rows: int, words: int,
+                 device: torch.device) -> Tensor:
+    """The packed masks ``(rows, words)`` int32 on ``device`` of each (matcher, row) pair's next
+    token; -1 (everything allowed) in the other rows. Filled on the host into pinned memory (on
+    CUDA) and copied without waiting: PyTorch's pinned-memory cache hands the block out again only
+    once its copy has run."""
+    host = torch.empty(rows, words, dtype=torch.int32, pin_memory=device.type == "cuda")
+    if len(matchers) < rows:
+        # Through numpy, on this thread: torch's fill_ of 32 rows runs on its intra-op threads,
+        # whose spinning then slowed llguidance's threads (H100 host, 32 rows: 4.7 ms for the
+        # fill_, the masks' fill 1.0 -> 1.8 ms).
+        host.numpy()[sorted(set(range(rows)) - {i for _, i in matchers})] = -1
+    fill_masks(matchers, host)
+    return host.to(device, non_blocking=True)
+
+
+def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: torch.device,
+              grammar: bool = True) -> Tensor:
     """The additive bias rows ``(len(rows), vocab_size)`` float32 on ``device`` for each row's next
-    token: its ``logit_bias``, ``-inf`` where its grammar forbids a token, stop tokens masked before
-    ``min_tokens``; zeros for a row without constraints (None). No host sync before the masks are
-    on their way: the caller fills them while the device still runs the step's forward."""
+    token: its ``logit_bias``, ``-inf`` where its grammar forbids a token (``grammar=False``: not,
+    for a decode state whose sampling step applies the packed masks itself), stop tokens masked
+    before ``min_tokens``; zeros for a row without constraints (None). No host sync before the
+    masks are on their way: the caller fills them while the device still runs the step's forward."""
     n = len(rows)
-    grammar = [(r.matcher, i) for i, r in enumerate(rows) if r is not None and r.matcher is not None]
-    if grammar:
+    grammar_rows = [(r.matcher, i) for i, r in enumerate(rows) if grammar and r is not None and r.matcher is not None]
+    if grammar_rows:
         # Every row's packed mask (all ones where there is no grammar), filled before any device
         # work here (the static rows' index tensor would wait for the device), so that one
-        # masked_fill applies them all. Pinned on CUDA: the copy is queued without waiting, and
-        # PyTorch's pinned-memory cache hands the block out again only once its copy has run.
-        host = torch.empty(n, (vocab_size + 31) // 32, dtype=torch.int32, pin_memory=device.type == "cuda")
-        if len(grammar) < n:
-            host.fill_(-1)
-        fill_masks(grammar, host)
+        # masked_fill applies them all.
+        packed = packed_masks(grammar_rows, n, (vocab_size + 31) // 32, device)
     bias = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
     static = [i for i, r in enumerate(rows) if r is not None and r.static is not None]
     if static:
         bias.index_copy_(0, upload(static, torch.int64, device),
                          torch.stack([rows[i].static for i in static]).to(device))  # type: ignore[union-attr]
-    if grammar:
-        packed = host.to(device, non_blocking=True)
-        bits = torch.arange(32, dtype=torch.int32, device=device)  # bit b of word w allows token 32 w + b
-        allowed = ((packed[:, :, None] >> bits) & 1).view(n, -1)[:, :vocab_size].bool()
-        bias.masked_fill_(~allowed, float("-inf"))
+    if grammar_rows:
+        bias.masked_fill_(~unpack_masks(packed, vocab_size), float("-inf"))
     for i, r in enumerate(rows):
         if r is not None and r.c.min_tokens:
             r.mask_stops(bias[i])

@@ -157,6 +157,24 @@ def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str 
     return torch.where(params.temperature > 0, sampled, greedy)
 
 
+def unpack_masks(packed: Tensor, vocab_size: int) -> Tensor:
+    """Packed token masks ``(B, ceil(V / 32))`` int32 as bools ``(B, V)``: bit b of word w allows
+    token 32 w + b (llguidance's layout; a row of -1 allows everything)."""
+    bits = torch.arange(32, dtype=torch.int32, device=packed.device)
+    return ((packed[:, :, None] >> bits) & 1).view(packed.shape[0], -1)[:, :vocab_size].bool()
+
+
+def masked_bias(bias: Tensor, packed: Tensor, logits: Tensor) -> Tensor:
+    """The rows' additive ``bias`` ``(B, V)`` with ``-inf`` where their packed masks forbid a token
+    (a grammar's next-token mask, applied on the device: inside a captured sampling step). Where the
+    bias leaves a row no allowed token (stop tokens held back by ``min_tokens`` while the grammar
+    allows only a stop), the grammar wins: that row's bias drops its ``-inf`` entries."""
+    allowed = unpack_masks(packed, logits.shape[-1])
+    out = bias.masked_fill(~allowed, float("-inf"))
+    dead = ~torch.isfinite(logits + out).any(dim=-1, keepdim=True)
+    return torch.where(dead, torch.nan_to_num(bias, neginf=0.0).masked_fill(~allowed, float("-inf")), out)
+
+
 def apply_penalties(logits: Tensor, counts: Tensor, params: SamplingTensors) -> Tensor:
     """OpenAI's presence/frequency penalties: ``logit[v] -= count[v] * frequency + (count[v] > 0) * presence``,
     with ``counts`` ``(B, V)`` the times each token was generated so far in the row."""
