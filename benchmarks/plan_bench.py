@@ -238,16 +238,18 @@ def cmd_ready(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as cache:
         raw["compile_cache"] = cache
         times = {}
-        # Python's bytecode caches go to a fresh folder too: the cold run compiles the ~2,000 modules
-        # torch.compile imports from source (6 s on the H100 machine, whose site-packages is
-        # read-only and ships no .pyc files), the second finds them, as a worker image built with
-        # pip (which writes .pyc files) always does.
-        pycache = os.environ.get("PYTHONPYCACHEPREFIX") or os.path.join(cache, "pycache")
+        # Python's bytecode caches go to a fresh folder too (--pycache fresh): the cold run compiles
+        # the ~2,000 modules torch.compile imports from source (6 s on the H100 machine, whose
+        # site-packages is read-only and ships no .pyc files), the second finds them, as a worker
+        # image built with pip (which writes .pyc files) always does. --pycache installed: both runs
+        # use the interpreter's own, whatever they hold (the compile cache alone is compared).
+        pycache = (None if args.pycache == "installed"
+                   else os.environ.get("PYTHONPYCACHEPREFIX") or os.path.join(cache, "pycache"))
         for label in ("cold", "with_compile_cache"):
             # No TORCHINDUCTOR_CACHE_DIR from outside: the plan's compile_cache dir (empty for the cold
             # run) holds servekit's artifact file and inductor's caches, nothing else carries over.
             env = ({k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-                   | {"PYTHONUNBUFFERED": "1", "PYTHONPYCACHEPREFIX": pycache})
+                   | {"PYTHONUNBUFFERED": "1"} | ({"PYTHONPYCACHEPREFIX": pycache} if pycache else {}))
             t = time.perf_counter()
             load = [sys.executable, "-m", "servekit.benchmarks.plan_bench", "_load", json.dumps(raw)]
             proc = subprocess.run(load + (["--model-dir", args.model_dir] if args.model_dir else []),
@@ -261,9 +263,11 @@ def cmd_ready(args: argparse.Namespace) -> int:
             print(label, json.dumps(times[label]), flush=True)
     result = {"environment": environment(), "plan": args.plan, "config": raw, "ready": times,
               "model_dir": str(Path(args.model_dir) if args.model_dir else model_dir()),
-              "note": "The cold run starts with an empty compile_cache directory and no Python bytecode cache "
-                      "(PYTHONPYCACHEPREFIX: a fresh folder); the second run reuses both (servekit's "
-                      "compile-artifact file, inductor's caches, .pyc files)."}
+              "pycache": args.pycache,
+              "note": "The cold run starts with an empty compile_cache directory and, with pycache 'fresh', no "
+                      "Python bytecode cache (PYTHONPYCACHEPREFIX: a fresh folder); the second run reuses both "
+                      "(servekit's compile-artifact file, inductor's caches, .pyc files). With pycache "
+                      "'installed' both runs use the interpreter's own bytecode caches."}
     (out / f"ready-{args.plan}.json").write_text(json.dumps(result, indent=1))
     return 0
 
@@ -307,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--plan", default="fp16-compile-graphs" if torch.cuda.is_available() else "fp32-compile",
                    choices=sorted(PLANS))
     w.add_argument("--model-dir", help="an encoder folder (sentence-transformers or Hugging Face; default: MiniLM)")
+    w.add_argument("--pycache", choices=("fresh", "installed"), default="fresh",
+                   help="Python bytecode for the cold run: 'fresh' (none, as on an image without .pyc files; "
+                        "default) or 'installed' (the interpreter's own caches, in both runs)")
     w.set_defaults(fn=cmd_ready)
     for cmd in (r, w):
         cmd.add_argument("--batch-sizes", nargs="+", type=int,

@@ -186,10 +186,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # Modules whose minutes are mostly waiting, their core nearly idle meanwhile (a `ps` sampler beside
 # a run counted 0.2-0.55 CPU seconds per second of theirs): a handler that sleeps 20 ms per request
-# behind fixed measurement windows, Prometheus scraping every second, a pod's probes and hooks. With
-# 3 or more workers the last one runs only these, while the others run everything else.
+# behind fixed measurement windows, Prometheus scraping every second, a pod's probes and hooks, a
+# soak at a fixed 10 requests/s. With 3 or more workers the last one runs only these, while the
+# others run everything else.
 WAITING_MODULES = ("test_k8s_pod_live.py", "test_bench_known_answer.py", "test_bench_refine.py",
-                   "test_prometheus_llm_dashboard.py")
+                   "test_prometheus_llm_dashboard.py", "test_reliability_soak.py")
 
 
 @pytest.hookimpl(tryfirst=True)
