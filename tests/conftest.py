@@ -43,13 +43,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # matmuls many times slower). Fixtures that want more threads set them and restore this.
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
-    # The waiting lane (pytest_xdist_make_scheduler below) holds the tests that measure latency
-    # under a known load: the other workers, and every server and process they start, yield the
-    # cores to it (nice 5: about a third of its share when both want a core). At equal priority a
-    # known-answer run among three busy lanes once found its SLA boundary at 0.54x the prediction.
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers >= 3 and os.environ.get("PYTEST_XDIST_WORKER") != f"gw{workers - 1}":
-        os.nice(5)
 
 
 @pytest.fixture(scope="session")
@@ -192,12 +185,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # Modules whose minutes are mostly waiting, their core nearly idle meanwhile (a `ps` sampler beside
-# a run counted 0.2-0.55 CPU seconds per second of theirs): a handler that sleeps 20 ms per request
+# a run counted 0.2-0.57 CPU seconds per second of theirs): a handler that sleeps 20 ms per request
 # behind fixed measurement windows, Prometheus scraping every second, a pod's probes and hooks, a
 # soak at a fixed 10 requests/s. With 3 or more workers the last one runs only these, while the
-# others run everything else.
-WAITING_MODULES = ("test_k8s_pod_live.py", "test_bench_known_answer.py", "test_bench_refine.py",
-                   "test_prometheus_llm_dashboard.py", "test_reliability_soak.py")
+# others run everything else. Not the known-answer benchmark, which waits as much: beside two busy
+# lanes its requests' p99 at 5 requests/s reached 100 ms (20 ms of sleep), and its SLA boundary
+# came out at 0.29-0.54x the prediction; beside one, as on a main lane, it holds.
+WAITING_MODULES = ("test_k8s_pod_live.py", "test_bench_refine.py", "test_prometheus_llm_dashboard.py",
+                   "test_reliability_soak.py")
 
 
 @pytest.hookimpl(tryfirst=True)
