@@ -22,9 +22,11 @@
 #        llm-workload   SmolLM2 served, shipped config, every prompt set (benchmarks/llm_workload_bench.py)
 #        llm-split      where SmolLM2's batch-1 TTFT and 32-stream time go: the same requests through the engine
 #                       in-process (host ms per engine phase) and served (the handler's own TTFT beside the client's)
-#        llm-plan-keys  SmolLM2 served with the shipped config but other values of its plan keys, one served
+#        llm-plan-keys  SmolLM2 served with the shipped config but other values of its keys, one served
 #                       run per variant of $LLM_VARIANTS (default "max_num_batched_tokens=4096"; a variant is
-#                       key=value[,key=value]): batch-1 TTFT, prefill throughput, 32 streams of short and passages
+#                       key=value[,key=value]: a key the config has at its top level, such as maxBatchDelay, is
+#                       set there, any other in its servekit: plan): the measures of $LLM_MEASURES (default
+#                       "ttft prefill streams": batch-1 TTFT, prefill throughput, 32 streams) of short and passages
 #        llm-sweep      the LLM goodput sweep on the mixed prompt set (benchmarks/sweeps/smollm2-gpu.yaml)
 #        llm-shapes     the Qwen2.5-0.5B and Gemma-3-270M shapes served (built into shaped/ when missing):
 #                       batch 1 (with its share of the bandwidth bound) and 32 streams
@@ -83,10 +85,10 @@ for step in "$@"; do
     llm-plan-keys)
       for variant in ${LLM_VARIANTS:-max_num_batched_tokens=4096}; do
         python3 -c "import sys, yaml; c = yaml.safe_load(open('config/models/smollm2.yaml'))
-c['servekit'].update({k: int(v) for k, v in (kv.split('=') for kv in sys.argv[1].split(','))}); yaml.safe_dump(c, sys.stdout)" \
-          "$variant" > "$out/$step/${variant//[=,]/-}.yaml"
+for k, v in (kv.split('=') for kv in sys.argv[1].split(',')): (c if k in c else c['servekit'])[k] = int(v)
+yaml.safe_dump(c, sys.stdout)" "$variant" > "$out/$step/${variant//[=,]/-}.yaml"
         timeout 240 python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step/${variant//[=,]/-}" \
-          --config "$out/$step/${variant//[=,]/-}.yaml" --measures ttft prefill streams --sets short passages \
+          --config "$out/$step/${variant//[=,]/-}.yaml" --measures ${LLM_MEASURES:-ttft prefill streams} --sets short passages \
           --lengths 600 2>&1 | tee "$out/$step/${variant//[=,]/-}.log" || echo "llm-plan-keys $variant failed" >&2
       done ;;
     llm-sweep) timeout 520 python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/smollm2-gpu.yaml \

@@ -8,7 +8,8 @@ the served model's own tokens):
 
   ttft      batch 1, one request at a time, for each prompt length of --lengths (tokens): the first
             request of that length (the first the worker ever saw of it) and --later more of the
-            same length, reported apart; nothing is sent before the first one.
+            same length (other texts), reported apart, each with its cached prompt tokens and its
+            own split; nothing is sent before the first one.
   prefill   --prefill-streams prompts of --prefill-tokens sent together, 16 max tokens, --prefill-rounds
             rounds: prompt tokens / time to the last first token, and TTFT.
   batch1    per set (--sets): requests one after another: TTFT, time per output token (TPOT, the
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import functools
 import json
 import struct
@@ -165,17 +167,31 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 2)
 
 
-def ttft_by_length(chat: Chat, gen: PromptGenerator, lengths: list[int], later: int) -> list[dict[str, Any]]:
-    """Batch 1 per prompt length: the first request of that length, then `later` more."""
+def ttft_by_length(chat: Chat, gen: PromptGenerator, lengths: list[int], later: int,
+                   split: Split | None = None) -> list[dict[str, Any]]:
+    """Batch 1 per prompt length: the first request of that length, then `later` more (other texts
+    of the same length: they share at most the chat template's head and the instruction with the
+    first). `split` says where the first request's time went apart from the later ones'; the
+    server's cached prompt tokens of each show whether a later one found more of itself in the
+    prefix cache than the first did."""
+    split = split or Split()
     rows = []
     for n in lengths:
+        split.start()
         first = chat(list(gen.of_tokens(n, 8).messages), 8, None)
+        first_split = split.stop()
+        split.start()
         rest = [chat(list(gen.of_tokens(n, 8).messages), 8, None) for _ in range(later)]
+        later_split = split.stop()
         ok = [t.ttft_s * 1e3 for t in rest if t.ttft_s is not None]
+        cached = [t.cached_tokens for t in rest if t.cached_tokens is not None]
         rows.append({"tokens": n, "prompt_tokens": first.prompt_tokens, "first_ttft_ms": _ms(first.ttft_s),
                      "first_error": first.error or None, "later": len(rest), "later_failed": len(rest) - len(ok),
                      "later_ttft_ms_p50": round(float(np.median(ok)), 2) if ok else None,
-                     "later_ttft_ms_max": round(max(ok), 2) if ok else None})
+                     "later_ttft_ms_max": round(max(ok), 2) if ok else None,
+                     "first_cached_tokens": first.cached_tokens,
+                     "later_cached_tokens_max": max(cached) if cached else None,
+                     "first_split": first_split, "later_split": later_split})
         print(f"  ttft {n} tokens: {json.dumps(rows[-1])}", flush=True)
     return rows
 
@@ -309,7 +325,8 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
 
     def probe(lengths_key: str = "ttft") -> None:
         split.start()
-        rows = ttft_by_length(chat, gen, args.lengths, args.later)
+        # its own copy: the rows' start and stop must not move the probe's own starting point
+        rows = ttft_by_length(chat, gen, args.lengths, args.later, copy.copy(split))
         res[lengths_key] = rows
         res.setdefault("splits", {})[lengths_key] = split.stop()
         print(f"  {lengths_key} split: {json.dumps(res['splits'][lengths_key])}", flush=True)
@@ -562,9 +579,13 @@ def markdown(res: dict[str, Any]) -> str:
         if not res.get(key):
             continue
         L += [f"## {title}", "", "| tokens | served prompt tokens | first request ms | "
-              "later p50 ms | later max ms |", "| --- | --- | --- | --- | --- |"]
+              "later p50 ms | later max ms | cached tokens first / later max |", "| --- | --- | --- | --- | --- | --- |"]
         L += [f"| {r['tokens']} | {r['prompt_tokens']} | {r['first_ttft_ms']} | {r['later_ttft_ms_p50']} | "
-              f"{r['later_ttft_ms_max']} |" for r in res[key]]
+              f"{r['later_ttft_ms_max']} | {r.get('first_cached_tokens')} / {r.get('later_cached_tokens_max')} |"
+              for r in res[key]]
+        L += ["", "Where the first request's time went, then the later ones':"]
+        L += [f"- {r['tokens']} tokens: first `{json.dumps(r.get('first_split', {}))}`, later "
+              f"`{json.dumps(r.get('later_split', {}))}`" for r in res[key]]
         L += ["", f"Where the time went: `{json.dumps(res.get('splits', {}).get(key, {}))}`", ""]
     if res.get("prefill"):
         p = res["prefill"]
