@@ -73,6 +73,16 @@ def worker_budget(server: TorchServe, model: str = "minilm") -> dict:
     return json.loads(lines[-1].split(" ready: ", 1)[1])["budget"]
 
 
+@pytest.fixture
+def archive_in_process(capsys: pytest.CaptureFixture):
+    """`servekit archive ARGS` through its main() in this process, as a CompletedProcess (rc, out,
+    err): for tests of what it writes, without the ~5 s of CPU a fresh interpreter spends importing
+    torch (test_archive_path.py runs the command itself)."""
+    from test_archive_path import archive_here
+
+    return lambda *args: archive_here(capsys, *args)
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One torch CPU thread for a module of small-matrix tests: on 2 shared cores, two OpenMP

@@ -16,15 +16,6 @@ from decoder_checkpoints import write_checkpoint
 gguf = pytest.importorskip("gguf")
 
 
-@pytest.fixture
-def archive(capsys: pytest.CaptureFixture):
-    """`servekit archive` through its main() in this process (test_archive_path.py runs the command
-    itself): what is checked here is what it writes, and a fresh interpreter costs ~5 s of CPU."""
-    from test_archive_path import archive_here
-
-    return lambda *args: archive_here(capsys, *args)
-
-
 @pytest.fixture(scope="module")
 def qwen3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from test_gguf_families import write_gguf
@@ -42,8 +33,8 @@ def _weights(mar: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("cuda", torch.bfloat16)])
 def test_gguf_weights_take_the_generated_plans_precision(qwen3_gguf: Path, tmp_path: Path, device: str,
-                                                         dtype: torch.dtype, archive) -> None:
-    r = archive(qwen3_gguf, "--out", tmp_path, "--device", device, "--no-compress")
+                                                         dtype: torch.dtype, archive_in_process) -> None:
+    r = archive_in_process(qwen3_gguf, "--out", tmp_path, "--device", device, "--no-compress")
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "tiny-qwen3.yaml").read_text()
     plan = yaml.safe_load(text)["servekit"]
@@ -53,16 +44,16 @@ def test_gguf_weights_take_the_generated_plans_precision(qwen3_gguf: Path, tmp_p
         assert plan["kernels"] == "torch" and "do not cover qwen3 blocks" in text
 
 
-def test_gguf_weights_take_a_given_configs_precision(qwen3_gguf: Path, tmp_path: Path, archive) -> None:
+def test_gguf_weights_take_a_given_configs_precision(qwen3_gguf: Path, tmp_path: Path, archive_in_process) -> None:
     config = tmp_path / "plan.yaml"
     config.write_text(yaml.safe_dump({"servekit": {"device": "cpu", "precision": "fp32", "max_seq_len": 128,
                                                    "limits": {"max_tokens": 16}}}))
-    r = archive(qwen3_gguf, "--out", tmp_path / "out", "--config", config, "--no-compress")
+    r = archive_in_process(qwen3_gguf, "--out", tmp_path / "out", "--config", config, "--no-compress")
     assert r.returncode == 0, r.stderr
     assert {t.dtype for t in _weights(tmp_path / "out" / "tiny-qwen3.mar").values()} == {torch.float32}
 
 
-def test_an_unsupported_gguf_is_refused_at_once(tmp_path: Path, archive) -> None:
+def test_an_unsupported_gguf_is_refused_at_once(tmp_path: Path, archive_in_process) -> None:
     writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(64, 8).numpy())
@@ -71,6 +62,6 @@ def test_an_unsupported_gguf_is_refused_at_once(tmp_path: Path, archive) -> None
     writer.write_tensors_to_file()
     writer.close()
     t0 = time.perf_counter()
-    r = archive(tmp_path / "phi.gguf", "--out", tmp_path / "out", "--device", "cpu")
+    r = archive_in_process(tmp_path / "phi.gguf", "--out", tmp_path / "out", "--device", "cpu")
     assert r.returncode == 2 and "GGUF architecture 'phi2' is not supported" in r.stderr, r.stderr
     assert time.perf_counter() - t0 < 30 and not (tmp_path / "out").exists()

@@ -16,15 +16,6 @@ from tiny_classifiers import cross_encoder, hf_classifier
 
 
 
-@pytest.fixture
-def archive(capsys: pytest.CaptureFixture):
-    """`servekit archive` through its main() in this process (test_archive_path.py runs the command
-    itself): what is checked here is what it writes, and a fresh interpreter costs ~5 s of CPU."""
-    from test_archive_path import archive_here
-
-    return lambda *args: archive_here(capsys, *args)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
@@ -44,9 +35,9 @@ def test_kinds_and_files_read_from_the_models_own_files(models):
     assert model_source(models["single"]).max_tokens == 80  # no limit given: the position table's
 
 
-def test_archive_of_a_crossencoder_writes_the_mar_and_its_model_config(models, tmp_path, archive):
+def test_archive_of_a_crossencoder_writes_the_mar_and_its_model_config(models, tmp_path, archive_in_process):
     out = tmp_path / "store"
-    r = archive(models["ce"], "--out", out, "--device", "cpu", "--no-compress", "--name", "reranker")
+    r = archive_in_process(models["ce"], "--out", out, "--device", "cpu", "--no-compress", "--name", "reranker")
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["reranker.mar", "reranker.yaml"]
     cfg = yaml.safe_load((out / "reranker.yaml").read_text())
