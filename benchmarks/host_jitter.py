@@ -81,16 +81,14 @@ def rerank_requests(n: int, documents: int, seed: int) -> list[list[tuple[str, s
     `text: prose` payloads of the rerank sweeps), as (query, document) pairs."""
     import numpy as np
 
-    from servekit.benchmarks.llm_prompts import corpus
+    from servekit.benchmarks.bench.payloads import prose_texts
 
-    prose = " ".join(" ".join(p) for p in corpus()).split()
     rng = np.random.default_rng(seed)
     query = "how do the workers batch the requests of many clients"
     out = []
     for _ in range(n):
         lengths = rng.choice([60, 75, 90], size=documents, p=[0.25, 0.5, 0.25])
-        starts = rng.integers(0, len(prose) - 90, size=documents)
-        out.append([(query, " ".join(prose[s:s + int(k)])) for s, k in zip(starts, lengths)])
+        out.append([(query, text) for text in prose_texts(rng, lengths, 90)])
     return out
 
 

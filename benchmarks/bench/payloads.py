@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -63,14 +63,20 @@ def _read(p: Payloads) -> tuple[Callable[[int], str], list[str]]:
     w = np.asarray(g["weights"], dtype=float)
     lengths = rng.choice(g["words"], size=g["count"], p=w / w.sum())
     if g.get("text") == "prose":
-        from servekit.benchmarks.llm_prompts import corpus
-
-        prose = " ".join(" ".join(p) for p in corpus()).split()
-        starts = rng.integers(0, len(prose) - max(g["words"]), size=len(lengths))
-        texts = [" ".join(prose[s:s + int(n)]) for s, n in zip(starts, lengths)]
+        texts = prose_texts(rng, lengths, max(g["words"]))
     else:
         texts = [" ".join(rng.choice(WORDS, size=int(n))) for n in lengths]
     return (lambda k: f"generated body {k}"), [json.dumps({g["field"]: t}) for t in texts]
+
+
+def prose_texts(rng: np.random.Generator, lengths: Sequence[int], longest: int) -> list[str]:
+    """Runs of English prose (the stdlib's docstrings, `llm_prompts.corpus`) of ``lengths`` words,
+    each from a random start at least ``longest`` words before the corpus ends."""
+    from servekit.benchmarks.llm_prompts import corpus
+
+    prose = " ".join(" ".join(p) for p in corpus()).split()
+    starts = rng.integers(0, len(prose) - longest, size=len(lengths))
+    return [" ".join(prose[s:s + int(n)]) for s, n in zip(starts, lengths)]
 
 
 def chat_bodies(c: dict[str, Any]) -> list[str]:
