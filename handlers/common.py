@@ -139,6 +139,8 @@ def decode_body(request: dict[str, Any]) -> Any:
         # "\\" first: a one-character search is a memchr, the escape's a slower substring search.
         if text is not None and (wide_floats or colons != text.count(":") or ("\\" in text and "\\u003" in text)):
             body = _parse_json_exactly(text)
+    elif isinstance(body, str):  # a text body handed over already decoded: the same Unicode check
+        _check_values(body)
     return body
 
 
