@@ -32,13 +32,16 @@
 #                       batch 1 (with its share of the bandwidth bound) and 32 streams
 #        llm-shapes-8b  the same for the Llama-3.1-8B shape (16 GB of weights: a step of its own; building its
 #                       archive holds the weights four times at once, ~64 GB: a machine with more disk than 64 GiB)
+#        llm-8b-inprocess  the Llama-3.1-8B shape through the engine in-process (no archive: 16 GB of disk), with
+#                       benchmarks/results/llm-8b-h100/model-config.yaml: batch 1 (share of the bandwidth bound),
+#                       600-token TTFT, 32 streams; the shape's build and the run are two calls (each under 10 min)
 # Each LLM step is capped by `timeout` below the 10-minute call and tees its log into its folder.
 # The MiniLM steps also need orjson (servekit's embedding handler writes its answers with it) and
 # the sweep needs locust, rich, matplotlib and nvidia-ml-py: carry their wheels too.
 set -uo pipefail
 out=${OUT_DIR:-${OUT:-gpu-out}}
 heads=${SPEC_HEADS:-/opt/spec/heads}
-steps=" llm-inprocess spec serve oom plans-ready sweep soak shaped families-cuda encoder-plans byom-sweep byom-llm spec-cb decode-steps bulk llm-workload llm-split llm-plan-keys llm-sweep llm-shapes llm-shapes-8b "
+steps=" llm-inprocess spec serve oom plans-ready sweep soak shaped families-cuda encoder-plans byom-sweep byom-llm spec-cb decode-steps bulk llm-workload llm-split llm-plan-keys llm-sweep llm-shapes llm-shapes-8b llm-8b-inprocess "
 for step in "$@"; do
   [[ $steps == *" $step "* ]] || { echo "unknown step: $step (see the header of $0)" >&2; exit 2; }
 done
@@ -103,5 +106,10 @@ yaml.safe_dump(c, sys.stdout)" "$variant" > "$out/$step/${variant//[=,]/-}.yaml"
                --measures ttft batch1 streams --sets short passages --lengths 600 --later 3 --batch1 $batch1 --stream-requests 2 2>&1 \
           | tee "$out/$step/$m.log" || echo "model $m failed" >&2
       done ;;
+    llm-8b-inprocess)
+      [ -f shaped/llama-3.1-8b/tokenizer.json ] || timeout 300 python3 -m servekit.benchmarks.shaped_models --out shaped --models llama-3.1-8b
+      timeout 550 python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step" --in-process --model-dir shaped/llama-3.1-8b \
+        --config benchmarks/results/llm-8b-h100/model-config.yaml --measures ttft batch1 streams --sets short passages \
+        --lengths 600 --later 3 --batch1 4 --stream-requests 1 2>&1 | tee "$out/$step/console.log" ;;
   esac || echo "step $step failed (exit $?)" >&2
 done
