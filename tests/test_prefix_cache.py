@@ -315,6 +315,23 @@ def test_sliding_window_families_hit_too(tmp_path: Path, family: str) -> None:
     check_index(d.b)
 
 
+def test_cache_row_views_follow_the_caches() -> None:
+    """``cache_row``, the views the CUDA path of ``copy_rows`` copies whole rows through: row r of
+    every layer's K and V, in layer order, made once, and new ones once the caches are replaced."""
+    from servekit.optimizations.models.llama import LlamaConfig, init_random
+
+    model = init_random(LlamaConfig.tiny(max_position_embeddings=64), seed=0)
+    model.setup_caches(2, 64)
+    views = model.cache_row(1)
+    caches = [t for layer in model.layers for t in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache)]
+    assert len(views) == 2 * len(model.layers) and model.cache_row(1) is views
+    torch._foreach_copy_(views, [torch.full_like(v, 3.0) for v in views])
+    assert all(bool((t[1] == 3.0).all()) and not bool((t[0] == 3.0).any()) for t in caches)
+    model.setup_caches(4, 64)
+    fresh = model.cache_row(1)
+    assert fresh is not views and fresh[0].data_ptr() == model.layers[0].attention.kv_cache.k_cache[1].data_ptr()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_hits_on_cuda_with_captured_steps_give_the_miss_tokens() -> None:
     """The GPU path: packed prefill captured per token bucket (Triton attention), decode steps

@@ -202,6 +202,34 @@ def test_a_request_taking_a_freed_slot_mid_batch_gets_its_solo_output(runner, co
         assert _run(runner, {key: request})[key] == together[key], key
 
 
+def test_constrained_rows_left_in_high_rows_move_down_and_keep_their_output(runner, compiler, tokenizer,
+                                                                            stops) -> None:
+    """Four rows (bucket 4): the three short ones end, and the long constrained rows still running
+    move down into the freed rows while grammar rows keep the batch in split steps (their masks
+    filled at the new rows from the next step on, their min_tokens bias rows and penalty counts
+    moved with them). Each request gets what it gets alone."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Rows."}])
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[11]), min_tokens=6)
+    rows = {"a": (prompt, SamplingParams(max_tokens=2, stop_token_ids=stops)),
+            "b": (prompt[1:], SamplingParams(max_tokens=3, stop_token_ids=stops, constraint=c)),
+            "c": (prompt[2:], SamplingParams(max_tokens=4, stop_token_ids=stops)),
+            "d": (prompt[3:], SamplingParams(max_tokens=40, temperature=0.9, seed=5, frequency_penalty=0.5,
+                                             stop_token_ids=stops, constraint=c))}
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+    together: dict[str, list[int]] = {k: [] for k in rows}
+    for key, (p, params) in rows.items():
+        b.add(key, p, params)
+    slots = []
+    while b.has_work:
+        for key, u in b.step().items():
+            together[key] += u.tokens
+        if "d" in b.by_key:
+            slots.append(b.by_key["d"].slot)
+    assert slots[0] == 3 and slots[-1] == 0 and b.moves >= 1
+    for key, request in rows.items():
+        assert _run(runner, {key: request})[key][0] == together[key], key
+
+
 def test_logit_bias_and_min_tokens(runner, compiler, tokenizer, stops) -> None:
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
     word = tokenizer.encode(" banana")[0]
@@ -246,7 +274,7 @@ def test_masks_filled_on_threads_equal_one_by_one(compiler, tokenizer) -> None:
     without a grammar all ones) give the masks of the rows filled one after another."""
     import llguidance
 
-    from servekit.optimizations.llm.grammar import fill_masks, packed_masks
+    from servekit.optimizations.llm.grammar import MaskUpload, fill_masks, packed_masks
 
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "s": STR},
               "required": ["n", "s"], "additionalProperties": False}
@@ -262,6 +290,12 @@ def test_masks_filled_on_threads_equal_one_by_one(compiler, tokenizer) -> None:
     assert torch.equal(one_by_one, threads) and len({tuple(one_by_one[i].tolist()) for i in (0, 2, 3)}) == 3
     packed = packed_masks(matchers, 5, words, torch.device("cpu"))
     assert torch.equal(packed[[0, 2, 3]], one_by_one[[0, 2, 3]]) and (packed[[1, 4]] == -1).all()
+    # The engine's path: its kept host block, refilled each step, into the sampling step's buffer.
+    upload, dest = MaskUpload(), torch.zeros(5, words, dtype=torch.int32)
+    upload(matchers[:1], dest)
+    assert torch.equal(dest[0], one_by_one[0]) and (dest[1:] == -1).all()
+    upload(matchers, dest)
+    assert torch.equal(dest, packed)
 
 
 def _allowed(words: torch.Tensor) -> torch.Tensor:

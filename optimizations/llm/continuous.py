@@ -52,7 +52,7 @@ import torch
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SampleStep,
                                                  SamplingParams, TokenLogprob, read_row, sample_mode, token_ids)
-from servekit.optimizations.llm.grammar import RowConstraint, bias_rows, packed_masks
+from servekit.optimizations.llm.grammar import MaskUpload, RowConstraint, bias_rows
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
 from servekit.optimizations.llm.prefix_cache import PrefixCache, PrefixStats, copy_rows
 from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sampling_mode, upload
@@ -166,6 +166,7 @@ class ContinuousBatcher:
         # A split step whose forward half runs and whose sampling half waits for its rows' bias.
         self._forward: _Pending | None = None
         self._hosts: dict[tuple, HostCopies] = {}
+        self._masks = MaskUpload()  # the grammar rows' packed masks on their way to the sampling steps
         # Requests of a packed forward that failed: prefilled alone, one at a time, so that only the culprit fails.
         self._suspects: set[Hashable] = set()
         self._rng = random.Random()
@@ -257,8 +258,7 @@ class ContinuousBatcher:
         updates: dict[Hashable, SeqUpdate] = {}
         admitted = self._forward is None
         if admitted:
-            if not self._per_step_bias():
-                self._compact()
+            self._compact()
             self._admit()
             prefilled = self._prefill(updates)
             if not self._per_step_bias():  # pipelined: launch step t+1, then read step t
@@ -279,7 +279,10 @@ class ContinuousBatcher:
         if self._forward is not None:
             self._inflight = [self._sample(self._forward)]
             self._forward = None
-        if not admitted:  # after the sampling: new rows load their state behind it on the device
+        if not admitted:
+            # After the sampling, behind it on the device: rows move down (their masks are filled at
+            # their new rows from the next step on) and new rows load their state.
+            self._compact()
             self._admit()
             prefilled = self._prefill(updates)
             self._inflight += [prefilled] if prefilled is not None else []
@@ -311,7 +314,7 @@ class ContinuousBatcher:
         dev = self.r.device
         matchers = [(s.constraint.matcher, s.slot) for s in rows if s.constraint.matcher is not None]
         if matchers:
-            st.packed.copy_(packed_masks(matchers, batch, st.packed.shape[1], dev), non_blocking=True)
+            self._masks(matchers, st.packed)
         else:  # masks left by grammar rows that have finished
             st.packed.fill_(-1)
         changing = [s for s in rows if s.constraint.bias_changes]

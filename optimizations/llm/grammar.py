@@ -359,20 +359,52 @@ def fill_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], masks: Tens
             m.unsafe_compute_mask_ptr(masks[i].data_ptr(), row_bytes)
 
 
-def packed_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], rows: int, words: int,
-                 device: torch.device) -> Tensor:
-    """The packed masks ``(rows, words)`` int32 on ``device`` of each (matcher, row) pair's next
-    token; -1 (everything allowed) in the other rows. Filled on the host into pinned memory (on
-    CUDA) and copied without waiting: PyTorch's pinned-memory cache hands the block out again only
-    once its copy has run."""
-    host = torch.empty(rows, words, dtype=torch.int32, pin_memory=device.type == "cuda")
-    if len(matchers) < rows:
+def fill_packed(matchers: Sequence[tuple[llguidance.LLMatcher, int]], host: Tensor) -> None:
+    """Each (matcher, row) pair's packed mask of its next token into that row of ``host`` (int32,
+    CPU, ``(rows, words)``); -1 (everything allowed) in the other rows."""
+    if len(matchers) < host.shape[0]:
         # Through numpy, on this thread: torch's fill_ of 32 rows runs on its intra-op threads,
         # whose spinning then slowed llguidance's threads (H100 host, 32 rows: 4.7 ms for the
         # fill_, the masks' fill 1.0 -> 1.8 ms).
-        host.numpy()[sorted(set(range(rows)) - {i for _, i in matchers})] = -1
+        host.numpy()[sorted(set(range(host.shape[0])) - {i for _, i in matchers})] = -1
     fill_masks(matchers, host)
+
+
+def packed_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], rows: int, words: int,
+                 device: torch.device) -> Tensor:
+    """The packed masks ``(rows, words)`` int32 on ``device`` (``fill_packed``), filled on the host
+    into pinned memory (on CUDA) and copied without waiting: PyTorch's pinned-memory cache hands
+    the block out again only once its copy has run."""
+    host = torch.empty(rows, words, dtype=torch.int32, pin_memory=device.type == "cuda")
+    fill_packed(matchers, host)
     return host.to(device, non_blocking=True)
+
+
+class MaskUpload:
+    """The decode steps' packed masks, filled into a pinned host block per shape that is kept, and
+    copied from it straight into the sampling step's own buffer. Allocating a pinned block and a
+    device tensor per step, then copying that into the buffer, cost the engine thread more than
+    the copy itself. A block is refilled only once its last copy has run (an event: by then long
+    done, since the step that copy feeds has been read)."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event | None]] = {}
+
+    def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
+        """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks; on
+        CUDA without waiting for the device."""
+        got = self._blocks.get(tuple(dest.shape))
+        if got is None:
+            cuda = dest.device.type == "cuda"
+            got = (torch.empty(dest.shape, dtype=torch.int32, pin_memory=cuda), torch.cuda.Event() if cuda else None)
+            self._blocks[tuple(dest.shape)] = got
+        host, copied = got
+        if copied is not None:
+            copied.synchronize()
+        fill_packed(matchers, host)
+        dest.copy_(host, non_blocking=True)
+        if copied is not None:
+            copied.record()
 
 
 def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: torch.device,

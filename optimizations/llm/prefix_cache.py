@@ -266,18 +266,20 @@ class PrefixCache:
 
 def copy_rows(model: torch.nn.Module, src: int, dst: int, n: int) -> None:
     """Positions ``0..n-1`` of cache row ``src`` into row ``dst``, every layer's K and V, queued on
-    the current stream. On CUDA the whole rows go over as one multi-tensor copy: a row is contiguous,
-    so the ``2 x layers`` copies are one launch (a copy per tensor of the first ``n`` positions cost
-    ~0.9 ms of host launches for SmolLM2's 60 tensors; the whole row, ~47 MB, is tens of microseconds
-    of an H100's bandwidth). Positions ``n..`` of ``dst`` then hold ``src``'s, which nothing reads: a
-    row is written at each position before a step attends to it. On CPU, where bytes cost more than
-    calls, only the ``n`` positions."""
-    whole = next(model.parameters()).device.type == "cuda"
+    the current stream. On CUDA the whole rows go over as one multi-tensor copy of the model's
+    per-row views (``cache_row``): a row is contiguous, so the ``2 x layers`` copies are one launch
+    (a copy per tensor of the first ``n`` positions cost ~0.9 ms of host launches for SmolLM2's 60
+    tensors; the whole row, ~47 MB, is tens of microseconds of an H100's bandwidth). Positions
+    ``n..`` of ``dst`` then hold ``src``'s, which nothing reads: a row is written at each position
+    before a step attends to it. On CPU, where bytes cost more than calls, only the ``n`` positions."""
+    if next(model.parameters()).device.type == "cuda":
+        torch._foreach_copy_(model.cache_row(dst), model.cache_row(src))
+        return
     dsts, srcs = [], []
     for cache in (layer.attention.kv_cache for layer in model.layers):
         for t in (cache.k_cache, cache.v_cache):
-            dsts.append(t[dst] if whole else t[dst, :, :n])
-            srcs.append(t[src] if whole else t[src, :, :n])
+            dsts.append(t[dst, :, :n])
+            srcs.append(t[src, :, :n])
     torch._foreach_copy_(dsts, srcs)
 
 

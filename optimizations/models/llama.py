@@ -482,6 +482,7 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.max_batch_size = 0
         self.max_seq_len = 0
+        self._row_views: dict[int, list[Tensor]] = {}
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up projections in every layer, in place (idempotent). Serving only:
@@ -516,6 +517,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_local_sin", sin, persistent=False)
         self.register_buffer("cache_positions", torch.arange(max_seq_len, device=w.device), persistent=False)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self._row_views = {}  # views of the caches just replaced
 
     def forward(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
                 kv_len: int | None = None, blocks: Sequence[Callable[..., Tensor]] | None = None,
@@ -532,6 +534,16 @@ class Transformer(nn.Module):
         free slots of a running batch passes them (``max_batch_size`` is the spare row).
         """
         return self.output(self.hidden(tokens, input_pos, last_idx, kv_len, blocks, rows)).float()
+
+    def cache_row(self, row: int) -> list[Tensor]:
+        """Cache row ``row`` of every layer's K and V (views), made once per row: the engine copies
+        whole rows (prefix-cache placements, compaction) many times a second, and building the
+        ``2 x layers`` views each time cost more host time than the copy's launch."""
+        views = self._row_views.get(row)
+        if views is None:
+            caches = [layer.attention.kv_cache for layer in self.layers]
+            views = self._row_views[row] = [t[row] for c in caches for t in (c.k_cache, c.v_cache)]
+        return views
 
     @property
     def spare_row(self) -> int:
