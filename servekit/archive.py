@@ -92,7 +92,8 @@ ARCHIVED_PACKAGES = ("servekit.handlers", "servekit.optimizations")
 
 def stage(name: str, staging: Path, weights: list[Weight]) -> Path:
     """Copy the packages and weight files into `staging` (its contents go to the archive's top; a
-    (file, "folder/name") pair keeps its folder, as sentence-transformers' `1_Pooling/config.json`)."""
+    (file, "folder/name") pair keeps its folder, as sentence-transformers' `1_Pooling/config.json`).
+    Weight files are hard-linked where the filesystem allows it (`link_or_copy`)."""
     if staging.exists():
         shutil.rmtree(staging)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -105,8 +106,19 @@ def stage(name: str, staging: Path, weights: list[Weight]) -> Path:
         if not src.exists():
             raise FileNotFoundError(f"weight file for {name} not found: {src}")
         (staging / dest).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, staging / dest)
+        link_or_copy(src, staging / dest)
     return staging
+
+
+def link_or_copy(src: Path, dest: Path) -> None:
+    """`dest` as a hard link to `src`, or a copy where linking fails (another filesystem, one that
+    has no links). torch-model-archiver copies the staged files once more and writes the .mar, and
+    TorchServe unpacks it: a copy here too would hold an 8B model's 16 GB a fifth time while the
+    archive is built. Staged files are only read, so the link never changes the user's file."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
 
 
 def speculator_files(config: Path, speculator: Path | None) -> tuple[str, list[Path]] | None:

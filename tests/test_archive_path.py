@@ -182,3 +182,28 @@ def test_llm_folder_and_gguf_file_archive_as_llm(llm_dir, tmp_path, capsys):
         assert plan["device"] == "cpu" and plan["max_seq_len"] == 256  # the checkpoint's context
     r = archive_here(capsys, find_smollm2_gguf(), "--out", tmp_path / "enc", "--kind", "embedding")
     assert r.returncode == 2 and "a GGUF file is a causal LM" in r.stderr and not (tmp_path / "enc").exists()
+
+
+def test_weights_are_staged_as_links_and_copied_where_links_fail(tmp_path, monkeypatch):
+    """The staging folder torch-model-archiver reads holds hard links to the weight files (one
+    fewer full copy of a model's weights while its archive is built); where the filesystem refuses
+    a link, a copy with the same bytes. The user's file is untouched either way."""
+    import errno
+    import os
+
+    from servekit import archive as archive_module
+
+    src = tmp_path / "model" / "model.safetensors"
+    src.parent.mkdir()
+    src.write_bytes(b"weights" * 1000)
+    linked = archive_module.stage("m", tmp_path / "linked", [(src, "sub/model.safetensors")])
+    staged = linked / "sub" / "model.safetensors"
+    assert staged.stat().st_ino == src.stat().st_ino and src.stat().st_nlink == 2
+
+    def refuse(a, b, **kw):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", refuse)
+    copied = archive_module.stage("m", tmp_path / "copied", [src]) / "model.safetensors"
+    assert copied.stat().st_ino != src.stat().st_ino and copied.read_bytes() == src.read_bytes()
+    assert src.read_bytes() == b"weights" * 1000
