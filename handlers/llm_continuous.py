@@ -104,7 +104,11 @@ class ContinuousFrontend:
             for k, (prompt, params) in enumerate(req.choices):
                 self.engine.submit((ids[i], k), prompt, params, req.speculate)
         keys = [(rid, k) for rid in present if rid in self.live for k in range(len(self.live[rid].req.choices))]
-        updates = self.engine.take(keys, 0 if answers or not keys else WAIT_S)
+        # A call that took new requests in does not wait for their first tokens: the rest of a burst
+        # waits in the frontend's queue until this call returns (TorchServe hands requests over
+        # call by call), and a prefill longer than WAIT_S (an 8B model's burst) held each later
+        # part of the burst back by all of it.
+        updates = self.engine.take(keys, 0 if answers or requests or not keys else WAIT_S)
         first_token = any(self.live[rid].answer.generated(k) == 0 for rid, k in updates)
         rest = self._last_return + min(MAX_PACE_S, PACE_PER_REQUEST_S * len(keys)) - time.perf_counter()
         if updates and not first_token and not answers and rest > 0:
