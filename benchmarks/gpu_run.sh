@@ -30,8 +30,9 @@
 #        llm-sweep      the LLM goodput sweep on the mixed prompt set (benchmarks/sweeps/smollm2-gpu.yaml)
 #        llm-shapes     the Qwen2.5-0.5B and Gemma-3-270M shapes served (built into shaped/ when missing):
 #                       batch 1 (with its share of the bandwidth bound) and 32 streams
-#        llm-shapes-8b  the same for the Llama-3.1-8B shape (16 GB of weights: a step of its own; building its
-#                       archive holds the weights four times at once, ~64 GB: a machine with more disk than 64 GiB)
+#        llm-shapes-8b  the same for the Llama-3.1-8B shape (16 GB of weights: a step of its own; serving it holds
+#                       the weights three times, 63 GB of the H100 machine's disk in use; benchmarks/results/llm-8b-h100/
+#                       ran it with that folder's model-config, whose warm-up fits the call)
 #        llm-8b-inprocess  the Llama-3.1-8B shape through the engine in-process (no archive: 16 GB of disk), with
 #                       benchmarks/results/llm-8b-h100/model-config.yaml: batch 1 (share of the bandwidth bound),
 #                       600-token TTFT, 32 streams; the shape's build and the run are two calls (each under 10 min)
@@ -97,12 +98,14 @@ yaml.safe_dump(c, sys.stdout)" "$variant" > "$out/$step/${variant//[=,]/-}.yaml"
     llm-sweep) timeout 520 python3 -m servekit.benchmarks.bench.runner benchmarks/sweeps/smollm2-gpu.yaml \
                  --out "$out/$step" 2>&1 | tee "$out/$step/log.txt" ;;
     llm-shapes|llm-shapes-8b)
-      # building a shape (once per machine) and serving it stay within the call: 2 x (60 + 200) s, or 180 + 340 s
-      models="qwen2.5-0.5b gemma3-270m"; build=60; cap=200; batch1=8
-      [[ $step == llm-shapes-8b ]] && models="llama-3.1-8b" build=180 cap=340 batch1=4
+      # building a shape (once per machine) and serving it stay within the call: 2 x (60 + 200) s; the 8B shape's
+      # build (~50 s) and serving (~230 s, with llm-8b-h100's model-config) fit a call each, or one together
+      models="qwen2.5-0.5b gemma3-270m"; build=60; cap=200; batch1=8; cfg=()
+      [[ $step == llm-shapes-8b ]] && models="llama-3.1-8b" build=180 cap=400 batch1=4 \
+        cfg=(--config benchmarks/results/llm-8b-h100/model-config.yaml)
       for m in $models; do
         { [ -f "shaped/$m/tokenizer.json" ] || timeout $build python3 -m servekit.benchmarks.shaped_models --out shaped --models "$m"; } \
-          && timeout $cap python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step/$m" --model-dir "shaped/$m" \
+          && timeout $cap python3 -m servekit.benchmarks.llm_workload_bench --out "$out/$step/$m" --model-dir "shaped/$m" "${cfg[@]}" \
                --measures ttft batch1 streams --sets short passages --lengths 600 --later 3 --batch1 $batch1 --stream-requests 2 2>&1 \
           | tee "$out/$step/$m.log" || echo "model $m failed" >&2
       done ;;
