@@ -330,6 +330,9 @@ def test_cache_row_views_follow_the_caches() -> None:
     model.setup_caches(4, 64)
     fresh = model.cache_row(1)
     assert fresh is not views and fresh[0].data_ptr() == model.layers[0].attention.kv_cache.k_cache[1].data_ptr()
+    model.to(torch.float64)  # the caches replaced by converted copies: views of the new ones
+    moved = model.cache_row(1)
+    assert moved[0].dtype == torch.float64 and moved[0].data_ptr() == model.layers[0].attention.kv_cache.k_cache[1].data_ptr()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -517,7 +517,6 @@ class Transformer(nn.Module):
             self.register_buffer("rope_local_sin", sin, persistent=False)
         self.register_buffer("cache_positions", torch.arange(max_seq_len, device=w.device), persistent=False)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self._row_views = {}  # views of the caches just replaced
 
     def forward(self, tokens: Tensor, input_pos: Tensor, last_idx: Tensor | None = None,
                 kv_len: int | None = None, blocks: Sequence[Callable[..., Tensor]] | None = None,
@@ -540,7 +539,8 @@ class Transformer(nn.Module):
         whole rows (prefix-cache placements, compaction) many times a second, and building the
         ``2 x layers`` views each time cost more host time than the copy's launch."""
         views = self._row_views.get(row)
-        if views is None:
+        if views is None or views[0]._base is not self.layers[0].attention.kv_cache.k_cache:
+            # (none yet, or the caches were replaced since: moved to another device, reallocated)
             caches = [layer.attention.kv_cache for layer in self.layers]
             views = self._row_views[row] = [t[row] for c in caches for t in (c.k_cache, c.v_cache)]
         return views
