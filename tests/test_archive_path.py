@@ -89,6 +89,7 @@ def _copy(src: Path, dst: Path) -> Path:
     ("weights", "model.safetensors: no weights (neither model.safetensors nor model.safetensors.index.json)"),
     ("shard", "model-00002-of-00002.safetensors: shard listed in model.safetensors.index.json is missing"),
     ("tensors", "checkpoint lacks 2 tensors of a roberta encoder"),
+    ("attention", "checkpoint lacks 1 tensors of a roberta encoder (first: layers.1.key.weight)"),
     ("speculator", "--speculator applies to causal LMs"),
     ("no-heads", "speculator heads not found"),
 ])
@@ -112,6 +113,12 @@ def test_unservable_models_fail_in_one_line_leaving_nothing(st_dir, llm_dir, tmp
 
         state = load_file(str(d / "model.safetensors"))
         save_file({k: v for k, v in state.items() if not k.startswith("encoder.layer.1.output.dense.")},
+                  str(d / "model.safetensors"))
+    elif breakage == "attention":  # one of the three tensors the stacked projection is built from
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(d / "model.safetensors"))
+        save_file({k: v for k, v in state.items() if k != "encoder.layer.1.attention.self.key.weight"},
                   str(d / "model.safetensors"))
     out = tmp_path / "store"
     extra: list = []

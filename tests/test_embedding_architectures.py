@@ -95,3 +95,35 @@ def test_sequence_buckets_default_to_the_models_own_limit(tmp_path) -> None:
     got = runner.embed([text, "short"])
     want = reference(folder, [text, "short"])
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["bert", "mpnet", "distilbert"])
+def test_first_position_alone_equals_the_full_pass(tmp_path, one_thread, family):
+    """A classification head reads the first position only: the encoder's `first_only` pass (its last
+    layer computing that one position, MPNet's relative bias included) gives the full pass's values."""
+    from servekit.optimizations.models.encoder import load_encoder
+
+    model = load_encoder(hf_encoder(tmp_path / "m", family))
+    ids = torch.randint(5, model.cfg.vocab_size, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 4:] = 0
+    with torch.no_grad():
+        full, first = model(ids, mask), model(ids, mask, first_only=True)
+    assert first.shape == (3, 1, full.shape[-1])
+    torch.testing.assert_close(first[:, 0], full[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_missing_attention_tensor_is_named(tmp_path):
+    """Queries, keys and values are stacked at load: a checkpoint without one of them says which."""
+    from safetensors.torch import load_file, save_file
+
+    from servekit.optimizations.models.encoder import UnsupportedModel, load_encoder
+
+    path = hf_encoder(tmp_path / "m", "bert")
+    state = load_file(str(path / "model.safetensors"))
+    key = next(k for k in state if k.endswith("layer.1.attention.self.value.bias"))
+    save_file({k: v for k, v in state.items() if k != key}, str(path / "model.safetensors"))
+    with pytest.raises(UnsupportedModel, match=r"lacks the attention tensor 'layers.1.value.bias' beside "
+                                               r"layers.1.query.bias, layers.1.key.bias"):
+        load_encoder(path)

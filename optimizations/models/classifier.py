@@ -208,7 +208,7 @@ class SequenceClassifier(nn.Module):
         self.head = head
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(input_ids, attention_mask, token_type_ids))
+        return self.head(self.encoder(input_ids, attention_mask, token_type_ids, first_only=True))
 
 
 def _head_names(family: str) -> dict[str, str]:
