@@ -112,7 +112,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         def forward(self, ids: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
             return torch.zeros(ids.shape[0], 1)
 
-    forward = BucketedForward(Zeros(), gpu, torch.device("cpu"), runner.pad_id, extras=1)
+    forward = BucketedForward(Zeros(), gpu, torch.device("cpu"), runner.pad_id, typed=True)
     segments = runner.pairs.segments
     golden_cache = dict(segments._ids)
     limits = gpu.limits
@@ -130,7 +130,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         marks.append((time.perf_counter(), time.process_time()))
         chunks = plan_chunks([len(s) for s in ids], gpu.buckets.batch_sizes, gpu.buckets.seq_lens)
         marks.append((time.perf_counter(), time.process_time()))
-        out = forward.run(ids, [types], chunks)
+        out = forward.run(ids, types, chunks)
         marks.append((time.perf_counter(), time.process_time()))
         assert out is not None and out.shape[0] == len(req.inputs)
         if k < args.warmup:

@@ -106,7 +106,7 @@ class ScoreHandler:
         self._emit_batch(len(data), len(kept), n_tokens, chunks, (t0, t1, t2, t3))
         return [a if a is not None else "" for a in answers]
 
-    def _logits_alone(self, ids: list[list[int]], types: list[list[int]], spans: dict[int, tuple[int, int]],
+    def _logits_alone(self, ids: list[list[int]], types: list[int], spans: dict[int, tuple[int, int]],
                       context: Any, answers: list, first: Exception) -> torch.Tensor:
         """After a failed batch: each request on its own; a request that fails alone gets its own error
         (and leaves `spans`). Returns the logits of the others, in `spans` order."""

@@ -36,14 +36,17 @@ def unique_graphs() -> int:
     return 0 if dynamo_utils is None else int(dynamo_utils.counters["stats"]["unique_graphs"])
 
 
-def pad_chunk(seqs: Sequence[Sequence[int]], chunk: Chunk, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's ids and attention mask ``(batch, seq)``, right-padded. Built in numpy from one
-    flat array of all the chunk's tokens: a torch slice assignment per text cost ~16 µs each,
-    more than the rest of a 32-text request's padding and answer together (VM,
-    benchmarks/results/worker-overhead-cpu)."""
+def pad_chunk(seqs: Sequence[Sequence[int]], chunk: Chunk, pad_id: int,
+              type_splits: Sequence[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """A chunk's ids and attention mask ``(batch, seq)``, right-padded; with `type_splits` (each
+    input's first position of token type 1, as PairTokenizer gives them) also its token types: 1
+    from that position to the input's end, 0 elsewhere. Built in numpy from one flat array of all
+    the chunk's tokens: a torch slice assignment per text cost ~16 µs each, more than the rest of a
+    32-text request's padding and answer together (VM, benchmarks/results/worker-overhead-cpu)."""
     rows = [seqs[i] for i in chunk.indices]
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    filled = np.arange(chunk.seq) < lengths[:, None]  # each text's own cells
+    positions = np.arange(chunk.seq)
+    filled = positions < lengths[:, None]  # each text's own cells
     mask = np.zeros((chunk.batch, chunk.seq), dtype=np.int64)
     mask[: len(rows)] = filled
     mask[len(rows):, 0] = 1  # padding rows get one attended token so their (discarded) mean is finite
@@ -51,7 +54,14 @@ def pad_chunk(seqs: Sequence[Sequence[int]], chunk: Chunk, pad_id: int) -> tuple
     # Row-major order of the filled cells is the concatenation order of the rows' tokens.
     ids[: len(rows)][filled] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64,
                                            count=int(lengths.sum()))
-    return torch.from_numpy(ids), torch.from_numpy(mask)
+    if type_splits is None:
+        return torch.from_numpy(ids), torch.from_numpy(mask)
+    # Types from one position per row: going through every token's type as a Python int cost as
+    # much as the ids (H100 host, rerank of 100 pairs: 1.3 ms of padding per request, py-spy).
+    at = np.fromiter((type_splits[i] for i in chunk.indices), dtype=np.int64, count=len(rows))
+    types = np.zeros((chunk.batch, chunk.seq), dtype=np.int64)
+    types[: len(rows)] = filled & (positions >= at[:, None])
+    return torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(types)
 
 
 def _sdpa_context(attention: str):
@@ -103,15 +113,14 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class BucketedForward:
-    """`model(ids, mask, *extras)` over chunks of token lists, on the plan's path.
-
-    `extras` are further per-token inputs (a cross-encoder's token types), padded with 0. Built
-    eager (the fp32 reference runs through it first); `optimize()` then swaps in the served model
+    """`model(ids, mask)` over chunks of token lists, on the plan's path; `typed`: `model(ids, mask,
+    token_types)`, the types given per input as the position where type 1 starts (a BERT pair's
+    second text). Built eager (the fp32 reference runs through it first); `optimize()` then swaps in the served model
     and compiles, warms and captures every bucket of the plan.
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, device: torch.device, pad_id: int, extras: int = 0) -> None:
-        self.plan, self.device, self.pad_id, self.extras = plan, device, pad_id, extras
+    def __init__(self, model: nn.Module, plan: Plan, device: torch.device, pad_id: int, typed: bool = False) -> None:
+        self.plan, self.device, self.pad_id, self.typed = plan, device, pad_id, typed
         self.buckets = plan.buckets
         self._forward = self._eager(model)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
@@ -206,7 +215,7 @@ class BucketedForward:
             mem0 = torch.cuda.memory_reserved(self.device) if cuda else 0
             static = (torch.full((b, s), self.pad_id, dtype=torch.long, device=self.device),
                       torch.ones((b, s), dtype=torch.long, device=self.device),
-                      *(torch.zeros((b, s), dtype=torch.long, device=self.device) for _ in range(self.extras)))
+                      *([torch.zeros((b, s), dtype=torch.long, device=self.device)] if self.typed else []))
             # Compiling and graph capture need a pass or two first; eager needs one to warm allocators.
             for _ in range(1 if self.eager else 2):
                 self._forward(*static)
@@ -235,16 +244,18 @@ class BucketedForward:
         cost = (lambda b, s: replay[(b, s)]) if replay else token_cost
         return plan_chunks(lengths, self.buckets.batch_sizes, self.buckets.seq_lens, cost)
 
-    def run(self, seqs: Sequence[Sequence[int]], extras: Sequence[Sequence[Sequence[int]]] = (),
+    def run(self, seqs: Sequence[Sequence[int]], type_splits: Sequence[int] | None = None,
             chunks: Sequence[Chunk] | None = None) -> torch.Tensor | None:
         """Outputs for `seqs` in their order as float32 on the CPU (one device-to-host copy for the
-        whole call), or None for no input."""
+        whole call), or None for no input. `type_splits`: each input's first position of token
+        type 1 (a typed forward's; its length for none)."""
+        if self.typed != (type_splits is not None):
+            raise ValueError("type_splits go with a typed forward, and only there")
         chunks = self.chunks([len(s) for s in seqs]) if chunks is None else chunks
         parts, order = [], []
         for chunk in chunks:
-            ids, mask = pad_chunk(seqs, chunk, self.pad_id)
-            more = [pad_chunk(e, chunk, 0)[0] for e in extras]
-            parts.append(self.run_shape(chunk.batch, chunk.seq, ids, mask, *more)[: len(chunk.indices)])
+            inputs = pad_chunk(seqs, chunk, self.pad_id, type_splits)
+            parts.append(self.run_shape(chunk.batch, chunk.seq, *inputs)[: len(chunk.indices)])
             order.extend(chunk.indices)
         if not parts:
             return None

@@ -65,6 +65,11 @@ def test_padded_chunk_holds_each_text_left_aligned():
     assert ids[3].tolist() == [0] * 8 and mask[3].tolist() == [1] + [0] * 7
     ids, _ = pad_chunk(seqs, Chunk((1,), 1, 4), 3)  # another pad id
     assert ids.tolist() == [[101, 102, 3, 3]]
+    # Token types from each row's split: 1 from it to the row's end, 0 before it and in padding.
+    ids2, mask2, types = pad_chunk(seqs, Chunk((2, 0, 3), 4, 8), 0, type_splits=[2, 2, 3, 3])
+    assert torch.equal(ids2, pad_chunk(seqs, Chunk((2, 0, 3), 4, 8), 0)[0]) and types.dtype == torch.long
+    assert types.tolist() == [[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0],
+                              [0] * 8]
 
 
 def test_batch_composition_does_not_change_results(golden, small_runner):

@@ -120,8 +120,26 @@ def test_assembled_pairs_and_texts_equal_the_tokenizers_own_encoding(typed, cach
     ids, types, cut = pt.encode(inputs)
     assert (ids, types, cut) == pt.encode_library(inputs)
     assert 0 < sum(cut) < len(inputs) and max(map(len, ids)) == 32
-    assert any(t[-1] == 1 for t in types) is typed  # a BERT pair's second text is type 1 when types are passed
+    # Each input's type split gives the library's own token types, token for token (all 0 untyped).
+    library = [e.type_ids for e in pt.library.encode_batch_fast(inputs)]
+    assert [[0] * t + [1] * (len(i) - t) for i, t in zip(ids, types)] == (library if typed else [[0] * len(i) for i in ids])
+    assert any(t < len(i) for i, t in zip(ids, types)) is typed  # a BERT pair's second text is type 1 when types are passed
     assert pt.encode([]) == ([], [], [])
+
+
+def test_token_types_that_are_not_zeros_then_ones_are_refused_at_start():
+    """Types travel as one position per input: a template typing a pair 0, 1, 0 cannot be told that
+    way, so the model is refused when it loads, naming the types, not at its first request."""
+    from servekit.optimizations.models.errors import UnsupportedModel
+    from servekit.optimizations.score.tokens import type_split
+
+    assert [type_split(t) for t in ([], [0, 0], [0, 1, 1], [1])] == [0, 2, 1, 0]
+    with pytest.raises(UnsupportedModel, match=r"token types \[0, 1, 0\] for an input"):
+        type_split([0, 1, 0])
+    with pytest.raises(UnsupportedModel, match="token types are 0s, then 1s"):
+        minilm(24, pair="[CLS]:0 $A:1 [SEP]:0 $B:0 [SEP]:0")
+    # Untyped, the same template serves: its types are never passed.
+    assert minilm(24, typed=False, pair="[CLS]:0 $A:1 [SEP]:0 $B:0 [SEP]:0").encode([("a", "b")])[1] == [5]
 
 
 def test_a_template_that_is_not_specials_around_the_texts_in_order_keeps_the_library():

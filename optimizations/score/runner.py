@@ -69,7 +69,7 @@ class ScoreRunner:
         golden_pairs = list(zip(golden[::2], golden[1::2]))
         golden_ids = self.tokenize(golden_pairs if self.spec.kind == "rerank" else golden)
         model = model.to(self.device)
-        self.forward = BucketedForward(model, self.plan, self.device, self.pad_id, extras=1)
+        self.forward = BucketedForward(model, self.plan, self.device, self.pad_id, typed=True)
         reference = self.scores(self.logits(golden_ids[0], golden_ids[1]))
 
         model = quantize(model.to(DTYPES[self.plan.precision]), self.plan.quantization)
@@ -94,10 +94,11 @@ class ScoreRunner:
         """The forward passes `logits` would cut `seqs` into (eager: exact length-sorted runs)."""
         return self.forward.chunks([len(s) for s in seqs])
 
-    def logits(self, seqs: Sequence[Sequence[int]], types: Sequence[Sequence[int]],
+    def logits(self, seqs: Sequence[Sequence[int]], type_splits: Sequence[int],
                chunks: Sequence[Chunk] | None = None) -> torch.Tensor:
-        """Logits (n, labels) as float32 on the CPU; one device-to-host copy for the whole batch."""
-        out = self.forward.run(seqs, [types], chunks)
+        """Logits (n, labels) as float32 on the CPU; one device-to-host copy for the whole batch.
+        `type_splits`: each input's first position of token type 1, as `tokenize` gives them."""
+        out = self.forward.run(seqs, type_splits, chunks)
         return torch.empty(0, len(self.spec.labels)) if out is None else out
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:

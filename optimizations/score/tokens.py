@@ -29,10 +29,20 @@ from typing import Sequence
 from tokenizers import Encoding, Tokenizer
 
 from servekit.optimizations.embed.segment_cache import PROBES, SegmentCache
+from servekit.optimizations.models.errors import UnsupportedModel
 
 log = logging.getLogger(__name__)
-# Tokens of one batch of inputs: ids, token types, and whether truncation cut each input.
-Tokens = tuple[list[list[int]], list[list[int]], list[bool]]
+# Tokens of one batch of inputs: ids; each input's token types as the position where type 1
+# starts (its length where none is 1: types are 0s, then 1s to the end); whether truncation cut it.
+Tokens = tuple[list[list[int]], list[int], list[bool]]
+
+
+def _bert_types(single: "Template", pair: "Template") -> bool:
+    """Whether a single text is all type 0 and a pair 0 through the specials after its first text,
+    then 1: type 1 then starts right after them in every assembled pair."""
+    before, between, after = pair.types
+    return (set(single.types[0] + single.types[1]) <= {0} and single.text_types == (0,)
+            and set(before + between) <= {0} and set(after) <= {1} and pair.text_types == (0, 1))
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,17 @@ def _template(encoding: Encoding, n_texts: int) -> Template | None:
                     tuple(t.pop() for t in text_types))
 
 
+def type_split(type_ids: Sequence[int]) -> int:
+    """The position where a row's token types turn from 0 to 1 (its length if they never do);
+    UnsupportedModel if they are not 0s then 1s, which no BERT template gives."""
+    n = len(type_ids)
+    at = type_ids.index(1) if 1 in type_ids else n
+    if type_ids.count(0) != at or type_ids.count(1) != n - at:
+        raise UnsupportedModel(f"the tokenizer gives token types {list(type_ids)[:12]} for an input: served "
+                               "models' token types are 0s, then 1s to the end (BERT's pairs)")
+    return at
+
+
 def _probe_inputs(tokenizer: Tokenizer, max_tokens: int, extra: Sequence[str]) -> list[str | tuple[str, str]]:
     """Texts and pairs on every side of the limit: the segment cache's probes and `extra` alone and
     paired, and pairs of word runs whose lengths fall short of, reach and pass the room, equal and
@@ -96,7 +117,9 @@ class PairTokenizer:
     the tokenizer's own encoding with `longest_first` truncation at `max_tokens`.
 
     `tokenizer` must not truncate (load_tokenizer's); `typed`: pass the template's token types (a
-    BERT pair's second text 1), else all 0. `cache_entries` bounds the segment cache (0: off)."""
+    BERT pair's second text 1), else all 0. `cache_entries` bounds the segment cache (0: off).
+    Token types come as one position per input (`Tokens`); a typed tokenizer whose types are not 0s
+    then 1s is refused here (UnsupportedModel), not at its first request."""
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: int, typed: bool, cache_entries: int,
                  probes: Sequence[str] = ()) -> None:
@@ -107,10 +130,15 @@ class PairTokenizer:
         self.single = _template(tokenizer.encode("a"), 1)
         self.pair = _template(tokenizer.encode("a", "b"), 2)
         self.off_reason: str | None = None
+        probe_inputs = _probe_inputs(tokenizer, max_tokens, probes)
+        if typed:
+            self.encode_library(probe_inputs)  # UnsupportedModel for types that are not 0s then 1s
         if self.single is None or self.pair is None:
             self.off_reason = "the post-processor's template is not specials around the texts in order"
+        elif typed and not _bert_types(self.single, self.pair):
+            self.off_reason = "the template's token types are not BERT's (0 through the first text's [SEP], then 1)"
         else:
-            self.off_reason = self._check(_probe_inputs(tokenizer, max_tokens, probes))
+            self.off_reason = self._check(probe_inputs)
         if self.off_reason is not None:
             log.info("pairs are encoded by the tokenizer's own pair encoding: %s", self.off_reason)
 
@@ -133,40 +161,39 @@ class PairTokenizer:
         """The tokenizer's own encoding of every input, truncated `longest_first`."""
         encodings = self.library.encode_batch_fast(list(inputs))
         ids = [e.ids for e in encodings]
-        types = [e.type_ids for e in encodings] if self.typed else [[0] * len(x) for x in ids]
-        return ids, types, [bool(e.overflowing) for e in encodings]
+        splits = [type_split(e.type_ids) for e in encodings] if self.typed else [len(x) for x in ids]
+        return ids, splits, [bool(e.overflowing) for e in encodings]
 
     def _assemble(self, inputs: Sequence[str | tuple[str, str]]) -> Tokens:
         texts = dict.fromkeys(t for x in inputs for t in ((x,) if isinstance(x, str) else x))
         own = dict(zip(texts, self.segments.encode(list(texts))))
-        single, pair, typed = self.single, self.pair, self.typed
-        s_before, s_after = single.ids
-        s_types = single.types if typed else tuple((0,) * len(t) for t in single.ids)
-        s_text = single.text_types[0] if typed else 0
-        before, between, after = pair.ids
-        t_before, t_between, t_after = pair.types if typed else tuple((0,) * len(t) for t in pair.ids)
-        t_a, t_b = pair.text_types if typed else (0, 0)
-        s_room, p_room = self.max_tokens - single.added, self.max_tokens - pair.added
+        s_before, s_after = self.single.ids
+        before, between, after = self.pair.ids
+        # Where type 1 starts in an assembled pair: right after the specials that follow its first
+        # text (BERT's layout, checked at start); untyped inputs and single texts have none.
+        first_room = len(before) + len(between) if self.typed else None
+        s_room, p_room = self.max_tokens - self.single.added, self.max_tokens - self.pair.added
         ids: list[list[int]] = []
-        types: list[list[int]] = []
+        splits: list[int] = []
         cut: list[bool] = []
         over: list[int] = []  # inputs past the limit: rows the library fills in, truncating them
         for x in inputs:
             if isinstance(x, str):
                 a = own[x]
                 fits = len(a) <= s_room
-                ids.append([*s_before, *a, *s_after] if fits else [])
-                types.append([*s_types[0], *[s_text] * len(a), *s_types[1]] if fits else [])
+                row = [*s_before, *a, *s_after] if fits else []
+                splits.append(len(row))
             else:
                 a, b = own[x[0]], own[x[1]]
                 fits = len(a) + len(b) <= p_room
-                ids.append([*before, *a, *between, *b, *after] if fits else [])
-                types.append([*t_before, *[t_a] * len(a), *t_between, *[t_b] * len(b), *t_after] if fits else [])
+                row = [*before, *a, *between, *b, *after] if fits else []
+                splits.append(len(row) if first_room is None else first_room + len(a))
+            ids.append(row)
             cut.append(not fits)
             if not fits:
                 over.append(len(ids) - 1)
         if over:
-            lib_ids, lib_types, _ = self.encode_library([inputs[k] for k in over])
-            for k, i, t in zip(over, lib_ids, lib_types):
-                ids[k], types[k] = i, t
-        return ids, types, cut
+            lib_ids, lib_splits, _ = self.encode_library([inputs[k] for k in over])
+            for k, i, t in zip(over, lib_ids, lib_splits):
+                ids[k], splits[k] = i, t
+        return ids, splits, cut
