@@ -115,8 +115,8 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 class BucketedForward:
     """`model(ids, mask)` over chunks of token lists, on the plan's path; `typed`: `model(ids, mask,
     token_types)`, the types given per input as the position where type 1 starts (a BERT pair's
-    second text). Built eager (the fp32 reference runs through it first); `optimize()` then swaps in the served model
-    and compiles, warms and captures every bucket of the plan.
+    second text). Built eager (the fp32 reference runs through it first); `optimize()` then swaps
+    in the served model and compiles, warms and captures every bucket of the plan.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, pad_id: int, typed: bool = False) -> None:

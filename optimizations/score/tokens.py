@@ -171,7 +171,7 @@ class PairTokenizer:
         before, between, after = self.pair.ids
         # Where type 1 starts in an assembled pair: right after the specials that follow its first
         # text (BERT's layout, checked at start); untyped inputs and single texts have none.
-        first_room = len(before) + len(between) if self.typed else None
+        type1_after_a = len(before) + len(between) if self.typed else None
         s_room, p_room = self.max_tokens - self.single.added, self.max_tokens - self.pair.added
         ids: list[list[int]] = []
         splits: list[int] = []
@@ -187,7 +187,7 @@ class PairTokenizer:
                 a, b = own[x[0]], own[x[1]]
                 fits = len(a) + len(b) <= p_room
                 row = [*before, *a, *between, *b, *after] if fits else []
-                splits.append(len(row) if first_room is None else first_room + len(a))
+                splits.append(len(row) if type1_after_a is None else type1_after_a + len(a))
             ids.append(row)
             cut.append(not fits)
             if not fits:
