@@ -297,6 +297,62 @@ def test_masks_filled_on_threads_equal_one_by_one(compiler, tokenizer) -> None:
     assert torch.equal(dest, packed)
 
 
+def test_masks_fill_without_calling_into_python_and_equal_the_byte_tables(compiler, tokenizer, stops) -> None:
+    """SmolLM2's tokenizer.json read by llguidance itself agrees with servekit's byte table, so the
+    compiler uses it: filling masks then never calls the Python encoder (which needs the GIL from
+    llguidance's threads), and along every schema's answer the masks equal the byte table's."""
+    import llguidance
+    import numpy as np
+
+    from servekit.optimizations.llm import grammar
+    from servekit.optimizations.llm.grammar import fill_masks
+
+    assert compiler.python_tokenize is None
+    vocab = grammar._Vocab(tokenizer, VOCAB)
+    calls = []
+    encode = vocab._encode
+    vocab._encode = lambda text, **kw: calls.append(text) or encode(text, **kw)
+    table = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=VOCAB, eos_token=list(stops))
+    words = (VOCAB + 31) // 32
+    ex = llguidance.LLExecutor(2)
+    for schema in SCHEMAS:
+        native = compiler.constraint(GrammarSpec.of(JSON, schema)).start().matcher
+        by_table = llguidance.LLMatcher(table, GrammarSpec.of(JSON, schema).grammar(), log_level=0)
+        for step in range(40):  # along a path the masks allow, a different allowed token each step
+            a, b = torch.zeros(2, words, dtype=torch.int32), torch.zeros(2, words, dtype=torch.int32)
+            before = len(calls)
+            fill_masks([(native, 0), (native.deep_copy(), 1)], a, ex)
+            assert len(calls) == before, "the native tokenizer called the Python encoder"
+            fill_masks([(by_table, 0), (by_table.deep_copy(), 1)], b, ex)
+            assert torch.equal(a, b), (schema, step)
+            bits = np.unpackbits(a[0].numpy().view(np.uint8), bitorder="little")[:VOCAB]
+            allowed = np.flatnonzero(bits).tolist()
+            t = allowed[(step * 7919) % len(allowed)]
+            assert native.consume_token(t) and by_table.consume_token(t)
+            if native.is_stopped():
+                break
+    assert calls, "the byte table's tokenizer was never asked to tokenize: the check above proves nothing"
+
+
+def test_a_tokenizer_that_reads_a_token_otherwise_keeps_the_byte_table(tokenizer, stops) -> None:
+    """Where llguidance's own reading differs from the byte table (here: one token's bytes changed
+    in the table), the difference is named and the byte table is the one to use."""
+    import llguidance
+
+    from servekit.optimizations.llm import grammar
+
+    native = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=VOCAB, eos_token=list(stops))
+    vocab = grammar._Vocab(tokenizer, VOCAB)
+    assert grammar.tokenizer_mismatch(native, llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(vocab), n_vocab=VOCAB, eos_token=list(stops))) is None
+    vocab.tokens[300] = b"<changed>"
+    changed = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=VOCAB, eos_token=list(stops))
+    assert grammar.tokenizer_mismatch(native, changed) == f"token 300 reads {native.decode_bytes([300])!r}, not b'<changed>'"
+    other_stops = llguidance.LLTokenizer(llguidance.TokenizerWrapper(grammar._Vocab(tokenizer, VOCAB)), n_vocab=VOCAB,
+                                         eos_token=[stops[0]])
+    assert "stop tokens" in grammar.tokenizer_mismatch(native, other_stops)
+
+
 def _allowed(words: torch.Tensor) -> torch.Tensor:
     """A packed bitmask row (int32 words) as one bool per token, bit by bit in Python."""
     return torch.tensor([bool((int(words[t // 32]) >> (t % 32)) & 1) for t in range(VOCAB)])

@@ -30,6 +30,7 @@ import collections
 import concurrent.futures
 import functools
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ import torch
 from torch import Tensor
 
 from servekit.optimizations.llm.sampling import unpack_masks, upload
+
+log = logging.getLogger(__name__)
 
 # What a grammar spec may be (vLLM's structured_outputs names): a JSON schema, any JSON object,
 # a regular expression, one of a list of strings, a grammar (GBNF, as llama.cpp and vLLM's
@@ -151,20 +154,57 @@ def _for_grammar(schema: Any) -> Any:
     return out
 
 
-def llg_tokenizer(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+# Texts whose tokens llguidance's own reading of tokenizer.json must give as the tokenizer does
+# before it is used: what a grammar forces (JSON keys and punctuation), spaces, other scripts.
+PROBE_TEXTS = ('{"name": "', ': "', '", "', '{"a": [1, 2.5e-3, true, null]}', "hello world", "  x",
+               "\n\t\"", "naïve café 東京 😀", "ANSWER: 42.", "<|im_end|>")
+
+
+def llg_tokenizer(tokenizer: Any, vocab_size: int,
+                  stop_token_ids: Sequence[int]) -> tuple[llguidance.LLTokenizer, str | None]:
     """llguidance's view of a ``ChatTokenizer``'s vocabulary: ``vocab_size`` ids, each as the bytes
-    it stands for, with every stop token allowed where the grammar may end."""
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tokenizer, vocab_size)), n_vocab=vocab_size,
-                                  eos_token=list(stop_token_ids) or tokenizer.eos_token_id)
+    it stands for, with every stop token allowed where the grammar may end; and why it is not
+    llguidance's own (None when it is).
+
+    llguidance tokenizes the text a grammar forces (``{"name": "``) while it fills a mask. Its own
+    reading of tokenizer.json does that in Rust; servekit's byte table (``_Vocab``) calls back into
+    Python, which needs the GIL from llguidance's threads. On the 2-core VM, 32 rows' masks took
+    2.65 ms that way against 0.30 natively, and 8.5 against 1.3 ms beside a busy Python thread (a
+    worker's handler thread streaming answers). The native reading is used when it agrees with the
+    byte table on every token's bytes, the special tokens, the stop tokens and ``PROBE_TEXTS``."""
+    stops = list(stop_token_ids) or tokenizer.eos_token_id
+    table = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tokenizer, vocab_size)), n_vocab=vocab_size,
+                                   eos_token=stops)
+    try:
+        native = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=stops)
+    except Exception as e:  # a tokenizer.json llguidance cannot read
+        return table, f"llguidance cannot read the tokenizer: {_first_line(e)}"
+    reason = tokenizer_mismatch(native, table)
+    return (table, reason) if reason else (native, None)
+
+
+def tokenizer_mismatch(native: llguidance.LLTokenizer, table: llguidance.LLTokenizer) -> str | None:
+    """Where two llguidance tokenizers of one vocabulary differ (None: nowhere that masks depend on)."""
+    if native.vocab_size != table.vocab_size:
+        return f"vocabulary of {native.vocab_size} tokens, not {table.vocab_size}"
+    if native.eos_tokens != table.eos_tokens:
+        return f"stop tokens {native.eos_tokens}, not {table.eos_tokens}"
+    for i in range(table.vocab_size):
+        if native.decode_bytes([i]) != table.decode_bytes([i]) or native.is_special_token(i) != table.is_special_token(i):
+            return f"token {i} reads {native.decode_bytes([i])!r}, not {table.decode_bytes([i])!r}"
+    for text in PROBE_TEXTS:
+        if native.tokenize_str(text) != table.tokenize_str(text):
+            return f"{text!r} tokenizes to {native.tokenize_str(text)}, not {table.tokenize_str(text)}"
+    return None
 
 
 class _Vocab:
     """A vocabulary as llguidance's ``TokenizerWrapper`` takes it: each id's bytes from
     ``ChatTokenizer.token_bytes`` (special tokens marked by llguidance's 0xFF prefix: never inside a
-    grammar's text; ids past the tokenizer's, empty), and an encoder of text. Built from servekit's
-    own byte table rather than llguidance's reading of tokenizer.json: on the GPU machine, that
-    reading of the GGUF-converted SmolLM2 tokenizer gave masks that, after ``{"name":``, allowed
-    only ``:`` (here both give the same masks, and this table gave the right ones there too)."""
+    grammar's text; ids past the tokenizer's, empty), and an encoder of text. The reference that
+    llguidance's own reading of tokenizer.json is checked against, and the tokenizer used when they
+    differ: on a GPU machine that reading of the GGUF-converted SmolLM2 tokenizer once gave masks
+    that, after ``{"name":``, allowed only ``:``, where this table gave the right ones."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         special = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values() if t.special}
@@ -192,11 +232,15 @@ class _Vocab:
 
 class GrammarCompiler:
     """Compiles ``GrammarSpec``s for one tokenizer: a bounded LRU of compiled grammars and a time
-    limit per compilation. Thread-safe (the handler thread compiles, the engine thread matches)."""
+    limit per compilation. Thread-safe (the handler thread compiles, the engine thread matches).
+    ``python_tokenize``: why llguidance's own tokenizer is not used (None when it is)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
                  cache_size: int = DEFAULT_CACHE_SIZE, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
-        self.tokenizer = llg_tokenizer(tokenizer, vocab_size, stop_token_ids)
+        self.tokenizer, self.python_tokenize = llg_tokenizer(tokenizer, vocab_size, stop_token_ids)
+        if self.python_tokenize:
+            log.warning("grammar masks tokenize forced text through Python, slower under load: %s",
+                        self.python_tokenize)
         self.vocab_size, self.stop_token_ids = vocab_size, tuple(stop_token_ids)
         self.cache_size, self.timeout_s = cache_size, timeout_s
         self._cache: collections.OrderedDict[GrammarSpec, llguidance.LLMatcher] = collections.OrderedDict()
