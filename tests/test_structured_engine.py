@@ -353,6 +353,32 @@ def test_a_tokenizer_that_reads_a_token_otherwise_keeps_the_byte_table(tokenizer
     assert "stop tokens" in grammar.tokenizer_mismatch(native, other_stops)
 
 
+def test_a_byte_level_bpe_converted_with_byte_fallback_is_read_as_byte_level(tokenizer, stops) -> None:
+    """transformers 5.17 converts SmolLM2's GGUF with byte fallback and a SentencePiece-style decoder
+    chain around ByteLevel; llguidance reads that tokenizer.json as SentencePiece (token 111: the
+    UTF-8 of "¡", not the byte 0xA1). Rewritten as a plain byte-level BPE it agrees with the byte
+    table, so that tokenizer is read natively too."""
+    import copy
+
+    import llguidance
+    from tokenizers import Tokenizer
+
+    from servekit.optimizations.llm.grammar import byte_level_json, llg_tokenizer
+
+    d = json.loads(tokenizer.tokenizer.to_str())
+    assert byte_level_json(tokenizer.tokenizer.to_str()) is None  # already plain
+    d["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        d["decoder"]]}
+    d["model"]["byte_fallback"] = True
+    converted = copy.copy(tokenizer)
+    converted.tokenizer = Tokenizer.from_str(json.dumps(d))
+    as_is = llguidance.LLTokenizer(converted.tokenizer.to_str(), n_vocab=VOCAB, eos_token=list(stops))
+    assert as_is.decode_bytes([111]) == "¡".encode() != tokenizer.token_bytes(111) == b"\xa1"
+    native, reason = llg_tokenizer(converted, VOCAB, stops)
+    assert reason is None and native.decode_bytes([111]) == b"\xa1"
+
+
 def _allowed(words: torch.Tensor) -> torch.Tensor:
     """A packed bitmask row (int32 words) as one bool per token, bit by bit in Python."""
     return torch.tensor([bool((int(words[t // 32]) >> (t % 32)) & 1) for t in range(VOCAB)])

@@ -170,17 +170,41 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int,
     reading of tokenizer.json does that in Rust; servekit's byte table (``_Vocab``) calls back into
     Python, which needs the GIL from llguidance's threads. On the 2-core VM, 32 rows' masks took
     2.65 ms that way against 0.30 natively, and 8.5 against 1.3 ms beside a busy Python thread (a
-    worker's handler thread streaming answers). The native reading is used when it agrees with the
-    byte table on every token's bytes, the special tokens, the stop tokens and ``PROBE_TEXTS``."""
+    worker's handler thread streaming answers). The native reading (of tokenizer.json as it is, else
+    as ``byte_level_json`` rewrites it) is used when it agrees with the byte table on every token's
+    bytes, the special tokens, the stop tokens and ``PROBE_TEXTS``."""
     stops = list(stop_token_ids) or tokenizer.eos_token_id
     table = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tokenizer, vocab_size)), n_vocab=vocab_size,
                                    eos_token=stops)
-    try:
-        native = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=vocab_size, eos_token=stops)
-    except Exception as e:  # a tokenizer.json llguidance cannot read
-        return table, f"llguidance cannot read the tokenizer: {_first_line(e)}"
-    reason = tokenizer_mismatch(native, table)
-    return (table, reason) if reason else (native, None)
+    raw = tokenizer.tokenizer.to_str()
+    reason = "no reading tried"
+    for text in dict.fromkeys(filter(None, (raw, byte_level_json(raw)))):
+        try:
+            native = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=stops)
+        except Exception as e:  # a tokenizer.json llguidance cannot read
+            reason = f"llguidance cannot read the tokenizer: {_first_line(e)}"
+            continue
+        reason = tokenizer_mismatch(native, table)
+        if reason is None:
+            return native, None
+    return table, reason
+
+
+def byte_level_json(raw: str) -> str | None:
+    """A tokenizer.json whose decoder has a ByteLevel step, as a plain byte-level BPE: that step
+    alone as its decoder, no byte fallback; None for other tokenizers and plain ones. transformers
+    5.17 converts SmolLM2's GGUF to a BPE with byte fallback and a SentencePiece-style chain around
+    ByteLevel (5.24: ByteLevel alone), which llguidance then reads as SentencePiece: token 111 as
+    the UTF-8 of "¡" instead of the byte 0xA1 (H100 machine, 2026-11-26)."""
+    d = json.loads(raw)
+    decoder = d.get("decoder") or {}
+    steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    byte_level = next((step for step in steps if step.get("type") == "ByteLevel"), None)
+    model = d.get("model") or {}
+    if byte_level is None or (byte_level is decoder and not model.get("byte_fallback")):
+        return None
+    d["decoder"], d["model"] = byte_level, {**model, "byte_fallback": False}
+    return json.dumps(d, ensure_ascii=False)
 
 
 def tokenizer_mismatch(native: llguidance.LLTokenizer, table: llguidance.LLTokenizer) -> str | None:
