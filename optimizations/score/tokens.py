@@ -131,14 +131,15 @@ class PairTokenizer:
         self.pair = _template(tokenizer.encode("a", "b"), 2)
         self.off_reason: str | None = None
         probe_inputs = _probe_inputs(tokenizer, max_tokens, probes)
-        if typed:
-            self.encode_library(probe_inputs)  # UnsupportedModel for types that are not 0s then 1s
+        # The reference the assembly is checked against; typed: UnsupportedModel for types that are
+        # not 0s then 1s, whichever way inputs are then encoded.
+        library = self.encode_library(probe_inputs)
         if self.single is None or self.pair is None:
             self.off_reason = "the post-processor's template is not specials around the texts in order"
         elif typed and not _bert_types(self.single, self.pair):
             self.off_reason = "the template's token types are not BERT's (0 through the first text's [SEP], then 1)"
         else:
-            self.off_reason = self._check(probe_inputs)
+            self.off_reason = self._check(probe_inputs, library)
         if self.off_reason is not None:
             log.info("pairs are encoded by the tokenizer's own pair encoding: %s", self.off_reason)
 
@@ -147,8 +148,8 @@ class PairTokenizer:
         """Whether inputs are assembled from each distinct text's tokens (else: the library's pair encoding)."""
         return self.off_reason is None
 
-    def _check(self, inputs: list[str | tuple[str, str]]) -> str | None:
-        want, got = self.encode_library(inputs), self._assemble(inputs)
+    def _check(self, inputs: list[str | tuple[str, str]], want: Tokens) -> str | None:
+        got = self._assemble(inputs)
         for k, x in enumerate(inputs):
             if (want[0][k], want[1][k]) != (got[0][k], got[1][k]):
                 return f"assembled tokens differ from the tokenizer's pair encoding on {str(x)[:60]!r}"
