@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -455,6 +456,10 @@ class TorchServe:
         self.proc.wait()
         self.proc = None
         (self.run_dir / "torchserve.pid").unlink(missing_ok=True)
+        # TorchServe unpacks every registered archive into TEMP/models/<hash> and never removes it:
+        # a copy of the weights per registration (a 135M-parameter LLM: ~270 MB) left behind once
+        # nothing can use it. Logs stay.
+        shutil.rmtree(self.temp_dir / "models", ignore_errors=True)
 
     def __enter__(self) -> "TorchServe":
         return self.start()

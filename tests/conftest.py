@@ -37,6 +37,23 @@ from session_cache import build_once
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # A run needs ~2.5 GB under the temp folder at its peak and ~0.8 GB of converted SmolLM2
+    # weights in ~/.cache/servekit: a disk that fills mid-run fails tests at random with ENOSPC, so
+    # a nearly full one is named before the first test (even under -q).
+    import shutil
+    import tempfile
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    if free < 5:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"WARNING: only {free:.1f} GiB free under {tempfile.gettempdir()}; "
+                                "the suite needs ~4 GiB", yellow=True, bold=True)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Under pytest-xdist every worker is a process of its own: one torch thread each keeps the
     # workers from oversubscribing the cores (two OpenMP threads per worker on 2 cores run small

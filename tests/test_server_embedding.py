@@ -193,9 +193,13 @@ def test_clean_shutdown_leaves_no_process(model_store, tmp_path):
     group = ts.proc.pid
     names = [_name(p) for p in group_alive(group)]
     assert len(names) >= 3 and any("java" in n for n in names), names  # launcher, Java frontend, worker
+    unpacked = list((ts.temp_dir / "models").glob("*/model.safetensors"))
+    assert unpacked, "TorchServe no longer unpacks archives into TEMP/models: revisit stop()'s clean-up"
     ts.stop()
     assert group_alive(group) == []
     assert not (tmp_path / "torchserve.pid").exists()
+    assert not (ts.temp_dir / "models").exists()  # the unpacked weights, a copy per registration
+    assert (ts.log_dir / "model_log.log").is_file()  # logs stay
 
 
 def test_json_sent_as_text_plain_is_read_as_json(minilm_server):
