@@ -5,7 +5,10 @@
 Runs TorchServe 0.12's own code on real bytes, in this process, without a model:
   - decode: a PREDICT frame of B requests (the headers a locust client sends, bodies from
     benchmarks/payloads/texts.jsonl) read from a real socket pair with `retrieve_msg`, once through
-    TorchServe's reader (one `recv` per field) and once through `servekit.handlers.worker_io`'s buffered one;
+    TorchServe's reader (one `recv` per field, three calls per field) and once through
+    `servekit.handlers.worker_io` (a buffered reader, one parsing loop per frame); and once more for
+    an LLM worker's continuous-batching call: 32 running requests, the openai SDK's 17 headers each,
+    no body;
   - metrics: the embedding handler's lines for one batch of B requests (11 per batch, 1 latency
     observation per request) written to a pipe that a thread drains, as the frontend drains a
     worker's stdout: once through `CachingMetric.add_or_update` + `logging` (TorchServe's emitter,
@@ -48,6 +51,17 @@ CLIENT_HEADERS = {"Host": "127.0.0.1:8080", "User-Agent": "python/gevent-http-cl
                   "Accept-Encoding": "gzip, deflate", "Content-Type": "application/json",
                   "Content-Length": "64", "Connection": "keep-alive"}
 
+# What the openai Python SDK (1.x) sends with a chat completion: a continuous-batching call of the
+# LLM carries each running request again with these headers and no body.
+OPENAI_SDK_HEADERS = {
+    "Host": "127.0.0.1:8080", "Accept-Encoding": "gzip, deflate", "Connection": "keep-alive",
+    "Accept": "application/json", "Content-Type": "application/json", "User-Agent": "OpenAI/Python 1.109.1",
+    "X-Stainless-Lang": "python", "X-Stainless-Package-Version": "1.109.1", "X-Stainless-OS": "Linux",
+    "X-Stainless-Arch": "x64", "X-Stainless-Runtime": "CPython", "X-Stainless-Runtime-Version": "3.12.3",
+    "Authorization": "Bearer unused", "X-Stainless-Async": "false", "x-stainless-retry-count": "0",
+    "x-stainless-read-timeout": "600", "Content-Length": "212"}
+LLM_CALL_REQUESTS = 32
+
 
 def _field(data: bytes) -> bytes:
     return struct.pack("!i", len(data)) + data
@@ -86,7 +100,7 @@ def bench_decode(frame: bytes, reps: int, buffered: bool) -> float:
 
     from servekit.handlers import worker_io
 
-    original, switch = otf._retrieve_buffer, os.environ.get(worker_io.DECODE_SWITCH)
+    original, switch = (otf._retrieve_buffer, otf._retrieve_inference_msg), os.environ.get(worker_io.DECODE_SWITCH)
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * len(frame))
     b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * len(frame))
@@ -94,7 +108,7 @@ def bench_decode(frame: bytes, reps: int, buffered: bool) -> float:
         if buffered:
             worker_io.install_buffered_reads()
         else:  # stock TorchServe: its reader, and JSON bodies decoded (whatever a buffered run set before)
-            otf._retrieve_buffer = worker_io.stock_retrieve
+            otf._retrieve_buffer, otf._retrieve_inference_msg = worker_io.stock_retrieve, worker_io.stock_inference_msg
             os.environ.pop(worker_io.DECODE_SWITCH, None)
 
         def one() -> None:
@@ -103,7 +117,7 @@ def bench_decode(frame: bytes, reps: int, buffered: bool) -> float:
 
         return _best_of(one, reps)
     finally:
-        otf._retrieve_buffer = original
+        otf._retrieve_buffer, otf._retrieve_inference_msg = original
         if switch is None:
             os.environ.pop(worker_io.DECODE_SWITCH, None)
         else:
@@ -303,10 +317,18 @@ def run(batches: Sequence[int], reps: int, texts: int = 1) -> dict[str, Any]:
         print(f"batch {b:3d} x {texts} texts: " + "   ".join(
             f"{k} {row[k]['stock_us_per_batch']:8.1f} -> {row[k]['servekit_us_per_batch']:7.1f} us ({row[k]['speedup']}x)"
             for k, _ in stages) + (f"   frame {row['frame']['us_per_batch']:.1f} us" if texts > 1 else ""), flush=True)
+    # An LLM worker's continuous-batching call: every running request again, headers only.
+    frame = predict_frame([b""] * LLM_CALL_REQUESTS, OPENAI_SDK_HEADERS, "")
+    llm_call = {"requests": LLM_CALL_REQUESTS, "headers_per_request": len(OPENAI_SDK_HEADERS),
+                "frame_bytes": len(frame), "decode": _stage(bench_decode(frame, reps, False),
+                                                            bench_decode(frame, reps, True), LLM_CALL_REQUESTS)}
+    d = llm_call["decode"]
+    print(f"LLM call, {LLM_CALL_REQUESTS} running requests: decode {d['stock_us_per_batch']:.1f} -> "
+          f"{d['servekit_us_per_batch']:.1f} us ({d['speedup']}x)", flush=True)
     import tokenizers
     import ts
 
-    return {"rows": rows, "reps": reps, "texts_per_request": texts, "date": dt.date.today().isoformat(),
+    return {"rows": rows, "llm_call": llm_call, "reps": reps, "texts_per_request": texts, "date": dt.date.today().isoformat(),
             "command": "python -m servekit.benchmarks.worker_overhead " + " ".join(sys.argv[1:]),
             "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "os": platform.platform(),
                         "python": platform.python_version(), "torchserve": ts.__version__,

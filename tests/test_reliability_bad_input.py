@@ -8,7 +8,6 @@ an in-process reference; the worker must be the same process afterwards.
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import numpy as np

@@ -22,6 +22,7 @@ def sockets(monkeypatch):
     """A connected socket pair, TorchServe's reader and body decoding restored and no buffered state
     left afterwards."""
     monkeypatch.setattr(otf, "_retrieve_buffer", worker_io.stock_retrieve)
+    monkeypatch.setattr(otf, "_retrieve_inference_msg", worker_io.stock_inference_msg)
     monkeypatch.delenv(worker_io.DECODE_SWITCH, raising=False)
     monkeypatch.setattr(worker_io, "_reader", None)
     a, b = socket.socketpair()
@@ -37,22 +38,27 @@ def _decode(conn):
 
 def test_buffered_reader_decodes_what_torchserve_decodes(sockets, monkeypatch):
     a, b = sockets
-    frame = predict_frame(BODIES)
+    # Requests with bodies, and continuing requests of a continuous-batching call (headers, no body).
+    frame = predict_frame(BODIES) + predict_frame([b""] * 3, {"Accept": "text/event-stream"}, "")
     a.sendall(frame)
-    stock = _decode(b)
+    stock = [_decode(b), _decode(b)]
+    monkeypatch.setenv(worker_io.DECODE_SWITCH, "false")  # TorchServe's own decoding, bodies left as bytes
+    a.sendall(frame)
+    stock_bytes = [_decode(b), _decode(b)]
     assert worker_io.install_buffered_reads() is True
     assert worker_io.install_buffered_reads() is False  # once per process
     a.sendall(frame)
-    undecoded = _decode(b)[1]  # bodies left as their bytes, for decode_body to parse once
-    assert [r["parameters"][0]["value"] for r in undecoded] == BODIES
-    monkeypatch.setenv(worker_io.DECODE_SWITCH, "true")  # TorchServe's own decoding again, for the comparison
-    a.sendall(frame)
-    buffered = _decode(b)
-    assert stock == buffered
-    cmd, msg = buffered
-    assert cmd == b"I" and len(msg) == len(BODIES)
-    assert [r["parameters"][0]["value"] for r in msg] == [json.loads(x) for x in BODIES]
+    buffered = [_decode(b), _decode(b)]
+    assert buffered == stock_bytes
+    assert [type(x) for x in (buffered[0][1][0]["requestId"], buffered[0][1][0]["headers"][0]["value"],
+                              buffered[0][1][0]["parameters"][0]["value"])] == [bytearray] * 3
+    (cmd, msg), (_, continuing) = buffered
+    assert cmd == b"I" and len(msg) == len(BODIES) and len(continuing) == 3
+    assert [r["parameters"][0]["value"] for r in msg] == BODIES  # for decode_body to parse once
+    assert [json.loads(r["parameters"][0]["value"]) for r in msg] == [r["parameters"][0]["value"] for r in stock[0][1]]
     assert msg[3]["requestId"] == b"req-00000003"
+    assert continuing[1]["headers"] == [{"name": b"Accept", "value": b"text/event-stream"}]
+    assert continuing[1]["parameters"][0] == {"name": "body", "contentType": "", "value": bytearray()}
 
 
 def test_frames_split_anywhere_or_sent_together_decode_alike(sockets):
@@ -72,6 +78,14 @@ def test_frames_split_anywhere_or_sent_together_decode_alike(sockets):
     sender.join()
     assert [len(m) for m in got] == [1, 7, 20]
     assert [json.loads(r["parameters"][0]["value"])["text"] for r in got[2]] == [json.loads(x)["text"] for x in BODIES]
+    # A body larger than the reader's chunk, arriving in pieces, between two small requests.
+    big = json.dumps({"text": "x" * (3 * worker_io.CHUNK)}).encode()
+    frame = predict_frame([BODIES[0], big, BODIES[1]])
+    sender = threading.Thread(target=lambda: [a.sendall(frame[i:i + 65536]) for i in range(0, len(frame), 65536)])
+    sender.start()
+    msg = _decode(b)[1]
+    sender.join()
+    assert [bytes(r["parameters"][0]["value"]) for r in msg] == [BODIES[0], big, BODIES[1]]
 
 
 def test_frontend_disconnect_ends_the_worker_as_torchserve_does(sockets):
@@ -152,8 +166,13 @@ def test_overhead_benchmark_times_every_stage_of_bulk_requests(monkeypatch):
     from servekit.benchmarks import worker_overhead
 
     monkeypatch.setattr(otf, "_retrieve_buffer", worker_io.stock_retrieve)
+    monkeypatch.setattr(otf, "_retrieve_inference_msg", worker_io.stock_inference_msg)
     monkeypatch.setattr(worker_io, "_reader", None)
     result = worker_overhead.run([2], reps=1, texts=32)
+    assert otf._retrieve_inference_msg is worker_io.stock_inference_msg  # the benchmark put TorchServe's back
+    call = result["llm_call"]
+    assert (call["requests"], call["headers_per_request"]) == (32, len(worker_overhead.OPENAI_SDK_HEADERS))
+    assert call["decode"]["stock_us_per_batch"] > 0 and call["decode"]["servekit_us_per_batch"] > 0
     [row] = result["rows"]
     assert (row["batch"], row["texts_per_request"], result["texts_per_request"]) == (2, 32, 32)
     for stage in ("decode", "metrics", "tokenize", "pad", "answer"):

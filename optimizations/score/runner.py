@@ -23,8 +23,7 @@ from servekit.optimizations.bucketed import BucketedForward
 from servekit.optimizations.buckets import Chunk, seq_buckets
 from servekit.optimizations.device import DTYPES, capability, pick_device
 from servekit.optimizations.embed.runner import GOLDEN_TEXTS, load_tokenizer
-from servekit.optimizations.models.classifier import (ClassifierSpec, SequenceClassifier, apply_activation,
-                                                      load_classifier)
+from servekit.optimizations.models.classifier import apply_activation, load_classifier
 from servekit.optimizations.plan import Plan, PlanError, resolve_for_device
 from servekit.optimizations.quantize import quantize
 from servekit.optimizations.score.tokens import PairTokenizer, Tokens
