@@ -217,3 +217,30 @@ def test_chat_ids_by_cached_pieces_equal_the_whole_texts_ids(converted: Path) ->
     stripping.add_special_tokens([AddedToken("<|sep|>", rstrip=True)])
     assert PieceCache(stripping).split is None
     assert PieceCache(stripping).encode("a <|sep|>  b") == stripping.encode("a <|sep|>  b", add_special_tokens=False).ids
+
+
+def test_incremental_detokenizer_streams_a_sentencepiece_style_tokenizer(tmp_path: Path) -> None:
+    """Llama 2 / Gemma-style tokenizers: a leading-space marker and <0xNN> byte tokens for what the
+    vocabulary lacks. Streamed text equals the library's decode of all ids, whole characters only."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"] + list("abcdefghijklmnopqrstuvwxyzHST.,")
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                               byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": "{{ messages }}"}))
+    chat = ChatTokenizer(tmp_path)
+    text = "Hello wörld, 你好 🚀 the end. STOP"
+    ids = chat.encode(text)
+    assert any(pieces[i].startswith("<0x") for i in ids)  # characters spelled in byte tokens
+    det = IncrementalDetokenizer(chat)
+    streamed = [det.push(i) for i in ids] + [det.finish()]
+    assert "".join(streamed) == chat.decode(ids) == text and all("\ufffd" not in p for p in streamed)
+    det = IncrementalDetokenizer(chat, stop=["STOP"])
+    assert "".join(det.push(i) for i in ids + chat.encode(" never")) + det.finish() == "Hello wörld, 你好 🚀 the end. "
