@@ -54,6 +54,8 @@ MAX_STOP_STRINGS = 4
 # the largest prompt admitted takes a fraction of a second.
 MAX_CHARS_PER_TOKEN = 32
 SEED_RANGE = (-2**63, 2**64 - 1)  # OpenAI's seed is a 64-bit integer; it is reduced mod 2**32
+# A text no answer holds, marking where a chunk's text goes in its event's encoded JSON.
+MARK = "\x00servekit-text\x00"
 COMPLETION_LOGPROBS_MAX = 5  # /v1/completions' integer `logprobs` (OpenAI's limit); chat allows TOP_LOGPROBS
 
 
@@ -348,6 +350,7 @@ class _Choice:
     pending: list[dict[str, Any]] = field(default_factory=list)  # not sent yet (a stream)
     offset: int = 0  # characters of the tokens' texts so far: the legacy text_offset
     started: bool = False  # a chunk of it went out
+    text_event: tuple[str, str] | None = None  # a text-only chunk's event around its JSON-encoded text
 
 
 class Answer:
@@ -481,10 +484,20 @@ class Answer:
                 "system_fingerprint": self.api.fingerprint}
 
     def _sse(self, c: _Choice, delta: str, reason: str | None) -> str:
+        plain = c.started and reason is None and self.req.choices[c.index][1].logprobs is None and self.req.tools is None
+        if plain and delta and c.text_event is not None:
+            # Most chunks carry only text: the same event as below, its constant part encoded once.
+            return f"data: {c.text_event[0]}{json.dumps(delta, ensure_ascii=False)}{c.text_event[1]}\n\n"
         events = []
         head = self._head("chat.completion.chunk" if self.req.chat else "text_completion")
         if self.req.include_usage:  # the spec: null on every chunk but the last, which carries it
             head["usage"] = None
+        if plain and c.text_event is None:
+            event = {**head, "choices": [{"index": c.index, "delta": {"content": MARK}, "logprobs": None,
+                                          "finish_reason": None}] if self.req.chat else
+                     [{"index": c.index, "text": MARK, "logprobs": None, "finish_reason": None}]}
+            before, after = json.dumps(event, ensure_ascii=False).rsplit(json.dumps(MARK), 1)
+            c.text_event = (before, after)
         # The tokens of this chunk's text: its logprobs (a token whose text is held back, e.g. by a
         # possible stop string, goes with the chunk that carries it, or with the last one).
         logprobs = self._logprobs_field(c, c.pending)

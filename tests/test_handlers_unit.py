@@ -183,6 +183,32 @@ def test_llm_usage_reports_cached_prompt_tokens_once_per_prompt(llm) -> None:
     assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
+def test_llm_stream_chunks_are_the_events_openai_defines(llm) -> None:
+    """Text-only chunks are written from an event encoded once per choice: every chunk is still the
+    JSON of its whole event (quotes, control characters and non-ASCII text in the model name and the
+    text included), whichever route, with usage on or off."""
+    service, _ = llm
+    tok = service.api.tokenizer
+    ids = tok.encode('He said "hi"\n\ttab — naïve 🚀 and \u2028 more')
+    for route, key in (("v1/chat/completions", "delta"), ("v1/completions", "text")):
+        for usage in (True, False):
+            body = {"model": 'a "model" é', "max_tokens": 64, "stream": True, "stream_options": {"include_usage": usage}}
+            body |= {"messages": [{"role": "user", "content": "x"}]} if route.startswith("v1/chat") else {"prompt": "x"}
+            answer = service.api.answer(service.api.parse({"body": body}, route), "r1")
+            out = "".join(answer.add(0, ids[i:i + 2], "length" if i + 2 >= len(ids) else None, None)[0]
+                          for i in range(0, len(ids), 2)) + answer.end()
+            lines = out.split("\n\n")
+            assert lines[-2:] == ["data: [DONE]", ""]
+            events = [json.loads(line.removeprefix("data: ")) for line in lines[:-2]]
+            assert ["data: " + json.dumps(e, ensure_ascii=False) for e in events] == lines[:-2]
+            text = [e["choices"][0][key] for e in events if e["choices"]]
+            text = "".join(t["content"] if route.startswith("v1/chat") else t for t in text if t != {} and
+                           (not isinstance(t, dict) or "content" in t))
+            assert text == tok.decode(ids)
+            assert all(e["model"] == 'a "model" é' and ("usage" in e) == usage for e in events)
+            assert sum(1 for e in events if e["choices"] and e["choices"][0]["finish_reason"] == "length") == 1
+
+
 # -- property tests of the LLM request parser: every field of both routes, any JSON value -----------
 _texts = st.text(st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), max_size=30)
 _numbers = (st.integers() | st.integers(min_value=10**20, max_value=10**400) | st.integers(max_value=-10**20)
