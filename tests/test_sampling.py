@@ -17,6 +17,21 @@ def _params(b: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
     return SamplingTensors.build([temperature] * b, [top_k] * b, [top_p] * b, [seed + i for i in range(b)])
 
 
+def test_cpu_noise_is_the_compiled_paths_bit_for_bit() -> None:
+    """Eager CPU steps hash the vocabulary in uint32 numpy; CUDA and compiled steps in int64 torch
+    ops: the same floats for every seed (2**32 - 1 and values above 2**31 included) and position."""
+    from servekit.optimizations.llm import sampling
+
+    seeds = torch.tensor([0, 1, 7, 2**31, 2**32 - 1, 123456789])
+    for position in (0, 1, 4095, 2**31 + 5):
+        pos = torch.full_like(seeds, position)
+        row = sampling._fmix32((sampling._fmix32(seeds) + sampling._mulmod32(pos, 0x9E3779B9)) & sampling._M32)
+        for vocab in (1, 49_152, 151_936):
+            expected = sampling._vocab_noise(row, vocab)
+            assert torch.equal(sampling._vocab_noise_numpy(row, vocab), expected)
+            assert torch.equal(uniform_noise(seeds, pos, vocab), expected)
+
+
 def test_uniform_noise_is_deterministic_in_range_and_uncorrelated() -> None:
     seeds, pos = torch.tensor([0, 1, 2**32 - 1]), torch.tensor([5, 5, 5])
     u = uniform_noise(seeds, pos, 50_000)
