@@ -76,9 +76,10 @@ class LlmService:
         self.api = OpenAIApi(self.runner, self.plan.limits, tokenizer, stop_ids, grammar, model_name,
                              f"servekit-{__version__}-{self.plan.label()}")
         self.frontend = ContinuousFrontend(self.runner, self.plan, self.batch_size, self.api, self.metrics)
+        warm = self.api.warm_up()
         install_buffered_reads()
-        log.info("servekit LLM plan %s ready in %.1f s (gc_frozen_objects %d): %s", self.plan.label(),
-                 time.perf_counter() - t0, freeze_heap(), json.dumps(self.runner.plan))
+        log.info("servekit LLM plan %s ready in %.1f s (request path warmed in %.1f ms, gc_frozen_objects %d): %s",
+                 self.plan.label(), time.perf_counter() - t0, warm * 1e3, freeze_heap(), json.dumps(self.runner.plan))
         self.initialized = True
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:

@@ -183,6 +183,24 @@ def test_llm_usage_reports_cached_prompt_tokens_once_per_prompt(llm) -> None:
     assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
+def test_llm_request_path_warm_up_leaves_no_trace(llm, capsys, monkeypatch) -> None:
+    """initialize() runs a chat and a completion through parsing, template, tokenizer and answer
+    shaping (the libraries' first use, off the first request's TTFT): nothing reaches the engine,
+    no metric counts it, and a model whose template refuses them still starts."""
+    from servekit.optimizations.llm.chat_template import TemplateError
+
+    service, _ = llm
+    assert service.api.warm_up() > 0
+    assert service.frontend.engine.running == 0 and service.frontend.engine.waiting == 0
+    assert capsys.readouterr().out == ""  # no metric line: no request counted
+
+    def refuse(*args, **kwargs):
+        raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    monkeypatch.setattr(service.api.tokenizer, "render", refuse)
+    assert service.api.warm_up() > 0  # the chats are skipped, the completion still warms up
+
+
 def test_llm_stream_chunks_are_the_events_openai_defines(llm) -> None:
     """Text-only chunks are written from an event encoded once per choice: every chunk is still the
     JSON of its whole event (quotes, control characters and non-ASCII text in the model name and the
