@@ -183,6 +183,47 @@ def test_llm_usage_reports_cached_prompt_tokens_once_per_prompt(llm) -> None:
     assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
+def _finish(service, ctx, request_ids: list[str]) -> dict[str, str]:
+    """Call the handler with the running requests (headers only) until they have all finished."""
+    from ts.context import RequestProcessor
+
+    text = {rid: "" for rid in request_ids}
+    pending = list(request_ids)
+    for _ in range(10_000):
+        if not pending:
+            return text
+        ctx.request_ids = dict(enumerate(pending))
+        ctx.request_processor = [RequestProcessor({"url_path": "v1/chat/completions"}) for _ in pending]
+        out = service.handle([{} for _ in pending], ctx)
+        done = [rid for j, rid in enumerate(pending) if ctx.stopping_criteria[j](None) is not False]
+        for j, rid in enumerate(pending):
+            text[rid] += out[j]
+        pending = [rid for rid in pending if rid not in done]
+    raise AssertionError(f"{pending} unfinished")
+
+
+def test_llm_first_tokens_of_a_lone_request_go_out_with_the_call_that_took_it_in(llm) -> None:
+    """On an idle engine, the call that takes in prompts fitting one step's token budget waits for
+    their first tokens (a round trip to the frontend saved); beside running requests it does not
+    (the rest of a burst waits in the frontend's queue until the call returns)."""
+    service, ctx = llm
+    body = {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 8, "temperature": 0,
+            "stream": True}
+    data = batch(ctx, [("v1/chat/completions", body)])
+    ctx.request_ids = {0: "lone"}
+    first = service.handle(data, ctx)[0]
+    assert first.startswith("data: ") and '"role": "assistant"' in first
+    assert ctx.stopping_criteria[0](None) is False
+    # Now "lone" runs; a new request joining it gets nothing from the call that takes it in.
+    data = [{}] + batch(ctx, [("v1/chat/completions", body)] * 2)[1:]
+    ctx.request_ids = {0: "lone", 1: "joining"}
+    out = service.handle(data, ctx)
+    assert out[1] == ""
+    rest = _finish(service, ctx, ["lone", "joining"])
+    assert rest["joining"].startswith("data: ") and rest["joining"].endswith("data: [DONE]\n\n")
+    assert (first + out[0] + rest["lone"]).endswith("data: [DONE]\n\n")
+
+
 def test_llm_request_path_warm_up_leaves_no_trace(llm, capsys, monkeypatch) -> None:
     """initialize() runs a chat and a completion through parsing, template, tokenizer and answer
     shaping (the libraries' first use, off the first request's TTFT): nothing reaches the engine,
