@@ -99,6 +99,38 @@ def test_packed_prefill_equals_per_request_prefill(family_models: dict[str, Tran
             torch.testing.assert_close(v[row, :, :len(p)], wv[row, :, :len(p)], atol=1e-5, rtol=1e-5)
 
 
+def test_packed_tables_give_every_token_its_position_row_and_block(tiny_llama: Transformer) -> None:
+    """The tables the packed forward reads (what the Triton kernel is driven by on CUDA), against a
+    token-by-token construction: random mixes of later chunks (start > 0) and whole prompts, with
+    and without a last chunk, block boundaries included."""
+    from servekit.optimizations.llm.packed import BLOCK_M
+
+    tiny_llama.setup_caches(8, 512)
+    packed = PackedPrefill(tiny_llama, max_tokens=8 * 91, max_seqs=8)
+    rng = random.Random(0)
+    for _ in range(40):
+        lengths = [rng.choice([1, 2, BLOCK_M - 1, BLOCK_M, BLOCK_M + 1, rng.randint(1, 90)]) for _ in range(rng.randint(1, 8))]
+        chunks = [Chunk([rng.randrange(1, 100) for _ in range(n)], rng.choice([0, rng.randint(1, 100)]), row, rng.random() < 0.7)
+                  for row, n in enumerate(lengths)]
+        total, segments = packed._load(chunks)
+        want_pos, want_rows, want_last, want_blocks, at = [], [], [], [], 0
+        for i, c in enumerate(chunks):
+            want_pos += list(range(c.start, c.start + len(c.tokens)))
+            want_rows += [c.row] * len(c.tokens)
+            want_last += [at + len(c.tokens) - 1] if c.last else []
+            want_blocks += [(i, off) for off in range(0, len(c.tokens), BLOCK_M)]
+            at += len(c.tokens)
+        assert total == at and segments == [(sum(lengths[:i]), n, c.start, c.row) for i, (n, c) in enumerate(zip(lengths, chunks))]
+        assert packed.tokens[:total].tolist() == [t for c in chunks for t in c.tokens]
+        assert packed.positions[:total].tolist() == want_pos and packed.rows[:total].tolist() == want_rows
+        assert packed.last_idx[:len(want_last)].tolist() == want_last
+        assert packed.seq[:len(chunks)].tolist() == [list(x) for x in segments]
+        n_blocks = len(want_blocks)
+        assert list(zip(packed.block_seq[:n_blocks].tolist(), packed.block_off[:n_blocks].tolist())) == want_blocks
+        assert (packed.block_seq[n_blocks:] == -1).all()  # the kernel's programs past the last block exit
+        assert (packed.rows[total:] == tiny_llama.spare_row).all()  # padding writes into the spare row
+
+
 def test_packed_prefill_refuses_what_it_cannot_run(tiny_llama: Transformer) -> None:
     tiny_llama.setup_caches(4, 128)
     packed = PackedPrefill(tiny_llama, max_tokens=32, max_seqs=2)

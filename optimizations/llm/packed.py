@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -281,27 +282,26 @@ class PackedPrefill:
         # wait), and PyTorch's pinned-memory cache keeps each buffer until its copy has run, so the
         # next forward's tables never overwrite one still being read.
         host = self._blank.pin_memory() if self.device.type == "cuda" else self._blank.clone()
-        tokens, positions, rows, last_idx, seq, block_seq, block_off = torch.split(host, self._sizes)
-        segments, tok, pos, row, last, blocks = [], [], [], [], [], []
-        start = 0
-        for i, c in enumerate(chunks):
-            length = len(c.tokens)
-            segments.append((start, length, c.start, c.row))
-            tok += c.tokens
-            pos += range(c.start, c.start + length)
-            row += [c.row] * length
-            if c.last:
-                last.append(start + length - 1)
-            blocks += [(i, off) for off in range(0, length, BLOCK_M)]
-            start += length
-        tokens[:total] = torch.tensor(tok)
-        positions[:total] = torch.tensor(pos)
-        rows[:total] = torch.tensor(row)
-        if last:
-            last_idx[:len(last)] = torch.tensor(last)
-        seq[:4 * len(segments)] = torch.tensor(segments).flatten()
-        block_seq[:len(blocks)] = torch.tensor([b[0] for b in blocks])
-        block_off[:len(blocks)] = torch.tensor([b[1] for b in blocks])
+        tokens, positions, rows, last_idx, seq, block_seq, block_off = (t.numpy() for t in torch.split(host, self._sizes))
+        # The tables in numpy from per-chunk arrays (a Python loop per token cost ~0.55 ms a
+        # 2,048-token step on the 2-core VM, on the engine thread; this ~0.07 ms).
+        n = len(chunks)
+        lengths = np.fromiter((len(c.tokens) for c in chunks), dtype=np.int64, count=n)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        cache_rows = np.fromiter((c.row for c in chunks), dtype=np.int64, count=n)
+        offsets = np.cumsum(lengths) - lengths  # where each chunk starts in the packed batch
+        tokens[:total] = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=total)
+        positions[:total] = np.arange(total) - np.repeat(offsets - starts, lengths)  # chunk i's token j: start_i + j
+        rows[:total] = np.repeat(cache_rows, lengths)
+        last = (offsets + lengths - 1)[[c.last for c in chunks]]
+        last_idx[:len(last)] = last
+        seq[:4 * n] = np.stack([offsets, lengths, starts, cache_rows], axis=1).ravel()
+        # The kernel's query blocks: (chunk, offset in it) for every BLOCK_M tokens of each chunk.
+        per_chunk = -(-lengths // BLOCK_M)
+        blocks = int(per_chunk.sum())
+        block_seq[:blocks] = np.repeat(np.arange(n), per_chunk)
+        block_off[:blocks] = (np.arange(blocks) - np.repeat(np.cumsum(per_chunk) - per_chunk, per_chunk)) * BLOCK_M
+        segments = list(zip(offsets.tolist(), lengths.tolist(), starts.tolist(), cache_rows.tolist()))
         self._dev.copy_(host, non_blocking=True)
         return total, segments
 
