@@ -83,7 +83,7 @@ def predict_frame(bodies: Sequence[bytes], headers: dict[str, str] | None = None
     return bytes(out)
 
 
-def _best_of(fn: Callable[[], None], reps: int, rounds: int = 5) -> float:
+def best_of(fn: Callable[[], None], reps: int, rounds: int = 5) -> float:
     """Seconds per call: the fastest of `rounds` rounds of `reps` calls (the least disturbed round)."""
     best = float("inf")
     for _ in range(rounds):
@@ -115,7 +115,7 @@ def bench_decode(frame: bytes, reps: int, buffered: bool) -> float:
             a.sendall(frame)
             otf.retrieve_msg(b)
 
-        return _best_of(one, reps)
+        return best_of(one, reps)
     finally:
         otf._retrieve_buffer, otf._retrieve_inference_msg = original
         if switch is None:
@@ -193,7 +193,7 @@ def bench_metrics(batch: int, reps: int, batched: bool) -> float:
                 for _ in range(batch):
                     latency.add_or_update(0.006, ["minilm"])
 
-        return _best_of(one, reps)
+        return best_of(one, reps)
     finally:
         logger.removeHandler(handler)
         drain.close()
@@ -209,7 +209,7 @@ def bench_tokenize(texts: Sequence[str], reps: int, cached: bool) -> float:
     tok = _tokenizer()
     texts = list(texts)
     if not cached:
-        return _best_of(lambda: tok.encode_batch_fast(texts, add_special_tokens=False), reps)
+        return best_of(lambda: tok.encode_batch_fast(texts, add_special_tokens=False), reps)
     cache = SegmentCache(tok, 200_000)
     cache.encode(GOLDEN_TEXTS.read_text().splitlines())
     start = dict(cache._ids)
@@ -218,7 +218,7 @@ def bench_tokenize(texts: Sequence[str], reps: int, cached: bool) -> float:
         cache._ids = dict(start)
         cache.encode(texts)
 
-    return _best_of(first_sight, reps)
+    return best_of(first_sight, reps)
 
 
 def _pad_per_row(seqs: Sequence[Sequence[int]], chunks: Sequence[Any], pad_id: int) -> None:
@@ -241,8 +241,8 @@ def bench_pad(texts: Sequence[str], reps: int, vectorised: bool) -> float:
     seqs = [[101, *e.ids[:254], 102] for e in _tokenizer().encode_batch_fast(list(texts), add_special_tokens=False)]
     chunks = plan_chunks([len(s) for s in seqs], (1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256))
     if vectorised:
-        return _best_of(lambda: [pad_chunk(seqs, c, 0) for c in chunks], reps)
-    return _best_of(lambda: _pad_per_row(seqs, chunks, 0), reps)
+        return best_of(lambda: [pad_chunk(seqs, c, 0) for c in chunks], reps)
+    return best_of(lambda: _pad_per_row(seqs, chunks, 0), reps)
 
 
 def _answers(batch: int, texts: int, fmt: str) -> list[bytes]:
@@ -260,7 +260,7 @@ def _answers(batch: int, texts: int, fmt: str) -> list[bytes]:
 def bench_answer(shape: tuple[int, int], reps: int, base64: bool) -> float:
     """Seconds to write `batch` answers of `texts` 384-float vectors each: floats or base64."""
     batch, texts = shape
-    return _best_of(lambda: _answers(batch, texts, "base64" if base64 else "float"), reps)
+    return best_of(lambda: _answers(batch, texts, "base64" if base64 else "float"), reps)
 
 
 def bench_frame(answers: list[bytes], reps: int) -> float:
@@ -268,7 +268,7 @@ def bench_frame(answers: list[bytes], reps: int) -> float:
     from ts.protocol.otf_message_handler import create_predict_response
 
     ids = {i: f"req-{i:08d}" for i in range(len(answers))}
-    return _best_of(lambda: create_predict_response(answers, ids, "Prediction success", 200), reps)
+    return best_of(lambda: create_predict_response(answers, ids, "Prediction success", 200), reps)
 
 
 def _tokenizer() -> Any:

@@ -207,8 +207,9 @@ def test_llm_first_tokens_of_a_lone_request_go_out_with_the_call_that_took_it_in
     their first tokens (a round trip to the frontend saved); beside running requests it does not
     (the rest of a burst waits in the frontend's queue until the call returns)."""
     service, ctx = llm
-    body = {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 8, "temperature": 0,
-            "stream": True}
+    # 64 tokens, all of them (min_tokens): the request is still running when its first call returns.
+    body = {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 64, "min_tokens": 64,
+            "temperature": 0, "stream": True}
     data = batch(ctx, [("v1/chat/completions", body)])
     ctx.request_ids = {0: "lone"}
     first = service.handle(data, ctx)[0]
