@@ -24,7 +24,10 @@ def test_refine_narrows_the_winners_bracket(minilm_server, model_store: Path, tm
         "variants": [{"name": "rf-sleep", "model": "sleep", "overrides": {"sleep": {"mean_ms": 20, "sd_ms": 1}},
                       "sweep": {"workers": [1], "batch_size": [1], "max_batch_delay_ms": [0]}}],
         "payloads": {"body": {"text": "x"}},
-        "sla": {"p99_ms": 150, "max_error_rate": 0.01},
+        # p99 <= 600 ms: at 10 requests/s a window's p99 is its slowest request, and one frontend
+        # pause on the loaded test machine (504 ms, seen once) failed the 10 requests/s level; 80
+        # requests/s still fails it by seconds (its queue grows by ~30 requests each second).
+        "sla": {"p99_ms": 600, "max_error_rate": 0.01},
         "load": {"mode": "open", "levels": [10, 80], "timeout_s": 10,
                  "search": {"precision": 0.9, "max_points": 1, "refine": {"precision": 0.3, "max_points": 2}}},
         # Two agreeing windows of 15+ requests a point: 10 and 80 requests/s are far on either side of
