@@ -74,7 +74,6 @@ class ContinuousFrontend:
                  "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"],
                  "on" if plan.prefix_caching else "off")
         self.engine = EngineThread(batcher, runner.device)
-        self.max_step_tokens = plan.max_num_batched_tokens
         stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
         self._spec_sent = ([0] * len(stats.proposed), [0] * len(stats.accepted)) if stats is not None else None
         self._prefix_sent = (0, 0)  # prompt tokens looked up and served by the prefix cache, as last emitted
@@ -112,11 +111,9 @@ class ContinuousFrontend:
         # step's token budget: their first tokens come within a step or two (prefill_chunk), and
         # sending them with this call saves a lone request a round trip to the frontend and back;
         # a request arriving meanwhile joins the engine a step later, which it would have anyway.
-        wait = 0 if answers or requests or not keys else WAIT_S
-        if requests and not answers and len(self.live) == len(requests) and \
-                sum(req.prompt_tokens * req.n for req in requests.values()) <= self.max_step_tokens:
-            wait = WAIT_S
-        updates = self.engine.take(keys, wait)
+        lone = len(self.live) == len(requests) and \
+            sum(req.prompt_tokens * req.n for req in requests.values()) <= self.engine.batcher.max_num_batched_tokens
+        updates = self.engine.take(keys, WAIT_S if keys and not answers and (not requests or lone) else 0)
         first_token = any(self.live[rid].answer.generated(k) == 0 for rid, k in updates)
         rest = self._last_return + min(MAX_PACE_S, PACE_PER_REQUEST_S * len(keys)) - time.perf_counter()
         if updates and not first_token and not answers and rest > 0:
