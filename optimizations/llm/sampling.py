@@ -81,12 +81,15 @@ def _mulmod32(x: Tensor, c: int) -> Tensor:
     return (((x & 0xFFFF) * c) + (((x >> 16) * (c & 0xFFFF)) << 16)) & _M32
 
 
+_FMIX_C1, _FMIX_C2 = 0x85EBCA6B, 0xC2B2AE35
+
+
 def _fmix32(x: Tensor) -> Tensor:
     """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with p ~ 1/2."""
     x = x ^ (x >> 16)
-    x = _mulmod32(x, 0x85EBCA6B)
+    x = _mulmod32(x, _FMIX_C1)
     x = x ^ (x >> 13)
-    x = _mulmod32(x, 0xC2B2AE35)
+    x = _mulmod32(x, _FMIX_C2)
     return x ^ (x >> 16)
 
 
@@ -115,14 +118,14 @@ def _vocab_offsets(vocab_size: int) -> np.ndarray:
 
 def _vocab_noise_numpy(row: Tensor, vocab_size: int) -> Tensor:
     """``_vocab_noise`` in uint32 numpy, whose multiplication wraps mod 2**32 by itself: the same
-    values bit for bit. Eager torch has no such type (int64 and 16-bit
-    halves instead), so on the CPU, where nothing compiles the step, the hash of 32 rows of a
-    49,152-token vocabulary took ~50 ms a decode step on one thread; here ~2 ms."""
+    values bit for bit (``_fmix32`` without the 16-bit halves eager torch's int64 needs). On the
+    CPU, where nothing compiles the step, the torch ops hashed 32 rows of a 49,152-token vocabulary
+    in ~50 ms a decode step on one thread; this takes ~2 ms."""
     x = row.numpy().astype(np.uint32)[:, None] + _vocab_offsets(vocab_size)[None, :]
     x ^= x >> 16
-    x *= np.uint32(0x85EBCA6B)
+    x *= np.uint32(_FMIX_C1)
     x ^= x >> 13
-    x *= np.uint32(0xC2B2AE35)
+    x *= np.uint32(_FMIX_C2)
     x ^= x >> 16
     out = (x >> 8).astype(np.float32)
     out += np.float32(0.5)
