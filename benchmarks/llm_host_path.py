@@ -41,6 +41,7 @@ import yaml
 from servekit.benchmarks.host import cpu_model
 from servekit.benchmarks.llm_prompts import PromptGenerator, tokenizer_counter
 from servekit.benchmarks.worker_overhead import OPENAI_SDK_HEADERS, best_of, bench_decode, predict_frame
+from servekit.handlers.worker_io import parse_requests
 from servekit.resources import model_config
 
 
@@ -113,9 +114,7 @@ def one_call(streams: int, tokens: int, reps: int, seed: int) -> dict[str, Any]:
     stock, ours = bench_decode(frame, reps, False), bench_decode(frame, reps, True)
     row["decode_us"] = {"torchserve": round(stock * 1e6, 1), "servekit": round(ours * 1e6, 1)}
 
-    batch = [{"requestId": f"req-{i:08d}".encode(),
-              "headers": [{"name": k.encode(), "value": v.encode()} for k, v in OPENAI_SDK_HEADERS.items()],
-              "parameters": [{"name": "body", "contentType": "", "value": bytearray()}]} for i in range(streams)]
+    batch, _ = parse_requests(bytearray(frame), 1)  # the requests that frame decodes to (after its command byte)
     row["requests_us"] = round(best_of(lambda: Service.retrieve_data_for_inference(batch), reps) * 1e6, 1)
 
     reqs = [api.tokenize({0: api.prepare({"body": json.dumps(p.body(max_tokens=256)).encode()}, CHAT_ROUTE)})[0]

@@ -50,7 +50,7 @@ class BufferedReader:
         buffer short) and parsed again."""
         while True:
             try:
-                batch, end = _parse_requests(self._buf, self._pos)
+                batch, end = parse_requests(self._buf, self._pos)
             except _Short as short:
                 self._fill(short.need)
                 continue
@@ -90,7 +90,7 @@ class _Short(Exception):
         self.need = need
 
 
-def _parse_requests(buf: bytearray, pos: int) -> tuple[list[dict], int]:
+def parse_requests(buf: bytearray, pos: int) -> tuple[list[dict], int]:
     """The requests of a predict frame whose command byte ended at `pos`, and where the frame ends;
     `_Short` if `buf` ends first. One loop, no call per field (TorchServe makes three per field,
     which cost most of the decoding of a continuous-batching call). A field cut off by the end of
