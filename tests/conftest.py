@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    # A run needs ~2.5 GB under the temp folder at its peak and ~0.8 GB of converted SmolLM2
-    # weights in ~/.cache/servekit: a disk that fills mid-run fails tests at random with ENOSPC, so
-    # a nearly full one is named before the first test (even under -q).
+    # A run needs ~1.2 GB under the temp folder at its peak (fresh clone, 2-core VM) and ~0.8 GB of
+    # converted SmolLM2 weights in ~/.cache/servekit: a disk that fills mid-run fails tests at random
+    # with ENOSPC, so a nearly full one is named before the first test (even under -q).
     import shutil
     import tempfile
 
