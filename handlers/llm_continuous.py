@@ -67,12 +67,13 @@ class ContinuousFrontend:
                  metrics: HandlerMetrics) -> None:
         self.api, self.metrics = api, metrics
         batcher = ContinuousBatcher(runner, max_num_seqs, plan.prefill_chunk, plan.max_num_batched_tokens,
-                                    prefix_caching=plan.prefix_caching)
+                                    prefix_caching=plan.prefix_caching, jump_forward=plan.jump_forward)
         built = batcher.warmup()
         log.info("continuous batching: packed prefill (%s attention, %s layers, %s) over token buckets %s built in "
-                 "%.1f s; prefix caching %s", built["attention"], "compiled" if built["compiled"] else "eager",
-                 "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"],
-                 "on" if plan.prefix_caching else "off")
+                 "%.1f s; prefix caching %s; grammar jump-forward %s", built["attention"],
+                 "compiled" if built["compiled"] else "eager", "CUDA graphs" if built["graphs"] else "no graphs",
+                 built["token_buckets"], built["seconds"], "on" if plan.prefix_caching else "off",
+                 "on" if batcher.jump_forward else "off")
         self.engine = EngineThread(batcher, runner.device)
         stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
         self._spec_sent = ([0] * len(stats.proposed), [0] * len(stats.accepted)) if stats is not None else None

@@ -147,3 +147,41 @@ def test_captured_split_steps_equal_eager() -> None:
     graphed = [c.tokens for c in _completions(params, cuda_graphs=True)]
     assert graphed == [c.tokens for c in _completions(params)]
     assert 7 not in graphed[0][:8]
+
+
+def test_grammar_jump_forward_on_captured_steps_equals_plain_decoding() -> None:
+    """Grammar rows that jump over forced tokens (their chunks in the captured packed forward, their
+    next input set behind the captured sampling step) get the tokens of plain split steps."""
+    from servekit.optimizations.llm.chat_template import ChatTokenizer
+    from servekit.optimizations.llm.grammar import JSON, GrammarCompiler, GrammarSpec
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+
+    tokenizer = ChatTokenizer(smollm2_archive_files(torch.bfloat16)[0].parent)
+    vocab, stops = 49152, (tokenizer.eos_token_id,)  # SmolLM2's vocabulary: its grammar drives the tiny model
+    compiler = GrammarCompiler(tokenizer, vocab, stops)
+    text = {"type": "string", "maxLength": 8}
+    schemas = [{"type": "object", "properties": {"name": text, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                 "tags": {"type": "array", "items": text, "maxItems": 2}},
+                "required": ["name", "age", "tags"], "additionalProperties": False},
+               {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "ok": {"type": "boolean"}},
+                "required": ["city", "ok"], "additionalProperties": False}]
+    model = init_random(LlamaConfig.tiny(vocab_size=vocab), seed=0).cuda()
+    runner = LlamaRunner(model, max_seq_len=256, batch_buckets=(1, 2, 4), prefill_buckets=(16, 64),
+                         kv_buckets=(128, 256), cuda_graphs=True)
+    runner.warmup()
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "JSON, please."}])
+    got = {}
+    for jump in (False, True):
+        batcher = ContinuousBatcher(runner, max_num_batched_tokens=256, prefill_chunk=64, jump_forward=jump)
+        batcher.warmup()
+        tokens: dict[int, list[int]] = {}
+        for i in range(6):
+            c = compiler.constraint(GrammarSpec.of(JSON, schemas[i % 2]))
+            tokens[i] = []
+            batcher.add(i, prompt[i:], SamplingParams(max_tokens=80, temperature=0.0 if i < 3 else 0.9, seed=i,
+                                                      stop_token_ids=stops, constraint=c))
+        while batcher.has_work:
+            for key, u in batcher.step().items():
+                tokens[key] += u.tokens
+        got[jump] = (tokens, batcher.jumped)
+    assert got[True][0] == got[False][0] and got[False][1] == 0 and got[True][1] > 10

@@ -402,6 +402,18 @@ class RowConstraint:
         self.generated += 1
         return self.matcher is None or self.matcher.is_stopped() or self.matcher.consume_token(token)
 
+    def force(self, tokens: list[int]) -> list[int]:
+        """Advance past tokens the grammar forces (``matcher.compute_ff_tokens()``) before they are
+        sampled; returns the leading ones it took (all, unless the grammar ended inside them)."""
+        taken = tokens[:self.matcher.try_consume_tokens(tokens)]
+        self.generated += len(taken)
+        return taken
+
+    def unforce(self, n: int) -> None:
+        """Step back over the last ``n`` tokens of ``force()``."""
+        self.matcher.rollback(n)
+        self.generated -= n
+
 
 @functools.cache
 def _executor() -> llguidance.LLExecutor | None:
@@ -457,6 +469,7 @@ class MaskUpload:
 
     def __init__(self) -> None:
         self._blocks: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event | None]] = {}
+        self.host: Tensor | None = None  # the block last filled, as the sampling step it feeds applies it
 
     def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
         """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks; on
@@ -470,6 +483,7 @@ class MaskUpload:
         if copied is not None:
             copied.synchronize()
         fill_packed(matchers, host)
+        self.host = host
         dest.copy_(host, non_blocking=True)
         if copied is not None:
             copied.record()
