@@ -15,7 +15,9 @@ and ms per step compare the steps alone (``comparison()``).
         --requests 2 --max-tokens 16 --repeats 1                               # CPU smoke run
 
 ``--mask-threads`` repeats the constrained runs with llguidance's mask fill on that many threads
-(0 or 1: one row after another on the engine's thread) instead of the engine's choice.
+(0 or 1: one row after another on the engine's thread) instead of the engine's choice. Where the
+engine jumps over forced tokens (``jump_forward``, on with CUDA graphs), the constrained runs are
+repeated without it.
 """
 from __future__ import annotations
 
@@ -147,6 +149,12 @@ def main() -> None:
                 r = run_once(engine, timer, prompts, constrained, ("threads", threads, rep))
                 print(line(f"{JSON}, masks on {threads} threads", rep, r), flush=True)
             grammar._executor = engine_executor
+        if engine.jump_forward:  # the constrained runs again, each forced token a decode step of its own
+            engine.jump_forward = False
+            for rep in range(args.repeats):
+                r = run_once(engine, timer, prompts, constrained, ("no-jump", rep))
+                print(line(f"{JSON}, no jump-forward", rep, r), flush=True)
+            engine.jump_forward = True
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ Both find the management API at the config's `management_address` (--management 
 
 `ready` is the startup and readiness probe: TorchServe's /ping answers Healthy before any worker
 has loaded (and while every worker restarts), so readiness asks `GET /models/<name>` instead.
+With `--warm-up` (the startup probe) it then sends one request through the inference API, so that
+the first user request does not pay for the frontend's first use of its prediction path
+(servekit.torchserve.warm_up_inference); the pod turns ready only after that.
 `register` registers every model of a config's `models` line with the workers and batching written
 there, on a server whose model API is on. servekit's pods do not use it: their model API is off and
 TorchServe registers their `model_snapshot` models at start (docs/security.md).
@@ -23,37 +26,56 @@ import json
 import sys
 
 # Standard library only (servekit.torchserve imports nothing else at module level).
-from servekit.torchserve import ManagementClient, Registration, ServerError, read_properties
+from servekit.torchserve import ManagementClient, Registration, ServerError, read_properties, warm_up_inference
 
 DEFAULT_MANAGEMENT = "http://127.0.0.1:8081"
+DEFAULT_INFERENCE = "http://127.0.0.1:8080"
 
 
-def worker_states(management: str, model: str, timeout: float = 3.0) -> list[str]:
-    """Status of every worker of every version of `model`. Raises ServerError on failure."""
+def worker_states(management: str, model: str, timeout: float = 3.0) -> dict[str, list[str]]:
+    """Status of every worker of each version of `model`. Raises ServerError on failure."""
     described = ManagementClient(management).describe(model, timeout)
     if described is None:
         raise ServerError(f"model {model!r} is not registered")
-    return [w.get("status", "?") for version in described for w in version.get("workers", [])]
+    return {v.get("modelVersion", "1.0"): [w.get("status", "?") for w in v.get("workers", [])] for v in described}
 
 
-def ready(management: str, model: str, timeout: float = 3.0) -> tuple[bool, str]:
+def ready(management: str, model: str, timeout: float = 3.0, warm_up: str | None = None) -> tuple[bool, str]:
+    """Whether a worker of `model` is READY, and a line saying so. `warm_up`: the inference API to
+    send, once ready, one request per READY version through (``warm_up_inference``)."""
     try:
-        states = worker_states(management, model, timeout)
+        versions = worker_states(management, model, timeout)
     except ServerError as e:
         return False, str(e)
-    if "READY" in states:
-        return True, f"{model}: {states.count('READY')}/{len(states)} workers READY"
-    return False, f"{model}: no READY worker (workers: {', '.join(states) or 'none'})"
+    states = [s for v in versions.values() for s in v]
+    if "READY" not in states:
+        return False, f"{model}: no READY worker (workers: {', '.join(states) or 'none'})"
+    message = f"{model}: {states.count('READY')}/{len(states)} workers READY"
+    for version, v in versions.items():
+        if warm_up is not None and "READY" in v:
+            status = warm_up_inference(warm_up, model, version, timeout)
+            message += f"; inference warm-up of {version}: {status or 'no answer'}"
+    return True, message
 
 
 def management_url(explicit: str | None, config: str | None) -> str:
+    return _address(explicit, config, "management_address", DEFAULT_MANAGEMENT)
+
+
+def inference_url(explicit: str | None, config: str | None) -> str:
+    """The inference API to call from inside the pod: the config's ``inference_address`` with a
+    wildcard host (0.0.0.0, the pod's listening address) read as 127.0.0.1."""
+    return _address(explicit, config, "inference_address", DEFAULT_INFERENCE).replace("//0.0.0.0:", "//127.0.0.1:")
+
+
+def _address(explicit: str | None, config: str | None, key: str, default: str) -> str:
     if explicit:
         return explicit.rstrip("/")
     if config:
-        address = read_properties(config).get("management_address")
+        address = read_properties(config).get(key)
         if address:
             return address.rstrip("/")
-    return DEFAULT_MANAGEMENT
+    return default
 
 
 def registrations(props: dict[str, str]) -> list[Registration]:
@@ -103,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--model", required=True)
     r.add_argument("--config", help="TorchServe config.properties to read management_address from")
     r.add_argument("--timeout", type=float, default=3.0, help="seconds for the HTTP call")
+    r.add_argument("--warm-up", action="store_true",
+                   help="once ready, send one request through the inference API (the models route, which "
+                        "servekit's handlers answer without the model) so that the frontend's first real "
+                        "request does not pay for loading its prediction path: for the startup probe")
+    r.add_argument("--inference", help=f"TorchServe inference API URL for --warm-up (default: the config's "
+                                       f"inference_address, else {DEFAULT_INFERENCE})")
     g = sub.add_parser("register", help="register the models of a config.properties `models` line")
     g.add_argument("--config", required=True)
     g.add_argument("--deadline", type=float, default=120.0,
@@ -117,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot read {args.config}: {e}", file=sys.stderr)
         return 1
     if args.command == "ready":
-        ok, message = ready(management, args.model, args.timeout)
+        ok, message = ready(management, args.model, args.timeout,
+                            inference_url(args.inference, args.config) if args.warm_up else None)
         print(message, file=sys.stdout if ok else sys.stderr)
         return 0 if ok else 1
     try:

@@ -107,6 +107,28 @@ def http_json(method: str, url: str, timeout: float = 30.0,
         return status, body.decode("utf-8", "replace")
 
 
+def warm_up_inference(inference_url: str, model: str, version: str, timeout: float = 10.0) -> int:
+    """One request through TorchServe's inference API to ``model`` (``version``: the frontend reads
+    the path's third part as one), on the OpenAI models route
+    (``POST /predictions/<model>/<version>/v1/models``), which servekit's handlers answer without the model;
+    returns its HTTP status (0: no answer). Why: a fresh frontend loads and first runs its
+    prediction path's code (~20 Java classes: the POST decoder, the response and its metrics) on
+    its first inference request, which a user's first request would otherwise pay: +3.7 ms on the
+    way in alone, measured on a 2-core CPU host; ~7 ms in all outside the handler on an H100 host.
+    Pings and management calls do not take that path."""
+    path = f"/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1/models"
+    req = urllib.request.Request(inference_url.rstrip("/") + path,
+                                 data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
 @dataclass(frozen=True)
 class Registration:
     """One model to register from the model store. None: the archive's model-config (or
@@ -479,9 +501,13 @@ class TorchServe:
 
     def register(self, mar: str, model_name: str | None = None, batch_size: int | None = None,
                  max_batch_delay_ms: int | None = None, workers: int = 1, timeout: float = 600.0) -> float:
-        """Register an archive from the model store and wait until its workers are READY."""
+        """Register an archive from the model store, wait until its workers are READY and send the
+        frontend its first inference request (``warm_up_inference``)."""
         reg = Registration(mar, model_name or Path(mar).stem, workers, batch_size, max_batch_delay_ms)
-        return self.api.register(reg, timeout=timeout)
+        seconds = self.api.register(reg, timeout=timeout)
+        for version in self.api.describe(reg.model) or []:
+            warm_up_inference(self.inference_url, reg.model, version.get("modelVersion", "1.0"))
+        return seconds
 
     def scale(self, model: str, workers: int, timeout: float = 600.0) -> float:
         return self.api.scale(model, workers, timeout=timeout)

@@ -409,3 +409,18 @@ def test_llm_prompts_over_the_character_limit_are_refused_before_tokenizing(llm,
     assert "'prompt[1]' has" in errors[1]["message"] and "'messages' has" in errors[2]["message"]
     assert errors[3]["code"] == "invalid_value" and "truncated" in errors[3]["message"]
     assert all(len(o) < 1000 for o in out), [len(o) for o in out]
+
+
+def test_llm_engine_warm_up_runs_a_prompt_through_the_engine(llm, capsys) -> None:
+    """initialize() also sends a prompt of a realistic length through the engine thread (a greedy
+    and a sampled request, cut to half the context): both run to their end, the engine is left
+    idle and no metric counts them."""
+    service, _ = llm
+    batcher = service.frontend.engine.batcher
+    before = batcher.prefix_stats().queried_tokens
+    prompt = service.api.tokenizer.encode("a passage of text " * 100)
+    assert len(prompt) > service.frontend.max_seq_len // 2
+    assert service.frontend.warm_up(prompt) > 0
+    assert batcher.prefix_stats().queried_tokens - before == 2 * (service.frontend.max_seq_len // 2)
+    assert service.frontend.engine.running == 0 and service.frontend.engine.waiting == 0 and not batcher.by_key
+    assert capsys.readouterr().out == ""

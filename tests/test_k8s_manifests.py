@@ -241,6 +241,7 @@ def test_probes():
         assert cmd[cmd.index("--model") + 1] in models
         assert cmd[cmd.index("--config") + 1] == "/etc/servekit/config.properties"
     startup = c["startupProbe"]
+    assert "--warm-up" in startup["exec"]["command"] and "--warm-up" not in c["readinessProbe"]["exec"]["command"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "load + compile + capture need minutes"
     assert c["livenessProbe"]["httpGet"] == {"path": "/ping", "port": "inference"}
     assert "postStart" not in c["lifecycle"], "nothing registers models after start: the model API is off"

@@ -291,7 +291,9 @@ def serving(pod, prometheus):
             if ready:
                 break
             time.sleep(0.5)
-        facts.update(seen=seen, ready_after_s=time.monotonic() - t0, startup_ok=pod.probe("startupProbe"))
+        startup = pod.run(c["startupProbe"]["exec"]["command"], timeout=c["startupProbe"].get("timeoutSeconds", 1) + 10)
+        facts.update(seen=seen, ready_after_s=time.monotonic() - t0, startup_ok=startup.returncode == 0,
+                     startup_out=startup.stdout)
         assert seen and seen[-1][0], f"not ready within the startup budget {budget}s:\n" + Path(pod.log).read_text()[-3000:]
         status, body = http("GET", f"{pod.management}/models/minilm")
         facts["model"] = json.loads(body)[0]
@@ -329,6 +331,8 @@ def test_readiness_false_until_the_model_is_loaded(serving):
     assert seen[0][0] is False, "ready before the worker loaded?"
     assert any(live and not ready for ready, live in seen), "liveness (/ping) should pass while loading"
     assert seen[-1][0] is True and serving["startup_ok"] is True
+    # The startup probe's --warm-up: one request through the pod's inference port, answered 200.
+    assert "inference warm-up of 1.0: 200" in serving["startup_out"], serving["startup_out"]
     print(f"ready {serving['ready_after_s']:.1f}s after start ({len(seen)} readiness probes, "
           f"{sum(1 for r, live in seen if live and not r)} of them not ready while /ping was healthy)")
 

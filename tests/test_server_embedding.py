@@ -257,6 +257,16 @@ def test_an_openai_sized_input_list_is_one_request(minilm_server, reference):
     assert status == 413 and "at most 2048" in body["error"]["message"]
 
 
+def test_registering_sends_the_frontend_its_first_inference_request(minilm_server):
+    """TorchServe.register ends with one request through the inference API on the models route
+    (servekit.torchserve.warm_up_inference), answered by the handler without the model."""
+    assert '"POST /predictions/minilm/1.0/v1/models HTTP/1.1" 200' in minilm_server.log_text("access_log.log")
+    from servekit.torchserve import warm_up_inference
+
+    assert warm_up_inference(minilm_server.inference_url, "minilm", "1.0") == 200
+    assert warm_up_inference(minilm_server.inference_url, "minilm", "9.9") == 404  # the frontend's: no such version
+
+
 def test_frontend_logs_one_line_per_request_and_none_per_batch(minilm_server):
     """config/log4j2.xml: each request leaves one access-log line; the per-batch and per-metric-line
     chatter of TorchServe's own configuration is gone; lifecycle lines and metrics remain."""

@@ -453,9 +453,9 @@ class ContinuousBatcher:
             return None
         if jumping:
             # Each jumping row next feeds its last forced token, past the ones just prefilled.
-            self.r.state.set_inputs(upload([s.slot for s, _ in jumping], torch.int64, self.r.device),
-                                    upload([s.jump[-1] for s, _ in jumping], torch.int64, self.r.device),
-                                    upload([c.start + len(c.tokens) for _, c in jumping], torch.int64, self.r.device))
+            rows, tokens, positions = upload([[s.slot for s, _ in jumping], [s.jump[-1] for s, _ in jumping],
+                                              [c.start + len(c.tokens) for _, c in jumping]], torch.int64, self.r.device)
+            self.r.state.set_inputs(rows, tokens, positions)
             self.jumped += sum(len(c.tokens) for _, c in jumping)
         for s, c in zip(seqs, chunks):
             s.prefilled += len(c.tokens)
@@ -482,21 +482,26 @@ class ContinuousBatcher:
         Returns each jumping row with its chunk, within ``budget`` tokens."""
         if not self.jump_forward or not self._masked:
             return []
-        masks = self._masks.host.numpy().view(np.uint32)  # the masks the launched sampling step applies
+        rows = [(s, r) for s, r in self._masked if not (s.done or s.params.full or s.constraint.bias_changes)]
+        if not rows:
+            return []
+        # Only rows whose mask (as the launched sampling step applies it) allows one token can be
+        # forced: found for all rows at once, so that llguidance is asked for forced tokens (tens
+        # of microseconds a row on a GPU host's cores) only where there are some.
+        block = self._masks.host.numpy().view(np.uint32)[[r for _, r in rows]]
         jumping = []
-        for s, mask_row in self._masked:
-            c = s.constraint
-            if s.done or s.params.full or c.bias_changes or c.matcher.is_stopped():
+        for i in np.flatnonzero(np.count_nonzero(block, axis=1) == 1).tolist():
+            s = rows[i][0]
+            word = int(np.flatnonzero(block[i])[0])
+            bits = int(block[i, word])
+            if bits & (bits - 1) or s.constraint.matcher.is_stopped():
                 continue
-            forced = c.matcher.compute_ff_tokens()
-            cut = next((i for i, t in enumerate(forced) if t in s.stops), len(forced))
+            forced = s.constraint.matcher.compute_ff_tokens()
+            cut = next((j for j, t in enumerate(forced) if t in s.stops), len(forced))
             forced = forced[:min(cut, s.params.max_tokens - s.generated, budget + 1)]
-            if len(forced) < 2:
+            if len(forced) < 2 or forced[0] != word * 32 + bits.bit_length() - 1:
                 continue
-            first, allowed = forced[0], masks[mask_row]
-            if allowed[first >> 5] != 1 << (first & 31) or np.count_nonzero(allowed) != 1:
-                continue
-            forced = c.force(forced)
+            forced = s.constraint.force(forced)
             if not forced:
                 continue
             # f1 is reported when the sampling step is read; the chunk writes f1 .. f(k-1), and

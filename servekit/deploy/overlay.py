@@ -128,7 +128,7 @@ def write_overlay(recommendation: dict, out_dir: Path, base: Path | str = GPU_OV
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "servekit"},
         "spec": {"template": {"spec": {"containers": [{
             "name": "torchserve",
-            "startupProbe": {"exec": {"command": probe}, "periodSeconds": PROBE_PERIOD_S,
+            "startupProbe": {"exec": {"command": probe + ["--warm-up"]}, "periodSeconds": PROBE_PERIOD_S,
                              "failureThreshold": size["startup_failure_threshold"]},
             "readinessProbe": {"exec": {"command": probe}},
         }]}}},
