@@ -121,6 +121,10 @@ def main() -> None:
     for name, label in PHASES.items():
         timer.instrument(engine, name, label)
     timer.instrument(grammar, "fill_masks", "  of which: fill masks")
+    # Jump-forward's parts: asking llguidance for forced tokens, and the packed forward's launch
+    # (a jump's chunks, or prompts).
+    timer.instrument(grammar.RowConstraint, "forced", "  of which: forced tokens")
+    timer.instrument(engine.packed, "run", "  of which: packed forward")
     engine_executor = grammar._executor
     for n in args.requests:
         print(f"{plan.label()}, {n} requests of at most {args.max_tokens} tokens, temperature 0.8", flush=True)

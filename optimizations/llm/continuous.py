@@ -496,7 +496,7 @@ class ContinuousBatcher:
             bits = int(block[i, word])
             if bits & (bits - 1) or s.constraint.matcher.is_stopped():
                 continue
-            forced = s.constraint.matcher.compute_ff_tokens()
+            forced = s.constraint.forced()
             cut = next((j for j, t in enumerate(forced) if t in s.stops), len(forced))
             forced = forced[:min(cut, s.params.max_tokens - s.generated, budget + 1)]
             if len(forced) < 2 or forced[0] != word * 32 + bits.bit_length() - 1:

@@ -402,6 +402,10 @@ class RowConstraint:
         self.generated += 1
         return self.matcher is None or self.matcher.is_stopped() or self.matcher.consume_token(token)
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens; may be empty)."""
+        return self.matcher.compute_ff_tokens()
+
     def force(self, tokens: list[int]) -> list[int]:
         """Advance past tokens the grammar forces (``matcher.compute_ff_tokens()``) before they are
         sampled; returns the leading ones it took (all, unless the grammar ended inside them)."""
