@@ -15,9 +15,7 @@ and ms per step compare the steps alone (``comparison()``).
         --requests 2 --max-tokens 16 --repeats 1                               # CPU smoke run
 
 ``--mask-threads`` repeats the constrained runs with llguidance's mask fill on that many threads
-(0 or 1: one row after another on the engine's thread) instead of the engine's choice. Where the
-engine jumps over forced tokens (``jump_forward``, on with CUDA graphs), the constrained runs are
-repeated without it.
+(0 or 1: one row after another on the engine's thread) instead of the engine's choice.
 """
 from __future__ import annotations
 
@@ -121,10 +119,6 @@ def main() -> None:
     for name, label in PHASES.items():
         timer.instrument(engine, name, label)
     timer.instrument(grammar, "fill_masks", "  of which: fill masks")
-    # Jump-forward's parts: asking llguidance for forced tokens, and the packed forward's launch
-    # (a jump's chunks, or prompts).
-    timer.instrument(grammar.RowConstraint, "forced", "  of which: forced tokens")
-    timer.instrument(engine.packed, "run", "  of which: packed forward")
     engine_executor = grammar._executor
     for n in args.requests:
         print(f"{plan.label()}, {n} requests of at most {args.max_tokens} tokens, temperature 0.8", flush=True)
@@ -153,12 +147,6 @@ def main() -> None:
                 r = run_once(engine, timer, prompts, constrained, ("threads", threads, rep))
                 print(line(f"{JSON}, masks on {threads} threads", rep, r), flush=True)
             grammar._executor = engine_executor
-        if engine.jump_forward:  # the constrained runs again, each forced token a decode step of its own
-            engine.jump_forward = False
-            for rep in range(args.repeats):
-                r = run_once(engine, timer, prompts, constrained, ("no-jump", rep))
-                print(line(f"{JSON}, no jump-forward", rep, r), flush=True)
-            engine.jump_forward = True
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from servekit.handlers.common import RequestError, device_error, fail_request, p
 from servekit.handlers.llm_openai import Answer, LlmRequest, OpenAIApi
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.optimizations.llm.continuous import FINISH_ERROR, ContinuousBatcher, EngineThread, SeqUpdate
-from servekit.optimizations.llm.generate import LlamaRunner
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
 from servekit.optimizations.llm.plan import LlmPlan
 
 log = logging.getLogger(__name__)
@@ -67,13 +67,12 @@ class ContinuousFrontend:
                  metrics: HandlerMetrics) -> None:
         self.api, self.metrics = api, metrics
         batcher = ContinuousBatcher(runner, max_num_seqs, plan.prefill_chunk, plan.max_num_batched_tokens,
-                                    prefix_caching=plan.prefix_caching, jump_forward=plan.jump_forward)
+                                    prefix_caching=plan.prefix_caching)
         built = batcher.warmup()
         log.info("continuous batching: packed prefill (%s attention, %s layers, %s) over token buckets %s built in "
-                 "%.1f s; prefix caching %s; grammar jump-forward %s", built["attention"],
-                 "compiled" if built["compiled"] else "eager", "CUDA graphs" if built["graphs"] else "no graphs",
-                 built["token_buckets"], built["seconds"], "on" if plan.prefix_caching else "off",
-                 "on" if batcher.jump_forward else "off")
+                 "%.1f s; prefix caching %s", built["attention"], "compiled" if built["compiled"] else "eager",
+                 "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"],
+                 "on" if plan.prefix_caching else "off")
         self.engine = EngineThread(batcher, runner.device)
         self.max_seq_len = runner.max_seq_len
         stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
@@ -85,14 +84,14 @@ class ContinuousFrontend:
     def warm_up(self, prompt: list[int], timeout: float = 120.0) -> float:
         """A greedy and a sampled request of ``prompt`` (cut to half the context) through the
         engine thread, 2 tokens each; returns the seconds they took. Every shape is built by the
-        batcher's warm-up, but the first real prompt of a few hundred tokens still cost the handler
-        ~2 ms more than later ones on an H100 (first runs of the paths between the captured
-        graphs); this is that first prompt. Its prefix blocks stay cached like any request's."""
-        from servekit.optimizations.llm.generate import SamplingParams
-
+        batcher's warm-up, but a fresh worker's first real prompt of a few hundred tokens still
+        cost its handler ~2 ms more than later ones on an H100 (the first runs of the host paths
+        around the captured graphs); this is that first prompt. Its prefix blocks stay cached
+        like any request's."""
         t0 = time.perf_counter()
         prompt = prompt[:max(1, self.max_seq_len // 2)]
-        keys = {("warm-up", 0): SamplingParams(max_tokens=2), ("warm-up", 1): SamplingParams(max_tokens=2, temperature=1.0)}
+        keys = {("warm-up", 0): SamplingParams(max_tokens=2),
+                ("warm-up", 1): SamplingParams(max_tokens=2, temperature=1.0)}
         for key, params in keys.items():
             self.engine.submit(key, prompt, params)
         left = set(keys)

@@ -108,9 +108,8 @@ def runner() -> LlamaRunner:
 
 
 def _run(runner: LlamaRunner, requests: dict[str, tuple[list[int], SamplingParams]],
-         max_num_seqs: int = 4, jump_forward: bool = False) -> dict[str, tuple[list, str]]:
-    b = ContinuousBatcher(runner, max_num_seqs, prefill_chunk=32, max_num_batched_tokens=64,
-                          jump_forward=jump_forward)
+         max_num_seqs: int = 4) -> dict[str, tuple[list, str]]:
+    b = ContinuousBatcher(runner, max_num_seqs, prefill_chunk=32, max_num_batched_tokens=64)
     out: dict[str, list] = {k: [] for k in requests}
     finish: dict[str, str] = {}
     for key, (prompt, params) in requests.items():
@@ -167,12 +166,10 @@ def test_regex_choice_grammar_and_json_object(runner, compiler, tokenizer, stops
         assert finish == "stop" and check(text), (key, text)
 
 
-@pytest.mark.parametrize("max_num_seqs,jump_forward", [(4, False), (2, False), (4, True), (2, True)])
-def test_a_mixed_batch_gives_each_row_its_solo_output(runner, compiler, tokenizer, stops, max_num_seqs,
-                                                      jump_forward) -> None:
+@pytest.mark.parametrize("max_num_seqs", [4, 2])
+def test_a_mixed_batch_gives_each_row_its_solo_output(runner, compiler, tokenizer, stops, max_num_seqs) -> None:
     """Each row gets its solo tokens; with 2 slots, waiting requests take slots that finished rows
-    free while the next split step's forward is already launched. With jump-forward the grammar
-    rows skip steps over forced tokens beside free, logprobs and biased rows (solo: plain decoding)."""
+    free while the next split step's forward is already launched."""
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Mixed batch."}])
     c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[0]))
     bias = compiler.constraint(logit_bias=((tokenizer.encode("Hello")[0], 6.0),), min_tokens=4)
@@ -184,90 +181,9 @@ def test_a_mixed_batch_gives_each_row_its_solo_output(runner, compiler, tokenize
                                            constraint=c)),
         "biased": (prompt[2:], SamplingParams(max_tokens=9, stop_token_ids=stops, constraint=bias)),
     }
-    together = _run(runner, rows, max_num_seqs, jump_forward)
+    together = _run(runner, rows, max_num_seqs)
     for key, request in rows.items():
         assert _run(runner, {key: request})[key] == together[key], key
-
-
-def _steps(b: ContinuousBatcher, out: dict[str, list], finish: dict[str, str]) -> int:
-    steps = 0
-    while b.has_work:
-        steps += 1
-        for key, u in b.step().items():
-            out[key] += u.tokens
-            if u.finish_reason is not None:
-                finish[key] = u.finish_reason
-    return steps
-
-
-def test_jump_forward_gives_the_tokens_of_plain_decoding_in_fewer_steps(runner, compiler, tokenizer, stops) -> None:
-    """Every schema, greedy and sampled, 4 rows for 44 requests (rows end, move down, slots are
-    taken again, the prefix cache on): jumping over forced tokens gives each request exactly its
-    plain tokens and finish, in fewer steps; the answers validate. Small max_tokens cut jumps short."""
-    prompt = tokenizer.encode_chat([{"role": "user", "content": "Give me JSON."}])
-    requests = {}
-    for i, schema in enumerate(SCHEMAS):
-        c = compiler.constraint(GrammarSpec.of(JSON, schema))
-        requests[f"{i}-s"] = (prompt, SamplingParams(max_tokens=160, temperature=1.0, seed=i, stop_token_ids=stops,
-                                                     constraint=c))
-        requests[f"{i}-g"] = (prompt, SamplingParams(max_tokens=160, stop_token_ids=stops, constraint=c))
-        requests[f"{i}-cut"] = (prompt, SamplingParams(max_tokens=2 + i % 5, stop_token_ids=stops, constraint=c))
-    got = {}
-    for jump in (False, True):
-        b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64, jump_forward=jump)
-        out, finish = {k: [] for k in requests}, {}
-        for key, (p, params) in requests.items():
-            b.add(key, p, params)
-        got[jump] = (out, finish, _steps(b, out, finish), b.jumped, b.moves)
-    (plain, plain_finish, plain_steps, none, _), (jumped, jumped_finish, steps, skipped, moves) = got[False], got[True]
-    assert jumped == plain and jumped_finish == plain_finish
-    assert none == 0 and skipped > 100 and steps < plain_steps * 0.8 and moves > 0, (plain_steps, steps, skipped)
-    for key, tokens in jumped.items():
-        if key.endswith("cut"):
-            assert len(tokens) == requests[key][1].max_tokens and jumped_finish[key] == "length"
-        else:
-            jsonschema.validate(json.loads(_text(tokenizer, tokens, jumped_finish[key])), SCHEMAS[int(key.split("-")[0])])
-
-
-def test_a_row_cancelled_or_failed_mid_jump(runner, compiler, tokenizer, stops) -> None:
-    """A row cancelled right after its jump was planned frees its slot, and the request taking it
-    gets its solo output; a packed forward that fails with jump chunks in it leaves those rows to
-    decode plainly (their matchers step back): their output is unchanged."""
-    prompt = tokenizer.encode_chat([{"role": "user", "content": "Cancel me."}])
-    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[17]))
-    params = SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=c)
-    b = ContinuousBatcher(runner, 2, prefill_chunk=32, max_num_batched_tokens=64, jump_forward=True)
-    b.add("gone", prompt, params)
-    b.add("stays", prompt[1:], params)
-    out: dict[str, list] = {"gone": [], "stays": [], "late": []}
-    while b.by_key.get("gone") is None or b.by_key["gone"].jump is None:
-        for key, u in b.step().items():
-            out[key] += u.tokens
-    b.cancel("gone")
-    late = (prompt[2:], SamplingParams(max_tokens=12, stop_token_ids=stops))
-    b.add("late", *late)
-    finish: dict[str, str] = {}
-    _steps(b, out, finish)
-    assert out["late"] == _run(runner, {"late": late})["late"][0]
-    assert (out["stays"], finish["stays"]) == _run(runner, {"stays": (prompt[1:], params)})["stays"]
-
-    b = ContinuousBatcher(runner, 2, prefill_chunk=32, max_num_batched_tokens=64, jump_forward=True)
-    run, failed = b.packed.run, []
-
-    def fails_once(chunks):  # the first forward with jump chunks in it: as an out-of-memory error would
-        if not failed and any(ch.start > len(prompt) for ch in chunks):  # past the prompt: forced tokens
-            failed.append(len(chunks))
-            raise RuntimeError("CUDA out of memory (injected)")
-        return run(chunks)
-
-    b.packed.run = fails_once
-    b.add("a", prompt, params)
-    b.add("b", prompt[1:], params)
-    out, finish = {"a": [], "b": []}, {}
-    _steps(b, out, finish)
-    assert failed and b.jumped > 0
-    solo = _run(runner, {"a": (prompt, params), "b": (prompt[1:], params)})
-    assert {k: (out[k], finish[k]) for k in out} == solo
 
 
 def test_a_request_taking_a_freed_slot_mid_batch_gets_its_solo_output(runner, compiler, tokenizer, stops) -> None:
@@ -584,15 +500,3 @@ def test_a_slow_compile_is_an_error_not_a_stall(tokenizer, stops) -> None:
         time.sleep(0.05)
     assert len(impatient) == 1
     impatient.compile(GrammarSpec.of(JSON, schema))
-
-
-def test_jump_forward_plan_key_and_default(runner) -> None:
-    """``jump_forward`` in the plan: true or false, named when it is neither; left out, the engine
-    decides (on where the packed forward is a CUDA graph, so off on this CPU runner)."""
-    from servekit.optimizations.llm.plan import LlmPlan, PlanError, parse_llm_plan
-
-    assert LlmPlan().jump_forward is None and parse_llm_plan({"jump_forward": False}).jump_forward is False
-    with pytest.raises(PlanError, match="jump_forward"):
-        parse_llm_plan({"jump_forward": "yes"})
-    assert ContinuousBatcher(runner, 2).jump_forward is False
-    assert ContinuousBatcher(runner, 2, jump_forward=True).jump_forward is True

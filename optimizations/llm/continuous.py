@@ -47,7 +47,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Collection, Hashable
 
-import numpy as np
 import torch
 
 from servekit.optimizations.buckets import pick_bucket
@@ -125,9 +124,6 @@ class _Seq:
     pos_hi: int = 0
     done: bool = False
     constraint: RowConstraint | None = None  # grammar, logit_bias, min_tokens: the row's bias per step
-    # Tokens a grammar forces next, already consumed by the row's matcher, whose first one the
-    # sampling step in flight produces (jump-forward; reported together when that step is read).
-    jump: list[int] | None = None
 
 
 @dataclass
@@ -149,8 +145,7 @@ class ContinuousBatcher:
     """
 
     def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None, prefill_chunk: int = 512,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, prefix_caching: bool = True,
-                 jump_forward: bool | None = None) -> None:
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, prefix_caching: bool = True) -> None:
         self.r = runner
         self.max_num_seqs = max_num_seqs or runner.max_batch
         if not 1 <= self.max_num_seqs <= runner.max_batch:
@@ -183,14 +178,6 @@ class ContinuousBatcher:
         blocks = runner.compiled_model.blocks if graphs and runner.compiled_model is not None else None
         self.packed = PackedPrefill(runner.model, max_num_batched_tokens, self.max_num_seqs, graphs=graphs,
                                     pad_id=runner.pad_id, blocks=blocks)
-        # Jump-forward over the tokens a grammar forces (_plan_jumps). By default where the packed
-        # forward is a captured graph: there a few tokens' forward costs a fraction of the decode
-        # steps it saves and runs while the host fills the next masks; on a CPU each forward reads
-        # every weight, so an extra one costs about as much as the steps it saves.
-        self.jump_forward = graphs if jump_forward is None else jump_forward
-        self.jumped = 0  # decode steps that forced tokens skipped (tests and benchmarks read this)
-        # The grammar rows whose masks the sampling step in flight applies, with their mask rows.
-        self._masked: list[tuple[_Seq, int]] = []
         spec = runner.speculation
         self.spec = spec
         # Draft positions proposed and accepted so far (the handler's metrics read these).
@@ -294,11 +281,10 @@ class ContinuousBatcher:
             self._forward = None
         if not admitted:
             # After the sampling, behind it on the device: rows move down (their masks are filled at
-            # their new rows from the next step on), new rows load their state, grammar rows jump
-            # over the tokens their grammar forces next.
+            # their new rows from the next step on) and new rows load their state.
             self._compact()
             self._admit()
-            prefilled = self._prefill(updates, jumps=True)
+            prefilled = self._prefill(updates)
             self._inflight += [prefilled] if prefilled is not None else []
         if self._per_step_bias():
             # The next forward now, before this step's tokens are handed out: it needs only the
@@ -320,7 +306,6 @@ class ContinuousBatcher:
         packed masks, filled on the host (several rows at once) while the forward runs and copied
         as one block of bits that the captured sampling step unpacks and applies; the bias rows
         that change with the token (stop tokens before ``min_tokens``) of the rows that have them."""
-        self._masked = []
         if self._forward is None or self._forward.sample is None:
             return
         st = self._forward.sample.state
@@ -330,7 +315,6 @@ class ContinuousBatcher:
         matchers = [(s.constraint.matcher, s.slot) for s in rows if s.constraint.matcher is not None]
         if matchers:
             self._masks(matchers, st.packed)
-            self._masked = [(s, s.slot) for s in rows if s.constraint.matcher is not None]
         else:  # masks left by grammar rows that have finished
             st.packed.fill_(-1)
         changing = [s for s in rows if s.constraint.bias_changes]
@@ -404,24 +388,19 @@ class ContinuousBatcher:
             self.r.state.input_pos[s.slot] = self.r.max_seq_len - 1
             self.prefilling.append(s)
 
-    def _prefill(self, updates: dict[Hashable, SeqUpdate], jumps: bool = False) -> _Pending | None:
+    def _prefill(self, updates: dict[Hashable, SeqUpdate]) -> _Pending | None:
         """One packed forward over the next chunks of the prefilling prompts (``plan_prefill``);
-        prompts whose last chunk went in get their first token and start decoding. ``jumps``: the
-        sampling step of the grammar rows' masks was just launched, so those rows may jump over
-        the tokens their grammar forces (``_plan_jumps``), in the same forward."""
+        prompts whose last chunk went in get their first token and start decoding."""
         while self.prefilling and self.prefilling[0].done:  # cancelled meanwhile
             self.prefilling.popleft()
         queue = [s for s in self.prefilling if not s.done]
         suspects = [s for s in queue if s.key in self._suspects]
         if suspects:
             queue = suspects[:1]
-        # Forced tokens take at most what leaves a whole chunk to the prompts (they are decode rows:
-        # a few tokens each, never held back by a prompt).
-        jumping = self._plan_jumps(self.max_num_batched_tokens - self.prefill_chunk) if jumps and not suspects else []
-        if not queue and not jumping:
+        if not queue:
             return None
-        budget = self.max_num_batched_tokens - sum(len(c.tokens) for _, c in jumping)
-        take = plan_prefill([len(s.prompt) - s.prefilled for s in queue], budget, self.prefill_chunk)
+        take = plan_prefill([len(s.prompt) - s.prefilled for s in queue], self.max_num_batched_tokens,
+                            self.prefill_chunk)
         chunks, seqs = [], []
         for s, n in zip(queue, take):
             if n:
@@ -430,18 +409,10 @@ class ContinuousBatcher:
                 seqs.append(s)
         finishing = [s for s, c in zip(seqs, chunks) if c.last]
         try:
-            # Jump chunks want no logits: their rows' next token comes from their decode step.
-            logits = self.packed.run([c for _, c in jumping] + chunks)
+            logits = self.packed.run(chunks)
             out, mode = self._start_rows(logits, finishing) if finishing else (None, "")
         except Exception as e:  # e.g. out of memory: which request? each is prefilled alone next
-            if jumping:  # jumps only save steps: their rows decode plainly instead, nothing of theirs lost
-                log.warning("a packed forward with forced tokens failed (%s: %s); those rows decode plainly",
-                            type(e).__name__, e)
-                for s, _ in jumping:
-                    self._unjump(s)
-            if not seqs:
-                return None
-            if len(seqs) > 1 or jumping:
+            if len(seqs) > 1:
                 self._suspects.update(s.key for s in seqs)
                 return None
             s = seqs[0]
@@ -451,12 +422,6 @@ class ContinuousBatcher:
             self._finish(s)
             updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
             return None
-        if jumping:
-            # Each jumping row next feeds its last forced token, past the ones just prefilled.
-            rows, tokens, positions = upload([[s.slot for s, _ in jumping], [s.jump[-1] for s, _ in jumping],
-                                              [c.start + len(c.tokens) for _, c in jumping]], torch.int64, self.r.device)
-            self.r.state.set_inputs(rows, tokens, positions)
-            self.jumped += sum(len(c.tokens) for _, c in jumping)
         for s, c in zip(seqs, chunks):
             s.prefilled += len(c.tokens)
             if self.prefix is not None:
@@ -470,57 +435,6 @@ class ContinuousBatcher:
         self._set_spec_rows(finishing)
         host, slot = self._host(out)
         return _Pending(host, slot, mode, list(enumerate(finishing)))  # output row i: finishing request i
-
-    def _plan_jumps(self, budget: int) -> list[tuple[_Seq, Chunk]]:
-        """Jump-forward (SGLang's name): where a grammar forces the next tokens ``f1 .. fk`` (JSON
-        keys, punctuation: about half of a schema's answer), decode steps would spend one step on
-        each. The sampling step just launched yields ``f1`` (its mask allows nothing else); the
-        row's matcher takes all k now, this step's packed forward puts ``f1 .. f(k-1)`` into the
-        row's cache, and the row's next decode step feeds ``fk``: k tokens for one step. The
-        tokens are reported when that sampling step is read (``_read``). Rows with logprobs or
-        penalties, before ``min_tokens``, or whose mask does not allow ``f1`` alone, decode plainly.
-        Returns each jumping row with its chunk, within ``budget`` tokens."""
-        if not self.jump_forward or not self._masked:
-            return []
-        rows = [(s, r) for s, r in self._masked if not (s.done or s.params.full or s.constraint.bias_changes)]
-        if not rows:
-            return []
-        # Only rows whose mask (as the launched sampling step applies it) allows one token can be
-        # forced: found for all rows at once, so that llguidance is asked for forced tokens (tens
-        # of microseconds a row on a GPU host's cores) only where there are some.
-        block = self._masks.host.numpy().view(np.uint32)[[r for _, r in rows]]
-        jumping = []
-        for i in np.flatnonzero(np.count_nonzero(block, axis=1) == 1).tolist():
-            s = rows[i][0]
-            word = int(np.flatnonzero(block[i])[0])
-            bits = int(block[i, word])
-            if bits & (bits - 1) or s.constraint.matcher.is_stopped():
-                continue
-            forced = s.constraint.forced()
-            cut = next((j for j, t in enumerate(forced) if t in s.stops), len(forced))
-            forced = forced[:min(cut, s.params.max_tokens - s.generated, budget + 1)]
-            if len(forced) < 2 or forced[0] != word * 32 + bits.bit_length() - 1:
-                continue
-            forced = s.constraint.force(forced)
-            if not forced:
-                continue
-            # f1 is reported when the sampling step is read; the chunk writes f1 .. f(k-1), and
-            # the row then feeds fk (one forced token: no chunk, nothing skipped).
-            s.jump = forced
-            if len(forced) > 1:
-                skipped = len(forced) - 1
-                jumping.append((s, Chunk(forced[:-1], len(s.prompt) + s.generated, s.slot, False)))
-                s.launched += skipped
-                s.pos_hi += skipped
-                budget -= skipped
-        return jumping
-
-    def _unjump(self, s: _Seq) -> None:
-        """Undo ``_plan_jumps`` for a row whose chunk did not run: its matcher steps back."""
-        forced, s.jump = s.jump, None
-        s.constraint.unforce(len(forced))
-        s.launched -= len(forced) - 1
-        s.pos_hi -= len(forced) - 1
 
     def _start_rows(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, str]:
         """Sample the first token of each request from its prompt's last logits and load its decode
@@ -613,16 +527,8 @@ class ContinuousBatcher:
             else:
                 tok, logprob = read_row(rows[row], pending.mode, s.params.logprobs)
                 new, logprobs = [tok], logprob
-            forced, s.jump = s.jump, None
-            if forced is not None:  # the tokens of a jump (_plan_jumps), which the matcher has taken
-                if new[0] != forced[0]:  # its mask allowed only forced[0]: a bug, as a rejected token is
-                    u.finish_reason, u.error = FINISH_ERROR, RuntimeError(f"sampled {new[0]} where the grammar "
-                                                                          f"forced {forced[0]}")
-                    new = []
-                else:
-                    new = forced
             for tok in new:
-                if forced is None and s.constraint is not None and not s.constraint.accept(tok):
+                if s.constraint is not None and not s.constraint.accept(tok):
                     u.finish_reason, u.error = FINISH_ERROR, RuntimeError(f"the grammar rejected token {tok}")
                     break
                 u.tokens.append(tok)

@@ -180,18 +180,13 @@ class DecodeState:
     def load_rows(self, rows: Tensor, first_tokens: Tensor, positions: Tensor, params: SamplingTensors) -> None:
         """Start requests in the given rows (continuous batching): their first token, position and
         sampling parameters; their penalty counts restart from the first token."""
-        self.set_inputs(rows, first_tokens, positions)
+        self.tokens.index_copy_(0, rows, first_tokens[:, None])
+        self.input_pos.index_copy_(0, rows, positions[:, None])
         for dst, src in zip(self.params, params):
             dst.index_copy_(0, rows, src)
         counts = torch.zeros(len(rows), self.counts.shape[1], dtype=self.counts.dtype, device=self.counts.device)
         counts.scatter_add_(1, first_tokens[:, None], torch.ones_like(counts[:, :1]))
         self.counts.index_copy_(0, rows, counts)
-
-    def set_inputs(self, rows: Tensor, tokens: Tensor, positions: Tensor) -> None:
-        """The given rows feed ``tokens`` at ``positions`` in their next step (sampling parameters
-        and penalty counts stay)."""
-        self.tokens.index_copy_(0, rows, tokens[:, None])
-        self.input_pos.index_copy_(0, rows, positions[:, None])
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``src``'s state (token, position, sampling parameters, penalty counts) into row ``dst``."""

@@ -402,22 +402,6 @@ class RowConstraint:
         self.generated += 1
         return self.matcher is None or self.matcher.is_stopped() or self.matcher.consume_token(token)
 
-    def forced(self) -> list[int]:
-        """The tokens the grammar forces next (llguidance's fast-forward tokens; may be empty)."""
-        return self.matcher.compute_ff_tokens()
-
-    def force(self, tokens: list[int]) -> list[int]:
-        """Advance past tokens the grammar forces (``matcher.compute_ff_tokens()``) before they are
-        sampled; returns the leading ones it took (all, unless the grammar ended inside them)."""
-        taken = tokens[:self.matcher.try_consume_tokens(tokens)]
-        self.generated += len(taken)
-        return taken
-
-    def unforce(self, n: int) -> None:
-        """Step back over the last ``n`` tokens of ``force()``."""
-        self.matcher.rollback(n)
-        self.generated -= n
-
 
 @functools.cache
 def _executor() -> llguidance.LLExecutor | None:
@@ -473,7 +457,6 @@ class MaskUpload:
 
     def __init__(self) -> None:
         self._blocks: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event | None]] = {}
-        self.host: Tensor | None = None  # the block last filled, as the sampling step it feeds applies it
 
     def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
         """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks; on
@@ -487,7 +470,6 @@ class MaskUpload:
         if copied is not None:
             copied.synchronize()
         fill_packed(matchers, host)
-        self.host = host
         dest.copy_(host, non_blocking=True)
         if copied is not None:
             copied.record()

@@ -61,9 +61,6 @@ class LlmPlan:
     prefill_chunk: int = 512  # ... of which one prompt takes at most this many while others wait for the budget
     # Reuse the K/V of prompt prefixes already computed (optimizations/llm/prefix_cache.py).
     prefix_caching: bool = True
-    # Grammar rows skip the decode steps of tokens their grammar forces (continuous.py's
-    # _plan_jumps); None: where the packed forward is a CUDA graph.
-    jump_forward: bool | None = None
 
     def label(self) -> str:
         parts = [self.precision]
@@ -86,13 +83,13 @@ def parse_llm_plan(raw: object, path: str = "servekit") -> LlmPlan:
     raw = check_keys(path, raw, {"device", "precision", "compile", "cuda_graphs", "warmup", "fallback",
                                   "max_seq_len", "buckets", "limits", "cpu_threads", "speculation",
                                   "prefill_chunk", "max_num_batched_tokens", "kernels",
-                                  "prefix_caching", "jump_forward"})
+                                  "prefix_caching"})
     kw: dict[str, object] = {}
     for key, choices in (("device", DEVICES), ("precision", PRECISIONS), ("compile", LLM_COMPILE_MODES),
                          ("fallback", FALLBACKS), ("kernels", KERNELS)):
         if key in raw:
             kw[key] = check_choice(f"{path}.{key}", raw[key], choices)
-    kw.update(check_bools(path, raw, ("cuda_graphs", "warmup", "prefix_caching", "jump_forward")))
+    kw.update(check_bools(path, raw, ("cuda_graphs", "warmup", "prefix_caching")))
     for key in ("max_seq_len", "cpu_threads", "prefill_chunk", "max_num_batched_tokens"):
         if raw.get(key) is not None:
             kw[key] = positive_int(f"{path}.{key}", raw[key])
