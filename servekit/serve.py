@@ -3,10 +3,36 @@ from __future__ import annotations
 
 import argparse
 import signal
+import threading
 from pathlib import Path
 
 from servekit.resources import resolve
-from servekit.torchserve import Ports, TorchServe, read_properties
+from servekit.torchserve import Ports, ServerError, TorchServe, read_properties, warm_up_inference
+
+
+def model_names(models: str) -> list[str]:
+    """The names of TorchServe's ``--models`` value (``name=archive.mar`` or ``archive.mar`` entries,
+    separated by spaces or commas); ``all`` names none (the store's archives, unknown here)."""
+    names = []
+    for entry in models.replace(",", " ").split():
+        if entry != "all":
+            names.append(entry.split("=", 1)[0] if "=" in entry else Path(entry).name.removesuffix(".mar"))
+    return names
+
+
+def announce_ready(ts: TorchServe, models: list[str], timeout: float = 3600.0) -> None:
+    """For each model loaded at start: wait for a READY worker, send the frontend its first inference
+    request (``warm_up_inference``: a fresh frontend's first request otherwise pays for its
+    prediction path's first run) and say the model is ready."""
+    for model in models:
+        try:
+            seconds = ts.api.wait_ready(model, 1, timeout)
+            versions = [v.get("modelVersion", "1.0") for v in ts.api.describe(model) or []]
+        except (ServerError, OSError) as e:
+            print(f"{model}: not ready: {str(e).splitlines()[0]}", flush=True)
+            continue
+        warmed = ", ".join(f"{v} {warm_up_inference(ts.inference_url, model, v) or 'no answer'}" for v in versions)
+        print(f"{model}: ready after {seconds:.0f} s (inference path warmed: {warmed})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     ts = TorchServe(args.run_dir, args.model_store, ports, args.config, models=args.models, model_api=False,
                     log_config=args.log_config)
     with ts:
-        print(f"TorchServe: inference {ts.inference_url}, management {ts.management_url}, metrics {ts.metrics_url}")
-        print(f"logs in {ts.log_dir}, worker sockets and pid file in {ts.temp_dir}; Ctrl-C to stop")
+        print(f"TorchServe: inference {ts.inference_url}, management {ts.management_url}, metrics {ts.metrics_url}",
+              flush=True)
+        print(f"logs in {ts.log_dir}, worker sockets and pid file in {ts.temp_dir}; Ctrl-C to stop", flush=True)
+        threading.Thread(target=announce_ready, args=(ts, model_names(args.models)), daemon=True).start()
         try:
             signal.pause()
         except KeyboardInterrupt:

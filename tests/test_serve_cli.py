@@ -1,0 +1,61 @@
+"""`servekit serve` as a user runs it: TorchServe in the foreground with the shipped config (ports
+changed), the models of --models loaded at start; it says when each model is ready, after sending
+the frontend its first inference request; Ctrl-C stops everything."""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from servekit.serve import model_names
+from servekit.torchserve import free_ports
+
+pytestmark = pytest.mark.server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_model_names_of_torchserves_models_syntax() -> None:
+    assert model_names("minilm=minilm.mar") == ["minilm"]
+    assert model_names("a=x.mar,b=/store/y.mar c.mar") == ["a", "b", "c"]
+    assert model_names("all") == []
+
+
+def test_serve_announces_each_model_ready_after_warming_its_inference_path(model_store: Path, tmp_path: Path) -> None:
+    ports = dict(zip(("8080", "8081", "8082", "7070", "7071"), map(str, free_ports(5))))
+    config = (ROOT / "config" / "config.properties").read_text()
+    config = re.sub(r"(127\.0\.0\.1:|_port=)(8080|8081|8082|7070|7071)\b", lambda m: m.group(1) + ports[m.group(2)],
+                    config)
+    (tmp_path / "config.properties").write_text(config)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "servekit", "serve", "--models", "minilm=minilm.mar", "--model-store",
+                             str(model_store), "--config", str(tmp_path / "config.properties"), "--run-dir", str(run)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("minilm:"):
+                break
+        assert lines and lines[-1].startswith("minilm: ready after"), "".join(lines)
+        assert "inference path warmed: 1.0 200" in lines[-1]
+        assert f"inference http://127.0.0.1:{ports['8080']}" in "".join(lines)
+        access = (run / "logs" / "access_log.log").read_text()
+        assert '"POST /predictions/minilm/1.0/v1/models HTTP/1.1" 200' in access
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0
