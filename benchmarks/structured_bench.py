@@ -359,14 +359,20 @@ def compare(mixes: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]:
     return out
 
 
-def mixed(url: str, concurrency: int, rounds: int, max_tokens: int, split: Any = None) -> list[dict[str, Any]]:
+MIXES = {"free": ("all free", 0.0), "half": ("half constrained", 0.5), "constrained": ("all constrained", 1.0),
+         "matched": (MATCHED, 0.0)}
+
+
+def mixed(url: str, concurrency: int, rounds: int, max_tokens: int, split: Any = None,
+          mixes: tuple[str, ...] = tuple(MIXES)) -> list[dict[str, Any]]:
     """Rounds of `concurrency` streamed requests sent at once: all free, half constrained, all
     constrained, then free again with each request capped at the length of the constrained answer
-    of its round and position. `split`: the handler's metrics (start/stop) around each mix."""
+    of its round and position (`mixes`: which of these, by their keys in MIXES; "matched" needs
+    "constrained"). `split`: the handler's metrics (start/stop) around each mix."""
     out = []
     constrained: list[list[Answer]] = []
     caps: list[list[int]] = []
-    for name, share in (("all free", 0.0), ("half constrained", 0.5), ("all constrained", 1.0), (MATCHED, 0.0)):
+    for name, share in (MIXES[m] for m in MIXES if m in mixes):
         if name == MATCHED:
             caps = matched_max_tokens(constrained)
         n_constrained = round(concurrency * share)
@@ -461,10 +467,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-schemas", action=argparse.BooleanOptionalAction, default=True,
                    help="use each schema once, alone, before the validity runs (default on; off: their "
                         "first uses arrive concurrently)")
+    p.add_argument("--mixes", nargs="+", choices=list(MIXES), default=list(MIXES),
+                   help="which mixes of constrained rows to run (default: all four; matched needs constrained)")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS) or args.concurrency < 2 or args.rounds < 1:
         p.error(f"--prompts must be 1..{len(PROMPTS)}, --concurrency >= 2, --rounds >= 1")
+    if "matched" in args.mixes and "constrained" not in args.mixes:
+        p.error("--mixes matched needs constrained: its caps are the constrained answers' lengths")
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")
     from servekit.archive import build_archive
@@ -505,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== TTFT: {json.dumps(res['ttft'])}", flush=True)
                 save()
                 res["mixed"] = mixed(url, args.concurrency, args.rounds, args.mixed_max_tokens,
-                                     HandlerSplit(ts.metrics_url))
+                                     HandlerSplit(ts.metrics_url), tuple(args.mixes))
                 res["comparison"] = compare(res["mixed"])
         except Exception as e:  # keep what was measured
             res["error"] = f"{type(e).__name__}: {e}"

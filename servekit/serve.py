@@ -59,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     port = lambda key: int(props[key].rsplit(":", 1)[1])  # noqa: E731
     ports = Ports(port("inference_address"), port("management_address"), port("metrics_address"),
                   int(props.get("grpc_inference_port", 7070)), int(props.get("grpc_management_port", 7071)))
+    # Ctrl-C and SIGTERM (a service manager, `kill`) both stop TorchServe and its workers, which run
+    # in a session of their own and would outlive this process. Handlers set here, not inherited:
+    # a parent that ignores SIGINT (a script's background job) would otherwise leave no way but kill -9.
+    stopping: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stopping.append(signum))
     # The models load at start (--models); the config decides the model API (shipped: off).
     ts = TorchServe(args.run_dir, args.model_store, ports, args.config, models=args.models, model_api=False,
                     log_config=args.log_config)
@@ -67,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         print(f"logs in {ts.log_dir}, worker sockets and pid file in {ts.temp_dir}; Ctrl-C to stop", flush=True)
         threading.Thread(target=announce_ready, args=(ts, model_names(args.models)), daemon=True).start()
-        try:
+        while not stopping:
             signal.pause()
-        except KeyboardInterrupt:
-            pass
     return 0

@@ -2,6 +2,7 @@
 stall, with the host samples around it; a single process's slow unit is not shared."""
 from __future__ import annotations
 
+import os
 import time
 
 from servekit.benchmarks.host_jitter import delta, read_host, stalls, summarize
@@ -33,8 +34,12 @@ def test_slow_units_of_several_processes_make_one_shared_stall_per_period():
 
 def test_the_host_sample_reads_this_machine():
     a = read_host()
-    sum(i * i for i in range(200_000))
-    time.sleep(0.02)
+    me = str(os.getpid())
+    # Busy until this process's CPU ticks move (10 ms each: a fixed amount of work may fall inside
+    # one tick on a loaded machine and show none).
+    deadline = time.monotonic() + 10
+    while read_host()["procs"][me][1] == a["procs"][me][1] and time.monotonic() < deadline:
+        sum(i * i for i in range(20_000))
     d = delta(a, read_host())
     assert d["t1"] > d["t0"] and sum(d["cpu"].values()) > 0
-    assert any(name.startswith("python") or name.startswith("pytest") for name in d["procs"])
+    assert f"{a['procs'][me][0]}:{me}" in d["procs"]

@@ -1,6 +1,6 @@
 """`servekit serve` as a user runs it: TorchServe in the foreground with the shipped config (ports
 changed), the models of --models loaded at start; it says when each model is ready, after sending
-the frontend its first inference request; Ctrl-C stops everything."""
+the frontend its first inference request; SIGTERM (as Ctrl-C) stops everything."""
 from __future__ import annotations
 
 import re
@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from servekit.serve import model_names
@@ -47,15 +48,18 @@ def test_serve_announces_each_model_ready_after_warming_its_inference_path(model
             if line.startswith("minilm:"):
                 break
         assert lines and lines[-1].startswith("minilm: ready after"), "".join(lines)
+        # TorchServe's frontend and worker run in a session of their own: what must not outlive serve.
+        assert [p for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
         assert "inference path warmed: 1.0 200" in lines[-1]
         assert f"inference http://127.0.0.1:{ports['8080']}" in "".join(lines)
         access = (run / "logs" / "access_log.log").read_text()
         assert '"POST /predictions/minilm/1.0/v1/models HTTP/1.1" 200' in access
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # as a service manager stops it; Ctrl-C takes the same path
         try:
-            proc.wait(60)
+            proc.wait(90)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
     assert proc.returncode == 0
+    assert [p.pid for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])] == []
