@@ -11,9 +11,11 @@ process; the engine is not run):
          - decode: the frame TorchServe sends (every running request again, with the 17 headers
            the openai SDK sends), through TorchServe's own reader and through servekit's
            (handlers/worker_io.py);
-         - requests: TorchServe's ``Service.retrieve_data_for_inference`` on it;
+         - requests: TorchServe's ``Service.retrieve_data_for_inference`` on it, and servekit's
+           (``worker_io.requests_for_inference``);
          - answers: each request's chunk (``Answer.add``: detokenizing, the server-sent event);
-         - frame: TorchServe's response frame of those chunks (``create_predict_response``).
+         - frame: the response frame of those chunks, by TorchServe's ``create_predict_response``
+           and by servekit's (``worker_io.encode_response``).
   first  in a fresh Python process each (the tokenizer's thread pool lives as long as its
          process): the host work of a new chat of --first-tokens prompt tokens (parsing, chat
          template, tokenizing, its first chunk), for the first request and for later ones (other
@@ -41,7 +43,8 @@ import yaml
 from servekit.benchmarks.host import cpu_model
 from servekit.benchmarks.llm_prompts import PromptGenerator, tokenizer_counter
 from servekit.benchmarks.worker_overhead import OPENAI_SDK_HEADERS, best_of, bench_decode, predict_frame
-from servekit.handlers.worker_io import parse_requests
+from servekit.handlers.worker_io import (encode_response, parse_requests, requests_for_inference, stock_requests,
+                                        stock_response)
 from servekit.resources import model_config
 
 
@@ -100,8 +103,6 @@ def _first_in_subprocess(warm: bool, args: argparse.Namespace) -> dict[str, Any]
 def one_call(streams: int, tokens: int, reps: int, seed: int) -> dict[str, Any]:
     """Microseconds of each stage of one handler call with `streams` streamed chats running."""
     from ts.context import Context, RequestProcessor
-    from ts.protocol import otf_message_handler as otf
-    from ts.service import Service
 
     from servekit.handlers.llm_openai import CHAT_ROUTE
 
@@ -115,7 +116,8 @@ def one_call(streams: int, tokens: int, reps: int, seed: int) -> dict[str, Any]:
     row["decode_us"] = {"torchserve": round(stock * 1e6, 1), "servekit": round(ours * 1e6, 1)}
 
     batch, _ = parse_requests(bytearray(frame), 1)  # the requests that frame decodes to (after its command byte)
-    row["requests_us"] = round(best_of(lambda: Service.retrieve_data_for_inference(batch), reps) * 1e6, 1)
+    row["requests_us"] = {name: round(best_of(lambda f=f: f(batch), reps) * 1e6, 1)
+                          for name, f in (("torchserve", stock_requests), ("servekit", requests_for_inference))}
 
     reqs = [api.tokenize({0: api.prepare({"body": json.dumps(p.body(max_tokens=256)).encode()}, CHAT_ROUTE)})[0]
             for p in prompts]
@@ -134,15 +136,16 @@ def one_call(streams: int, tokens: int, reps: int, seed: int) -> dict[str, Any]:
     ids = {i: f"req-{i:08d}" for i in range(streams)}
     ctx.request_ids, ctx.request_processor = ids, [RequestProcessor({}) for _ in range(streams)]
 
-    def response() -> None:
+    def response(encode: Any) -> None:
         for i in range(streams):
             ctx.set_response_content_type(i, "text/event-stream")
         ctx.stopping_criteria = [lambda _: False] * streams
-        otf.create_predict_response(out, ids, "Prediction success", 200, context=ctx)
+        encode(out, ids, "Prediction success", 200, context=ctx)
 
-    row["frame_us"] = round(best_of(response, reps) * 1e6, 1)
+    row["frame_us"] = {name: round(best_of(lambda f=f: response(f), reps) * 1e6, 1)
+                       for name, f in (("torchserve", stock_response), ("servekit", encode_response))}
     row["chunk_bytes_mean"] = round(statistics.mean(len(c.encode()) for c in out), 1)
-    row["total_us"] = {k: round(row["decode_us"][k] + row["requests_us"] + row["answers_us"] + row["frame_us"], 1)
+    row["total_us"] = {k: round(row["decode_us"][k] + row["requests_us"][k] + row["answers_us"] + row["frame_us"][k], 1)
                        for k in ("torchserve", "servekit")}
     return row
 
@@ -166,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(first_request(args.first_only == "on", args.first_tokens, args.later, args.seed)))
         return 0
     call = one_call(args.streams, args.tokens, args.reps, args.seed)
-    print(f"one call, {args.streams} streams x {args.tokens} tokens: decode {call['decode_us']['torchserve']:.0f} "
-          f"(TorchServe's reader) / {call['decode_us']['servekit']:.0f} us (servekit's), requests "
-          f"{call['requests_us']:.0f} us, answers {call['answers_us']:.0f} us, frame {call['frame_us']:.0f} us; "
-          f"total {call['total_us']['servekit']:.0f} us", flush=True)
+    ts_, sk = "torchserve", "servekit"
+    print(f"one call, {args.streams} streams x {args.tokens} tokens, TorchServe's code / servekit's: decode "
+          f"{call['decode_us'][ts_]:.0f} / {call['decode_us'][sk]:.0f} us, requests {call['requests_us'][ts_]:.0f} / "
+          f"{call['requests_us'][sk]:.0f} us, answers {call['answers_us']:.0f} us, frame {call['frame_us'][ts_]:.0f} / "
+          f"{call['frame_us'][sk]:.0f} us; total {call['total_us'][ts_]:.0f} / {call['total_us'][sk]:.0f} us", flush=True)
     first = [_first_in_subprocess(warm, args) for warm in (False, True)]
     for f in first:
         print(f"new {args.first_tokens}-token chat, warm-up {'on ' if f['warm_up'] else 'off'}: first "

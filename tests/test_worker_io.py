@@ -8,6 +8,8 @@ import threading
 import pytest
 from ts.metrics.caching_metric import CachingMetric
 from ts.metrics.metric_type_enum import MetricTypes
+from ts import service
+from ts.context import Context, RequestProcessor
 from ts.protocol import otf_message_handler as otf
 
 from servekit.benchmarks.worker_overhead import predict_frame
@@ -23,6 +25,8 @@ def sockets(monkeypatch):
     left afterwards."""
     monkeypatch.setattr(otf, "_retrieve_buffer", worker_io.stock_retrieve)
     monkeypatch.setattr(otf, "_retrieve_inference_msg", worker_io.stock_inference_msg)
+    monkeypatch.setattr(service.Service, "retrieve_data_for_inference", staticmethod(worker_io.stock_requests))
+    monkeypatch.setattr(service, "create_predict_response", worker_io.stock_response)
     monkeypatch.delenv(worker_io.DECODE_SWITCH, raising=False)
     monkeypatch.setattr(worker_io, "_reader", None)
     a, b = socket.socketpair()
@@ -47,6 +51,8 @@ def test_buffered_reader_decodes_what_torchserve_decodes(sockets, monkeypatch):
     stock_bytes = [_decode(b), _decode(b)]
     assert worker_io.install_buffered_reads() is True
     assert worker_io.install_buffered_reads() is False  # once per process
+    assert service.Service.retrieve_data_for_inference is worker_io.requests_for_inference
+    assert service.create_predict_response is worker_io.encode_response
     a.sendall(frame)
     buffered = [_decode(b), _decode(b)]
     assert buffered == stock_bytes
@@ -59,6 +65,71 @@ def test_buffered_reader_decodes_what_torchserve_decodes(sockets, monkeypatch):
     assert msg[3]["requestId"] == b"req-00000003"
     assert continuing[1]["headers"] == [{"name": b"Accept", "value": b"text/event-stream"}]
     assert continuing[1]["parameters"][0] == {"name": "body", "contentType": "", "value": bytearray()}
+
+
+def test_request_bookkeeping_is_torchserves():
+    """Each request's headers (parameters' content types and the HTTP headers, decoded), its
+    parameters by name and its id: what TorchServe's own bookkeeping gives, for requests with
+    bodies and for continuing requests without."""
+    frame = predict_frame(BODIES[:5], {"Accept": "text/event-stream", "X-Tag": "ünïcode"}) + \
+        predict_frame([b""] * 3, {"Accept": "text/event-stream"}, "")
+    first, end = worker_io.parse_requests(bytearray(frame), 1)
+    second, _ = worker_io.parse_requests(bytearray(frame), end + 1)
+    for batch in (first, second):
+        (ours_h, ours_in, ours_ids), (ts_h, ts_in, ts_ids) = (worker_io.requests_for_inference(batch),
+                                                              worker_io.stock_requests(batch))
+        assert (ours_in, ours_ids) == (ts_in, ts_ids)
+        assert [h.get_request_properties() for h in ours_h] == [h.get_request_properties() for h in ts_h]
+        assert all(type(h) is RequestProcessor for h in ours_h)
+    assert ours_h[1].get_request_property("Accept") == "text/event-stream"
+    with pytest.raises(ValueError, match="invalid inputs"):
+        worker_io.requests_for_inference(None)
+
+
+def _context(n: int) -> Context:
+    ctx = Context("m", "", {}, n, None, "0.12.0")
+    ctx.request_ids = {i: f"req-{i:03d}" for i in range(n)}
+    ctx.request_processor = [RequestProcessor({}) for _ in range(n)]
+    return ctx
+
+
+def test_response_frames_are_torchserves_byte_for_byte(monkeypatch):
+    """The response frame and its effect on the context (each streamed answer's ts_stream_next
+    header) as TorchServe's create_predict_response: with and without a context, content types,
+    statuses with phrases, other headers, stopping criteria saying stop, go on or nothing, text,
+    bytes and objects TorchServe serializes itself."""
+    ids = {0: "req-000", 1: "réq-001", 2: "req-002"}
+    answers = ["data: {\"x\": \"é\"}\n\n", b"\x00\x01raw", bytearray(b"more")]
+
+    def setup(ctx: Context) -> Context:
+        ctx.set_response_content_type(0, "text/event-stream")
+        ctx.set_response_content_type(1, "application/jsön")
+        ctx.set_response_status(400, "Bäd Request", 1)
+        ctx.set_response_header(2, "X-Served-By", "servekit ✓")
+        ctx.set_response_header(2, "ts_stream_next", "true")
+        return ctx
+
+    cases = [
+        dict(ret=None, message="Prediction failed", code=503),
+        dict(ret=answers, message="Prediction success", code=200, context="plain"),
+        dict(ret=answers, message="Prediction success", code=200, context="stops"),
+        dict(ret=answers, message="Prediction success", code=200, context="plain", ts_stream_next=True),
+        dict(ret=[{"a": 1}, "two", b"3"], message="Prediction success", code=200, context="plain"),
+    ]
+    for case in cases:
+        contexts = []
+        for encode in (worker_io.stock_response, worker_io.encode_response):
+            kw = dict(case)
+            if kw.get("context"):
+                ctx = setup(_context(3))
+                if kw["context"] == "stops":
+                    ctx.stopping_criteria = [lambda _: True, lambda _: False, lambda _: None]
+                kw["context"] = ctx
+                contexts.append([ctx.get_response_headers(i) for i in range(3)])
+            contexts.append(bytes(encode(kw.pop("ret"), ids, kw.pop("message"), kw.pop("code"), **kw)))
+        assert contexts[: len(contexts) // 2] == contexts[len(contexts) // 2:], case
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a non-zero rank sends nothing
+    assert worker_io.encode_response(answers, ids, "Prediction success", 200) is None
 
 
 def test_frames_split_anywhere_or_sent_together_decode_alike(sockets):
