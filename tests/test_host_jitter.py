@@ -35,11 +35,14 @@ def test_slow_units_of_several_processes_make_one_shared_stall_per_period():
 def test_the_host_sample_reads_this_machine():
     a = read_host()
     me = str(os.getpid())
-    # Busy until this process's CPU ticks move (10 ms each: a fixed amount of work may fall inside
-    # one tick on a loaded machine and show none).
+    mine = f"{a['procs'][me][0]}:{me}"
+    # Busy until the host's and this process's CPU ticks have moved (10 ms each: a fixed amount of
+    # work may fall inside one tick on a loaded machine and show none).
     deadline = time.monotonic() + 10
-    while read_host()["procs"][me][1] == a["procs"][me][1] and time.monotonic() < deadline:
+    while True:
         sum(i * i for i in range(20_000))
-    d = delta(a, read_host())
+        d = delta(a, read_host())
+        if (mine in d["procs"] and sum(d["cpu"].values()) > 0) or time.monotonic() > deadline:
+            break
     assert d["t1"] > d["t0"] and sum(d["cpu"].values()) > 0
-    assert f"{a['procs'][me][0]}:{me}" in d["procs"]
+    assert mine in d["procs"]
