@@ -505,8 +505,9 @@ class TorchServe:
         frontend its first inference request (``warm_up_inference``)."""
         reg = Registration(mar, model_name or Path(mar).stem, workers, batch_size, max_batch_delay_ms)
         seconds = self.api.register(reg, timeout=timeout)
-        for version in self.api.describe(reg.model) or []:
-            warm_up_inference(self.inference_url, reg.model, version.get("modelVersion", "1.0"))
+        if workers > 0:  # without a worker the request would only wait
+            for version in self.api.describe(reg.model) or []:
+                warm_up_inference(self.inference_url, reg.model, version.get("modelVersion", "1.0"))
         return seconds
 
     def scale(self, model: str, workers: int, timeout: float = 600.0) -> float:
