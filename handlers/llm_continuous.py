@@ -74,7 +74,6 @@ class ContinuousFrontend:
                  "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"],
                  "on" if plan.prefix_caching else "off")
         self.engine = EngineThread(batcher, runner.device)
-        self.max_seq_len = runner.max_seq_len
         stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
         self._spec_sent = ([0] * len(stats.proposed), [0] * len(stats.accepted)) if stats is not None else None
         self._prefix_sent = (0, 0)  # prompt tokens looked up and served by the prefix cache, as last emitted
@@ -89,7 +88,7 @@ class ContinuousFrontend:
         around the captured graphs); this is that first prompt. Its prefix blocks stay cached
         like any request's."""
         t0 = time.perf_counter()
-        prompt = prompt[:max(1, self.max_seq_len // 2)]
+        prompt = prompt[:max(1, self.engine.batcher.r.max_seq_len // 2)]
         keys = {("warm-up", 0): SamplingParams(max_tokens=2),
                 ("warm-up", 1): SamplingParams(max_tokens=2, temperature=1.0)}
         for key, params in keys.items():

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from servekit.resources import resolve
-from servekit.torchserve import Ports, ServerError, TorchServe, read_properties, warm_up_inference
+from servekit.torchserve import Ports, ServerError, TorchServe, read_properties
 
 
 def model_names(models: str) -> list[str]:
@@ -22,16 +22,16 @@ def model_names(models: str) -> list[str]:
 
 def announce_ready(ts: TorchServe, models: list[str], timeout: float = 3600.0) -> None:
     """For each model loaded at start: wait for a READY worker, send the frontend its first inference
-    request (``warm_up_inference``: a fresh frontend's first request otherwise pays for its
+    request (``TorchServe.warm_up``: a fresh frontend's first request otherwise pays for its
     prediction path's first run) and say the model is ready."""
     for model in models:
         try:
             seconds = ts.api.wait_ready(model, 1, timeout)
-            versions = [v.get("modelVersion", "1.0") for v in ts.api.describe(model) or []]
+            statuses = ts.warm_up(model)
         except (ServerError, OSError) as e:
             print(f"{model}: not ready: {str(e).splitlines()[0]}", flush=True)
             continue
-        warmed = ", ".join(f"{v} {warm_up_inference(ts.inference_url, model, v) or 'no answer'}" for v in versions)
+        warmed = ", ".join(f"{v} {status or 'no answer'}" for v, status in statuses.items())
         print(f"{model}: ready after {seconds:.0f} s (inference path warmed: {warmed})", flush=True)
 
 

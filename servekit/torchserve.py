@@ -93,9 +93,10 @@ def read_properties(path: Path) -> dict[str, str]:
 
 
 def http_json(method: str, url: str, timeout: float = 30.0,
-              headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    """One HTTP call; returns (status, parsed JSON or text). Connection errors raise OSError."""
-    req = urllib.request.Request(url, method=method, headers=headers or {})
+              headers: dict[str, str] | None = None, data: bytes | None = None) -> tuple[int, Any]:
+    """One HTTP call (``data``: its body); returns (status, parsed JSON or text). Connection errors
+    raise OSError."""
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, body = resp.status, resp.read()
@@ -117,14 +118,9 @@ def warm_up_inference(inference_url: str, model: str, version: str, timeout: flo
     way in alone, measured on a 2-core CPU host; ~7 ms in all outside the handler on an H100 host.
     Pings and management calls do not take that path."""
     path = f"/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1/models"
-    req = urllib.request.Request(inference_url.rstrip("/") + path,
-                                 data=b"{}", method="POST", headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            resp.read()
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
+        return http_json("POST", inference_url.rstrip("/") + path, timeout, {"Content-Type": "application/json"},
+                         b"{}")[0]
     except OSError:
         return 0
 
@@ -502,13 +498,17 @@ class TorchServe:
     def register(self, mar: str, model_name: str | None = None, batch_size: int | None = None,
                  max_batch_delay_ms: int | None = None, workers: int = 1, timeout: float = 600.0) -> float:
         """Register an archive from the model store, wait until its workers are READY and send the
-        frontend its first inference request (``warm_up_inference``)."""
+        frontend its first inference request (``warm_up``)."""
         reg = Registration(mar, model_name or Path(mar).stem, workers, batch_size, max_batch_delay_ms)
         seconds = self.api.register(reg, timeout=timeout)
         if workers > 0:  # without a worker the request would only wait
-            for version in self.api.describe(reg.model) or []:
-                warm_up_inference(self.inference_url, reg.model, version.get("modelVersion", "1.0"))
+            self.warm_up(reg.model)
         return seconds
+
+    def warm_up(self, model: str) -> dict[str, int]:
+        """``warm_up_inference`` for each version of ``model``: version -> HTTP status (0: no answer)."""
+        return {version: warm_up_inference(self.inference_url, model, version)
+                for version in (v.get("modelVersion", "1.0") for v in self.api.describe(model) or [])}
 
     def scale(self, model: str, workers: int, timeout: float = 600.0) -> float:
         return self.api.scale(model, workers, timeout=timeout)

@@ -419,8 +419,8 @@ def test_llm_engine_warm_up_runs_a_prompt_through_the_engine(llm, capsys) -> Non
     batcher = service.frontend.engine.batcher
     before = batcher.prefix_stats().queried_tokens
     prompt = service.api.tokenizer.encode("a passage of text " * 100)
-    assert len(prompt) > service.frontend.max_seq_len // 2
+    assert len(prompt) > batcher.r.max_seq_len // 2
     assert service.frontend.warm_up(prompt) > 0
-    assert batcher.prefix_stats().queried_tokens - before == 2 * (service.frontend.max_seq_len // 2)
+    assert batcher.prefix_stats().queried_tokens - before == 2 * (batcher.r.max_seq_len // 2)
     assert service.frontend.engine.running == 0 and service.frontend.engine.waiting == 0 and not batcher.by_key
     assert capsys.readouterr().out == ""
