@@ -109,10 +109,11 @@ def ttft_single(batcher: ContinuousBatcher, rng: random.Random, vocab: int, leng
 def burst(batcher: ContinuousBatcher, rng: random.Random, vocab: int, n: int, length: int, max_tokens: int,
           tag: str) -> dict[str, Any]:
     d = Driver(batcher)
-    t0 = time.perf_counter()
     keys = [(tag, i) for i in range(n)]
-    for k in keys:
-        d.add(k, _prompt(rng, length, vocab), max_tokens)
+    prompts = [_prompt(rng, length, vocab) for _ in keys]  # made before the clock starts (~10 ms for 32)
+    t0 = time.perf_counter()
+    for k, prompt in zip(keys, prompts):
+        d.add(k, prompt, max_tokens)
     d.drain()
     last_first = max(d.first.values()) - t0
     wall = max(d.ended.values()) - t0
@@ -129,10 +130,12 @@ def streams(batcher: ContinuousBatcher, rng: random.Random, vocab: int, n_stream
     d = Driver(batcher)
     left = {s: per_stream for s in range(n_streams)}
     count = 0
+    # Every prompt made before the clock starts: making one takes longer than some engine steps.
+    prompts = [_prompt(rng, rng.randint(*lengths), vocab) for _ in range(n_streams * per_stream)]
 
     def send(stream: int) -> None:
         nonlocal count
-        d.add((tag, stream, count), _prompt(rng, rng.randint(*lengths), vocab), max_tokens)
+        d.add((tag, stream, count), prompts[count], max_tokens)
         count += 1
         left[stream] -= 1
 
@@ -186,22 +189,65 @@ def attention_paths(batcher: ContinuousBatcher, repeats: int = 10) -> dict[str, 
     return out
 
 
-def profile_packed(batcher: ContinuousBatcher, out: Path) -> str:
-    """GPU kernel time of one eager packed forward (2048 tokens: 4 prompts of 512), by kernel."""
+KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "sm90_xmma")), ("attention", ("_packed_attention",)),
+                ("fused (inductor)", ("triton_",)))
+
+
+def _kind(kernel: str) -> str:
+    return next((kind for kind, marks in KERNEL_KINDS for mark in marks if mark in kernel), "other")
+
+
+def profile_packed(batcher: ContinuousBatcher, out: Path) -> dict[str, Any]:
+    """GPU time of the engine's own packed forward (the captured graph the engine replays, compiled
+    layers included), by kernel and by kind, for a few packings. Writes ``packed_profile.txt``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from servekit.optimizations.llm.packed import Chunk, PackedPrefill
+    from servekit.optimizations.llm.packed import Chunk
 
-    engine = PackedPrefill(batcher.r.model, batcher.max_num_batched_tokens, batcher.max_num_seqs, attention="triton")
-    chunks = [Chunk([5] * 512, 0, row, True) for row in range(4)]
-    engine.run(chunks)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    engine = batcher.packed
+    packings = {"4x512": [(512, 0)] * 4, "1x2048": [(2048, 0)], "tails+3x512": [(150, 512)] * 3 + [(512, 0)] * 3}
+    tables, summary = [], {}
+    for name, lengths in packings.items():
+        if sum(n for n, _ in lengths) > engine.max_tokens:
+            continue
+        chunks = [Chunk([5] * n, start, row, True) for row, (n, start) in enumerate(lengths)]
         engine.run(chunks)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
-    (out / "packed_profile.txt").write_text(table)
-    return table
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.run(chunks)
+            torch.cuda.synchronize()
+        by_kind: dict[str, float] = {}
+        for e in prof.key_averages():
+            us = e.device_time_total / 5 if hasattr(e, "device_time_total") else e.cuda_time_total / 5
+            by_kind[_kind(e.key)] = by_kind.get(_kind(e.key), 0.0) + us
+        total = sum(by_kind.values())
+        summary[name] = {"tokens": sum(n for n, _ in lengths), "gpu_us": round(total),
+                         **{k: round(v) for k, v in sorted(by_kind.items())}}
+        tables.append(f"## {name} ({summary[name]['tokens']} tokens), GPU time of one forward by kind (us): "
+                      f"{json.dumps(summary[name])}\n"
+                      + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    (out / "packed_profile.txt").write_text("\n\n".join(tables))
+    return summary
+
+
+def bucket_costs(batcher: ContinuousBatcher, repeats: int = 20) -> dict[int, float]:
+    """ms per replay of each captured token bucket, filled by 512-token chunks: the fixed cost of a
+    packed forward against its cost per token."""
+    from servekit.optimizations.llm.packed import Chunk
+
+    engine, out = batcher.packed, {}
+    for n in getattr(engine, "buckets", ()):
+        lengths = [512] * (n // 512) + ([n % 512] if n % 512 else [])
+        chunks = [Chunk([5] * m, 0, row, True) for row, m in enumerate(lengths)]
+        engine.run(chunks)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            engine.run(chunks)
+        torch.cuda.synchronize()
+        out[n] = round(1000 * (time.perf_counter() - t0) / repeats, 3)
+    return out
 
 
 def build(device: torch.device, small: bool, budget: int | None) -> tuple[ContinuousBatcher, dict[str, Any]]:
@@ -233,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-stream", type=int, default=2, help="requests per closed-loop stream in (c) and (d)")
     p.add_argument("--single-requests", type=int, default=2, help="requests of the one-stream short run in (d)")
     p.add_argument("--label", default="", help="free text saved with the results (e.g. baseline)")
-    p.add_argument("--profile", action="store_true", help="also profile one eager packed forward by kernel")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the engine's packed forward by kernel and time each token bucket")
+    p.add_argument("--forward-only", action="store_true",
+                   help="only the packed forward's measures (attention paths, profile, buckets), not (a)-(d)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -248,7 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         print("attention paths (ms per packed forward):", json.dumps(results["attention_paths_ms"]), flush=True)
         if args.profile:
             args.out.mkdir(parents=True, exist_ok=True)
-            print(profile_packed(batcher, args.out), flush=True)
+            results["packed_profile_us"] = profile_packed(batcher, args.out)
+            print("packed forward, GPU us by kind:", json.dumps(results["packed_profile_us"]), flush=True)
+            results["bucket_ms"] = bucket_costs(batcher)
+            print("ms per captured bucket:", json.dumps(results["bucket_ms"]), flush=True)
+    if args.forward_only:
+        return _write(results, args, argv, device)
     results["ttft_600"] = ttft_single(batcher, rng, vocab, [600, 613, 587, 644, 600, 571, 600])
     print("(a) ttft-600:", json.dumps(results["ttft_600"]), flush=True)
     results["prefill_32"] = [burst(batcher, rng, vocab, n, 600, 16, f"burst{r}") for r in range(2)]
@@ -260,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     results["short_1"] = streams(batcher, rng, vocab, 1, args.single_requests, (20, 60), short_max, "short1")
     results["short_1"]["tokens_per_s_per_sequence"] = results["short_1"]["tokens_per_s"]
     print("(d) short-32:", json.dumps(results["short_32"]), "short-1:", json.dumps(results["short_1"]), flush=True)
+    return _write(results, args, argv, device)
+
+
+def _write(results: dict[str, Any], args: argparse.Namespace, argv: list[str] | None, device: torch.device) -> int:
     results["meta"] = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                        "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        "command": " ".join([Path(sys.executable).name, "-m", "servekit.benchmarks.llm_prefill_bench",

@@ -128,7 +128,6 @@ def test_packed_tables_give_every_token_its_position_row_and_block(tiny_llama: T
         n_blocks = len(want_blocks)
         assert list(zip(packed.block_seq[:n_blocks].tolist(), packed.block_off[:n_blocks].tolist())) == want_blocks
         assert (packed.block_seq[n_blocks:] == -1).all()  # the kernel's programs past the last block exit
-        assert (packed.rows[total:] == tiny_llama.spare_row).all()  # padding writes into the spare row
 
 
 def test_packed_prefill_refuses_what_it_cannot_run(tiny_llama: Transformer) -> None:

@@ -18,8 +18,9 @@ Two attention paths compute the same thing:
   the reference the kernel is tested against). Its loop runs on the host, so it is never captured.
 
 With graphs, the packed batch is padded to the smallest token bucket that holds it (powers of two
-from 16 up to the token budget, with a bucket halfway between two of them from 128 up): padding tokens write into the cache's spare row and no block
-attends for them. Every bucket is captured by ``warmup()``, so no request compiles anything.
+from 16 up to the token budget, with a bucket halfway between two of them from 128 up): no block
+of the kernel covers a padding token, so it is neither stored in the cache nor attended for. Every
+bucket is captured by ``warmup()``, so no request compiles anything.
 """
 from __future__ import annotations
 
@@ -143,35 +144,31 @@ class TorchAttention:
 
 
 @torch.library.custom_op("servekit::packed_prefill_attention", mutates_args=("k_cache", "v_cache"))
-def _triton_attention_op(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
-                         positions: Tensor, seq: Tensor, block_seq: Tensor, block_off: Tensor, scale: float,
-                         window: int) -> Tensor:
-    """Write k/v ``(N, n_kv, D)`` at each token's (row, position), then the Triton kernel over q
-    ``(N, n_heads, D)``. An opaque op to ``torch.compile``: a compiled packed layer fuses the
-    elementwise work around it and calls the kernel as it is."""
+def _triton_attention_op(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, seq: Tensor,
+                         block_seq: Tensor, block_off: Tensor, scale: float, window: int) -> Tensor:
+    """The Triton kernel over q ``(N, n_heads, D)``, k / v ``(N, n_kv, D)``: stores k / v at each
+    token's (row, position) and attends. An opaque op to ``torch.compile``: a compiled packed layer
+    fuses the elementwise work around it and calls the kernel as it is."""
     from servekit.optimizations.kernels.triton_prefill import packed_attention
 
-    k_cache[rows, :, positions] = k
-    v_cache[rows, :, positions] = v
-    return packed_attention(q.contiguous(), k_cache, v_cache, seq, block_seq, block_off, scale, window or None)
+    return packed_attention(q, k, v, k_cache, v_cache, seq, block_seq, block_off, scale, window or None)
 
 
 @_triton_attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor, positions: Tensor,
-      seq: Tensor, block_seq: Tensor, block_off: Tensor, scale: float, window: int) -> Tensor:
+def _(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, seq: Tensor, block_seq: Tensor,
+      block_off: Tensor, scale: float, window: int) -> Tensor:
     return q.new_empty(q.shape)
 
 
 class TritonAttention:
     """Packed attention by the Triton kernel, from tables on the device (capturable, compilable).
 
-    Holds the whole tables and takes the first ``N`` entries for a forward of ``N`` tokens, so one
-    object serves every token bucket: a compiled layer sees the same hook whatever the bucket."""
+    Holds the whole tables and takes the first entries a forward of ``N`` tokens needs, so one
+    object serves every token bucket: a compiled layer sees the same hook whatever the bucket.
+    The kernel itself stores this step's k/v in the cache (padding tokens: nowhere)."""
 
-    def __init__(self, seq: Tensor, block_seq: Tensor, block_off: Tensor, rows: Tensor, positions: Tensor,
-                 max_seqs: int) -> None:
-        self.seq, self.block_seq, self.block_off, self.rows, self.positions = seq, block_seq, block_off, rows, positions
-        self.max_seqs = max_seqs
+    def __init__(self, seq: Tensor, block_seq: Tensor, block_off: Tensor, max_seqs: int) -> None:
+        self.seq, self.block_seq, self.block_off, self.max_seqs = seq, block_seq, block_off, max_seqs
 
     def __call__(self, attn: Attention, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         cache = attn.kv_cache
@@ -181,8 +178,7 @@ class TritonAttention:
         blocks = n // BLOCK_M + self.max_seqs  # each request adds at most one partial block
         y = torch.ops.servekit.packed_prefill_attention(
             q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cache.k_cache, cache.v_cache,
-            self.rows[:n], self.positions[:n], self.seq, self.block_seq[:blocks], self.block_off[:blocks],
-            _scale(attn), window or 0)
+            self.seq, self.block_seq[:blocks], self.block_off[:blocks], _scale(attn), window or 0)
         return y[None]
 
 
@@ -262,12 +258,11 @@ class PackedPrefill:
         blank = torch.zeros(sum(sizes), dtype=torch.int64)
         b = torch.split(blank, sizes)
         b[0].fill_(pad_id)
-        b[2].fill_(model.spare_row)  # padding tokens write into the row no request uses
         b[5].fill_(-1)  # no request: the program exits
         self._blank, self._sizes = blank, sizes
         self._steps: dict[int, _PackedStep] = {}
         # One hook object for every bucket (compiled layers see the same one each time).
-        self.triton = (TritonAttention(self.seq, self.block_seq, self.block_off, self.rows, self.positions, s)
+        self.triton = (TritonAttention(self.seq, self.block_seq, self.block_off, s)
                        if attention == "triton" else None)
 
     def _load(self, chunks: list[Chunk]) -> tuple[int, list[tuple[int, int, int, int]]]:
