@@ -26,16 +26,17 @@ compared request by request.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import requests
 import yaml
 
 from servekit.benchmarks.bench.stats import percentile
@@ -70,39 +71,101 @@ class Timing:
         return (self.last_s - self.ttft_s) / (self.tokens - 1)
 
 
+def post_events(url: str, body: dict[str, Any], timeout: float = 600.0, t0: float | None = None,
+                conn: http.client.HTTPConnection | None = None) -> tuple[int, list[tuple[float, bytes]], str]:
+    """POST ``body`` (a streamed request) and read its server-sent events as raw ``data:`` lines,
+    each with the time it came (s from ``t0``, else from the send); ``conn``: a kept-alive
+    connection to send it on, else a new one for this request. Returns (HTTP status, lines, error
+    text): status -1 when the connection failed.
+
+    The client must not be what it measures: 32 streams in one process share its GIL, and parsing
+    every event as it came (requests' line iterator, a JSON decode per token) cost enough that the
+    last of a burst of 32 requests left the client tens of milliseconds after the first, which its
+    TTFT counted. So the body is encoded before the clock starts and the stream is read with
+    http.client's buffered reads, nothing decoded: callers decode the lines once the answer is in."""
+    data = json.dumps(body).encode()
+    where = urllib.parse.urlsplit(url)
+    own = conn is None
+    if own:
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=timeout)
+    t0 = time.perf_counter() if t0 is None else t0
+    lines: list[tuple[float, bytes]] = []
+    try:
+        conn.request("POST", where.path, body=data, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            return r.status, [], r.read().decode(errors="replace")[:300]
+        while line := r.readline():
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                lines.append((time.perf_counter() - t0, line[6:]))
+    except (OSError, http.client.HTTPException) as e:
+        conn.close()  # a broken connection is not reused: the next request opens another
+        return -1, [], f"{type(e).__name__}: {e}"
+    finally:
+        if own:
+            conn.close()
+    return 200, lines, ""
+
+
 def stream_chat(url: str, prompt: str | list[dict[str, str]], max_tokens: int, timeout: float = 600.0,
-                t0: float | None = None) -> Timing:
-    """POST one streamed greedy chat completion and time its chunks. `prompt`: the user's text, or
-    the whole list of messages; `t0`: the perf_counter time to time from (an open-loop request's
-    scheduled send), else the send."""
+                t0: float | None = None, conn: http.client.HTTPConnection | None = None) -> Timing:
+    """POST one streamed greedy chat completion and time its chunks (``post_events``). `prompt`:
+    the user's text, or the whole list of messages; `t0`: the perf_counter time to time from (an
+    open-loop request's scheduled send), else the send."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter() if t0 is None else t0
+    status, lines, error = post_events(url, body, timeout, t0, conn)
+    if status != 200:
+        return Timing(status, None, None, 0, 0, 0, "", error)
     first = last = cached = None
     pieces: list[str] = []
     chunks = tokens = prompt_tokens = 0
-    try:
-        with requests.post(url, json=body, stream=True, timeout=timeout) as r:
-            if r.status_code != 200:
-                return Timing(r.status_code, None, None, 0, 0, 0, "", r.text[:300])
-            for line in r.iter_lines():
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    tokens, prompt_tokens = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
-                    cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-                for choice in event.get("choices", []):
-                    content = choice.get("delta", {}).get("content")
-                    if content:
-                        now = time.perf_counter() - t0
-                        first = now if first is None else first
-                        last, chunks = now, chunks + 1
-                        pieces.append(content)
-    except requests.RequestException as e:
-        return Timing(-1, None, None, 0, 0, 0, "", f"{type(e).__name__}: {e}")
+    for now, line in lines:
+        event = json.loads(line)
+        if event.get("usage"):
+            tokens, prompt_tokens = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
+            cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+        for choice in event.get("choices", []):
+            content = choice.get("delta", {}).get("content")
+            if content:
+                first = now if first is None else first
+                last, chunks = now, chunks + 1
+                pieces.append(content)
     return Timing(200, first, last, tokens, prompt_tokens, chunks, "".join(pieces), cached_tokens=cached)
+
+
+# What sending on a connection the server closed raises (the request was never answered).
+STALE = ("RemoteDisconnected", "BrokenPipeError", "ConnectionResetError")
+
+
+class Session:
+    """A client's kept-alive connection per thread (as an SDK's HTTP session keeps one): a closed
+    loop's client sends its requests one after another on it, without a new TCP connection each."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self._local = url, threading.local()
+
+    def chat(self, prompt: str | list[dict[str, str]], max_tokens: int, t0: float | None = None) -> Timing:
+        conn = getattr(self._local, "conn", None)
+        reused = conn is not None and conn.sock is not None
+        if not reused:
+            conn = self._new()
+        t0 = time.perf_counter() if t0 is None else t0
+        got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=conn)
+        if reused and got.status == -1 and got.error.startswith(STALE):
+            # The server had closed the kept-alive connection: send again on a new one, as HTTP
+            # clients do (the time of the failed try counts).
+            got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=self._new())
+        return got
+
+    def _new(self) -> http.client.HTTPConnection:
+        self._local.conn = self._connect()
+        return self._local.conn
+
+    def _connect(self) -> http.client.HTTPConnection:
+        where = urllib.parse.urlsplit(self.url)
+        return http.client.HTTPConnection(where.hostname, where.port, timeout=600.0)
 
 
 def run_together(work: Callable[[int], None], n: int) -> float:

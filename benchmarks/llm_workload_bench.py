@@ -61,7 +61,7 @@ import numpy as np
 import yaml
 
 from servekit.benchmarks.llm_prompts import PromptGenerator, Prompt, corpus_digest, tokenizer_counter
-from servekit.benchmarks.llm_serve_bench import Timing, run_together, stream_chat, summarize
+from servekit.benchmarks.llm_serve_bench import Session, Timing, run_together, summarize
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 
@@ -117,7 +117,9 @@ Chat = Callable[[list[dict[str, str]], int, float | None], Timing]
 
 
 def http_chat(url: str) -> Chat:
-    return lambda messages, max_tokens, t0=None: stream_chat(url, messages, max_tokens, t0=t0)
+    """Each client thread keeps its connection alive across its requests, as an SDK's session does."""
+    session = Session(url)
+    return lambda messages, max_tokens, t0=None: session.chat(messages, max_tokens, t0)
 
 
 def one_by_one(chat: Chat, prompts: list[Prompt]) -> list[Timing]:

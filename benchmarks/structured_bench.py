@@ -49,7 +49,7 @@ import requests
 
 from servekit.benchmarks.bench.stats import percentile
 from servekit.benchmarks.llm_inprocess import environment as llm_environment
-from servekit.benchmarks.llm_serve_bench import run_together, variant_config
+from servekit.benchmarks.llm_serve_bench import post_events, run_together, variant_config
 from servekit.benchmarks.llm_workload_bench import HandlerSplit
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
@@ -196,29 +196,31 @@ def chat(url: str, prompt: str, max_tokens: int, stream: bool, schema: tuple[str
         body.update(stream=True, stream_options={"include_usage": True})
     name = schema[0] if schema else None
     t0 = time.perf_counter()
+    if stream:  # the same light client as the LLM benchmarks: raw lines timed, decoded afterwards
+        status, lines, error = post_events(url, body, timeout, t0)
+        total = time.perf_counter() - t0
+        if status != 200:
+            return Answer(name, stream, status, None, "", 0, None, total, error)
+        first, finish, tokens, pieces = None, None, 0, []
+        for now, line in lines:
+            event = json.loads(line)
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for c in event.get("choices", []):
+                content = c.get("delta", {}).get("content")
+                if content:
+                    first = now if first is None else first
+                    pieces.append(content)
+                finish = c.get("finish_reason") or finish
+        return Answer(name, stream, 200, finish, "".join(pieces), tokens, first, total)
     try:
-        with requests.post(url, json=body, stream=stream, timeout=timeout) as r:
+        with requests.post(url, json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 return Answer(name, stream, r.status_code, None, "", 0, None, time.perf_counter() - t0, r.text[:300])
-            if not stream:
-                got = r.json()
-                choice = got["choices"][0]
-                return Answer(name, stream, 200, choice.get("finish_reason"), choice["message"].get("content") or "",
-                              got["usage"]["completion_tokens"], None, time.perf_counter() - t0)
-            first, finish, tokens, pieces = None, None, 0, []
-            for line in r.iter_lines():
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-                for c in event.get("choices", []):
-                    content = c.get("delta", {}).get("content")
-                    if content:
-                        first = time.perf_counter() - t0 if first is None else first
-                        pieces.append(content)
-                    finish = c.get("finish_reason") or finish
-            return Answer(name, stream, 200, finish, "".join(pieces), tokens, first, time.perf_counter() - t0)
+            got = r.json()
+            choice = got["choices"][0]
+            return Answer(name, stream, 200, choice.get("finish_reason"), choice["message"].get("content") or "",
+                          got["usage"]["completion_tokens"], None, time.perf_counter() - t0)
     except (requests.RequestException, ValueError, KeyError) as e:
         return Answer(name, stream, -1, None, "", 0, None, time.perf_counter() - t0, f"{type(e).__name__}: {e}")
 

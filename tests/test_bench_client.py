@@ -1,0 +1,121 @@
+"""The LLM benchmarks' HTTP client (benchmarks/llm_serve_bench.py: post_events, stream_chat,
+Session) against a real HTTP/1.1 server on a local socket: events decoded after the stream with the
+times they came, a client's requests on one kept-alive connection, a connection the server closed
+replaced without losing the request, errors as statuses. tests/test_llm_server.py runs the same
+client against a live TorchServe."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from servekit.benchmarks.llm_serve_bench import Session, post_events, stream_chat
+
+
+def _events(words: list[str]) -> list[bytes]:
+    out = [b"data: " + json.dumps({"choices": [{"delta": {"content": w}}]}).encode() + b"\n\n" for w in words]
+    usage = {"completion_tokens": len(words), "prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}}
+    return out + [b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n", b"data: [DONE]\n\n"]
+
+
+class _Server:
+    """Streams the request's words back as chunked SSE events, 5 ms apart; counts connections.
+    ``close_after``: drop the connection after each answer without saying so (a stale keep-alive)."""
+
+    def __init__(self, close_after: bool = False) -> None:
+        self.connections, self.bodies = 0, []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                server.connections += 1
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.bodies.append(body)
+                if body.get("max_tokens") == 0:
+                    msg = b'{"error": "max_tokens must be positive"}'
+                    self.send_response(400)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for event in _events(body["messages"][-1]["content"].split()):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    self.wfile.flush()
+                    time.sleep(0.005)
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+                if close_after:
+                    self.close_connection = True
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1/chat/completions"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def server() -> Iterator[_Server]:
+    s = _Server()
+    yield s
+    s.httpd.shutdown()
+
+
+def test_stream_chat_times_each_chunk_and_decodes_the_events_after(server: _Server) -> None:
+    t = stream_chat(server.url, "one two three four", 16)
+    assert (t.status, t.text, t.tokens, t.prompt_tokens, t.chunks, t.cached_tokens) == (200, "onetwothreefour", 4, 7, 4, 3)
+    # The chunks came 5 ms apart: the first token's time is the first event's arrival, not the end.
+    assert 0 < t.ttft_s < t.last_s and t.last_s - t.ttft_s >= 0.012
+    assert server.bodies[0] == {"messages": [{"role": "user", "content": "one two three four"}], "max_tokens": 16,
+                                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def test_post_events_gives_raw_lines_in_order_and_an_error_status_with_its_text(server: _Server) -> None:
+    status, lines, error = post_events(server.url, {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2})
+    assert status == 200 and error == ""
+    assert [json.loads(line)["choices"][0]["delta"]["content"] for _, line in lines[:2]] == ["a", "b"]
+    assert [t for t, _ in lines] == sorted(t for t, _ in lines)  # [DONE] is left out, usage kept
+    assert len(lines) == 3
+    status, lines, error = post_events(server.url, {"messages": [], "max_tokens": 0})
+    assert (status, lines) == (400, []) and "max_tokens must be positive" in error
+
+
+def test_a_session_sends_a_threads_requests_on_one_connection(server: _Server) -> None:
+    session = Session(server.url)
+    got = [session.chat(f"request {i}", 8) for i in range(3)]
+    assert [t.text for t in got] == ["request0", "request1", "request2"]
+    assert server.connections == 1
+    other = threading.Thread(target=session.chat, args=("from another thread", 8))
+    other.start()
+    other.join()
+    assert server.connections == 2  # each client thread has its own connection
+
+
+def test_a_session_replaces_a_connection_the_server_closed() -> None:
+    server = _Server(close_after=True)
+    try:
+        session = Session(server.url)
+        got = [session.chat(f"turn {i}", 8) for i in range(3)]
+        assert [t.status for t in got] == [200, 200, 200] and [t.text for t in got] == ["turn0", "turn1", "turn2"]
+        assert server.connections == 3
+    finally:
+        server.httpd.shutdown()
+
+
+def test_a_refused_connection_is_a_failed_timing_not_an_exception() -> None:
+    t = stream_chat("http://127.0.0.1:9/v1/chat/completions", "hello", 4, timeout=5.0)  # discard port: nothing listens
+    assert t.status == -1 and "ConnectionRefusedError" in t.error
