@@ -285,7 +285,7 @@ class PackedPrefill:
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
         cache_rows = np.fromiter((c.row for c in chunks), dtype=np.int64, count=n)
         offsets = np.cumsum(lengths) - lengths  # where each chunk starts in the packed batch
-        tokens[:total] = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=total)
+        tokens[:total] = np.concatenate([np.array(c.tokens, dtype=np.int64) for c in chunks])  # C loops, not a generator
         positions[:total] = np.arange(total) - np.repeat(offsets - starts, lengths)  # chunk i's token j: start_i + j
         rows[:total] = np.repeat(cache_rows, lengths)
         last = (offsets + lengths - 1)[[c.last for c in chunks]]
