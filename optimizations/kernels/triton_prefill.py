@@ -56,6 +56,18 @@ def _attend(q, k, v, seen, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _attend_whole(q, k_base, v_base, stride_k, stride_v, lo, hi, d, m_i, l_i, acc, qk_scale,
+                  BLOCK_N: tl.constexpr):
+    """Key blocks ``lo .. hi`` (whole blocks) that every query of the block sees: no masks."""
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + n[:, None] * stride_k + d[None, :])
+        v = tl.load(v_base + n[:, None] * stride_v + d[None, :])
+        m_i, l_i, acc = _attend(q, k, v, None, m_i, l_i, acc, qk_scale, False)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _packed_attention(Q, K, V, KC, VC, O, SEQ, BLOCK_SEQ, BLOCK_OFF,
                       stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                       stride_cb, stride_ch, stride_cn, stride_on, stride_oh,
@@ -95,11 +107,8 @@ def _packed_attention(Q, K, V, KC, VC, O, SEQ, BLOCK_SEQ, BLOCK_OFF,
         if WINDOWED:  # from the key block of the block's first query's window; every block masked
             lo = tl.maximum(pos0 + off - window + 1, 0) // BLOCK_N * BLOCK_N
             full_end = lo
-        for n0 in range(lo, full_end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            k = tl.load(kc_row + n[:, None] * stride_cn + d[None, :])
-            v = tl.load(vc_row + n[:, None] * stride_cn + d[None, :])
-            m_i, l_i, acc = _attend(q, k, v, None, m_i, l_i, acc, qk_scale, False)
+        m_i, l_i, acc = _attend_whole(q, kc_row, vc_row, stride_cn, stride_cn, lo, full_end, d, m_i, l_i, acc,
+                                      qk_scale, BLOCK_N)
         for n0 in range(full_end, pos0, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             inside = n < pos0
@@ -115,11 +124,8 @@ def _packed_attention(Q, K, V, KC, VC, O, SEQ, BLOCK_SEQ, BLOCK_OFF,
         if WINDOWED:
             jlo = tl.maximum(off - window + 1, 0) // BLOCK_N * BLOCK_N
             diag = jlo
-        for j0 in range(jlo, diag, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            k = tl.load(k_packed + j[:, None] * stride_kn + d[None, :])
-            v = tl.load(v_packed + j[:, None] * stride_vn + d[None, :])
-            m_i, l_i, acc = _attend(q, k, v, None, m_i, l_i, acc, qk_scale, False)
+        m_i, l_i, acc = _attend_whole(q, k_packed, v_packed, stride_kn, stride_vn, jlo, diag, d, m_i, l_i, acc,
+                                      qk_scale, BLOCK_N)
         end = tl.minimum(off + BLOCK_M, length)
         for j0 in range(diag, end, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
