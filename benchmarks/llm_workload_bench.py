@@ -572,7 +572,9 @@ def markdown(res: dict[str, Any]) -> str:
          f"{res['config'].get('maxBatchDelay')} ms. Worker READY after {res.get('ready_s')} s. Prompts: seed "
          f"{res['prompts']['seed']}, corpus {res['prompts']['corpus']} (stdlib docstrings of Python {env.get('python')}), "
          "every request a different text. Streamed greedy chat completions; TTFT from the send (Poisson: from the "
-         "scheduled send); TPOT = (last token - first token) / (tokens - 1).", ""]
+         "scheduled send); TPOT = (last token - first token) / (tokens - 1). "
+         + ("Client: each client thread keeps one HTTP connection alive across its requests, events timed as "
+            "their lines arrive and decoded after the answer." if res.get("mode") != "in-process" else ""), ""]
     if w.get("bound_tok_per_s"):
         L += [f"Weights read per decode token: {w['bytes_per_token'] / 1e9:.3f} GB ({w['precision']}); at "
               f"{w['hbm_bytes_per_s'] / 1e12:.2f} TB/s the batch-1 bound is {w['bound_tok_per_s']} tokens/s.", ""]
