@@ -71,6 +71,12 @@ class Timing:
         return (self.last_s - self.ttft_s) / (self.tokens - 1)
 
 
+def connect(url: str, timeout: float = 600.0) -> http.client.HTTPConnection:
+    """An HTTP connection to ``url``'s host and port (opened at its first request)."""
+    where = urllib.parse.urlsplit(url)
+    return http.client.HTTPConnection(where.hostname, where.port, timeout=timeout)
+
+
 def post_events(url: str, body: dict[str, Any], timeout: float = 600.0, t0: float | None = None,
                 conn: http.client.HTTPConnection | None = None) -> tuple[int, list[tuple[float, bytes]], str]:
     """POST ``body`` (a streamed request) and read its server-sent events as raw ``data:`` lines,
@@ -84,14 +90,13 @@ def post_events(url: str, body: dict[str, Any], timeout: float = 600.0, t0: floa
     TTFT counted. So the body is encoded before the clock starts and the stream is read with
     http.client's buffered reads, nothing decoded: callers decode the lines once the answer is in."""
     data = json.dumps(body).encode()
-    where = urllib.parse.urlsplit(url)
     own = conn is None
     if own:
-        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=timeout)
+        conn = connect(url, timeout)
     t0 = time.perf_counter() if t0 is None else t0
     lines: list[tuple[float, bytes]] = []
     try:
-        conn.request("POST", where.path, body=data, headers={"Content-Type": "application/json"})
+        conn.request("POST", urllib.parse.urlsplit(url).path, body=data, headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         if r.status != 200:
             return r.status, [], r.read().decode(errors="replace")[:300]
@@ -118,21 +123,41 @@ def stream_chat(url: str, prompt: str | list[dict[str, str]], max_tokens: int, t
     status, lines, error = post_events(url, body, timeout, t0, conn)
     if status != 200:
         return Timing(status, None, None, 0, 0, 0, "", error)
-    first = last = cached = None
+    a = read_events(lines)
+    return Timing(200, a.first_s, a.last_s, a.usage.get("completion_tokens", 0), a.usage.get("prompt_tokens", 0),
+                  a.chunks, a.text, cached_tokens=(a.usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+
+
+@dataclass
+class StreamedAnswer:
+    """A streamed chat completion's events (``post_events``' lines) decoded: the times of its first
+    and last content chunks, their count, its text, its usage (empty when not sent) and its
+    finish reason."""
+
+    first_s: float | None
+    last_s: float | None
+    chunks: int
+    text: str
+    usage: dict[str, Any]
+    finish: str | None
+
+
+def read_events(lines: list[tuple[float, bytes]]) -> StreamedAnswer:
+    """Decode ``post_events``' lines, once the answer is complete."""
+    first = last = finish = None
     pieces: list[str] = []
-    chunks = tokens = prompt_tokens = 0
+    usage: dict[str, Any] = {}
     for now, line in lines:
         event = json.loads(line)
-        if event.get("usage"):
-            tokens, prompt_tokens = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
-            cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+        usage = event.get("usage") or usage
         for choice in event.get("choices", []):
             content = choice.get("delta", {}).get("content")
             if content:
                 first = now if first is None else first
-                last, chunks = now, chunks + 1
+                last = now
                 pieces.append(content)
-    return Timing(200, first, last, tokens, prompt_tokens, chunks, "".join(pieces), cached_tokens=cached)
+            finish = choice.get("finish_reason") or finish
+    return StreamedAnswer(first, last, len(pieces), "".join(pieces), usage, finish)
 
 
 # What sending on a connection the server closed raises (the request was never answered).
@@ -160,12 +185,8 @@ class Session:
         return got
 
     def _new(self) -> http.client.HTTPConnection:
-        self._local.conn = self._connect()
+        self._local.conn = connect(self.url)
         return self._local.conn
-
-    def _connect(self) -> http.client.HTTPConnection:
-        where = urllib.parse.urlsplit(self.url)
-        return http.client.HTTPConnection(where.hostname, where.port, timeout=600.0)
 
 
 def run_together(work: Callable[[int], None], n: int) -> float:

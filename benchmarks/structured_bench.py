@@ -49,7 +49,7 @@ import requests
 
 from servekit.benchmarks.bench.stats import percentile
 from servekit.benchmarks.llm_inprocess import environment as llm_environment
-from servekit.benchmarks.llm_serve_bench import post_events, run_together, variant_config
+from servekit.benchmarks.llm_serve_bench import post_events, read_events, run_together, variant_config
 from servekit.benchmarks.llm_workload_bench import HandlerSplit
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
@@ -201,18 +201,8 @@ def chat(url: str, prompt: str, max_tokens: int, stream: bool, schema: tuple[str
         total = time.perf_counter() - t0
         if status != 200:
             return Answer(name, stream, status, None, "", 0, None, total, error)
-        first, finish, tokens, pieces = None, None, 0, []
-        for now, line in lines:
-            event = json.loads(line)
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            for c in event.get("choices", []):
-                content = c.get("delta", {}).get("content")
-                if content:
-                    first = now if first is None else first
-                    pieces.append(content)
-                finish = c.get("finish_reason") or finish
-        return Answer(name, stream, 200, finish, "".join(pieces), tokens, first, total)
+        a = read_events(lines)
+        return Answer(name, stream, 200, a.finish, a.text, a.usage.get("completion_tokens", 0), a.first_s, total)
     try:
         with requests.post(url, json=body, timeout=timeout) as r:
             if r.status_code != 200:
