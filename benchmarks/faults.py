@@ -351,18 +351,20 @@ from servekit.handlers import llm_handler
 MARKER = {OOM_MARKER!r}
 
 
+def oom_on_marker(batcher, tokenizer):
+    """Called in the engine process with its batcher, before it serves."""
+    run = batcher.packed.run
+
+    def run_or_oom(chunks):
+        if any(MARKER in tokenizer.decode(c.tokens) for c in chunks):
+            raise torch.OutOfMemoryError("simulated out of memory: the prefill holds the marker word")
+        return run(chunks)
+
+    batcher.packed.run = run_or_oom
+
+
 class OomOnMarkerService(llm_handler.LlmService):
-    def initialize(self, context):
-        super().initialize(context)
-        packed = self.frontend.engine.batcher.packed  # before any request: the engine thread is idle
-        run = packed.run
-
-        def run_or_oom(chunks):
-            if any(MARKER in self.api.tokenizer.decode(c.tokens) for c in chunks):
-                raise torch.OutOfMemoryError("simulated out of memory: the prefill holds the marker word")
-            return run(chunks)
-
-        packed.run = run_or_oom
+    engine_hook = f"{{__name__}}:oom_on_marker"
 
 
 llm_handler._service = OomOnMarkerService()

@@ -64,7 +64,7 @@ def _api(warm: bool, seed: int) -> tuple[Any, PromptGenerator]:
     runner, plan, _ = load_llm_runner(str(model_dir), plan)
     tokenizer = ChatTokenizer(model_dir)
     stops = tuple(stop_token_ids(model_dir, tokenizer))
-    api = OpenAIApi(runner, plan.limits, tokenizer, stops, GrammarCompiler(tokenizer, runner.model.config.vocab_size,
+    api = OpenAIApi(runner.shape, plan.limits, tokenizer, stops, GrammarCompiler(tokenizer, runner.model.config.vocab_size,
                                                                            stops), "smollm2", "servekit-bench")
     if warm:
         api.warm_up()

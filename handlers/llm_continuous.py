@@ -10,10 +10,10 @@ client as chunks (an empty one sends nothing), a finished one as the last chunk.
 client went away is dropped by the frontend and simply no longer appears: its generation is
 cancelled, and its slot free for the next request.
 
-Generation itself runs in the engine thread (``servekit.optimizations.llm.continuous.EngineThread``), so
-decode steps run back to back whatever the frontend's round trips cost; a handler call only takes
-new requests in (parsed by handlers/llm_openai.py), waits until some request has new tokens, and
-hands them to each request's ``Answer``.
+Generation itself runs in the engine process (``servekit.optimizations.llm.engine_process``), so
+decode steps run back to back whatever the frontend's round trips cost, and on an interpreter
+(GIL) of their own; a handler call only takes new requests in (parsed by handlers/llm_openai.py),
+waits until some request has new tokens, and hands them to each request's ``Answer``.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from typing import Any
 from servekit.handlers.common import RequestError, device_error, fail_request, parse_each
 from servekit.handlers.llm_openai import Answer, LlmRequest, OpenAIApi
 from servekit.handlers.metrics import HandlerMetrics
-from servekit.optimizations.llm.continuous import FINISH_ERROR, ContinuousBatcher, EngineThread, SeqUpdate
-from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
-from servekit.optimizations.llm.plan import LlmPlan
+from servekit.optimizations.llm.continuous import FINISH_ERROR, SeqUpdate
+from servekit.optimizations.llm.engine_process import EngineError, EngineProcess
+from servekit.optimizations.llm.generate import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -61,34 +61,25 @@ class _Live:
 
 
 class ContinuousFrontend:
-    """One worker's continuous-batching state: its engine thread and the requests in flight."""
+    """One worker's continuous-batching state: its engine and the requests in flight."""
 
-    def __init__(self, runner: LlamaRunner, plan: LlmPlan, max_num_seqs: int, api: OpenAIApi,
-                 metrics: HandlerMetrics) -> None:
-        self.api, self.metrics = api, metrics
-        batcher = ContinuousBatcher(runner, max_num_seqs, plan.prefill_chunk, plan.max_num_batched_tokens,
-                                    prefix_caching=plan.prefix_caching)
-        built = batcher.warmup()
-        log.info("continuous batching: packed prefill (%s attention, %s layers, %s) over token buckets %s built in "
-                 "%.1f s; prefix caching %s", built["attention"], "compiled" if built["compiled"] else "eager",
-                 "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"],
-                 "on" if plan.prefix_caching else "off")
-        self.engine = EngineThread(batcher, runner.device)
-        stats = batcher.spec_stats  # counted by the engine thread; their increases go out with the gauges
-        self._spec_sent = ([0] * len(stats.proposed), [0] * len(stats.accepted)) if stats is not None else None
+    def __init__(self, engine: EngineProcess, api: OpenAIApi, metrics: HandlerMetrics) -> None:
+        self.api, self.metrics, self.engine = api, metrics, engine
+        positions = engine.ready.spec_positions  # counted by the engine; their increases go out with the gauges
+        self._spec_sent = ((0,) * positions, (0,) * positions) if positions is not None else None
         self._prefix_sent = (0, 0)  # prompt tokens looked up and served by the prefix cache, as last emitted
         self.live: dict[str, _Live] = {}
         self._last_return = self._gauges_at = time.perf_counter()
 
     def warm_up(self, prompt: list[int], timeout: float = 120.0) -> float:
         """A greedy and a sampled request of ``prompt`` (cut to half the context) through the
-        engine thread, 2 tokens each; returns the seconds they took. Every shape is built by the
+        engine, 2 tokens each; returns the seconds they took. Every shape is built by the
         batcher's warm-up, but a fresh worker's first real prompt of a few hundred tokens still
         cost its handler ~2 ms more than later ones on an H100 (the first runs of the host paths
         around the captured graphs); this is that first prompt. Its prefix blocks stay cached
         like any request's."""
         t0 = time.perf_counter()
-        prompt = prompt[:max(1, self.engine.batcher.r.max_seq_len // 2)]
+        prompt = prompt[:max(1, self.engine.shape.max_seq_len // 2)]
         keys = {("warm-up", 0): SamplingParams(max_tokens=2),
                 ("warm-up", 1): SamplingParams(max_tokens=2, temperature=1.0)}
         for key, params in keys.items():
@@ -137,7 +128,7 @@ class ContinuousFrontend:
         # sending them with this call saves a lone request a round trip to the frontend and back;
         # a request arriving meanwhile joins the engine a step later, which it would have anyway.
         lone = len(self.live) == len(requests) and \
-            sum(req.prompt_tokens * req.n for req in requests.values()) <= self.engine.batcher.max_num_batched_tokens
+            sum(req.prompt_tokens * req.n for req in requests.values()) <= self.engine.max_num_batched_tokens
         updates = self.engine.take(keys, WAIT_S if keys and not answers and (not requests or lone) else 0)
         first_token = any(self.live[rid].answer.generated(k) == 0 for rid, k in updates)
         rest = self._last_return + min(MAX_PACE_S, PACE_PER_REQUEST_S * len(keys)) - time.perf_counter()
@@ -236,11 +227,11 @@ class ContinuousFrontend:
         """Draft positions proposed and accepted since the last call, per draft position."""
         if self._spec_sent is None:  # no speculation
             return
-        stats = self.engine.batcher.spec_stats
+        counts = self.engine.gauges.spec  # as of the engine's last report
         sent_p, sent_a = self._spec_sent
-        proposed, accepted = list(stats.proposed), list(stats.accepted)  # a snapshot: the engine counts on
-        if proposed[0] == sent_p[0]:
+        if counts is None or counts[0][0] == sent_p[0]:
             return
+        proposed, accepted = counts
         for pos in range(len(proposed)):
             self.metrics.emit("servekit_spec_proposed_total", "counter", proposed[pos] - sent_p[pos], Position=str(pos))
             self.metrics.emit("servekit_spec_accepted_total", "counter", accepted[pos] - sent_a[pos], Position=str(pos))
@@ -248,7 +239,7 @@ class ContinuousFrontend:
 
     def _emit_prefix_stats(self) -> None:
         """Prompt tokens looked up and served by the prefix cache since the last call; its blocks now."""
-        stats = self.engine.batcher.prefix_stats()  # a snapshot: the engine counts on
+        stats = self.engine.gauges.prefix  # as of the engine's last report
         if stats is None:  # prefix caching off
             return
         queried, hit = self._prefix_sent
@@ -266,6 +257,8 @@ class ContinuousFrontend:
 
     @staticmethod
     def _engine_error(e: Exception | None) -> RequestError:
+        if isinstance(e, EngineError):  # the worker exits and TorchServe starts a new one: worth a retry
+            return RequestError(503, "server_error", f"{e}; the worker restarts, retry shortly", "engine_restarting")
         if isinstance(e, ValueError):
             return RequestError(400, "invalid_request_error", str(e), "invalid_request")
         return generation_error(e if e is not None else RuntimeError("generation failed"))

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from typing import Any
-
-import torch
 
 from servekit import __version__
 from servekit.handlers.common import freeze_heap, registered_batch_size
@@ -26,8 +25,9 @@ from servekit.handlers.llm_openai import OpenAIApi
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.llm.engine_process import EngineProcess, EngineSpec
 from servekit.optimizations.llm.grammar import GrammarCompiler
-from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, stop_token_ids
+from servekit.optimizations.llm.plan import parse_llm_plan, stop_token_ids
 from servekit.optimizations.plan import PlanError
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,11 @@ def check_continuous_batching(config: dict[str, Any]) -> None:
 
 
 class LlmService:
-    """State of one worker: the runner, plan, metrics and the continuous-batching frontend."""
+    """State of one worker: its engine (in a process of its own), plan, metrics and the
+    continuous-batching frontend."""
+
+    # "module:function" the engine process calls with its batcher before serving (fault injection in tests).
+    engine_hook: str | None = None
 
     def __init__(self) -> None:
         self.initialized = False
@@ -57,26 +61,22 @@ class LlmService:
         check_continuous_batching(config)
         plan = parse_llm_plan(config.get("servekit"))
         gpu_id = props.get("gpu_id")
-        if gpu_id is not None and torch.cuda.is_available() and plan.device != "cpu":
-            torch.cuda.set_device(int(gpu_id))
         t0 = time.perf_counter()
-        self.runner, self.plan, downgrades = load_llm_runner(model_dir, plan)
-        for msg in downgrades:
-            log.warning("plan downgraded (fallback: eager): %s", msg)
         # Requests running at once (the engine's max_num_seqs): the batch size TorchServe registered.
         self.batch_size = registered_batch_size(context)
-        if self.batch_size > self.runner.max_batch:
-            raise PlanError(f"batchSize {self.batch_size} exceeds servekit.buckets.batch_sizes' largest "
-                            f"bucket {self.runner.max_batch}")
+        self.engine = EngineProcess(EngineSpec(model_dir, plan, self.batch_size,
+                                               int(gpu_id) if gpu_id is not None else None,
+                                               self.engine_hook, tuple(sys.path)))
+        self.plan, shape = self.engine.ready.plan, self.engine.shape
         tokenizer = ChatTokenizer(model_dir)
         stop_ids = stop_token_ids(model_dir, tokenizer)
-        grammar = GrammarCompiler(tokenizer, self.runner.model.config.vocab_size, tuple(stop_ids))
+        grammar = GrammarCompiler(tokenizer, shape.vocab_size, tuple(stop_ids))
         self.metrics = HandlerMetrics(context, model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
         # OpenAI's system_fingerprint names the backend configuration: servekit's version and plan.
-        self.api = OpenAIApi(self.runner, self.plan.limits, tokenizer, stop_ids, grammar, model_name,
+        self.api = OpenAIApi(shape, self.plan.limits, tokenizer, stop_ids, grammar, model_name,
                              f"servekit-{__version__}-{self.plan.label()}")
-        self.frontend = ContinuousFrontend(self.runner, self.plan, self.batch_size, self.api, self.metrics)
+        self.frontend = ContinuousFrontend(self.engine, self.api, self.metrics)
         warm = self.api.warm_up()
         # A prompt of a realistic length (~500 tokens) through the engine, as a chat is tokenized.
         try:
@@ -86,9 +86,10 @@ class LlmService:
             warm_prompt = tokenizer.encode(WARM_UP_TEXT * 40)
         engine_warm = self.frontend.warm_up(warm_prompt)
         install_buffered_reads()
-        log.info("servekit LLM plan %s ready in %.1f s (request path warmed in %.1f ms, engine in %.1f ms, "
-                 "gc_frozen_objects %d): %s", self.plan.label(), time.perf_counter() - t0, warm * 1e3,
-                 engine_warm * 1e3, freeze_heap(), json.dumps(self.runner.plan))
+        log.info("servekit LLM plan %s ready in %.1f s (engine process %d built in %.1f s, request path warmed in "
+                 "%.1f ms, engine in %.1f ms, gc_frozen_objects %d): %s", self.plan.label(),
+                 time.perf_counter() - t0, self.engine.pid, self.engine.ready.seconds, warm * 1e3,
+                 engine_warm * 1e3, freeze_heap(), json.dumps(self.engine.ready.runner_plan))
         self.initialized = True
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:

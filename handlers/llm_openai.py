@@ -25,7 +25,7 @@ from servekit.handlers.common import RequestError, clip, decode_body, int_field,
 from servekit.handlers.llm_openai_tools import (Extras, ToolPlan, parse_extras, template_messages, tool_message,
                                                 tool_stream_events)
 from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
-from servekit.optimizations.llm.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, LlamaRunner,
+from servekit.optimizations.llm.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, RunnerShape,
                                                  SamplingParams, TokenLogprob)
 from servekit.optimizations.llm.grammar import GrammarCompiler
 from servekit.optimizations.llm.plan import LlmLimits
@@ -192,12 +192,12 @@ def _unsupported(body: dict) -> None:
 
 
 class OpenAIApi:
-    """What parsing a request and shaping its answer need of the worker: the runner's limits, the
+    """What parsing a request and shaping its answer need of the worker: the runner's shape, the
     tokenizer, the stop tokens and the grammar compiler; the served model's name and fingerprint."""
 
-    def __init__(self, runner: LlamaRunner, limits: LlmLimits, tokenizer: ChatTokenizer, stop_ids: tuple[int, ...],
+    def __init__(self, shape: RunnerShape, limits: LlmLimits, tokenizer: ChatTokenizer, stop_ids: tuple[int, ...],
                  grammar: GrammarCompiler, model_name: str, fingerprint: str) -> None:
-        self.runner, self.limits, self.tokenizer, self.stop_ids, self.grammar = runner, limits, tokenizer, stop_ids, grammar
+        self.shape, self.limits, self.tokenizer, self.stop_ids, self.grammar = shape, limits, tokenizer, stop_ids, grammar
         self.model_name, self.fingerprint = model_name, fingerprint
         self.created = int(time.time())  # the models API's `created`
 
@@ -255,7 +255,7 @@ class OpenAIApi:
         if unknown:
             raise _bad(f"unknown field {shown(unknown[0])}", "unknown_field")
         _unsupported(body)
-        extras = parse_extras(body, chat, self.grammar, self.runner.model.config.vocab_size,
+        extras = parse_extras(body, chat, self.grammar, self.shape.vocab_size,
                               self.tokenizer.template_source)
         if chat:
             if "messages" not in body:
@@ -307,10 +307,10 @@ class OpenAIApi:
         if not p.chat and not all(prompts):
             raise _bad("'prompt' is empty" if len(prompts) == 1 else
                        f"'prompt[{[bool(q) for q in prompts].index(False)}]' is empty", "empty_prompt")
-        n = int_field(body, "n", 1, self.runner.max_batch, 1)
-        if len(prompts) * n > self.runner.max_batch:
+        n = int_field(body, "n", 1, self.shape.max_batch, 1)
+        if len(prompts) * n > self.shape.max_batch:
             raise _bad(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} choices; at most "
-                       f"{self.runner.max_batch} per request", "too_many_choices")
+                       f"{self.shape.max_batch} per request", "too_many_choices")
         choices = []
         for prompt in prompts:
             params = self._params(body, p.chat, len(prompt))
@@ -327,10 +327,10 @@ class OpenAIApi:
         """Before tokenizing: a prompt longer than MAX_CHARS_PER_TOKEN characters per token the model
         accepts cannot fit, and tokenizing megabytes stalls the worker (and, under continuous
         batching, every running stream) for seconds; refused at once instead."""
-        limit = self.runner.max_prompt_len * MAX_CHARS_PER_TOKEN
+        limit = self.shape.max_prompt_len * MAX_CHARS_PER_TOKEN
         if n_chars > limit:
             raise RequestError(413, "invalid_request_error", f"'{field}' has {n_chars} characters; at most {limit} "
-                               f"are read ({MAX_CHARS_PER_TOKEN} per token of the {self.runner.max_prompt_len}-token "
+                               f"are read ({MAX_CHARS_PER_TOKEN} per token of the {self.shape.max_prompt_len}-token "
                                "prompt limit)", "context_length_exceeded")
 
     def _stream_flags(self, body: dict) -> tuple[bool, bool]:
@@ -350,8 +350,8 @@ class OpenAIApi:
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = int_field(body, key, 1, self.limits.max_tokens)
         if max_tokens is None:  # what the context leaves, up to the default (the context check below sees it fits)
-            max_tokens = max(1, min(self.limits.default_max_tokens, self.runner.max_seq_len - prompt_len))
-        if (err := self.runner.context_error(prompt_len, max_tokens)) is not None:
+            max_tokens = max(1, min(self.limits.default_max_tokens, self.shape.max_seq_len - prompt_len))
+        if (err := self.shape.context_error(prompt_len, max_tokens)) is not None:
             raise _bad(err.replace("max_tokens", f"'{key}'"), "context_length_exceeded")
         top_k = int_field(body, "top_k", -1, 2**31 - 1)  # -1 and 0: off; above the vocabulary: all of it
         seed = int_field(body, "seed", *SEED_RANGE)

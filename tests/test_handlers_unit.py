@@ -76,7 +76,7 @@ def llm(one_thread, tiny_smollm2):
 def test_llm_handler_answers_a_mixed_batch_and_reads_the_registered_batch_size(llm, capsys) -> None:
     service, ctx = llm
     assert service.batch_size == 4  # the registered one: the engine runs as many requests at once
-    assert service.frontend.engine.batcher.max_num_seqs == 4
+    assert service.engine.ready.max_num_seqs == 4
     chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5, "temperature": 0}
     out = serve(service.handle, ctx, [("v1/chat/completions", chat),
                                       ("v1/chat/completions", {**chat, "temperature": 2.5}),
@@ -311,7 +311,7 @@ def test_llm_parser_takes_any_value_in_any_field(llm, case) -> None:
         assert 400 <= e.status < 500 and json.loads(e.body())["error"]["message"]
         return
     for prompt, params in req.choices:
-        assert service.runner.check(prompt, params) is None
+        assert prompt and params.error() is None and service.api.shape.context_error(len(prompt), params.max_tokens) is None
 
 
 @given(case=_llm_field_bodies())
@@ -387,7 +387,7 @@ def test_llm_prompts_over_the_character_limit_are_refused_before_tokenizing(llm,
     from servekit.handlers.llm_openai import MAX_CHARS_PER_TOKEN
 
     service, ctx = llm
-    limit = service.runner.max_prompt_len * MAX_CHARS_PER_TOKEN
+    limit = service.api.shape.max_prompt_len * MAX_CHARS_PER_TOKEN
     huge = "word " * 4_000_000
 
     def no_tokenizing(*args, **kwargs):
@@ -412,15 +412,17 @@ def test_llm_prompts_over_the_character_limit_are_refused_before_tokenizing(llm,
 
 
 def test_llm_engine_warm_up_runs_a_prompt_through_the_engine(llm, capsys) -> None:
-    """initialize() also sends a prompt of a realistic length through the engine thread (a greedy
-    and a sampled request, cut to half the context): both run to their end, the engine is left
-    idle and no metric counts them."""
+    """initialize() also sends a prompt of a realistic length through the engine (a greedy and a
+    sampled request, cut to half the context): both run to their end, the engine is left idle and
+    no metric counts them."""
     service, _ = llm
-    batcher = service.frontend.engine.batcher
-    before = batcher.prefix_stats().queried_tokens
+    engine = service.engine
+    assert engine.settle(5)
+    before = engine.gauges.prefix.queried_tokens
     prompt = service.api.tokenizer.encode("a passage of text " * 100)
-    assert len(prompt) > batcher.r.max_seq_len // 2
+    assert len(prompt) > engine.shape.max_seq_len // 2
     assert service.frontend.warm_up(prompt) > 0
-    assert batcher.prefix_stats().queried_tokens - before == 2 * (batcher.r.max_seq_len // 2)
-    assert service.frontend.engine.running == 0 and service.frontend.engine.waiting == 0 and not batcher.by_key
+    assert engine.settle(5)
+    assert engine.gauges.prefix.queried_tokens - before == 2 * (engine.shape.max_seq_len // 2)
+    assert engine.running == 0 and engine.waiting == 0
     assert capsys.readouterr().out == ""

@@ -263,3 +263,39 @@ def test_a_full_server_answers_503_at_once_and_serves_what_it_queued(full_server
         assert took < 2.0 and body["type"] == "ServiceUnavailableException", answers[k]
     assert answers[0][2]["usage"]["completion_tokens"] > 50  # the long one really ran while they came
     assert all(answers[k][2]["choices"][0]["message"]["content"] for k in (1, 2))
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_the_worker_is_replaced(full_server: TorchServe) -> None:
+    """The engine runs in a process of its own beside the worker. Killed mid-stream, its stream ends
+    with an error event, the worker exits, and TorchServe's next worker (with a new engine) serves."""
+    import psutil
+
+    worker = full_server.api.workers("smollm2")[0]["pid"]
+    engines = [p for p in psutil.Process(worker).children() if "engine_process" in " ".join(p.cmdline())]
+    assert len(engines) == 1, engines
+    s = _raw_stream(full_server, "Count from 1 to 1000.", LONG)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(4096)
+    engines[0].kill()
+    deadline = time.monotonic() + 60
+    while b"0\r\n\r\n" not in got and time.monotonic() < deadline:  # the chunked response's end
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    s.close()
+    assert b"the engine process ended (exit code -9); the worker restarts" in got, got[-600:]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        workers = full_server.api.workers("smollm2")
+        if workers and workers[0].get("pid") not in (None, worker) and workers[0].get("status") == "READY":
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"no new worker: {full_server.api.workers('smollm2')}")
+    assert not psutil.pid_exists(engines[0].pid) or engines[0].status() == psutil.STATUS_ZOMBIE
+    url = f"{full_server.inference_url}/predictions/smollm2/1.0/v1/chat/completions"
+    body = json.dumps({"messages": _msgs("Say hi."), "max_tokens": 4, "temperature": 0}).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, body, {"Content-Type": "application/json"}), timeout=120) as r:
+        assert r.status == 200 and json.loads(r.read())["choices"][0]["message"]["content"]

@@ -45,7 +45,7 @@ import random
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Collection, Hashable
+from typing import Callable, Collection, Hashable
 
 import torch
 
@@ -581,19 +581,49 @@ def _mode(params: list[SamplingParams]) -> str:
 
 
 
+class UpdateBoard:
+    """Updates waiting for the serving side: the engine posts each step's, the handler takes
+    those of its requests (merged, when several steps came between two takes)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._updates: dict[Hashable, SeqUpdate] = {}
+
+    def post(self, updates: dict[Hashable, SeqUpdate]) -> None:
+        with self._cond:
+            for key, u in updates.items():
+                have = self._updates.get(key)
+                self._updates[key] = u if have is None else have.merge(u)
+            self._cond.notify_all()
+
+    def take(self, keys: Collection[Hashable], timeout: float) -> dict[Hashable, SeqUpdate]:
+        """The updates of ``keys`` collected so far, waiting up to ``timeout`` s for the first one."""
+        with self._cond:
+            self._cond.wait_for(lambda: any(k in self._updates for k in keys), timeout)
+            return {k: self._updates.pop(k) for k in keys if k in self._updates}
+
+    def wait(self, keys: Collection[Hashable], timeout: float) -> bool:
+        """Wait up to ``timeout`` s until one of ``keys`` has an update (left for ``take``); whether one has."""
+        with self._cond:
+            return self._cond.wait_for(lambda: any(k in self._updates for k in keys), timeout)
+
+
 class EngineThread:
     """A ``ContinuousBatcher`` driven by its own thread, so that decode steps run back to back while
     the serving side (the TorchServe handler) takes requests in and answers out at its own pace.
 
     ``submit`` / ``cancel`` from any thread; ``take`` waits for and returns the updates of given
-    requests. Only the engine thread touches the batcher and the device.
+    requests. Only the engine thread touches the batcher and the device. With an ``outlet``, each
+    step's updates go to it (called on the engine thread) instead of to ``take``: the engine
+    process (engine_process.py) sends them to the worker that way.
     """
 
-    def __init__(self, batcher: ContinuousBatcher, device: torch.device | None = None) -> None:
+    def __init__(self, batcher: ContinuousBatcher, device: torch.device | None = None,
+                 outlet: Callable[[dict[Hashable, SeqUpdate]], None] | None = None) -> None:
         self.batcher = batcher
+        self.board = UpdateBoard()
+        self._outlet = outlet or self.board.post
         self._commands: collections.deque[tuple] = collections.deque()
-        self._cond = threading.Condition()
-        self._updates: dict[Hashable, SeqUpdate] = {}
         self._wake = threading.Event()
         self.running = self.waiting = 0  # as of the last step: for metrics
         self.kv_usage = 0.0
@@ -612,25 +642,30 @@ class EngineThread:
         self._commands.append(("cancel", key))
         self._wake.set()
 
+    def fail(self, key: Hashable, error: Exception) -> None:
+        """End request ``key`` with ``error`` before it started (it reaches ``take`` like any update)."""
+        self._commands.append(("fail", key, error))
+        self._wake.set()
+
     def settle(self, timeout: float) -> bool:
         """Wait (up to ``timeout`` s) until the engine has handled every command sent before this
         call (cancellations included) and updated ``running``/``waiting``/``kv_usage`` after them,
         so gauges read then reflect the requests that are gone. False if it took longer."""
         done = threading.Event()
-        self._commands.append(("settle", done))
-        self._wake.set()
+        self.after_step(done.set)
         return done.wait(timeout)
 
+    def after_step(self, call: Callable[[], None]) -> None:
+        """Have the engine thread ``call()`` once every command sent before is handled and the step
+        after them done, its updates out and the gauges read after it."""
+        self._commands.append(("settle", call))
+        self._wake.set()
+
     def take(self, keys: Collection[Hashable], timeout: float) -> dict[Hashable, SeqUpdate]:
-        """The updates of ``keys`` collected so far, waiting up to ``timeout`` s for the first one."""
-        with self._cond:
-            self._cond.wait_for(lambda: any(k in self._updates for k in keys), timeout)
-            return {k: self._updates.pop(k) for k in keys if k in self._updates}
+        return self.board.take(keys, timeout)
 
     def wait(self, keys: Collection[Hashable], timeout: float) -> bool:
-        """Wait up to ``timeout`` s until one of ``keys`` has an update (left for ``take``); whether one has."""
-        with self._cond:
-            return self._cond.wait_for(lambda: any(k in self._updates for k in keys), timeout)
+        return self.board.wait(keys, timeout)
 
     def _loop(self, device: torch.device | None) -> None:
         if device is not None and device.type == "cuda":
@@ -641,7 +676,7 @@ class EngineThread:
                 self._wake.wait()
             self._wake.clear()
             updates: dict[Hashable, SeqUpdate] = {}
-            settled: list[threading.Event] = []
+            settled: list[Callable[[], None]] = []
             try:
                 while self._commands:
                     cmd = self._commands.popleft()
@@ -650,6 +685,9 @@ class EngineThread:
                         continue
                     if cmd[0] == "cancel":
                         b.cancel(cmd[1])
+                        continue
+                    if cmd[0] == "fail":
+                        updates[cmd[1]] = SeqUpdate(finish_reason=FINISH_ERROR, error=cmd[2])
                         continue
                     try:
                         b.add(*cmd[1:])
@@ -664,11 +702,7 @@ class EngineThread:
                     torch.cuda.empty_cache()
                 updates.update(b.fail_all(e))
             self.running, self.waiting, self.kv_usage = b.running, len(b.waiting), b.kv_usage
-            for done in settled:
-                done.set()
             if updates:
-                with self._cond:
-                    for key, u in updates.items():
-                        have = self._updates.get(key)
-                        self._updates[key] = u if have is None else have.merge(u)
-                    self._cond.notify_all()
+                self._outlet(updates)
+            for call in settled:
+                call()

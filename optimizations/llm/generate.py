@@ -47,6 +47,28 @@ PENALTY_RANGE = (-2.0, 2.0)
 
 
 @dataclass(frozen=True)
+class RunnerShape:
+    """What the serving side needs to know of a runner, as plain values: they cross from the engine
+    process (engine_process.py) to the worker that parses requests."""
+
+    vocab_size: int
+    max_batch: int  # rows decoding at once, the choices of all requests together
+    max_prompt_len: int
+    max_seq_len: int
+
+    def context_error(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a prompt of ``prompt_len`` tokens with ``max_tokens`` to generate does not fit, or
+        None: the one check of the prompt limit and the context (the handler answers its message
+        as a 400, the engine refuses such a request with it)."""
+        if prompt_len > self.max_prompt_len:
+            return f"the prompt has {prompt_len} tokens, more than the {self.max_prompt_len} this server accepts"
+        if prompt_len + max_tokens > self.max_seq_len:
+            return (f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                    f"context of {self.max_seq_len} tokens")
+        return None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """One request's decoding settings (OpenAI semantics: temperature 0 = greedy)."""
 
@@ -436,16 +458,12 @@ class LlamaRunner:
         """The longest prompt this runner takes: its largest prompt bucket, leaving one token to generate."""
         return min(self.prefill_buckets[-1], self.max_seq_len - 1)
 
+    @property
+    def shape(self) -> "RunnerShape":
+        return RunnerShape(self.model.config.vocab_size, self.max_batch, self.max_prompt_len, self.max_seq_len)
+
     def context_error(self, prompt_len: int, max_tokens: int) -> str | None:
-        """Why a prompt of ``prompt_len`` tokens with ``max_tokens`` to generate does not fit, or
-        None: the one check of the prompt limit and the context (the handler answers its message
-        as a 400, the engine refuses such a request with it)."""
-        if prompt_len > self.max_prompt_len:
-            return f"the prompt has {prompt_len} tokens, more than the {self.max_prompt_len} this server accepts"
-        if prompt_len + max_tokens > self.max_seq_len:
-            return (f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                    f"context of {self.max_seq_len} tokens")
-        return None
+        return self.shape.context_error(prompt_len, max_tokens)
 
     def check(self, prompt: list[int], params: SamplingParams) -> str | None:
         """Why this request cannot run, or None. ``RuntimeError`` if another runner has reallocated

@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import jsonschema
@@ -310,7 +310,13 @@ class GrammarCompiler:
         if spec is None and not logit_bias and min_tokens <= 0:
             return None
         return DecodeConstraint(self.compile(spec) if spec is not None else None, logit_bias, min_tokens,
-                                self.vocab_size, self.stop_token_ids)
+                                self.vocab_size, self.stop_token_ids, spec)
+
+    def restore(self, c: DecodeConstraint | None) -> DecodeConstraint | None:
+        """``c`` with its grammar compiled again if it came without (``DecodeConstraint.portable``)."""
+        if c is None or c.spec is None or c.grammar is not None:
+            return c
+        return replace(c, grammar=self.compile(c.spec))
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -356,9 +362,15 @@ class DecodeConstraint:
     min_tokens: int = 0
     vocab_size: int = 0
     stop_token_ids: tuple[int, ...] = field(default=())
+    spec: GrammarSpec | None = None  # what ``grammar`` was compiled from
 
     def start(self) -> "RowConstraint":
         return RowConstraint(self)
+
+    def portable(self) -> "DecodeConstraint":
+        """This constraint without its compiled grammar, which cannot leave its process: the
+        engine process compiles ``spec`` again (``GrammarCompiler.restore``), from its own cache."""
+        return replace(self, grammar=None) if self.grammar is not None else self
 
 
 class RowConstraint:

@@ -1,0 +1,159 @@
+"""The engine in a process of its own (servekit.optimizations.llm.engine_process), on conftest's
+`tiny_smollm2`, CPU: it answers exactly as the same engine in-process (grammars and seeds crossing
+the boundary included), refuses a bad plan with the engine's own reason, fails the requests in flight
+when it dies, and does not outlive the worker that started it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.llm.continuous import FINISH_ERROR, ContinuousBatcher, EngineThread
+from servekit.optimizations.llm.engine_process import EngineError, EngineProcess, EngineSpec
+from servekit.optimizations.llm.generate import SamplingParams
+from servekit.optimizations.llm.grammar import JSON, GrammarCompiler, GrammarSpec
+from servekit.optimizations.llm.plan import LlmPlan, load_llm_runner, parse_llm_plan, stop_token_ids
+from servekit.optimizations.plan import PlanError
+from servekit.resources import model_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _plan() -> LlmPlan:
+    cfg = yaml.safe_load(model_config("smollm2-cpu").read_text())["servekit"]
+    cfg.update({"max_seq_len": 256, "limits": {"max_tokens": 200},
+                "buckets": {"batch_sizes": [1, 2, 4], "prompt_lens": [64, 128], "kv_lens": [256]}})
+    return parse_llm_plan(cfg)
+
+
+def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]], timeout: float = 60.0) -> dict:
+    """Each request's tokens, finish reason and error, submitted together to ``engine``."""
+    out = {key: {"tokens": [], "finish": None, "error": None, "cached": 0} for key in requests}
+    for key, (prompt, params) in requests.items():
+        engine.submit(key, prompt, params)
+    deadline = time.monotonic() + timeout
+    while any(o["finish"] is None for o in out.values()) and time.monotonic() < deadline:
+        for key, u in engine.take(list(requests), 1.0).items():
+            o = out[key]
+            o["tokens"] += u.tokens
+            o["finish"], o["error"] = u.finish_reason, u.error
+            o["cached"] = o["cached"] or u.cached_tokens
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_smollm2: list[Path]) -> Path:
+    return tiny_smollm2[0].parent
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path):
+    engine = EngineProcess(EngineSpec(str(model_dir), _plan(), 4))
+    yield engine
+    engine.close()
+
+
+def _requests(model_dir: Path) -> dict[str, tuple[list[int], SamplingParams]]:
+    tok = ChatTokenizer(model_dir)
+    stops = stop_token_ids(model_dir, tok)
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    compiler = GrammarCompiler(tok, vocab_size, stops)
+    constraint = compiler.constraint(GrammarSpec.of(JSON, SCHEMA))
+    prompt = tok.encode_chat([{"role": "user", "content": "Give me a name and an age as JSON."}])
+    return {"greedy": (prompt, SamplingParams(max_tokens=24, stop_token_ids=stops)),
+            "seeded": (prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=7, stop_token_ids=stops)),
+            "json": (prompt, SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=constraint))}
+
+
+def test_the_engine_process_answers_as_the_engine_in_process(engine: EngineProcess, model_dir: Path) -> None:
+    ready = engine.ready
+    assert ready.max_num_seqs == 4 and ready.shape.max_seq_len == 256 and ready.shape.max_prompt_len == 128
+    assert engine.pid != os.getpid()
+    requests = _requests(model_dir)
+    remote = _run(engine, requests)
+    runner, plan, _ = load_llm_runner(str(model_dir), _plan())
+    local = _run(EngineThread(ContinuousBatcher(runner, 4, plan.prefill_chunk, plan.max_num_batched_tokens)), requests)
+    for key in requests:
+        assert remote[key]["error"] is None and remote[key]["finish"] in ("stop", "length"), remote[key]
+        assert remote[key]["tokens"] == local[key]["tokens"], key
+    text = ChatTokenizer(model_dir).decode([t for t in remote["json"]["tokens"] if t not in requests["json"][1].stop_token_ids])
+    jsonschema.validate(json.loads(text), SCHEMA)  # the grammar crossed and held
+    again = _run(engine, {"again": requests["greedy"]})["again"]
+    assert again["tokens"] == remote["greedy"]["tokens"] and again["cached"] > 0  # the engine's prefix cache
+    assert engine.settle(5) and engine.running == 0 and engine.waiting == 0
+    assert engine.gauges.prefix is not None and engine.gauges.prefix.hit_tokens >= again["cached"]
+
+
+def test_a_request_the_engine_refuses_gets_its_own_error(engine: EngineProcess, model_dir: Path) -> None:
+    prompt, params = _requests(model_dir)["greedy"]
+    out = _run(engine, {"long": (prompt, SamplingParams(max_tokens=250)), "ok": (prompt, params)})
+    assert out["long"]["finish"] == FINISH_ERROR and "exceeds the context of 256 tokens" in str(out["long"]["error"])
+    assert isinstance(out["long"]["error"], ValueError) and out["ok"]["finish"] in ("stop", "length")
+
+
+def test_a_bad_plan_is_refused_with_the_engine_reason(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="batchSize 8 exceeds servekit.buckets.batch_sizes' largest bucket 4"):
+        EngineProcess(EngineSpec(str(model_dir), _plan(), 8))
+    with pytest.raises(EngineError, match="the engine failed to start: .*config.json"):
+        EngineProcess(EngineSpec(str(tmp_path), _plan(), 4))
+
+
+def test_a_dead_engine_fails_the_requests_in_flight_and_later_ones(model_dir: Path) -> None:
+    deaths: list[float] = []
+    engine = EngineProcess(EngineSpec(str(model_dir), _plan(), 4), on_death=lambda: deaths.append(time.monotonic()))
+    prompt, _ = _requests(model_dir)["greedy"]
+    engine.submit("long", prompt, SamplingParams(max_tokens=120))
+    assert engine.take(["long"], 30)["long"].tokens  # running
+    os.kill(engine.pid, signal.SIGKILL)
+    got = engine.take(["long"], 10)
+    while got and got["long"].finish_reason is None:  # tokens sent before it died
+        got = engine.take(["long"], 10)
+    assert got["long"].finish_reason == FINISH_ERROR and "the engine process ended (exit code -9)" in str(got["long"].error)
+    assert len(deaths) == 1
+    engine.submit("after", prompt, SamplingParams(max_tokens=4))
+    after = engine.take(["after"], 1)["after"]
+    assert after.finish_reason == FINISH_ERROR and isinstance(after.error, EngineError)
+
+
+def test_the_engine_process_ends_with_its_worker(model_dir: Path) -> None:
+    """A worker killed outright (SIGKILL: no clean-up of its own) leaves no engine process behind."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path[:0] = {sys.path!r}
+        from servekit.optimizations.llm.engine_process import EngineProcess, EngineSpec
+        from test_engine_process import _plan
+        engine = EngineProcess(EngineSpec({str(model_dir)!r}, _plan(), 2))
+        print(engine.pid, flush=True)
+        time.sleep(120)
+    """)
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).parent)
+    try:
+        pid = int(worker.stdout.readline())
+        os.kill(pid, 0)  # running
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        pytest.fail(f"engine process {pid} outlived its worker")
+    finally:
+        worker.kill()
