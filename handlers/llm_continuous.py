@@ -28,6 +28,7 @@ from servekit.handlers.metrics import HandlerMetrics
 from servekit.optimizations.llm.continuous import FINISH_ERROR, SeqUpdate
 from servekit.optimizations.llm.engine_process import EngineError, EngineProcess
 from servekit.optimizations.llm.generate import SamplingParams
+from servekit.optimizations.llm.grammar import GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +260,8 @@ class ContinuousFrontend:
     def _engine_error(e: Exception | None) -> RequestError:
         if isinstance(e, EngineError):  # the worker exits and TorchServe starts a new one: worth a retry
             return RequestError(503, "server_error", f"{e}; the worker restarts, retry shortly", "engine_restarting")
+        if isinstance(e, GrammarError):  # compiled by the engine: refused, or over the time limit
+            return RequestError(400, "invalid_request_error", str(e), "invalid_grammar")
         if isinstance(e, ValueError):
             return RequestError(400, "invalid_request_error", str(e), "invalid_request")
         return generation_error(e if e is not None else RuntimeError("generation failed"))

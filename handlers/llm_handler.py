@@ -26,7 +26,7 @@ from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.engine_process import EngineProcess, EngineSpec
-from servekit.optimizations.llm.grammar import GrammarCompiler
+from servekit.optimizations.llm.grammar import DeferredGrammars
 from servekit.optimizations.llm.plan import parse_llm_plan, stop_token_ids
 from servekit.optimizations.plan import PlanError
 
@@ -70,7 +70,7 @@ class LlmService:
         self.plan, shape = self.engine.ready.plan, self.engine.shape
         tokenizer = ChatTokenizer(model_dir)
         stop_ids = stop_token_ids(model_dir, tokenizer)
-        grammar = GrammarCompiler(tokenizer, shape.vocab_size, tuple(stop_ids))
+        grammar = DeferredGrammars(shape.vocab_size, tuple(stop_ids))  # compiled by the engine process
         self.metrics = HandlerMetrics(context, model_name)
         self.metrics.emit("servekit_plan_info", "gauge", 1, Plan=self.plan.label())
         # OpenAI's system_fingerprint names the backend configuration: servekit's version and plan.

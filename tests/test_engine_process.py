@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -21,7 +22,7 @@ from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.continuous import FINISH_ERROR, ContinuousBatcher, EngineThread
 from servekit.optimizations.llm.engine_process import EngineError, EngineProcess, EngineSpec
 from servekit.optimizations.llm.generate import SamplingParams
-from servekit.optimizations.llm.grammar import JSON, GrammarCompiler, GrammarSpec
+from servekit.optimizations.llm.grammar import JSON, REGEX, DeferredGrammars, GrammarCompiler, GrammarError, GrammarSpec
 from servekit.optimizations.llm.plan import LlmPlan, load_llm_runner, parse_llm_plan, stop_token_ids
 from servekit.optimizations.plan import PlanError
 from servekit.resources import model_config
@@ -103,6 +104,31 @@ def test_a_request_the_engine_refuses_gets_its_own_error(engine: EngineProcess, 
     out = _run(engine, {"long": (prompt, SamplingParams(max_tokens=250)), "ok": (prompt, params)})
     assert out["long"]["finish"] == FINISH_ERROR and "exceeds the context of 256 tokens" in str(out["long"]["error"])
     assert isinstance(out["long"]["error"], ValueError) and out["ok"]["finish"] in ("stop", "length")
+
+
+def test_grammars_sent_uncompiled_compile_in_the_engine_and_a_bad_one_fails_alone(engine: EngineProcess,
+                                                                                   model_dir: Path) -> None:
+    """The worker sends a request's grammar as its spec alone (DeferredGrammars): the engine compiles
+    it off its command thread, and one llguidance refuses ends that request with the GrammarError
+    while the others run; a request cancelled while its grammar compiles never runs."""
+    prompt, params = _requests(model_dir)["greedy"]
+    deferred = DeferredGrammars(engine.shape.vocab_size, params.stop_token_ids)
+    bad = deferred.constraint(GrammarSpec.of(REGEX, "[a-"))
+    assert bad.grammar is None and bad.spec is not None
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+    out = _run(engine, {"bad": (prompt, replace(params, constraint=bad)), "free": (prompt, params),
+                        "json": (prompt, replace(params, max_tokens=40,
+                                                 constraint=deferred.constraint(GrammarSpec.of(JSON, schema))))})
+    assert out["bad"]["finish"] == FINISH_ERROR and isinstance(out["bad"]["error"], GrammarError)
+    assert "regex cannot be used" in str(out["bad"]["error"])
+    assert out["free"]["finish"] in ("stop", "length") and out["json"]["finish"] == "stop"
+    text = ChatTokenizer(model_dir).decode([t for t in out["json"]["tokens"] if t not in params.stop_token_ids])
+    jsonschema.validate(json.loads(text), schema)
+    fresh = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "required": ["n"]}
+    engine.submit("gone", prompt, replace(params, constraint=deferred.constraint(GrammarSpec.of(JSON, fresh))))
+    engine.cancel("gone")
+    assert engine.settle(5) and engine.take(["gone"], 1.0) == {}
+    assert engine.settle(5) and engine.running == 0 and engine.waiting == 0
 
 
 def test_a_bad_plan_is_refused_with_the_engine_reason(model_dir: Path, tmp_path: Path) -> None:

@@ -17,13 +17,15 @@ processes of one install read:
   ``("settled", n, Gauges)``.
 
 The model is loaded, compiled and captured in the engine process only. A compiled grammar cannot
-cross: a request's constraint crosses without it (``DecodeConstraint.portable``) and the engine
-compiles its ``GrammarSpec`` again from a cache of its own; the worker compiled it first, for the
-400 and the time limit. If the engine process ends, every request in flight gets an error and the
-worker ends too, so that TorchServe starts a new worker (and with it a new engine).
+cross: the worker sends a request's constraint with its ``GrammarSpec`` alone (``DeferredGrammars``)
+and the engine compiles it, from a cache of its own, on helper threads under the compiler's time
+limit; a grammar that fails ends its request with the ``GrammarError`` (the worker's 400). If the
+engine process ends, every request in flight gets an error and the worker ends too, so that
+TorchServe starts a new worker (and with it a new engine).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import itertools
 import logging
@@ -337,20 +339,45 @@ def main() -> None:
 
     conn.send(("ready", ready))
     engine = EngineThread(batcher, device, outlet=send_updates)
+    # Grammars not in the cache compile on helper threads (up to the compiler's time limit), so
+    # that this thread goes on taking other requests and cancellations in meanwhile; a request
+    # cancelled while its grammar compiles is dropped when the compilation ends.
+    compiling: dict[Hashable, bool] = {}  # key -> cancelled while compiling
+    lock = threading.Lock()
+    helpers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="servekit-engine-compile")
+
+    def add(key: Hashable, prompt: list[int], params: SamplingParams, speculate: bool) -> None:
+        error = None
+        try:
+            params = replace(params, constraint=compiler.restore(params.constraint))
+        except GrammarError as e:
+            error = e
+        with lock:
+            if compiling.pop(key, False):
+                return
+        if error is not None:
+            engine.fail(key, error)
+        else:
+            engine.submit(key, prompt, params, speculate)
+
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):  # the worker is gone (it exited or closed the socket)
             os._exit(0)
         if msg[0] == "add":
-            _, key, prompt, params, speculate = msg
-            try:
-                params = replace(params, constraint=compiler.restore(params.constraint))
-            except GrammarError as e:  # the worker compiled it: only a time limit can land here
-                engine.fail(key, e)
-                continue
-            engine.submit(key, prompt, params, speculate)
+            c = msg[3].constraint
+            if c is not None and c.grammar is None and c.spec is not None and not compiler.cached(c.spec):
+                with lock:
+                    compiling[msg[1]] = False
+                helpers.submit(add, *msg[1:])
+            else:
+                add(*msg[1:])
         elif msg[0] == "cancel":
+            with lock:
+                if msg[1] in compiling:
+                    compiling[msg[1]] = True
+                    continue
             engine.cancel(msg[1])
         elif msg[0] == "settle":
             engine.after_step(lambda n=msg[1]: conn.send(("settled", n, gauges(True))))

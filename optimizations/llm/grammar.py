@@ -254,6 +254,23 @@ class _Vocab:
         return self._encode(text, add_special_tokens=False).ids
 
 
+class DeferredGrammars:
+    """The worker's side of ``GrammarCompiler.constraint``: a request's ``DecodeConstraint`` with its
+    ``GrammarSpec`` and no compiled grammar, which the engine process compiles (engine_process.py).
+    A schema's first use then costs one compilation, on the engine's helper threads rather than the
+    worker's handler thread, and a grammar llguidance refuses (or does not compile in the time
+    limit) ends its request with a ``GrammarError`` from the engine: a 400 like any other."""
+
+    def __init__(self, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self.vocab_size, self.stop_token_ids = vocab_size, tuple(stop_token_ids)
+
+    def constraint(self, spec: GrammarSpec | None = None, logit_bias: tuple[tuple[int, float], ...] = (),
+                   min_tokens: int = 0) -> "DecodeConstraint | None":
+        if spec is None and not logit_bias and min_tokens <= 0:
+            return None
+        return DecodeConstraint(None, logit_bias, min_tokens, self.vocab_size, self.stop_token_ids, spec)
+
+
 class GrammarCompiler:
     """Compiles ``GrammarSpec``s for one tokenizer: a bounded LRU of compiled grammars and a time
     limit per compilation. Thread-safe (the handler thread compiles, the engine thread matches).
@@ -312,8 +329,12 @@ class GrammarCompiler:
         return DecodeConstraint(self.compile(spec) if spec is not None else None, logit_bias, min_tokens,
                                 self.vocab_size, self.stop_token_ids, spec)
 
+    def cached(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return spec in self._cache
+
     def restore(self, c: DecodeConstraint | None) -> DecodeConstraint | None:
-        """``c`` with its grammar compiled again if it came without (``DecodeConstraint.portable``)."""
+        """``c`` with its grammar compiled if it came without (``DeferredGrammars``, ``DecodeConstraint.portable``)."""
         if c is None or c.spec is None or c.grammar is not None:
             return c
         return replace(c, grammar=self.compile(c.spec))
@@ -369,7 +390,7 @@ class DecodeConstraint:
 
     def portable(self) -> "DecodeConstraint":
         """This constraint without its compiled grammar, which cannot leave its process: the
-        engine process compiles ``spec`` again (``GrammarCompiler.restore``), from its own cache."""
+        engine process compiles ``spec`` (``GrammarCompiler.restore``), from its own cache."""
         return replace(self, grammar=None) if self.grammar is not None else self
 
 
