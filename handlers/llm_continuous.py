@@ -173,9 +173,9 @@ class ContinuousFrontend:
             # its cancellations in, so that these gauges are not left showing requests that ended.
             if not self.live:
                 self.engine.settle(GAUGE_INTERVAL_S)
-            m.emit("servekit_llm_running_seqs", "gauge", self.engine.running)
-            m.emit("servekit_llm_waiting_seqs", "gauge", self.engine.waiting)
-            m.emit("servekit_llm_kv_cache_usage", "gauge", round(self.engine.kv_usage, 4), "Percent")
+            m.emit("servekit_llm_running_seqs", "gauge", self.engine.gauges.running)
+            m.emit("servekit_llm_waiting_seqs", "gauge", self.engine.gauges.waiting)
+            m.emit("servekit_llm_kv_cache_usage", "gauge", round(self.engine.gauges.kv_usage, 4), "Percent")
             self._emit_spec_counts()
             self._emit_prefix_stats()
             self._gauges_at = time.perf_counter()

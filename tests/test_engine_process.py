@@ -95,7 +95,7 @@ def test_the_engine_process_answers_as_the_engine_in_process(engine: EngineProce
     jsonschema.validate(json.loads(text), SCHEMA)  # the grammar crossed and held
     again = _run(engine, {"again": requests["greedy"]})["again"]
     assert again["tokens"] == remote["greedy"]["tokens"] and again["cached"] > 0  # the engine's prefix cache
-    assert engine.settle(5) and engine.running == 0 and engine.waiting == 0
+    assert engine.settle(5) and engine.gauges.running == 0 and engine.gauges.waiting == 0
     assert engine.gauges.prefix is not None and engine.gauges.prefix.hit_tokens >= again["cached"]
 
 
@@ -128,7 +128,7 @@ def test_grammars_sent_uncompiled_compile_in_the_engine_and_a_bad_one_fails_alon
     engine.submit("gone", prompt, replace(params, constraint=deferred.constraint(GrammarSpec.of(JSON, fresh))))
     engine.cancel("gone")
     assert engine.settle(5) and engine.take(["gone"], 1.0) == {}
-    assert engine.settle(5) and engine.running == 0 and engine.waiting == 0
+    assert engine.settle(5) and engine.gauges.running == 0 and engine.gauges.waiting == 0
 
 
 def test_a_bad_plan_is_refused_with_the_engine_reason(model_dir: Path, tmp_path: Path) -> None:

@@ -233,7 +233,7 @@ def test_llm_request_path_warm_up_leaves_no_trace(llm, capsys, monkeypatch) -> N
 
     service, _ = llm
     assert service.api.warm_up() > 0
-    assert service.frontend.engine.running == 0 and service.frontend.engine.waiting == 0
+    assert service.engine.gauges.running == 0 and service.engine.gauges.waiting == 0
     assert capsys.readouterr().out == ""  # no metric line: no request counted
 
     def refuse(*args, **kwargs):
@@ -424,5 +424,5 @@ def test_llm_engine_warm_up_runs_a_prompt_through_the_engine(llm, capsys) -> Non
     assert service.frontend.warm_up(prompt) > 0
     assert engine.settle(5)
     assert engine.gauges.prefix.queried_tokens - before == 2 * (engine.shape.max_seq_len // 2)
-    assert engine.running == 0 and engine.waiting == 0
+    assert engine.gauges.running == 0 and engine.gauges.waiting == 0
     assert capsys.readouterr().out == ""

@@ -106,7 +106,7 @@ def _exit_worker() -> None:
 
 class EngineProcess:
     """The worker's side: ``EngineThread``'s interface (``submit``, ``cancel``, ``settle``, ``take``,
-    ``wait``, the gauges) over the socket to the engine process. Blocks in ``__init__`` until the
+    ``wait``; its gauges in ``gauges``) over the socket to the engine process. Blocks in ``__init__`` until the
     engine is built; raises ``PlanError`` / ``EngineError`` with the engine's reason if it is not."""
 
     def __init__(self, spec: EngineSpec, on_death: Callable[[], None] = _exit_worker) -> None:
@@ -135,18 +135,6 @@ class EngineProcess:
     @property
     def pid(self) -> int:
         return self._proc.pid
-
-    @property
-    def running(self) -> int:
-        return self.gauges.running
-
-    @property
-    def waiting(self) -> int:
-        return self.gauges.waiting
-
-    @property
-    def kv_usage(self) -> float:
-        return self.gauges.kv_usage
 
     def _await_ready(self) -> EngineReady:
         try:
