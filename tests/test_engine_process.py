@@ -104,6 +104,11 @@ def test_a_request_the_engine_refuses_gets_its_own_error(engine: EngineProcess, 
     out = _run(engine, {"long": (prompt, SamplingParams(max_tokens=250)), "ok": (prompt, params)})
     assert out["long"]["finish"] == FINISH_ERROR and "exceeds the context of 256 tokens" in str(out["long"]["error"])
     assert isinstance(out["long"]["error"], ValueError) and out["ok"]["finish"] in ("stop", "length")
+    # Cancelled while running: what the engine reported before it took the cancellation in is dropped.
+    engine.submit("cancelled", prompt, SamplingParams(max_tokens=150))
+    assert engine.take(["cancelled"], 30)["cancelled"].tokens
+    engine.cancel("cancelled")
+    assert engine.settle(5) and engine.take(["cancelled"], 0.2) == {}
 
 
 def test_grammars_sent_uncompiled_compile_in_the_engine_and_a_bad_one_fails_alone(engine: EngineProcess,

@@ -596,6 +596,11 @@ class UpdateBoard:
                 self._updates[key] = u if have is None else have.merge(u)
             self._cond.notify_all()
 
+    def discard(self, key: Hashable) -> None:
+        """Drop what ``key`` has waiting (a cancelled request's last tokens)."""
+        with self._cond:
+            self._updates.pop(key, None)
+
     def take(self, keys: Collection[Hashable], timeout: float) -> dict[Hashable, SeqUpdate]:
         """The updates of ``keys`` collected so far, waiting up to ``timeout`` s for the first one."""
         with self._cond:

@@ -164,6 +164,7 @@ class EngineProcess:
     def cancel(self, key: Hashable) -> None:
         with self._open_lock:
             self._open.discard(key)
+        self.board.discard(key)
         self._send(("cancel", key))
 
     def settle(self, timeout: float) -> bool:
@@ -214,11 +215,13 @@ class EngineProcess:
                     if gauges.spec is None and gauges.prefix is None:  # a light one: the counters as they were
                         gauges = replace(gauges, spec=self.gauges.spec, prefix=self.gauges.prefix)
                     self.gauges = gauges
-                    ended = [k for k, u in updates.items() if u.finish_reason is not None]
-                    if ended:
-                        with self._open_lock:
-                            self._open.difference_update(ended)
-                    self.board.post(updates)
+                    with self._open_lock:
+                        # Steps the engine ran before it took a cancellation in still report the
+                        # cancelled request: nobody would take those updates.
+                        updates = {k: u for k, u in updates.items() if k in self._open}
+                        self._open.difference_update([k for k, u in updates.items() if u.finish_reason is not None])
+                    if updates:
+                        self.board.post(updates)
                 elif msg[0] == "settled":
                     _, n, self.gauges = msg
                     done = self._settling.get(n)
