@@ -160,31 +160,44 @@ def test_a_dead_engine_fails_the_requests_in_flight_and_later_ones(model_dir: Pa
     assert after.finish_reason == FINISH_ERROR and isinstance(after.error, EngineError)
 
 
-def test_the_engine_process_ends_with_its_worker(model_dir: Path) -> None:
-    """A worker killed outright (SIGKILL: no clean-up of its own) leaves no engine process behind."""
+def stall(batcher, tokenizer) -> None:
+    """An engine hook (EngineSpec.hook) that never lets the engine finish building."""
+    time.sleep(300)
+
+
+@pytest.mark.parametrize("when", ["serving", "building"])
+def test_the_engine_process_ends_with_its_worker(model_dir: Path, when: str) -> None:
+    """A worker killed outright (SIGKILL: no clean-up of its own) leaves no engine process behind,
+    whether the engine serves or is still building (a worker TorchServe killed for its startup
+    timeout)."""
+    import psutil
+
+    hook = "test_engine_process:stall" if when == "building" else None
     code = textwrap.dedent(f"""
         import sys, time
         sys.path[:0] = {sys.path!r}
         from servekit.optimizations.llm.engine_process import EngineProcess, EngineSpec
         from test_engine_process import _plan
-        engine = EngineProcess(EngineSpec({str(model_dir)!r}, _plan(), 2))
-        print(engine.pid, flush=True)
+        engine = EngineProcess(EngineSpec({str(model_dir)!r}, _plan(), 2, hook={hook!r}, sys_path=tuple(sys.path)))
+        print("ready", flush=True)
         time.sleep(120)
     """)
     worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               cwd=Path(__file__).parent)
     try:
-        pid = int(worker.stdout.readline())
-        os.kill(pid, 0)  # running
+        if when == "serving":
+            assert worker.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        engines: list = []
+        while not engines and time.monotonic() < deadline:
+            engines = [p for p in psutil.Process(worker.pid).children() if "engine_process" in " ".join(p.cmdline())]
+            time.sleep(0.2)
+        assert len(engines) == 1
+        if when == "building":
+            time.sleep(3)  # into the build
+            assert engines[0].is_running() and worker.poll() is None  # still waiting for the engine
         worker.kill()
         worker.wait()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-        pytest.fail(f"engine process {pid} outlived its worker")
+        engines[0].wait(20)  # raises psutil.TimeoutExpired if it outlives its worker
     finally:
         worker.kill()

@@ -52,6 +52,7 @@ STATS_INTERVAL_S = 0.25  # how often updates carry the counters (speculation, pr
 # After the engine process ends, how long the worker lives on: its handler's next call answers the
 # requests in flight with their errors before the worker exits and TorchServe replaces it.
 DEATH_GRACE_S = 1.0
+WATCH_INTERVAL_S = 0.5  # how often the engine process checks that its worker is alive
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,16 @@ def _build(spec: EngineSpec) -> tuple[Any, Any, Any, EngineReady]:
     return batcher, compiler, runner.device, ready
 
 
+def _exit_with_worker(worker: int) -> None:
+    """Exit once the worker that started this process is gone. Serving, a closed socket says so
+    (EOF); but building the engine (minutes for a large model) reads no socket, and a worker that
+    TorchServe killed for its startup timeout would leave an engine holding the GPU behind."""
+    while os.getppid() == worker:
+        time.sleep(WATCH_INTERVAL_S)
+    log.error("the worker (pid %d) is gone; exiting", worker)
+    os._exit(1)
+
+
 def main() -> None:
     """The engine process: build the engine from the ``EngineSpec`` sent first, then serve commands
     until the worker's end of the socket closes."""
@@ -302,6 +313,7 @@ def main() -> None:
     conn = Connection(int(sys.argv[1]))
     spec: EngineSpec = conn.recv()
     sys.path[:0] = [p for p in spec.sys_path if p not in sys.path]
+    threading.Thread(target=_exit_with_worker, args=(os.getppid(),), name="servekit-engine-watch", daemon=True).start()
     try:
         batcher, compiler, device, ready = _build(spec)
     except BaseException as e:
