@@ -27,7 +27,7 @@ from servekit.handlers.llm_openai_tools import (Extras, ToolPlan, parse_extras, 
 from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
 from servekit.optimizations.llm.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, RunnerShape,
                                                  SamplingParams, TokenLogprob)
-from servekit.optimizations.llm.grammar import DeferredGrammars, GrammarCompiler
+from servekit.optimizations.llm.grammar import DeferredGrammars
 from servekit.optimizations.llm.plan import LlmLimits
 from servekit.optimizations.llm.sampling import TOP_LOGPROBS
 
@@ -196,7 +196,7 @@ class OpenAIApi:
     tokenizer, the stop tokens and the grammar compiler; the served model's name and fingerprint."""
 
     def __init__(self, shape: RunnerShape, limits: LlmLimits, tokenizer: ChatTokenizer, stop_ids: tuple[int, ...],
-                 grammar: GrammarCompiler | DeferredGrammars, model_name: str, fingerprint: str) -> None:
+                 grammar: DeferredGrammars, model_name: str, fingerprint: str) -> None:
         self.shape, self.limits, self.tokenizer, self.stop_ids, self.grammar = shape, limits, tokenizer, stop_ids, grammar
         self.model_name, self.fingerprint = model_name, fingerprint
         self.created = int(time.time())  # the models API's `created`

@@ -27,7 +27,7 @@ import jsonschema
 
 from servekit.handlers.common import RequestError
 from servekit.optimizations.llm.grammar import (CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX, DecodeConstraint,
-                                                DeferredGrammars, GrammarCompiler, GrammarError, GrammarSpec, logit_bias)
+                                                DeferredGrammars, GrammarError, GrammarSpec, logit_bias)
 
 # vLLM's structured_outputs keys that select a grammar (exactly one), in its own names.
 STRUCTURED_KINDS = {"json": JSON, "regex": REGEX, "choice": CHOICE, "grammar": GRAMMAR, "json_object": JSON_OBJECT}
@@ -260,7 +260,7 @@ def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, A
     return {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
 
 
-def parse_extras(body: dict[str, Any], chat: bool, compiler: GrammarCompiler | DeferredGrammars, vocab_size: int,
+def parse_extras(body: dict[str, Any], chat: bool, compiler: DeferredGrammars, vocab_size: int,
                  template_source: str) -> Extras:
     """The constraint and tool plan of a request (``body`` without nulls). Raises a 400
     ``RequestError`` naming the bad field."""

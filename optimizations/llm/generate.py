@@ -67,6 +67,12 @@ class RunnerShape:
                     f"context of {self.max_seq_len} tokens")
         return None
 
+    def check(self, prompt: list[int], params: "SamplingParams") -> str | None:
+        """Why this request cannot run, or None."""
+        if len(prompt) == 0:
+            return "the prompt is empty"
+        return params.error() or self.context_error(len(prompt), params.max_tokens)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -470,9 +476,7 @@ class LlamaRunner:
         the model's KV cache since (the model holds one)."""
         if self.model.max_seq_len != self.max_seq_len or self.model.max_batch_size < self.max_batch:
             raise RuntimeError("the model's KV cache was reallocated by another runner; use one runner per model")
-        if len(prompt) == 0:
-            return "the prompt is empty"
-        return params.error() or self.context_error(len(prompt), params.max_tokens)
+        return self.shape.check(prompt, params)
 
     @torch.no_grad()
     def warmup(self) -> dict[str, float]:

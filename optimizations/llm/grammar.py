@@ -255,8 +255,9 @@ class _Vocab:
 
 
 class DeferredGrammars:
-    """The worker's side of ``GrammarCompiler.constraint``: a request's ``DecodeConstraint`` with its
-    ``GrammarSpec`` and no compiled grammar, which the engine process compiles (engine_process.py).
+    """A request's ``DecodeConstraint`` with its ``GrammarSpec`` and no compiled grammar: what the
+    worker builds, and the engine process compiles (engine_process.py; ``GrammarCompiler`` adds the
+    compiling).
     A schema's first use then costs one compilation, on the engine's helper threads rather than the
     worker's handler thread, and a grammar llguidance refuses (or does not compile in the time
     limit) ends its request with a ``GrammarError`` from the engine: a 400 like any other."""
@@ -266,23 +267,24 @@ class DeferredGrammars:
 
     def constraint(self, spec: GrammarSpec | None = None, logit_bias: tuple[tuple[int, float], ...] = (),
                    min_tokens: int = 0) -> "DecodeConstraint | None":
+        """A request's ``DecodeConstraint`` (None when it asks for nothing), its grammar not compiled."""
         if spec is None and not logit_bias and min_tokens <= 0:
             return None
         return DecodeConstraint(None, logit_bias, min_tokens, self.vocab_size, self.stop_token_ids, spec)
 
 
-class GrammarCompiler:
+class GrammarCompiler(DeferredGrammars):
     """Compiles ``GrammarSpec``s for one tokenizer: a bounded LRU of compiled grammars and a time
-    limit per compilation. Thread-safe (the handler thread compiles, the engine thread matches).
+    limit per compilation. Thread-safe (helper threads compile, the engine thread matches).
     ``python_tokenize``: why llguidance's own tokenizer is not used (None when it is)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
                  cache_size: int = DEFAULT_CACHE_SIZE, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+        super().__init__(vocab_size, stop_token_ids)
         self.tokenizer, self.python_tokenize = llg_tokenizer(tokenizer, vocab_size, stop_token_ids)
         if self.python_tokenize:
             log.warning("grammar masks tokenize forced text through Python, slower under load: %s",
                         self.python_tokenize)
-        self.vocab_size, self.stop_token_ids = vocab_size, tuple(stop_token_ids)
         self.cache_size, self.timeout_s = cache_size, timeout_s
         self._cache: collections.OrderedDict[GrammarSpec, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -324,10 +326,7 @@ class GrammarCompiler:
     def constraint(self, spec: GrammarSpec | None = None, logit_bias: tuple[tuple[int, float], ...] = (),
                    min_tokens: int = 0) -> "DecodeConstraint | None":
         """A request's ``DecodeConstraint`` (None when it asks for nothing), its grammar compiled."""
-        if spec is None and not logit_bias and min_tokens <= 0:
-            return None
-        return DecodeConstraint(self.compile(spec) if spec is not None else None, logit_bias, min_tokens,
-                                self.vocab_size, self.stop_token_ids, spec)
+        return self.restore(super().constraint(spec, logit_bias, min_tokens))
 
     def cached(self, spec: GrammarSpec) -> bool:
         with self._lock:
