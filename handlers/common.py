@@ -229,13 +229,14 @@ def number_field(body: dict[str, Any], key: str, default: float, lo: float, hi: 
 MODELS_ROUTE = "v1/models"
 
 
-def models_answer(route: str, model_name: str, created: int) -> str | None:
+def models_answer(route: str, model_name: str, created: int, card_fields: dict[str, Any] | None = None) -> str | None:
     """The OpenAI models API for the one model this worker serves: `v1/models` lists it,
     `v1/models/<id>` retrieves it (404 for another id). None for every other route. Any method
-    (TorchServe does not pass it; the SDK sends GET)."""
+    (TorchServe does not pass it; the SDK sends GET). ``card_fields``: the card's fields beyond
+    OpenAI's (an LLM's ``max_model_len``, as vLLM's cards have it)."""
     if route != MODELS_ROUTE and not route.startswith(MODELS_ROUTE + "/"):
         return None
-    card = {"id": model_name, "object": "model", "created": created, "owned_by": "servekit"}
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "servekit", **(card_fields or {})}
     if route == MODELS_ROUTE:
         return json.dumps({"object": "list", "data": [card]})
     wanted = route[len(MODELS_ROUTE) + 1:]
@@ -247,7 +248,8 @@ def models_answer(route: str, model_name: str, created: int) -> str | None:
 
 def parse_each(data: list[dict[str, Any]], context: Any, metrics: Any, model_name: str, created: int,
                parse: Callable[[dict[str, Any], str], T],
-               skip: Collection[int] = ()) -> tuple[dict[int, T], dict[int, str]]:
+               skip: Collection[int] = (), card_fields: dict[str, Any] | None = None
+               ) -> tuple[dict[int, T], dict[int, str]]:
     """Each request of a batch on its own: the models API answered here, the others parsed by
     `parse(raw, route)`. Returns the valid requests and the answers given already (models API, each
     failed request's own 4xx: whatever went wrong, never its batch-mates' failure). Indices in
@@ -259,7 +261,7 @@ def parse_each(data: list[dict[str, Any]], context: Any, metrics: Any, model_nam
             continue
         route = url_path(context, i)
         try:
-            models = models_answer(route, model_name, created)
+            models = models_answer(route, model_name, created, card_fields)
             if models is not None:
                 answers[i] = models
                 context.set_response_content_type(i, "application/json")

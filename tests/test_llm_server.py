@@ -280,9 +280,20 @@ def test_openai_sdk_multi_turn_with_its_own_message_objects(client, reference) -
 
 def test_openai_models_api(client) -> None:
     assert [m.id for m in client.models.list().data] == ["smollm2"]
-    assert client.models.retrieve("smollm2").owned_by == "servekit"
+    card = client.models.retrieve("smollm2")
+    assert card.owned_by == "servekit" and card.max_model_len == 1024  # smollm2-cpu.yaml's max_seq_len
     with pytest.raises(openai.NotFoundError, match="serves 'smollm2'"):
         client.models.retrieve("gpt-4o")
+
+
+def test_inference_warm_up_streams_a_chat_through_an_llm(server: TorchServe) -> None:
+    """The warm-up reads ``max_model_len`` on the card and sends a streamed chat, which the engine
+    answers (one more first token on the TTFT histogram)."""
+    from servekit.torchserve import warm_up_inference
+
+    before = metric_sum(server, "servekit_llm_ttft_seconds_count")
+    assert warm_up_inference(server.inference_url, "smollm2", "1.0") == 200
+    assert wait_for_change(server, "servekit_llm_ttft_seconds_count", before) == before + 1
 
 
 def test_stream_chunks_carry_usage_null_until_the_last(server: TorchServe) -> None:
