@@ -39,8 +39,7 @@ from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, sto
 from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 from servekit.resources import model_config
 
-PHASES = {"_start_masks": "grammar tokens, start masks", "_read_all": "read tokens", "_load_bias": "load masks",
-          "_sample": "launch sampling",
+PHASES = {"_read_all": "read tokens", "_load_bias": "load masks", "_sample": "launch sampling",
           "_launch": "launch step/forward", "_prefill": "prefill", "_admit": "admit"}
 FREE, JSON, MATCHED = "free", "JSON schema", "free, matched lengths"
 

@@ -109,27 +109,18 @@ def http_json(method: str, url: str, timeout: float = 30.0,
 
 
 def warm_up_inference(inference_url: str, model: str, version: str, timeout: float = 10.0) -> int:
-    """Requests through TorchServe's inference API to ``model`` (``version``: the frontend reads the
-    path's third part as one) before any user's; returns the last one's HTTP status (0: no answer).
-
-    Why: a fresh frontend loads and first runs its prediction path's code (~20 Java classes: the
-    POST decoder, the response and its metrics) on its first inference request, which a user's
-    first request would otherwise pay: +3.7 ms on the way in alone, measured on a 2-core CPU host;
-    ~7 ms in all outside the handler on an H100 host. Pings and management calls do not take that
-    path. So: the OpenAI models route (``POST /predictions/<model>/<version>/v1/models``), which
-    servekit's handlers answer without the model. A streamed answer takes more code again (the
-    frontend's chunked response, the worker's intermediate sends, the handler's stream): an LLM,
-    whose card says ``max_model_len``, also gets a streamed two-token chat completion, so that a
-    user's first chat is its second."""
-    base = f"{inference_url.rstrip('/')}/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1"
-    headers = {"Content-Type": "application/json"}
+    """One request through TorchServe's inference API to ``model`` (``version``: the frontend reads
+    the path's third part as one), on the OpenAI models route
+    (``POST /predictions/<model>/<version>/v1/models``), which servekit's handlers answer without the model;
+    returns its HTTP status (0: no answer). Why: a fresh frontend loads and first runs its
+    prediction path's code (~20 Java classes: the POST decoder, the response and its metrics) on
+    its first inference request, which a user's first request would otherwise pay: +3.7 ms on the
+    way in alone, measured on a 2-core CPU host; ~7 ms in all outside the handler on an H100 host.
+    Pings and management calls do not take that path."""
+    path = f"/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1/models"
     try:
-        status, listed = http_json("POST", base + "/models", timeout, headers, b"{}")
-        cards = listed.get("data") if status == 200 and isinstance(listed, dict) else None
-        if isinstance(cards, list) and cards and isinstance(cards[0], dict) and "max_model_len" in cards[0]:
-            chat = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "stream": True}
-            status = http_json("POST", base + "/chat/completions", timeout, headers, json.dumps(chat).encode())[0]
-        return status
+        return http_json("POST", inference_url.rstrip("/") + path, timeout, {"Content-Type": "application/json"},
+                         b"{}")[0]
     except OSError:
         return 0
 

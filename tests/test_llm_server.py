@@ -286,16 +286,6 @@ def test_openai_models_api(client) -> None:
         client.models.retrieve("gpt-4o")
 
 
-def test_inference_warm_up_streams_a_chat_through_an_llm(server: TorchServe) -> None:
-    """The warm-up reads ``max_model_len`` on the card and sends a streamed chat, which the engine
-    answers (one more first token on the TTFT histogram)."""
-    from servekit.torchserve import warm_up_inference
-
-    before = metric_sum(server, "servekit_llm_ttft_seconds_count")
-    assert warm_up_inference(server.inference_url, "smollm2", "1.0") == 200
-    assert wait_for_change(server, "servekit_llm_ttft_seconds_count", before) == before + 1
-
-
 def test_stream_chunks_carry_usage_null_until_the_last(server: TorchServe) -> None:
     body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}

@@ -44,7 +44,6 @@ import logging
 import random
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Hashable
 
@@ -135,8 +134,6 @@ class _Pending:
     seqs: list[tuple[int, _Seq]]  # (row of the output, request)
     drafts: int = 0  # k for a verify step's output (k+1 base tokens and the accepted count per row)
     sample: SampleStep | None = None  # a split step's sampling half, launched by _sample()
-    rows: list | None = None  # the output on the host, once read
-    accepted: dict[int, bool] = field(default_factory=dict)  # output row -> its grammar took the token (read early)
 
 
 class ContinuousBatcher:
@@ -170,7 +167,6 @@ class ContinuousBatcher:
         self._forward: _Pending | None = None
         self._hosts: dict[tuple, HostCopies] = {}
         self._masks = MaskUpload()  # the grammar rows' packed masks on their way to the sampling steps
-        self._mask_thread: ThreadPoolExecutor | None = None  # fills them while this thread reads tokens
         # Requests of a packed forward that failed: prefilled alone, one at a time, so that only the culprit fails.
         self._suspects: set[Hashable] = set()
         self._rng = random.Random()
@@ -278,9 +274,8 @@ class ContinuousBatcher:
         # token on the host before its next token is sampled; the model's forward does not (its
         # input tokens are on the device). So the step runs in halves: while the forward runs, the
         # host reads the previous tokens and fills the bias rows; then the sampling is launched.
-        masks = self._start_masks()
         self._read_all(updates)
-        self._load_bias(masks)
+        self._load_bias()
         if self._forward is not None:
             self._inflight = [self._sample(self._forward)]
             self._forward = None
@@ -306,54 +301,24 @@ class ContinuousBatcher:
         return any(s is not None and not s.done and s.launched and s.constraint is not None and s.constraint.per_step
                    for s in self.slots)
 
-    def _start_masks(self) -> Future | None:
-        """Before a split step's sampling half: the tokens in flight (the last step's, a prefill's
-        first ones) go into their rows' grammars first, and the masks of the rows that go on start
-        filling on the mask thread (llguidance's threads, outside the GIL). This thread reads the
-        rest of the tokens meanwhile instead of before: with 32 rows that reading is a fifth of
-        the fill (H100 host), all of it on the step's critical path when done first. Each
-        grammar takes its token once: ``_read`` uses what it said here. None: no grammar row."""
-        if self._forward is None or self._forward.sample is None:
-            return None
-        ending: set[int] = set()  # rows that end with this token (rejected, a stop, max_tokens): no mask
-        for pending in self._inflight:
-            assert pending.host is not None
-            pending.rows = pending.host.wait(pending.slot)
-            if pending.drafts:  # verify steps run no grammar row
-                continue
-            for row, s in pending.seqs:
-                if s.done or s.constraint is None or s.constraint.matcher is None:
-                    continue
-                tok, _ = read_row(pending.rows[row], pending.mode, None)
-                pending.accepted[row] = ok = s.constraint.accept(tok)
-                if not ok or tok in s.stops or s.generated + 1 >= s.params.max_tokens:
-                    ending.add(id(s))
-        matchers = [(s.constraint.matcher, s.slot) for _, s in self._forward.seqs if not s.done and id(s) not in ending
-                    and s.constraint is not None and s.constraint.matcher is not None]
-        if not matchers:
-            return None
-        if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="servekit-masks")
-        packed = self._forward.sample.state.packed
-        return self._mask_thread.submit(self._masks.fill, matchers, tuple(packed.shape), packed.device.type == "cuda")
-
-    def _load_bias(self, masks: Future | None) -> None:
+    def _load_bias(self) -> None:
         """Before a split step's sampling half, for each decoding row's next token: the grammar rows'
-        packed masks (``masks``: their fill, started by ``_start_masks`` while the forward runs)
-        copied as one block of bits that the captured sampling step unpacks and applies; the bias
-        rows that change with the token (stop tokens before ``min_tokens``) of the rows that have
-        them."""
+        packed masks, filled on the host (several rows at once) while the forward runs and copied
+        as one block of bits that the captured sampling step unpacks and applies; the bias rows
+        that change with the token (stop tokens before ``min_tokens``) of the rows that have them."""
         if self._forward is None or self._forward.sample is None:
             return
         st = self._forward.sample.state
-        if masks is not None:
-            self._masks.upload(masks.result(), st.packed)
+        batch = st.packed.shape[0]
+        rows = [s for s in self.slots[:batch] if s is not None and not s.done and s.launched and s.constraint is not None]
+        dev = self.r.device
+        matchers = [(s.constraint.matcher, s.slot) for s in rows if s.constraint.matcher is not None]
+        if matchers:
+            self._masks(matchers, st.packed)
         else:  # masks left by grammar rows that have finished
             st.packed.fill_(-1)
-        rows = [s for _, s in self._forward.seqs if not s.done and s.constraint is not None]
         changing = [s for s in rows if s.constraint.bias_changes]
         if changing:
-            dev = self.r.device
             bias = self.r.state.params.bias
             bias.index_copy_(0, upload([s.slot for s in changing], torch.int64, dev),
                              bias_rows([s.constraint for s in changing], bias.shape[1], dev, grammar=False))
@@ -545,7 +510,7 @@ class ContinuousBatcher:
         return pending
 
     def _read(self, pending: _Pending, updates: dict[Hashable, SeqUpdate]) -> None:
-        rows = pending.rows if pending.rows is not None else pending.host.wait(pending.slot)
+        rows = pending.host.wait(pending.slot)
         k = pending.drafts
         for row, s in pending.seqs:
             if s.done:  # finished or cancelled since the launch: its tokens are dropped
@@ -563,8 +528,7 @@ class ContinuousBatcher:
                 tok, logprob = read_row(rows[row], pending.mode, s.params.logprobs)
                 new, logprobs = [tok], logprob
             for tok in new:
-                took = pending.accepted.pop(row) if row in pending.accepted else None  # read early
-                if s.constraint is not None and not (s.constraint.accept(tok) if took is None else took):
+                if s.constraint is not None and not s.constraint.accept(tok):
                     u.finish_reason, u.error = FINISH_ERROR, RuntimeError(f"the grammar rejected token {tok}")
                     break
                 u.tokens.append(tok)

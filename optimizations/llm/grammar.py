@@ -485,37 +485,26 @@ class MaskUpload:
     copied from it straight into the sampling step's own buffer. Allocating a pinned block and a
     device tensor per step, then copying that into the buffer, cost the engine thread more than
     the copy itself. A block is refilled only once its last copy has run (an event: by then long
-    done, since the step that copy feeds has been read).
-
-    ``fill`` may run on another thread than ``upload`` (the engine fills on its mask thread while
-    it reads tokens); the copy stays on the engine's thread, in its stream's order."""
+    done, since the step that copy feeds has been read)."""
 
     def __init__(self) -> None:
         self._blocks: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event | None]] = {}
 
-    def fill(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], shape: tuple[int, ...],
-             cuda: bool) -> Tensor:
-        """The kept host block of ``shape`` filled with ``fill_packed``'s masks (pinned on CUDA)."""
-        got = self._blocks.get(shape)
+    def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
+        """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks; on
+        CUDA without waiting for the device."""
+        got = self._blocks.get(tuple(dest.shape))
         if got is None:
-            got = (torch.empty(shape, dtype=torch.int32, pin_memory=cuda), torch.cuda.Event() if cuda else None)
-            self._blocks[shape] = got
+            cuda = dest.device.type == "cuda"
+            got = (torch.empty(dest.shape, dtype=torch.int32, pin_memory=cuda), torch.cuda.Event() if cuda else None)
+            self._blocks[tuple(dest.shape)] = got
         host, copied = got
         if copied is not None:
             copied.synchronize()
         fill_packed(matchers, host)
-        return host
-
-    def upload(self, host: Tensor, dest: Tensor) -> None:
-        """Copy a block ``fill`` returned into ``dest`` (on the device), on CUDA without waiting."""
         dest.copy_(host, non_blocking=True)
-        copied = self._blocks[tuple(dest.shape)][1]
         if copied is not None:
             copied.record()
-
-    def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
-        """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks."""
-        self.upload(self.fill(matchers, tuple(dest.shape), dest.device.type == "cuda"), dest)
 
 
 def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: torch.device,
