@@ -21,9 +21,9 @@ def model_names(models: str) -> list[str]:
 
 
 def announce_ready(ts: TorchServe, models: list[str], timeout: float = 3600.0) -> None:
-    """For each model loaded at start: wait for a READY worker, send the frontend its first inference
-    request (``TorchServe.warm_up``: a fresh frontend's first request otherwise pays for its
-    prediction path's first run) and say the model is ready."""
+    """For each model loaded at start: wait for a READY worker, send the frontend its warm-up
+    requests (``TorchServe.warm_up``: a fresh frontend's first requests otherwise pay for its
+    prediction path's first run and for the JVM interpreting it) and say the model is ready."""
     for model in models:
         try:
             seconds = ts.api.wait_ready(model, 1, timeout)

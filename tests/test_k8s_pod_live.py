@@ -331,7 +331,7 @@ def test_readiness_false_until_the_model_is_loaded(serving):
     assert seen[0][0] is False, "ready before the worker loaded?"
     assert any(live and not ready for ready, live in seen), "liveness (/ping) should pass while loading"
     assert seen[-1][0] is True and serving["startup_ok"] is True
-    # The startup probe's --warm-up: one request through the pod's inference port, answered 200.
+    # The startup probe's --warm-up: requests through the pod's inference port, the first answered 200.
     assert "inference warm-up of 1.0: 200" in serving["startup_out"], serving["startup_out"]
     print(f"ready {serving['ready_after_s']:.1f}s after start ({len(seen)} readiness probes, "
           f"{sum(1 for r, live in seen if live and not r)} of them not ready while /ping was healthy)")

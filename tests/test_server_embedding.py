@@ -257,14 +257,24 @@ def test_an_openai_sized_input_list_is_one_request(minilm_server, reference):
     assert status == 413 and "at most 2048" in body["error"]["message"]
 
 
-def test_registering_sends_the_frontend_its_first_inference_request(minilm_server):
-    """TorchServe.register ends with one request through the inference API on the models route
-    (servekit.torchserve.warm_up_inference), answered by the handler without the model."""
-    assert '"POST /predictions/minilm/1.0/v1/models HTTP/1.1" 200' in minilm_server.log_text("access_log.log")
+def test_registering_warms_the_frontends_inference_path(minilm_server):
+    """TorchServe.register ends with requests through the inference API on the models route
+    (servekit.torchserve.warm_up_inference), answered by the handler without the model: as many as
+    asked, fewer once an answer is not 200."""
     from servekit.torchserve import warm_up_inference
 
-    assert warm_up_inference(minilm_server.inference_url, "minilm", "1.0") == 200
-    assert warm_up_inference(minilm_server.inference_url, "minilm", "9.9") == 404  # the frontend's: no such version
+    def sent(version: str) -> int:
+        return minilm_server.log_text("access_log.log").count(f'"POST /predictions/minilm/{version}/v1/models HTTP/1.1"')
+
+    assert sent("1.0") >= 1
+    before, bad_before = sent("1.0"), sent("9.9")
+    assert warm_up_inference(minilm_server.inference_url, "minilm", "1.0", requests=20, budget_s=60) == 200
+    # The frontend's own 404 (no such version) ends the warm-up at its first answer.
+    assert warm_up_inference(minilm_server.inference_url, "minilm", "9.9", requests=20, budget_s=60) == 404
+    deadline = time.monotonic() + 10  # the frontend logs asynchronously
+    while (sent("1.0"), sent("9.9")) != (before + 20, bad_before + 1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (sent("1.0"), sent("9.9")) == (before + 20, bad_before + 1)
 
 
 def test_frontend_logs_one_line_per_request_and_none_per_batch(minilm_server):
