@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=3.0, help="seconds for the HTTP call")
     r.add_argument("--warm-up", action="store_true",
                    help="once ready, send requests through the inference API (the models route, which "
-                        "servekit's handlers answer without the model; 500, at most 3 s) so that real "
+                        "servekit's handlers answer without the model; 500, at most 2 s) so that real "
                         "requests do not pay for loading and compiling its prediction path: for the startup probe")
     r.add_argument("--inference", help=f"TorchServe inference API URL for --warm-up (default: the config's "
                                        f"inference_address, else {DEFAULT_INFERENCE})")
