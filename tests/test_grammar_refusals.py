@@ -1,0 +1,50 @@
+"""benchmarks/grammar_refusals.py on the tiny random SmolLM2: the masks it reads are llguidance's,
+and the count it reports is the steps whose unmasked pick the grammar would have refused."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import llguidance.hf
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from servekit.benchmarks import grammar_refusals
+from servekit.optimizations.llm.grammar import JSON_FORMAT
+
+
+def test_allowed_tokens_are_llguidances_mask(tiny_smollm2: list[Path]) -> None:
+    """The packed words read back as booleans are llguidance's own one-byte-per-token mask, at the
+    start of a document and inside it."""
+    hf = AutoTokenizer.from_pretrained(tiny_smollm2[0].parent)
+    tok = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 8}},
+              "required": ["n", "s"]}
+    matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT))
+    for text in ("", '{"n": 12, "s": "ab'):
+        for t in hf.encode(text, add_special_tokens=False) if text else []:
+            assert matcher.consume_token(t)
+        allowed = grammar_refusals.allowed_tokens(matcher, len(hf))
+        own = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[:len(hf)] > 0
+        assert torch.equal(allowed, own) and 0 < int(allowed.sum()) < len(hf), text
+        matcher.reset()
+
+
+def test_a_random_model_is_refused_and_every_answer_ends(tiny_smollm2: list[Path], tmp_path: Path) -> None:
+    """A random model's unmasked first pick is not JSON's opening: each schema's first step is a
+    refusal; the masked answers still go on for several steps."""
+    out = tmp_path / "refusals.json"
+    assert grammar_refusals.main([str(tiny_smollm2[0].parent), "--max-tokens", "4", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for mode in ("greedy", "sampled"):
+        r = res[mode]
+        assert res["schemas"] <= r["refused"] <= r["steps"] <= 4 * res["schemas"], r
+        assert r["steps"] > res["schemas"] and r["share"] == pytest.approx(r["refused"] / r["steps"], abs=1e-4)
+
+
+def test_a_folder_without_a_model_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        grammar_refusals.main([str(tmp_path)])
+    assert "no config.json" in capsys.readouterr().err
