@@ -6,7 +6,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, TypeVar
+from typing import Any, Callable, Collection, Iterable, TypeVar
 
 import orjson
 
@@ -229,12 +229,24 @@ def number_field(body: dict[str, Any], key: str, default: float, lo: float, hi: 
 MODELS_ROUTE = "v1/models"
 
 
+def is_models_route(route: str) -> bool:
+    return route == MODELS_ROUTE or route.startswith(MODELS_ROUTE + "/")
+
+
+def served_count(context: Any, indices: Iterable[int]) -> int:
+    """How many of a batch's requests at ``indices`` count in the request metrics: all but those of
+    the models API, which the inference warm-up sends by the hundred when a server starts
+    (``servekit.torchserve.warm_up_inference``); counted, they would show a burst of traffic and of
+    sub-millisecond latencies at each start."""
+    return sum(not is_models_route(url_path(context, i)) for i in indices)
+
+
 def models_answer(route: str, model_name: str, created: int, card_fields: dict[str, Any] | None = None) -> str | None:
     """The OpenAI models API for the one model this worker serves: `v1/models` lists it,
     `v1/models/<id>` retrieves it (404 for another id). None for every other route. Any method
     (TorchServe does not pass it; the SDK sends GET). ``card_fields``: the card's fields beyond
     OpenAI's (an LLM's ``max_model_len``, as vLLM's cards have it)."""
-    if route != MODELS_ROUTE and not route.startswith(MODELS_ROUTE + "/"):
+    if not is_models_route(route):
         return None
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "servekit", **(card_fields or {})}
     if route == MODELS_ROUTE:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from servekit.handlers.common import RequestError, device_error, fail_request, parse_each
+from servekit.handlers.common import RequestError, device_error, fail_request, parse_each, served_count
 from servekit.handlers.llm_openai import Answer, LlmRequest, OpenAIApi
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.optimizations.llm.continuous import FINISH_ERROR, SeqUpdate
@@ -180,9 +180,10 @@ class ContinuousFrontend:
             self._emit_spec_counts()
             self._emit_prefix_stats()
             self._gauges_at = time.perf_counter()
-        if requests or answers:  # a call that took new requests in: one batch of TorchServe's
+        served = len(requests) + served_count(context, answers)  # the models API's requests are not counted
+        if served:  # a call that took new requests in: one batch of TorchServe's
             m.emit("servekit_batches_total", "counter", 1)
-            m.emit("servekit_requests_total", "counter", len(requests) + len(answers))
+            m.emit("servekit_requests_total", "counter", served)
         self._last_return = time.perf_counter()
         return out
 

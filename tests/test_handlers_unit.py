@@ -55,6 +55,22 @@ def test_embedding_handler_answers_a_mixed_batch(embedding, capsys) -> None:
     assert "servekit_batch_fill_ratio" in lines
 
 
+def test_the_models_api_requests_are_not_counted_as_the_models(embedding, capsys) -> None:
+    """The inference warm-up's models requests (hundreds at a server's start) leave the request and
+    batch metrics alone: a batch of only those emits none, a mixed one counts the others."""
+    handler, ctx = embedding
+    capsys.readouterr()
+    out = handler.handle(batch(ctx, [("v1/models", {}), ("v1/models/minilm", {})]), ctx)
+    assert [json.loads(o)["object"] for o in out] == ["list", "model"]
+    lines = capsys.readouterr().out
+    assert "servekit_requests_total" not in lines and "servekit_batches_total" not in lines
+    assert "servekit_request_latency_seconds" not in lines
+    handler.handle(batch(ctx, [("v1/models", {}), ("", {"text": "a cat"}), ("v1/embeddings", {"input": "x"})]), ctx)
+    lines = capsys.readouterr().out
+    assert "[METRICS]servekit_requests_total.Count:2|" in lines
+    assert "[METRICS]servekit_batches_total.Count:1|" in lines
+
+
 @pytest.fixture(scope="module")
 def llm(one_thread, tiny_smollm2):
     """The LLM handler on conftest's `tiny_smollm2` (SmolLM2's tokenizer, template and plan around a
@@ -95,6 +111,9 @@ def test_llm_handler_answers_a_mixed_batch_and_reads_the_registered_batch_size(l
     assert "[METRICS]servekit_batches_total.Count:1|" in lines  # the four were taken in by one call
     assert "[METRICS]servekit_requests_total.Count:4|" in lines and "ErrorType:invalid_value" in lines
     assert "[METRICS]servekit_llm_running_seqs.Count:0|" in lines  # the gauges once the last request ended
+    out = serve(service.handle, ctx, [("v1/models", {})])  # the inference warm-up's requests are not counted
+    assert out[0][0] == 200 and json.loads(out[0][1])["data"][0]["max_model_len"] > 0
+    assert "servekit_requests_total" not in capsys.readouterr().out
 
 
 def test_llm_requests_taken_in_together_are_tokenized_in_one_call(llm, monkeypatch) -> None:
