@@ -112,17 +112,34 @@ def http_json(method: str, url: str, timeout: float = 30.0,
 # invocation threshold is 200), and on a 2-core CPU host the models route's round trip fell from
 # 1.2-1.9 ms over the first 200 requests to 0.6 ms from the 400th on.
 WARM_UP_REQUESTS = 500
+WARM_UP_REQUESTS_ENV = "SERVEKIT_WARM_UP_REQUESTS"  # another count (at least 1) for every warm-up of this process
 # The Kubernetes startup probe runs the warm-up inside its 5 s timeout, with Python's start and the
 # readiness check: 500 requests took 0.5-0.6 s on the 2-core CPU host (each on a new connection).
 WARM_UP_BUDGET_S = 2.0
 
 
+def warm_up_requests() -> int:
+    """The warm-up's request count: ``SERVEKIT_WARM_UP_REQUESTS`` when set (ValueError naming it if
+    it is not a whole number of at least 1), else ``WARM_UP_REQUESTS``."""
+    value = os.environ.get(WARM_UP_REQUESTS_ENV)
+    if value is None:
+        return WARM_UP_REQUESTS
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{WARM_UP_REQUESTS_ENV}={value!r}: expected a whole number of requests, at least 1")
+    return n
+
+
 def warm_up_inference(inference_url: str, model: str, version: str, timeout: float = 10.0,
-                      requests: int = WARM_UP_REQUESTS, budget_s: float = WARM_UP_BUDGET_S) -> int:
+                      requests: int | None = None, budget_s: float = WARM_UP_BUDGET_S) -> int:
     """Requests through TorchServe's inference API to ``model`` (``version``: the frontend reads the
     path's third part as one) on the OpenAI models route
     (``POST /predictions/<model>/<version>/v1/models``), which servekit's handlers answer without
-    the model: ``requests`` of them, fewer once ``budget_s`` is spent or an answer is not 200.
+    the model: ``requests`` of them (default: ``warm_up_requests()``), fewer once ``budget_s`` is
+    spent or an answer is not 200.
     Returns the first one's HTTP status (0: no answer).
 
     Why: a fresh frontend loads and first runs its prediction path's code (~20 Java classes: the
@@ -135,8 +152,9 @@ def warm_up_inference(inference_url: str, model: str, version: str, timeout: flo
     url = inference_url.rstrip("/") + f"/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1/models"
     deadline = time.monotonic() + budget_s
     first = None
+    count = warm_up_requests() if requests is None else requests
     try:
-        for _ in range(max(1, requests)):
+        for _ in range(max(1, count)):
             status = http_json("POST", url, timeout, {"Content-Type": "application/json"}, b"{}")[0]
             first = status if first is None else first
             if status != 200 or time.monotonic() > deadline:

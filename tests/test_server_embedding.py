@@ -306,3 +306,16 @@ def test_frontend_logs_one_line_per_request_and_none_per_batch(minilm_server):
         assert "Connecting to: " in text  # a worker's start is still told, in the file and on stdout
     assert "Backend received inference" not in model_log and "servekit plan" in model_log
     assert "servekit plan" in stdout  # what workers print reaches `kubectl logs` too
+
+
+def test_the_warm_up_count_comes_from_the_environment(monkeypatch) -> None:
+    from servekit.torchserve import WARM_UP_REQUESTS, WARM_UP_REQUESTS_ENV, warm_up_requests
+
+    monkeypatch.delenv(WARM_UP_REQUESTS_ENV, raising=False)
+    assert warm_up_requests() == WARM_UP_REQUESTS == 500
+    monkeypatch.setenv(WARM_UP_REQUESTS_ENV, "7")
+    assert warm_up_requests() == 7
+    for bad in ("0", "many", "2.5"):
+        monkeypatch.setenv(WARM_UP_REQUESTS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{WARM_UP_REQUESTS_ENV}='{bad}'"):
+            warm_up_requests()
