@@ -233,12 +233,12 @@ def is_models_route(route: str) -> bool:
     return route == MODELS_ROUTE or route.startswith(MODELS_ROUTE + "/")
 
 
-def served_count(context: Any, indices: Iterable[int]) -> int:
-    """How many of a batch's requests at ``indices`` count in the request metrics: all but those of
-    the models API, which the inference warm-up sends by the hundred when a server starts
-    (``servekit.torchserve.warm_up_inference``); counted, they would show a burst of traffic and of
-    sub-millisecond latencies at each start."""
-    return sum(not is_models_route(url_path(context, i)) for i in indices)
+def models_requests(context: Any, answered: Iterable[int]) -> int:
+    """How many of the requests ``parse_each`` answered (``answered``: their indices) went to the
+    models API. The request metrics leave them out: the inference warm-up sends them by the hundred
+    when a server starts (``servekit.torchserve.warm_up_inference``), and counted they would show a
+    burst of traffic and of sub-millisecond latencies at each start."""
+    return sum(is_models_route(url_path(context, i)) for i in answered)
 
 
 def models_answer(route: str, model_name: str, created: int, card_fields: dict[str, Any] | None = None) -> str | None:

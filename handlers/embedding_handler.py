@@ -24,7 +24,7 @@ import orjson
 import torch
 
 from servekit.handlers.common import (RequestError, device_error, fail_request, freeze_heap, parse_each,
-                                      registered_batch_size, served_count)
+                                      models_requests, registered_batch_size)
 from servekit.handlers.embedding_budget import DEFAULT_RESPONSE_TIMEOUT_S, WorkBudget, derive_budget
 from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from servekit.handlers.metrics import HandlerMetrics, emit_batch
@@ -126,7 +126,7 @@ class EmbeddingHandler:
             context.set_response_content_type(i, "application/json")
             answers[i] = self._answer(requests[i], vecs, batch.tokens[i])
         t3 = time.perf_counter()
-        served = served_count(context, range(len(data)))
+        served = len(data) - models_requests(context, given)
         if served:  # a batch of the warm-up's models requests only: no batch of the model's
             self._emit_batch(served, batch, vectors, (t0, t1, t2, t3))
         return [a if a is not None else "" for a in answers]

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from servekit.handlers.common import RequestError, device_error, fail_request, parse_each, served_count
+from servekit.handlers.common import RequestError, device_error, fail_request, models_requests, parse_each
 from servekit.handlers.llm_openai import Answer, LlmRequest, OpenAIApi
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.optimizations.llm.continuous import FINISH_ERROR, SeqUpdate
@@ -180,7 +180,7 @@ class ContinuousFrontend:
             self._emit_spec_counts()
             self._emit_prefix_stats()
             self._gauges_at = time.perf_counter()
-        served = len(requests) + served_count(context, answers)  # the models API's requests are not counted
+        served = len(requests) + len(answers) - models_requests(context, answers)  # models API requests not counted
         if served:  # a call that took new requests in: one batch of TorchServe's
             m.emit("servekit_batches_total", "counter", 1)
             m.emit("servekit_requests_total", "counter", served)

@@ -3,10 +3,11 @@
 One engine path: requests run through the continuous engine (servekit.optimizations.llm.continuous)
 in a process of its own that this worker starts (servekit.optimizations.llm.engine_process: the
 model lives there, the worker parses and answers), driven by handlers/llm_continuous.py under
-TorchServe's continuous batching, which the model-config must turn on (``continuousBatching: true``; anything else is refused at load). The OpenAI request
-and response code is handlers/llm_openai.py: each row stops on its own (stop token, stop string,
-max_tokens), a streaming request gets its chunks as its tokens come, and one bad request gets its
-own 4xx JSON error while the others are answered.
+TorchServe's continuous batching, which the model-config must turn on (``continuousBatching:
+true``; anything else is refused at load). The OpenAI request and response code is
+handlers/llm_openai.py: each row stops on its own (stop token, stop string, max_tokens), a
+streaming request gets its chunks as its tokens come, and one bad request gets its own 4xx JSON
+error while the others are answered.
 
 TorchServe calls the module-level `handle` (a function entry point: this module's state is one
 object, `_service`, made at import).

@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 import torch
 
-from servekit.handlers.common import (RequestError, fail_request, freeze_heap, parse_each, registered_batch_size,
-                                      served_count)
+from servekit.handlers.common import (RequestError, fail_request, freeze_heap, models_requests, parse_each,
+                                      registered_batch_size)
 from servekit.handlers.metrics import HandlerMetrics, emit_batch
 from servekit.handlers.score_requests import ScoreRequest, parse_score_request
 from servekit.handlers.worker_io import install_buffered_reads
@@ -104,7 +104,7 @@ class ScoreHandler:
             context.set_response_content_type(i, "application/json")
             answers[i] = self._answer(requests[i], logits[rows], tokens)
         t3 = time.perf_counter()
-        served = served_count(context, range(len(data)))
+        served = len(data) - models_requests(context, given)
         if served:  # a batch of the warm-up's models requests only: no batch of the model's
             self._emit_batch(served, len(kept), n_tokens, chunks, (t0, t1, t2, t3))
         return [a if a is not None else "" for a in answers]

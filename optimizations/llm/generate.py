@@ -468,9 +468,6 @@ class LlamaRunner:
     def shape(self) -> "RunnerShape":
         return RunnerShape(self.model.config.vocab_size, self.max_batch, self.max_prompt_len, self.max_seq_len)
 
-    def context_error(self, prompt_len: int, max_tokens: int) -> str | None:
-        return self.shape.context_error(prompt_len, max_tokens)
-
     def check(self, prompt: list[int], params: SamplingParams) -> str | None:
         """Why this request cannot run, or None. ``RuntimeError`` if another runner has reallocated
         the model's KV cache since (the model holds one)."""
