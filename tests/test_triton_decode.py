@@ -134,17 +134,30 @@ def test_decode_attention_reads_only_slots_up_to_each_position(name: str, t: int
 def test_rows_per_program_choose_the_gemv_path_for_few_rows_of_small_weights() -> None:
     """Up to GEMV_ROWS rows go through the GEMV path (BLOCK_M below 16, a power of two); 3-4 rows
     only for weights up to 4 M elements (Qwen2.5-0.5B's gate/up is larger); the rest through tl.dot,
-    at least 16 and at most 64 rows per program. Shapes only: meta tensors hold no memory."""
+    16 rows per program. Shapes only: meta tensors hold no memory."""
     def weight(n: int, k: int):
         return torch.empty(n, k, dtype=torch.bfloat16, device="meta")
 
     smol_gate_up, qwen_gate_up = weight(2 * 1536, 576), weight(2 * 4864, 896)
-    assert [td._block_m(m, 576, 2, smol_gate_up) for m in (1, 2, 3, 4, 5, 8, 40, 100)] == [1, 2, 4, 4, 16, 16, 64, 64]
+    assert [td._block_m(m, 576, 2, smol_gate_up) for m in (1, 2, 3, 4, 5, 8, 40, 100)] == [1, 2, 4, 4, 16, 16, 16, 16]
     assert [td._block_m(m, 896, 2, qwen_gate_up) for m in (1, 2, 3, 4)] == [1, 2, 16, 16]
     # K too long for a GEMV program's registers (Qwen2.5-0.5B's down projection): 2 rows fit, 4 do not.
     qwen_down = weight(896, 4864)
     assert [td._block_m(m, 4864, 1, qwen_down) for m in (1, 2, 3)] == [1, 2, 16]
     assert td._block_m(1, 32768, 1, weight(64, 32768)) == 16  # not even one row's weight tile fits
+
+
+def test_tl_dot_blocks_fit_shared_memory_and_attention_splits_stop_at_whole_batches() -> None:
+    """tl.dot projections keep their one configuration where its three pipeline stages fit shared
+    memory, else halve BLOCK_K (fp32 weights); attention splits the cache only while the rows and
+    kv heads make fewer than 96 programs."""
+    assert td.dot_config((32, 256, 4), 16, 2, 2) == (32, 256, 4)  # SmolLM2's gate/up in bf16: 123 KB
+    assert td.dot_config((32, 256, 4), 16, 2, 4) == (32, 128, 4)  # the same in fp32: 246 KB at 256
+    assert td.dot_config((16, 256, 4), 16, 1, 4) == (16, 256, 4)
+    assert td.attention_splits(32, 3, 512) == 1  # SmolLM2 at batch 32: 96 programs, no reduce kernel
+    assert td.attention_splits(16, 3, 512) == 5
+    assert td.attention_splits(1, 3, 512) == 8  # at least 64 slots a split
+    assert td.attention_splits(12, 8, 4096) == 1  # Llama-3.1-8B's 8 kv heads at batch 12
 
 
 @pytest.mark.parametrize("name", ["tiny", "gqa3-bias"])

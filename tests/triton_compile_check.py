@@ -61,9 +61,10 @@ def main() -> int:
                                      "a_ptr", "res_ptr", "out_ptr", "y_ptr")}
         types = {**ints, **ptrs, "pos_ptr": "*i64", "rows_ptr": "*i64", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
                  "pacc_ptr": "*fp32", "eps": "fp32", "sm_scale": "fp32"}
-        # SmolLM2 (GQA 3, one token per row: K in one block) and Qwen2.5-0.5B (GQA 7, biases, 5 tokens
-        # per row: a verify step; its down projection loops over K), with programmatic dependent launch.
-        for heads, kv, bias, t, block_m, dim, hidden in ((9, 3, False, 1, 16, 576, 1536), (14, 2, True, 5, 64, 896, 4864)):
+        # SmolLM2 (GQA 3, one token per row) and Qwen2.5-0.5B (GQA 7, biases, 5 tokens per row: a
+        # verify step), with programmatic dependent launch; tl.dot programs take 16 rows.
+        block_m = 16
+        for heads, kv, bias, t, dim, hidden in ((9, 3, False, 1, 576, 1536), (14, 2, True, 5, 896, 4864)):
             group = heads // kv
             q_p = max(16, triton.next_power_of_2(group * t))
             pdl = dict(USE_PDL=True)

@@ -27,7 +27,8 @@ With programmatic dependent launch (Hopper, ``pdl_supported``) each kernel loads
 before it waits for the previous kernel, so a step's chain of short kernels overlaps their
 launches and weight loads (see ``_wait_for_previous``).
 
-Block sizes are autotuned per shape (M, dims, kv length) on the first call of each shape: the
+GEMV and attention block sizes are autotuned per shape (M, dims, kv length) on the first call of
+each shape (tl.dot projections have one configuration each, see ``_k_prune``): the
 runner's warm-up runs every captured step before its capture, so tuning never happens inside
 a CUDA graph capture. Nothing here syncs with the host or reads a device value on the host.
 Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) each kernel has one, small,
@@ -54,19 +55,16 @@ except ImportError:
 
 def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = (4,)) -> list[triton.Config]:
     """Autotune candidates (few: each one is a compile at warm-up, per shape class); under the
-    interpreter one small configuration, so that the loops over blocks run several times. K blocks
-    of 512 and more are the one-block candidates: no loop to pipeline, so one stage (the default
-    three would ask for more shared memory than an SM has)."""
+    interpreter one small configuration, so that the loops over blocks run several times."""
     if INTERPRET:
         return [triton.Config(dict(interpreted), num_warps=4)]
-    return [triton.Config(dict(o), num_warps=w, num_stages=1 if o.get("BLOCK_K", 0) >= 512 else 3)
-            for o in options for w in warps]
+    return [triton.Config(dict(o), num_warps=w) for o in options for w in warps]
 
 
 # Small-M GEMM tiles: few output columns per program, so that even one row keeps many SMs busy.
-# The reduction dimension is one block where the tiles fit in registers (SmolLM2-sized layers):
-# every weight of a program is then loaded by one round of loads, issued before the program waits
-# for the previous kernel (see _wait_for_previous). Larger layers loop over K in 128/256 blocks.
+# From 5 rows on, tl.dot over 16 rows a program, looping over K in 128- or 256-wide blocks that the
+# pipeline stages into shared memory (the first block's weights load before the program waits
+# for the previous kernel, see _wait_for_previous).
 # Up to GEMV_ROWS rows (a plain decode step at batch 1-4, a verify step with up to 3 drafts) are a
 # matrix-vector product on the CUDA cores instead (GEMV): 4 or 8 output columns per program, the
 # whole of K (``K_ONE``) in registers, every thread reducing its share of K for all the rows at
@@ -79,15 +77,14 @@ GEMV_ROWS = 4
 # projection at 3-4 rows (~1,200 programs of 4 columns) made the whole step slower than tl.dot
 # (1.54 instead of 1.08 ms at batch 4), where SmolLM2's layers ran faster (0.66 instead of 0.91).
 _GEMV_ROWS_WEIGHTS = 4 * 1024 * 1024
-_K_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
+_K_BLOCKS = (64, 128, 256)  # 64: the fallback where 256 does not fit shared memory (fp32 weights)
 _COLS = (4, 8, 16, 32)  # 4 and 8: GEMV only (tl.dot needs 16 columns)
 _GEMM = _configs([dict(BLOCK_N=n, BLOCK_K=k) for n in _COLS for k in _K_BLOCKS], dict(BLOCK_N=16, BLOCK_K=32),
                  warps=(4, 8))
 _ROPE = _configs([dict(BLOCK_J=j, BLOCK_K=k) for j in _COLS for k in _K_BLOCKS], dict(BLOCK_J=16, BLOCK_K=32),
                  warps=(4, 8))
 _ATTN = _configs([dict(BLOCK_S=32), dict(BLOCK_S=64), dict(BLOCK_S=128)], dict(BLOCK_S=16))
-# Weight bytes one program may hold (64 KiB: 64 registers a thread at 8 warps in bf16, and the
-# tiles tl.dot stages in shared memory stay within an SM's).
+# Weight bytes one GEMV program may hold (64 KiB: 64 registers a thread at 8 warps in bf16).
 _TILE_BUDGET = 65536
 _SMEM_BUDGET = 200_000  # of an H100 SM's 227 KiB
 
@@ -106,27 +103,36 @@ def gemv_fits(m: int, k: int, tiles: int, weight: Tensor) -> bool:
             and _tiles_fit(tiles, 4, k, weight.element_size()) and _tiles_fit(1, triton.next_power_of_2(m), k, 4))
 
 
-def _k_prune(tiles: int, cols: str):
+def _k_prune(tiles: int, cols: str, dot: tuple[int, int, int]):
     """Autotune pruning. GEMV (``BLOCK_M`` < 16): 4 or 8 columns at 4 warps, where their tiles over
-    the whole of K fit ``_TILE_BUDGET`` (``BLOCK_K`` unused: one value of it kept). Otherwise the
-    one-block candidates (``BLOCK_K`` = K rounded up to a power of two) whose ``tiles`` weight
-    tiles fit, else the looping ones (128, 256); 16 columns or more (tl.dot)."""
+    the whole of K fit ``_TILE_BUDGET`` (``BLOCK_K`` unused: one value of it kept). tl.dot (16 rows
+    a program): the one configuration ``dot`` = (columns, ``BLOCK_K``, warps), a loop over K
+    whose blocks the pipeline stages into shared memory.
+
+    Why one fixed tl.dot configuration: the autotuner times each kernel alone, where a few
+    microseconds apart are noise, and its picks changed from run to run; the whole batch-32
+    SmolLM2 step then cost 0.86 to 1.03 ms. Timed in the step (benchmarks/results/
+    decode-kernels-h100/batch32/), these loops beat holding all of K in one block, which pads K
+    to a power of two (576 to 1024) and moves every tile through registers into shared memory
+    after the wait for the previous kernel."""
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         k = triton.next_power_of_2(named_args["K"])
         elt = named_args["w_ptr"].element_size()
         if kwargs.get("BLOCK_M", 16) < 16:  # 4 or 8 columns, 4 warps: 1.2-1.7 µs each on an H100 in a PDL chain
             return [c for c in configs if c.kwargs["BLOCK_K"] == 128 and c.kwargs[cols] <= 8 and c.num_warps == 4
                     and _tiles_fit(tiles, c.kwargs[cols], k, elt)]
-        configs = [c for c in configs if c.kwargs[cols] >= 16]
-
-        def fits(c: triton.Config) -> bool:  # the x and weight tiles of each pipeline stage in shared memory
-            staged = (kwargs.get("BLOCK_M", 16) + tiles * c.kwargs[cols]) * c.kwargs["BLOCK_K"] * elt * c.num_stages
-            return staged <= _SMEM_BUDGET
-
-        single = [c for c in configs
-                  if c.kwargs["BLOCK_K"] == k and fits(c) and _tiles_fit(tiles, c.kwargs[cols], k, elt)]
-        return single or [c for c in configs if c.kwargs["BLOCK_K"] in (128, 256) and fits(c)]
+        chosen = dot_config(dot, kwargs.get("BLOCK_M", 16), tiles, elt)
+        return [c for c in configs if (c.kwargs[cols], c.kwargs["BLOCK_K"], c.num_warps) == chosen]
     return None if INTERPRET else {"early_config_prune": prune}
+
+
+def dot_config(dot: tuple[int, int, int], block_m: int, tiles: int, elt: int) -> tuple[int, int, int]:
+    """``dot`` = (columns, ``BLOCK_K``, warps) with ``BLOCK_K`` halved (down to 64) until the x tile
+    and ``tiles`` weight tiles of the three pipeline stages fit ``_SMEM_BUDGET`` (fp32 weights)."""
+    n, block_k, warps = dot
+    while block_k > 64 and (block_m + tiles * n) * block_k * elt * 3 > _SMEM_BUDGET:
+        block_k //= 2
+    return n, block_k, warps
 
 
 # One block over K: the norms compute the rms from the tile they multiply (no second pass over x).
@@ -277,7 +283,8 @@ def _normed_pair_product(x_ptr, g_ptr, w_ptr, b_ptr, offs_m, m_mask, rows1, rows
 
 # --- 1. RMSNorm + q/k/v projection + RoPE + KV-cache write -----------------------------------------
 
-@triton.autotune(configs=_ROPE, key=["M", "K", "N_HEADS", "N_KV", "HEAD_DIM"], prune_configs_by=_k_prune(2, "BLOCK_J"))
+@triton.autotune(configs=_ROPE, key=["M", "K", "N_HEADS", "N_KV", "HEAD_DIM"],
+                 prune_configs_by=_k_prune(2, "BLOCK_J", (32, 128, 8)))
 @triton.heuristics(_SINGLE)
 @triton.jit
 def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, q_ptr, kc_ptr, vc_ptr,
@@ -429,7 +436,7 @@ def _attention_reduce_kernel(y_ptr, pm_ptr, pl_ptr, pacc_ptr, T,
 
 # --- 3 and 5. projection + residual -----------------------------------------------------------------
 
-@triton.autotune(configs=_GEMM, key=["M", "N", "K"], prune_configs_by=_k_prune(1, "BLOCK_N"))
+@triton.autotune(configs=_GEMM, key=["M", "N", "K"], prune_configs_by=_k_prune(1, "BLOCK_N", (16, 256, 4)))
 @triton.heuristics(_SINGLE)
 @triton.jit
 def _linear_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
@@ -471,7 +478,7 @@ def _linear_residual_kernel(a_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, HAS_
 
 # --- 4. RMSNorm + gate/up projection + SiLU(gate) * up ----------------------------------------------
 
-@triton.autotune(configs=_GEMM, key=["M", "N", "K"], prune_configs_by=_k_prune(2, "BLOCK_N"))
+@triton.autotune(configs=_GEMM, key=["M", "N", "K"], prune_configs_by=_k_prune(2, "BLOCK_N", (32, 256, 4)))
 @triton.heuristics(_SINGLE)
 @triton.jit
 def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_BIAS: tl.constexpr,
@@ -495,11 +502,13 @@ def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_
 # --- host wrappers ------------------------------------------------------------------------------------
 
 def _block_m(m: int, k: int, tiles: int, weight: Tensor) -> int:
-    """Rows per program: all of them, as a power of two, up to 64 (weights read once); below 16
-    (the GEMV path) only where ``gemv_fits``, else at least 16 (tl.dot's minimum)."""
+    """Rows per program: all of them as a power of two on the GEMV path (``gemv_fits``), else 16
+    (tl.dot's minimum). 16 rather than all rows in one program: a batch-32 step then runs twice
+    the programs, each with half the x tile, and its weights come twice, the second time from L2
+    (SmolLM2 at batch 32 on an H100: 1.00 instead of 1.09 ms with the attention change below)."""
     if gemv_fits(m, k, tiles, weight):
         return triton.next_power_of_2(m)
-    return max(16, min(64, triton.next_power_of_2(m)))
+    return 16
 
 
 def _launch(pdl: bool) -> dict:
@@ -532,9 +541,14 @@ def norm_qkv_rope(x: Tensor, norm: torch.nn.Module, wqkv: torch.nn.Linear, cos: 
     return q
 
 
-def attention_splits(batch: int, n_kv_heads: int, kv_len: int, programs: int = 264, min_slots: int = 64) -> int:
+def attention_splits(batch: int, n_kv_heads: int, kv_len: int, programs: int = 264, min_slots: int = 64,
+                     whole: int = 96) -> int:
     """Cache splits per (row, kv head): enough programs for the GPU (``programs``: ~2 per SM of an
-    H100), at least ``min_slots`` cache slots each. 1 = no reduce kernel."""
+    H100), at least ``min_slots`` cache slots each. 1 = no reduce kernel, and so no split once
+    the rows and kv heads alone make ``whole`` programs: at SmolLM2's batch 32 (96 programs on
+    132 SMs) one kernel fewer per layer was worth more than the idle SMs (0.09 ms per step)."""
+    if batch * n_kv_heads >= whole:
+        return 1
     return max(1, min(programs // (batch * n_kv_heads), triton.cdiv(kv_len, min_slots)))
 
 
