@@ -184,6 +184,23 @@ class Session:
             got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=self._new())
         return got
 
+    def open(self) -> None:
+        """Open this thread's connection now, with a ``GET /ping`` (TorchServe's health route on the
+        inference port; whatever it answers, the connection is then up), so that the next request
+        times the server's work on it rather than the TCP handshake and the frontend's set-up of a
+        new connection."""
+        conn = self._new()
+        try:
+            conn.request("GET", "/ping")
+            conn.getresponse().read()
+        except (OSError, http.client.HTTPException):
+            conn.close()  # the next request opens another
+
+    def fresh(self, prompt: str | list[dict[str, str]], max_tokens: int) -> Timing:
+        """One request on a new connection (which this thread keeps afterwards), its TTFT counting
+        the connection's opening."""
+        return stream_chat(self.url, prompt, max_tokens, t0=time.perf_counter(), conn=self._new())
+
     def _new(self) -> http.client.HTTPConnection:
         self._local.conn = connect(self.url)
         return self._local.conn

@@ -9,7 +9,9 @@ the served model's own tokens):
   ttft      batch 1, one request at a time, for each prompt length of --lengths (tokens): the first
             request of that length (the first the worker ever saw of it) and --later more of the
             same length (other texts), reported apart, each with its cached prompt tokens and its
-            own split; nothing is sent before the first one.
+            own split; nothing is sent before the first one but a GET /ping that opens the kept-alive
+            connection they all go on. One more request of each length goes on a new connection
+            (reported apart: its TTFT includes opening it).
   prefill   --prefill-streams prompts of --prefill-tokens sent together, 16 max tokens, --prefill-rounds
             rounds: prompt tokens / time to the last first token, and TTFT.
   batch1    per set (--sets): requests one after another: TTFT, time per output token (TPOT, the
@@ -116,10 +118,22 @@ def weight_bytes_per_token(model_dir: Path, precision: str) -> int:
 Chat = Callable[[list[dict[str, str]], int, float | None], Timing]
 
 
-def http_chat(url: str) -> Chat:
-    """Each client thread keeps its connection alive across its requests, as an SDK's session does."""
-    session = Session(url)
-    return lambda messages, max_tokens, t0=None: session.chat(messages, max_tokens, t0)
+class HttpChat:
+    """A ``Chat`` over HTTP: each client thread keeps its connection alive across its requests, as an
+    SDK's session does. ``open`` and ``fresh`` let the batch-1 probe tell a new connection's cost
+    from the server's first request of a length (the in-process engine has no connection)."""
+
+    def __init__(self, url: str) -> None:
+        self.session = Session(url)
+
+    def __call__(self, messages: list[dict[str, str]], max_tokens: int, t0: float | None = None) -> Timing:
+        return self.session.chat(messages, max_tokens, t0)
+
+    def open(self) -> None:
+        self.session.open()
+
+    def fresh(self, messages: list[dict[str, str]], max_tokens: int) -> Timing:
+        return self.session.fresh(messages, max_tokens)
 
 
 def one_by_one(chat: Chat, prompts: list[Prompt]) -> list[Timing]:
@@ -177,6 +191,10 @@ def ttft_by_length(chat: Chat, gen: PromptGenerator, lengths: list[int], later: 
     server's cached prompt tokens of each show whether a later one found more of itself in the
     prefix cache than the first did."""
     split = split or Split()
+    if isinstance(chat, HttpChat):
+        # The first request goes on an open connection, as the later ones do: a new connection's
+        # cost is no first-request cost of the server, and each length's row measures it apart.
+        chat.open()
     rows = []
     for n in lengths:
         split.start()
@@ -187,10 +205,12 @@ def ttft_by_length(chat: Chat, gen: PromptGenerator, lengths: list[int], later: 
         later_split = split.stop()
         ok = [t.ttft_s * 1e3 for t in rest if t.ttft_s is not None]
         cached = [t.cached_tokens for t in rest if t.cached_tokens is not None]
+        fresh = chat.fresh(list(gen.of_tokens(n, 8).messages), 8) if isinstance(chat, HttpChat) else None
         rows.append({"tokens": n, "prompt_tokens": first.prompt_tokens, "first_ttft_ms": _ms(first.ttft_s),
                      "first_error": first.error or None, "later": len(rest), "later_failed": len(rest) - len(ok),
                      "later_ttft_ms_p50": round(float(np.median(ok)), 2) if ok else None,
                      "later_ttft_ms_max": round(max(ok), 2) if ok else None,
+                     "new_connection_ttft_ms": _ms(fresh.ttft_s) if fresh is not None else None,
                      "first_cached_tokens": first.cached_tokens,
                      "later_cached_tokens_max": max(cached) if cached else None,
                      "first_split": first_split, "later_split": later_split})
@@ -535,7 +555,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             print(f"== {name}: archive {res['archive_s']} s, worker READY after {res['ready_s']} s", flush=True)
             save()
             try:
-                measure(http_chat(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions"), args, gen, res,
+                measure(HttpChat(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions"), args, gen, res,
                         save, HandlerSplit(ts.metrics_url))
             finally:
                 for log in ("model_log.log", "ts_log.log"):  # the worker's own account, beside the figures
@@ -583,10 +603,15 @@ def markdown(res: dict[str, Any]) -> str:
         if not res.get(key):
             continue
         L += [f"## {title}", "", "| tokens | served prompt tokens | first request ms | "
-              "later p50 ms | later max ms | cached tokens first / later max |", "| --- | --- | --- | --- | --- | --- |"]
+              "later p50 ms | later max ms | on a new connection ms | cached tokens first / later max |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
         L += [f"| {r['tokens']} | {r['prompt_tokens']} | {r['first_ttft_ms']} | {r['later_ttft_ms_p50']} | "
-              f"{r['later_ttft_ms_max']} | {r.get('first_cached_tokens')} / {r.get('later_cached_tokens_max')} |"
+              f"{r['later_ttft_ms_max']} | {r.get('new_connection_ttft_ms')} | "
+              f"{r.get('first_cached_tokens')} / {r.get('later_cached_tokens_max')} |"
               for r in res[key]]
+        if any(r.get("new_connection_ttft_ms") is not None for r in res[key]):
+            L += ["", "Every request but the last of each length goes on one kept-alive connection, opened "
+                  "before the first; the last opens a new one, and its TTFT includes that."]
         L += ["", "Where the first request's time went, then the later ones':"]
         L += [f"- {r['tokens']} tokens: first `{json.dumps(r.get('first_split', {}))}`, later "
               f"`{json.dumps(r.get('later_split', {}))}`" for r in res[key]]

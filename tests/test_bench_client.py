@@ -1,7 +1,8 @@
 """The LLM benchmarks' HTTP client (benchmarks/llm_serve_bench.py: post_events, stream_chat,
 Session) against a real HTTP/1.1 server on a local socket: events decoded after the stream with the
-times they came, a client's requests on one kept-alive connection, a connection the server closed
-replaced without losing the request, errors as statuses. tests/test_llm_server.py runs the same
+times they came, a client's requests on one kept-alive connection (opened ahead by a ping, or a
+new one on request), a connection the server closed replaced without losing the request, errors
+as statuses. tests/test_llm_server.py runs the same
 client against a live TorchServe."""
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class _Server:
     ``close_after``: drop the connection after each answer without saying so (a stale keep-alive)."""
 
     def __init__(self, close_after: bool = False) -> None:
-        self.connections, self.bodies = 0, []
+        self.connections, self.bodies, self.pings = 0, [], 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -38,6 +39,14 @@ class _Server:
             def setup(self) -> None:
                 super().setup()
                 server.connections += 1
+
+            def do_GET(self) -> None:  # TorchServe's health route: {"status": "Healthy"}
+                server.pings += self.path == "/ping"
+                msg = b'{"status": "Healthy"}'
+                self.send_response(200 if self.path == "/ping" else 404)
+                self.send_header("Content-Length", str(len(msg)))
+                self.end_headers()
+                self.wfile.write(msg)
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -108,6 +117,24 @@ def test_a_session_sends_a_threads_requests_on_one_connection(server: _Server) -
     assert server.connections == 2  # each client thread has its own connection
 
 
+def test_open_puts_the_first_request_on_a_connection_already_up_and_fresh_opens_another(server: _Server) -> None:
+    session = Session(server.url)
+    session.open()
+    assert (server.connections, server.pings) == (1, 1)
+    first = session.chat("first request", 8)
+    assert first.text == "firstrequest" and server.connections == 1  # the ping's connection, kept alive
+    again = session.fresh("on a new one", 8)
+    assert again.status == 200 and again.text == "onanewone" and server.connections == 2
+    session.chat("after it", 8)
+    assert server.connections == 2  # the new connection is the thread's from then on
+
+
+def test_open_on_a_server_that_is_down_leaves_the_next_request_to_connect() -> None:
+    session = Session("http://127.0.0.1:9/v1/chat/completions")  # discard port: nothing listens
+    session.open()  # no exception: the probe's first request reports the failure as usual
+    assert session.chat("hello", 4).status == -1
+
+
 def test_a_session_replaces_a_connection_the_server_closed() -> None:
     server = _Server(close_after=True)
     try:
@@ -122,3 +149,14 @@ def test_a_session_replaces_a_connection_the_server_closed() -> None:
 def test_a_refused_connection_is_a_failed_timing_not_an_exception() -> None:
     t = stream_chat("http://127.0.0.1:9/v1/chat/completions", "hello", 4, timeout=5.0)  # discard port: nothing listens
     assert t.status == -1 and "ConnectionRefusedError" in t.error
+
+
+def test_the_ttft_probe_opens_its_connection_first_and_times_a_new_connection_apart(server: _Server) -> None:
+    from servekit.benchmarks.llm_prompts import PromptGenerator
+    from servekit.benchmarks.llm_workload_bench import HttpChat, ttft_by_length
+
+    [row] = ttft_by_length(HttpChat(server.url), PromptGenerator(seed=0), [30], later=2)
+    assert server.pings == 1 and len(server.bodies) == 4  # the ping, then first + 2 later + 1 on a new connection
+    assert server.connections == 2
+    assert row["later"] == 2 and row["later_failed"] == 0 and row["first_error"] is None
+    assert row["first_ttft_ms"] > 0 and row["new_connection_ttft_ms"] > 0

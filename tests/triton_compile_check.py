@@ -28,16 +28,18 @@ H100_SHARED = 232448  # bytes of shared memory a block may use on an H100
 ALL = "--all" in sys.argv
 
 
-def compile_all(kernel, types: dict[str, str], constants: dict[str, object], k: int | None = None) -> int:
+def compile_all(kernel, types: dict[str, str], constants: dict[str, object], k: int | None = None,
+                weights: int = 1) -> int:
     """Compile ``kernel`` (autotuned or plain) with its first (``--all``: each) candidate configuration,
-    of those its autotuner keeps for a reduction dimension ``k``."""
+    of those its autotuner keeps for a reduction dimension ``k`` and a weight of ``weights`` elements."""
     fn = kernel
     while not isinstance(fn, triton.runtime.JITFunction):  # Autotuner -> Heuristics -> JITFunction
         fn = fn.fn
     configs = getattr(kernel, "configs", [triton.Config({}, num_warps=4)])
     prune = getattr(kernel, "early_config_prune", None)
     if prune and k is not None:
-        configs = prune(configs, {"K": k, "w_ptr": torch.empty(0, dtype=DTYPES[types["w_ptr"]])}, **constants)
+        w = torch.empty(1, dtype=DTYPES[types["w_ptr"]]).expand(weights)  # its size without its memory
+        configs = prune(configs, {"K": k, "w_ptr": w}, **constants)
     configs = configs[:None if ALL else 1]
     for cfg in configs:
         consts = {**constants, **cfg.kwargs}
@@ -62,7 +64,8 @@ def main() -> int:
         types = {**ints, **ptrs, "pos_ptr": "*i64", "rows_ptr": "*i64", "pm_ptr": "*fp32", "pl_ptr": "*fp32",
                  "pacc_ptr": "*fp32", "eps": "fp32", "sm_scale": "fp32"}
         # SmolLM2 (GQA 3, one token per row) and Qwen2.5-0.5B (GQA 7, biases, 5 tokens per row: a
-        # verify step), with programmatic dependent launch; tl.dot programs take 16 rows.
+        # verify step), with programmatic dependent launch; tl.dot programs of small weights take
+        # 16 rows, of large ones up to 64 (their autotuned candidates: compile_large below).
         block_m = 16
         for heads, kv, bias, t, dim, hidden in ((9, 3, False, 1, 576, 1536), (14, 2, True, 5, 896, 4864)):
             group = heads // kv
@@ -79,6 +82,13 @@ def main() -> int:
                 for k in (dim, hidden):  # the output and the down projection
                     n += compile_all(td._linear_residual_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=bm, **pdl), k)
                 n += compile_all(td._norm_gate_up_kernel, types, dict(HAS_BIAS=bias, BLOCK_M=bm, **pdl), dim)
+        # Llama-3.1-8B-sized weights (above SMALL_WEIGHTS): all rows up to 64 a program, autotuned blocks.
+        large = td.SMALL_WEIGHTS + 1
+        n += compile_all(td._norm_qkv_rope_kernel, types, dict(N_HEADS=32, N_KV=8, HEAD_DIM=128, HAS_BIAS=False,
+                                                               HAS_ROWS=False, BLOCK_M=64, **pdl), 4096, large)
+        for k in (4096, 14336):
+            n += compile_all(td._linear_residual_kernel, types, dict(HAS_BIAS=False, BLOCK_M=64, **pdl), k, large)
+        n += compile_all(td._norm_gate_up_kernel, types, dict(HAS_BIAS=False, BLOCK_M=64, **pdl), 4096, large)
     print(f"compiled {n} kernels for sm_90")
     return 0
 

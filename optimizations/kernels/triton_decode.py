@@ -27,8 +27,9 @@ With programmatic dependent launch (Hopper, ``pdl_supported``) each kernel loads
 before it waits for the previous kernel, so a step's chain of short kernels overlaps their
 launches and weight loads (see ``_wait_for_previous``).
 
-GEMV and attention block sizes are autotuned per shape (M, dims, kv length) on the first call of
-each shape (tl.dot projections have one configuration each, see ``_k_prune``): the
+GEMV, attention and large weights' block sizes are autotuned per shape (M, dims, kv length) on
+the first call of each shape (small weights' tl.dot projections have one configuration each, see
+``_k_prune``): the
 runner's warm-up runs every captured step before its capture, so tuning never happens inside
 a CUDA graph capture. Nothing here syncs with the host or reads a device value on the host.
 Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) each kernel has one, small,
@@ -58,13 +59,19 @@ def _configs(options: Sequence[dict], interpreted: dict, warps: Sequence[int] = 
     interpreter one small configuration, so that the loops over blocks run several times."""
     if INTERPRET:
         return [triton.Config(dict(interpreted), num_warps=4)]
-    return [triton.Config(dict(o), num_warps=w) for o in options for w in warps]
+    # K blocks of 512 and more are the one-block candidates: no loop to pipeline, so one stage
+    # (the default three would ask for more shared memory than an SM has).
+    return [triton.Config(dict(o), num_warps=w, num_stages=1 if o.get("BLOCK_K", 0) >= 512 else 3)
+            for o in options for w in warps]
 
 
 # Small-M GEMM tiles: few output columns per program, so that even one row keeps many SMs busy.
-# From 5 rows on, tl.dot over 16 rows a program, looping over K in 128- or 256-wide blocks that the
-# pipeline stages into shared memory (the first block's weights load before the program waits
-# for the previous kernel, see _wait_for_previous).
+# From 5 rows on, tl.dot. Weights of up to SMALL_WEIGHTS elements (SmolLM2's, Qwen2.5-0.5B's: a
+# layer's weights stay in L2) take 16 rows a program and one fixed configuration, a loop over K in
+# 128- or 256-wide blocks that the pipeline stages into shared memory. Larger weights (Llama-3.1-8B's)
+# take all the rows in one program (up to 64: each weight read from memory once) and autotuned
+# blocks, K in one block where the tiles fit (the weights of that block load before the program
+# waits for the previous kernel, see _wait_for_previous), else looped in 128 or 256.
 # Up to GEMV_ROWS rows (a plain decode step at batch 1-4, a verify step with up to 3 drafts) are a
 # matrix-vector product on the CUDA cores instead (GEMV): 4 or 8 output columns per program, the
 # whole of K (``K_ONE``) in registers, every thread reducing its share of K for all the rows at
@@ -77,7 +84,11 @@ GEMV_ROWS = 4
 # projection at 3-4 rows (~1,200 programs of 4 columns) made the whole step slower than tl.dot
 # (1.54 instead of 1.08 ms at batch 4), where SmolLM2's layers ran faster (0.66 instead of 0.91).
 _GEMV_ROWS_WEIGHTS = 4 * 1024 * 1024
-_K_BLOCKS = (64, 128, 256)  # 64: the fallback where 256 does not fit shared memory (fp32 weights)
+_K_BLOCKS = (64, 128, 256, 512, 1024, 2048, 4096)  # 64: small weights' fallback in fp32 (dot_config)
+# 16 rows a tl.dot program at batch 32 read each weight twice: from L2 the second time while a
+# layer's weights fit it (H100: 50 MB). Llama-3.1-8B's layers (17-117 M elements each) do not, and
+# their batch-32 step took 3.34 instead of 2.57 ms that way (benchmarks/results/decode-kernels-h100/batch32/).
+SMALL_WEIGHTS = 12 * 1024 * 1024
 _COLS = (4, 8, 16, 32)  # 4 and 8: GEMV only (tl.dot needs 16 columns)
 _GEMM = _configs([dict(BLOCK_N=n, BLOCK_K=k) for n in _COLS for k in _K_BLOCKS], dict(BLOCK_N=16, BLOCK_K=32),
                  warps=(4, 8))
@@ -105,24 +116,38 @@ def gemv_fits(m: int, k: int, tiles: int, weight: Tensor) -> bool:
 
 def _k_prune(tiles: int, cols: str, dot: tuple[int, int, int]):
     """Autotune pruning. GEMV (``BLOCK_M`` < 16): 4 or 8 columns at 4 warps, where their tiles over
-    the whole of K fit ``_TILE_BUDGET`` (``BLOCK_K`` unused: one value of it kept). tl.dot (16 rows
-    a program): the one configuration ``dot`` = (columns, ``BLOCK_K``, warps), a loop over K
-    whose blocks the pipeline stages into shared memory.
+    the whole of K fit ``_TILE_BUDGET`` (``BLOCK_K`` unused: one value of it kept). tl.dot on
+    weights of up to ``SMALL_WEIGHTS`` elements: the one configuration ``dot`` = (columns,
+    ``BLOCK_K``, warps), a loop over K whose blocks the pipeline stages into shared memory. Larger
+    weights: the one-block candidates (``BLOCK_K`` = K rounded up to a power of two) whose
+    ``tiles`` weight tiles fit, else the looping ones (128, 256); 16 columns or more.
 
-    Why one fixed tl.dot configuration: the autotuner times each kernel alone, where a few
-    microseconds apart are noise, and its picks changed from run to run; the whole batch-32
+    Why one fixed configuration for small weights: the autotuner times each kernel alone, where a
+    few microseconds apart are noise, and its picks changed from run to run; the whole batch-32
     SmolLM2 step then cost 0.86 to 1.03 ms. Timed in the step (benchmarks/results/
     decode-kernels-h100/batch32/), these loops beat holding all of K in one block, which pads K
     to a power of two (576 to 1024) and moves every tile through registers into shared memory
     after the wait for the previous kernel."""
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         k = triton.next_power_of_2(named_args["K"])
-        elt = named_args["w_ptr"].element_size()
-        if kwargs.get("BLOCK_M", 16) < 16:  # 4 or 8 columns, 4 warps: 1.2-1.7 µs each on an H100 in a PDL chain
+        w = named_args["w_ptr"]
+        elt = w.element_size()
+        block_m = kwargs.get("BLOCK_M", 16)
+        if block_m < 16:  # 4 or 8 columns, 4 warps: 1.2-1.7 µs each on an H100 in a PDL chain
             return [c for c in configs if c.kwargs["BLOCK_K"] == 128 and c.kwargs[cols] <= 8 and c.num_warps == 4
                     and _tiles_fit(tiles, c.kwargs[cols], k, elt)]
-        chosen = dot_config(dot, kwargs.get("BLOCK_M", 16), tiles, elt)
-        return [c for c in configs if (c.kwargs[cols], c.kwargs["BLOCK_K"], c.num_warps) == chosen]
+        if w.numel() <= SMALL_WEIGHTS:
+            chosen = dot_config(dot, block_m, tiles, elt)
+            return [c for c in configs if (c.kwargs[cols], c.kwargs["BLOCK_K"], c.num_warps) == chosen]
+        configs = [c for c in configs if c.kwargs[cols] >= 16]
+
+        def fits(c: triton.Config) -> bool:  # the x and weight tiles of each pipeline stage in shared memory
+            staged = (block_m + tiles * c.kwargs[cols]) * c.kwargs["BLOCK_K"] * elt * c.num_stages
+            return staged <= _SMEM_BUDGET
+
+        single = [c for c in configs
+                  if c.kwargs["BLOCK_K"] == k and fits(c) and _tiles_fit(tiles, c.kwargs[cols], k, elt)]
+        return single or [c for c in configs if c.kwargs["BLOCK_K"] in (128, 256) and fits(c)]
     return None if INTERPRET else {"early_config_prune": prune}
 
 
@@ -502,13 +527,17 @@ def _norm_gate_up_kernel(x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, HAS_
 # --- host wrappers ------------------------------------------------------------------------------------
 
 def _block_m(m: int, k: int, tiles: int, weight: Tensor) -> int:
-    """Rows per program: all of them as a power of two on the GEMV path (``gemv_fits``), else 16
-    (tl.dot's minimum). 16 rather than all rows in one program: a batch-32 step then runs twice
-    the programs, each with half the x tile, and its weights come twice, the second time from L2
-    (SmolLM2 at batch 32 on an H100: 1.00 instead of 1.09 ms with the attention change below)."""
+    """Rows per program: all of them as a power of two on the GEMV path (``gemv_fits``); on the
+    tl.dot path 16 for weights of up to ``SMALL_WEIGHTS`` elements, else all of them up to 64
+    (each weight read from memory once), at least 16 (tl.dot's minimum). 16 for small weights: a
+    batch-32 step then runs twice the programs, each with half the x tile, and the second read
+    of a weight comes from L2 (SmolLM2 at batch 32 on an H100: 1.00 instead of 1.09 ms with the
+    attention change below)."""
     if gemv_fits(m, k, tiles, weight):
         return triton.next_power_of_2(m)
-    return 16
+    if weight.numel() <= SMALL_WEIGHTS:
+        return 16
+    return max(16, min(64, triton.next_power_of_2(m)))
 
 
 def _launch(pdl: bool) -> dict:
