@@ -153,11 +153,14 @@ def test_rows_per_program_choose_the_gemv_path_for_few_rows_of_small_weights() -
 
 def test_tl_dot_blocks_fit_shared_memory_and_attention_splits_stop_at_whole_batches() -> None:
     """tl.dot projections keep their one configuration where its three pipeline stages fit shared
-    memory, else halve BLOCK_K (fp32 weights); attention splits the cache only while the rows and
+    memory, else halve BLOCK_K (fp32 weights, a GPU with less shared memory); attention splits the cache only while the rows and
     kv heads make fewer than 96 programs."""
     assert td.dot_config((32, 256, 4), 16, 2, 2) == (32, 256, 4)  # SmolLM2's gate/up in bf16: 123 KB
     assert td.dot_config((32, 256, 4), 16, 2, 4) == (32, 128, 4)  # the same in fp32: 246 KB at 256
     assert td.dot_config((16, 256, 4), 16, 1, 4) == (16, 256, 4)
+    l40s = int(101376 * 0.86)  # 99 KiB a block: gate/up's 123 KB at 256 would not load there
+    assert td.dot_config((32, 256, 4), 16, 2, 2, l40s) == (32, 128, 4)
+    assert td._budget_for(torch.empty(0)) == td._SMEM_BUDGET  # no GPU: the H100's
     assert td.attention_splits(32, 3, 512) == 1  # SmolLM2 at batch 32: 96 programs, no reduce kernel
     assert td.attention_splits(16, 3, 512) == 5
     assert td.attention_splits(1, 3, 512) == 8  # at least 64 slots a split

@@ -37,6 +37,7 @@ configuration, so the loops over blocks run several times in the tests.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -100,6 +101,23 @@ _TILE_BUDGET = 65536
 _SMEM_BUDGET = 200_000  # of an H100 SM's 227 KiB
 
 
+@functools.cache
+def _smem_budget(device_index: int) -> int:
+    """Shared memory a program may stage on this GPU: 86% of what a block may use (an H100's 227 KiB
+    gives ``_SMEM_BUDGET``), so that GPUs with less (A100 164 KiB, L40S and L4 99 KiB) get blocks
+    that fit: a pruning that leaves one candidate has no autotuner to skip one that does not."""
+    try:
+        from triton.runtime import driver
+        most = driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+    except Exception:  # no CUDA driver here (compile checks on CPU): the H100's
+        return _SMEM_BUDGET
+    return min(_SMEM_BUDGET, int(most * 0.86))
+
+
+def _budget_for(w: Tensor) -> int:
+    return _smem_budget(w.device.index or 0) if w.device.type == "cuda" else _SMEM_BUDGET
+
+
 def _tiles_fit(tiles: int, cols: int, k: int, elt: int) -> bool:
     """Whether ``tiles`` weight tiles of ``cols`` columns by all of K (rounded up to a power of two)
     fit one program's ``_TILE_BUDGET``."""
@@ -133,17 +151,18 @@ def _k_prune(tiles: int, cols: str, dot: tuple[int, int, int]):
         w = named_args["w_ptr"]
         elt = w.element_size()
         block_m = kwargs.get("BLOCK_M", 16)
+        budget = _budget_for(w)
         if block_m < 16:  # 4 or 8 columns, 4 warps: 1.2-1.7 µs each on an H100 in a PDL chain
             return [c for c in configs if c.kwargs["BLOCK_K"] == 128 and c.kwargs[cols] <= 8 and c.num_warps == 4
                     and _tiles_fit(tiles, c.kwargs[cols], k, elt)]
         if w.numel() <= SMALL_WEIGHTS:
-            chosen = dot_config(dot, block_m, tiles, elt)
+            chosen = dot_config(dot, block_m, tiles, elt, budget)
             return [c for c in configs if (c.kwargs[cols], c.kwargs["BLOCK_K"], c.num_warps) == chosen]
         configs = [c for c in configs if c.kwargs[cols] >= 16]
 
         def fits(c: triton.Config) -> bool:  # the x and weight tiles of each pipeline stage in shared memory
             staged = (block_m + tiles * c.kwargs[cols]) * c.kwargs["BLOCK_K"] * elt * c.num_stages
-            return staged <= _SMEM_BUDGET
+            return staged <= budget
 
         single = [c for c in configs
                   if c.kwargs["BLOCK_K"] == k and fits(c) and _tiles_fit(tiles, c.kwargs[cols], k, elt)]
@@ -151,11 +170,13 @@ def _k_prune(tiles: int, cols: str, dot: tuple[int, int, int]):
     return None if INTERPRET else {"early_config_prune": prune}
 
 
-def dot_config(dot: tuple[int, int, int], block_m: int, tiles: int, elt: int) -> tuple[int, int, int]:
+def dot_config(dot: tuple[int, int, int], block_m: int, tiles: int, elt: int,
+               budget: int = _SMEM_BUDGET) -> tuple[int, int, int]:
     """``dot`` = (columns, ``BLOCK_K``, warps) with ``BLOCK_K`` halved (down to 64) until the x tile
-    and ``tiles`` weight tiles of the three pipeline stages fit ``_SMEM_BUDGET`` (fp32 weights)."""
+    and ``tiles`` weight tiles of the three pipeline stages fit ``budget`` bytes of shared memory
+    (fp32 weights, GPUs with less shared memory than an H100)."""
     n, block_k, warps = dot
-    while block_k > 64 and (block_m + tiles * n) * block_k * elt * 3 > _SMEM_BUDGET:
+    while block_k > 64 and (block_m + tiles * n) * block_k * elt * 3 > budget:
         block_k //= 2
     return n, block_k, warps
 
