@@ -12,6 +12,12 @@ the served model's own tokens):
             own split; nothing is sent before the first one but a GET /ping that opens the kept-alive
             connection they all go on. One more request of each length goes on a new connection
             (reported apart: its TTFT includes opening it).
+  sequence  (only when named) --sequence short streamed chats one after another, 2 tokens each, every
+            one a different text of --sequence-tokens: client TTFT, the handler's own TTFT and the
+            time outside the handler (frontend, worker socket) by request index (1, 2-10, 11-50,
+            51-100, 101-200, ...): how a fresh server's request path warms up over its first
+            requests. On one kept-alive connection opened before the first. Runs after ttft;
+            alone, its first request is the server's first.
   prefill   --prefill-streams prompts of --prefill-tokens sent together, 16 max tokens, --prefill-rounds
             rounds: prompt tokens / time to the last first token, and TTFT.
   batch1    per set (--sets): requests one after another: TTFT, time per output token (TPOT, the
@@ -68,7 +74,8 @@ from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 
 MODEL = "smollm2"
-MEASURES = ("ttft", "prefill", "batch1", "streams", "poisson", "followup")
+MEASURES = ("ttft", "prefill", "batch1", "streams", "poisson", "followup", "sequence")
+DEFAULT_MEASURES = [m for m in MEASURES if m != "sequence"]  # sequence: asked for by name
 SETS = ("short", "passages", "mixed")
 # Peak memory bandwidth (bytes/s) by a substring of the GPU's name, most specific first.
 HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
@@ -78,7 +85,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "F64": 8, "F32": 4, "BF16": 2, "
                "I8": 1, "U8": 1, "BOOL": 1}
 SMOKE = {"lengths": [32, 128], "later": 1, "prefill_streams": 2, "prefill_tokens": 128, "prefill_rounds": 1,
          "batch1": 1, "streams": 2, "stream_requests": 1, "rate": 0.5, "duration": 3.0, "conversations": 1,
-         "conversation_tokens": 200, "max_tokens": 4, "sets": ["short"]}
+         "conversation_tokens": 200, "max_tokens": 4, "sets": ["short"], "sequence": 12}
 
 
 # -- the model and its figures ---------------------------------------------------------------------
@@ -181,6 +188,50 @@ def poisson(chat: Chat, prompts: list[Prompt], rate: float, duration: float, see
 # -- measurements ----------------------------------------------------------------------------------
 def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 2)
+
+
+def request_windows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``sequence``'s requests in windows of request index (1, 2-10, 11-50, 51-100, then doubling):
+    p50 of client TTFT, of the handler's TTFT and of their difference, over the requests that have
+    them."""
+    bounds, hi = [1, 10, 50, 100], 100
+    while hi < len(rows):
+        hi *= 2
+        bounds.append(hi)
+    out, lo = [], 0
+    for hi in bounds:
+        part = rows[lo:hi]
+        if not part:
+            break
+        ttft = [r["ttft_ms"] for r in part if r["ttft_ms"] is not None]
+        both = [(r["ttft_ms"], r["handler_ttft_ms"]) for r in part
+                if r["ttft_ms"] is not None and r.get("handler_ttft_ms") is not None]
+
+        def p50(xs: list[float]) -> float | None:
+            return round(float(np.median(xs)), 2) if xs else None
+
+        out.append({"from": lo + 1, "to": lo + len(part), "answered": len(ttft), "ttft_ms_p50": p50(ttft),
+                    "handler_ttft_ms_p50": p50([h for _, h in both]),
+                    "outside_ms_p50": p50([t - h for t, h in both])})
+        lo = hi
+    return out
+
+
+def sequence(chat: Chat, gen: PromptGenerator, n: int, tokens: int, split: Split | None = None) -> dict[str, Any]:
+    """``n`` streamed chats of ``tokens`` prompt tokens (each a different text), 2 tokens each, one
+    after another; ``split`` (the handler's metrics) is read around each, for its own TTFT."""
+    split = split or Split()
+    if isinstance(chat, HttpChat):
+        chat.open()  # as in ttft_by_length: no request pays for opening the connection
+    rows = []
+    for _ in range(n):
+        split.start()
+        t = chat(list(gen.of_tokens(tokens, 2).messages), 2, None)
+        own = split.stop()
+        rows.append({"ttft_ms": _ms(t.ttft_s), "handler_ttft_ms": own.get("handler_ttft_ms_mean"),
+                     "error": t.error or None})
+    return {"requests": n, "prompt_tokens": tokens, "failed": sum(r["ttft_ms"] is None for r in rows),
+            "windows": request_windows(rows), "per_request": rows}
 
 
 def ttft_by_length(chat: Chat, gen: PromptGenerator, lengths: list[int], later: int,
@@ -356,6 +407,11 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
 
     if "ttft" in args.measures:
         probe()
+    if "sequence" in args.measures:
+        res["sequence"] = sequence(chat, gen, args.sequence, args.sequence_tokens, split)
+        for w in res["sequence"]["windows"]:
+            print(f"  sequence {json.dumps(w)}", flush=True)
+        save()
     if "prefill" in args.measures:
         split.start()
         res["prefill"] = {**prefill(chat, gen, args.prefill_streams, args.prefill_tokens, args.prefill_rounds),
@@ -616,6 +672,15 @@ def markdown(res: dict[str, Any]) -> str:
         L += [f"- {r['tokens']} tokens: first `{json.dumps(r.get('first_split', {}))}`, later "
               f"`{json.dumps(r.get('later_split', {}))}`" for r in res[key]]
         L += ["", f"Where the time went: `{json.dumps(res.get('splits', {}).get(key, {}))}`", ""]
+    if res.get("sequence"):
+        q = res["sequence"]
+        L += ["## A sequence of short requests", "", f"{q['requests']} streamed chats of {q['prompt_tokens']} prompt "
+              f"tokens, 2 tokens each, one after another ({q['failed']} failed); outside = client TTFT minus the "
+              "handler's own:", "", "| requests | answered | TTFT p50 ms | handler TTFT p50 ms | outside p50 ms |",
+              "| --- | --- | --- | --- | --- |"]
+        L += [f"| {w['from']}-{w['to']} | {w['answered']} | {w['ttft_ms_p50']} | {w['handler_ttft_ms_p50']} | "
+              f"{w['outside_ms_p50']} |" for w in q["windows"]]
+        L += [""]
     if res.get("prefill"):
         p = res["prefill"]
         L += ["## Prefill throughput", "", f"{p['streams']} prompts of {p['tokens']} tokens ({p['prompt_tokens_per_request']} "
@@ -652,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", type=Path, help="a model folder (`servekit archive PATH`), default: bundled SmolLM2")
     p.add_argument("--config", type=Path, help="model-config (default: config/models/smollm2.yaml, or the one "
                                                "`servekit archive PATH` generates for --model-dir)")
-    p.add_argument("--measures", nargs="+", choices=MEASURES, default=list(MEASURES))
+    p.add_argument("--measures", nargs="+", choices=MEASURES, default=DEFAULT_MEASURES,
+                   help=f"default: {' '.join(DEFAULT_MEASURES)} (sequence only when named)")
     p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -668,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=20.0, help="s of Poisson arrivals per set")
     p.add_argument("--conversations", type=int, default=5)
     p.add_argument("--conversation-tokens", type=int, default=1500)
+    p.add_argument("--sequence", type=int, default=400, help="sequence: requests one after another")
+    p.add_argument("--sequence-tokens", type=int, default=40, help="sequence: prompt tokens of each")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
     p.add_argument("--in-process", action="store_true",
                    help="drive the model-config's engine in this process (no TorchServe): the engine's share of each figure")
@@ -685,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None and not path.exists():
             p.error(f"{path}: no such file or folder")
     if min(args.later, args.prefill_streams, args.prefill_rounds, args.batch1, args.streams, args.stream_requests,
-           args.conversations) < 1 or args.max_tokens < 2 or args.rate <= 0 or args.duration <= 0:
+           args.conversations, args.sequence, args.sequence_tokens) < 1 or args.max_tokens < 2 or args.rate <= 0 or args.duration <= 0:
         p.error("counts must be >= 1, --max-tokens >= 2, --rate and --duration > 0")
     res = run(args, argv)
     (args.out / "llm_workload_bench.md").write_text(markdown(res))
@@ -693,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(r.get("failed", 0) for per in res["sets"].values() for r in per.values())
     failed += sum(1 for r in res.get("ttft", []) + res.get("ttft_again", [])
                   if r["first_ttft_ms"] is None or r["later_failed"])
-    failed += (res.get("prefill") or {}).get("failed", 0)
+    failed += (res.get("prefill") or {}).get("failed", 0) + (res.get("sequence") or {}).get("failed", 0)
     return 1 if failed else 0
 
 

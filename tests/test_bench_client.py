@@ -160,3 +160,28 @@ def test_the_ttft_probe_opens_its_connection_first_and_times_a_new_connection_ap
     assert server.connections == 2
     assert row["later"] == 2 and row["later_failed"] == 0 and row["first_error"] is None
     assert row["first_ttft_ms"] > 0 and row["new_connection_ttft_ms"] > 0
+
+
+def test_a_sequence_times_each_request_and_groups_them_by_index(server: _Server) -> None:
+    from servekit.benchmarks.llm_prompts import PromptGenerator
+    from servekit.benchmarks.llm_workload_bench import HttpChat, sequence
+
+    got = sequence(HttpChat(server.url), PromptGenerator(seed=0), 12, 20)
+    assert got["requests"] == 12 and got["failed"] == 0 and len(server.bodies) == 12
+    assert server.pings == 1 and server.connections == 1  # opened before the first, kept for all
+    texts = [b["messages"][-1]["content"] for b in server.bodies]
+    assert len(set(texts)) == 12 and all(b["max_tokens"] == 2 and b["stream"] for b in server.bodies)
+    assert [(w["from"], w["to"], w["answered"]) for w in got["windows"]] == [(1, 1, 1), (2, 10, 9), (11, 12, 2)]
+    assert all(w["ttft_ms_p50"] > 0 and w["handler_ttft_ms_p50"] is None for w in got["windows"])  # no handler metrics here
+
+
+def test_request_windows_double_after_100_and_leave_out_what_a_request_lacks() -> None:
+    from servekit.benchmarks.llm_workload_bench import request_windows
+
+    rows = [{"ttft_ms": 10.0 + i, "handler_ttft_ms": 4.0} for i in range(250)]
+    rows[0] = {"ttft_ms": None, "handler_ttft_ms": None}  # failed
+    windows = request_windows(rows)
+    assert [(w["from"], w["to"]) for w in windows] == [(1, 1), (2, 10), (11, 50), (51, 100), (101, 200), (201, 250)]
+    assert windows[0] == {"from": 1, "to": 1, "answered": 0, "ttft_ms_p50": None, "handler_ttft_ms_p50": None,
+                          "outside_ms_p50": None}
+    assert windows[1]["ttft_ms_p50"] == 15.0 and windows[1]["outside_ms_p50"] == 11.0  # requests 2-10: 11..19 ms
