@@ -125,22 +125,12 @@ def weight_bytes_per_token(model_dir: Path, precision: str) -> int:
 Chat = Callable[[list[dict[str, str]], int, float | None], Timing]
 
 
-class HttpChat:
+class HttpChat(Session):
     """A ``Chat`` over HTTP: each client thread keeps its connection alive across its requests, as an
     SDK's session does. ``open`` and ``fresh`` let the batch-1 probe tell a new connection's cost
     from the server's first request of a length (the in-process engine has no connection)."""
 
-    def __init__(self, url: str) -> None:
-        self.session = Session(url)
-
-    def __call__(self, messages: list[dict[str, str]], max_tokens: int, t0: float | None = None) -> Timing:
-        return self.session.chat(messages, max_tokens, t0)
-
-    def open(self) -> None:
-        self.session.open()
-
-    def fresh(self, messages: list[dict[str, str]], max_tokens: int) -> Timing:
-        return self.session.fresh(messages, max_tokens)
+    __call__ = Session.chat
 
 
 def one_by_one(chat: Chat, prompts: list[Prompt]) -> list[Timing]:
