@@ -225,12 +225,14 @@ def sequence(chat: Chat, gen: PromptGenerator, n: int, tokens: int, split: Split
 
 
 def ttft_by_length(chat: Chat, gen: PromptGenerator, lengths: list[int], later: int,
-                   split: Split | None = None) -> list[dict[str, Any]]:
+                   split: Split | None = None, idle: float = 0.0) -> list[dict[str, Any]]:
     """Batch 1 per prompt length: the first request of that length, then `later` more (other texts
     of the same length: they share at most the chat template's head and the instruction with the
     first). `split` says where the first request's time went apart from the later ones'; the
     server's cached prompt tokens of each show whether a later one found more of itself in the
-    prefix cache than the first did."""
+    prefix cache than the first did. With ``idle`` (seconds), `later` more of each length follow, each
+    after that long a pause with nothing running: a request after an idle spell, apart from a
+    server's very first."""
     split = split or Split()
     if isinstance(chat, HttpChat):
         # The first request goes on an open connection, as the later ones do: a new connection's
@@ -246,11 +248,18 @@ def ttft_by_length(chat: Chat, gen: PromptGenerator, lengths: list[int], later: 
         later_split = split.stop()
         ok = [t.ttft_s * 1e3 for t in rest if t.ttft_s is not None]
         cached = [t.cached_tokens for t in rest if t.cached_tokens is not None]
+        paused = []
+        for _ in range(later if idle > 0 else 0):
+            time.sleep(idle)
+            paused.append(chat(list(gen.of_tokens(n, 8).messages), 8, None))
+        after_idle = [t.ttft_s * 1e3 for t in paused if t.ttft_s is not None]
         fresh = chat.fresh(list(gen.of_tokens(n, 8).messages), 8) if isinstance(chat, HttpChat) else None
         rows.append({"tokens": n, "prompt_tokens": first.prompt_tokens, "first_ttft_ms": _ms(first.ttft_s),
                      "first_error": first.error or None, "later": len(rest), "later_failed": len(rest) - len(ok),
                      "later_ttft_ms_p50": round(float(np.median(ok)), 2) if ok else None,
                      "later_ttft_ms_max": round(max(ok), 2) if ok else None,
+                     "idle_s": idle or None,
+                     "after_idle_ttft_ms_p50": round(float(np.median(after_idle)), 2) if after_idle else None,
                      "new_connection_ttft_ms": _ms(fresh.ttft_s) if fresh is not None else None,
                      "first_cached_tokens": first.cached_tokens,
                      "later_cached_tokens_max": max(cached) if cached else None,
@@ -389,7 +398,7 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
     def probe(lengths_key: str = "ttft") -> None:
         split.start()
         # its own copy: the rows' start and stop must not move the probe's own starting point
-        rows = ttft_by_length(chat, gen, args.lengths, args.later, copy.copy(split))
+        rows = ttft_by_length(chat, gen, args.lengths, args.later, copy.copy(split), args.idle)
         res[lengths_key] = rows
         res.setdefault("splits", {})[lengths_key] = split.stop()
         print(f"  {lengths_key} split: {json.dumps(res['splits'][lengths_key])}", flush=True)
@@ -551,6 +560,26 @@ class EngineSplit(Split):
         return {"engine_steps": steps, "engine_steps_per_s": round(steps / wall, 1), "engine_ms_per_step": per}
 
 
+def _warm_up_note(res: dict[str, Any]) -> str:
+    w = res.get("warm_up")
+    return f", its inference warm-up {w['models_requests']} models-route requests and {w['chats']} streamed chats" if w else ""
+
+
+def warm_up_counts(ts: Any, name: str, settle_s: float = 3.0) -> dict[str, int]:
+    """The requests registration's inference warm-up sent (``servekit.torchserve.warm_up_inference``)
+    by route, from TorchServe's access log; it is written asynchronously, so read until it stops growing."""
+    path = f'"POST /predictions/{name}/1.0/v1/'
+    last: dict[str, int] | None = None
+    deadline = time.monotonic() + settle_s
+    while True:
+        text = ts.log_text("access_log.log")
+        counts = {"models_requests": text.count(path + "models HTTP"), "chats": text.count(path + "chat/completions HTTP")}
+        if counts == last or time.monotonic() > deadline:
+            return counts
+        last = counts
+        time.sleep(0.3)
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """Build, serve and measure; the result is saved into --out after every measure."""
     from servekit.archive import build_archive
@@ -598,7 +627,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             t0 = time.perf_counter()
             ts.register(f"{name}.mar", name, timeout=args.ready_timeout)
             res["ready_s"] = round(time.perf_counter() - t0, 1)
-            print(f"== {name}: archive {res['archive_s']} s, worker READY after {res['ready_s']} s", flush=True)
+            res["warm_up"] = warm_up_counts(ts, name)
+            print(f"== {name}: archive {res['archive_s']} s, worker READY after {res['ready_s']} s; inference "
+                  f"warm-up {json.dumps(res['warm_up'])}", flush=True)
             save()
             try:
                 measure(HttpChat(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions"), args, gen, res,
@@ -635,7 +666,7 @@ def markdown(res: dict[str, Any]) -> str:
          f"Command: `{env['command']}`.", "",
          f"Plan: precision {res['plan'].get('precision')}, compile {res['plan'].get('compile')}, kernels "
          f"{res['plan'].get('kernels', 'torch')}, batchSize {res['config'].get('batchSize')}, maxBatchDelay "
-         f"{res['config'].get('maxBatchDelay')} ms. Worker READY after {res.get('ready_s')} s. Prompts: seed "
+         f"{res['config'].get('maxBatchDelay')} ms. Worker READY after {res.get('ready_s')} s{_warm_up_note(res)}. Prompts: seed "
          f"{res['prompts']['seed']}, corpus {res['prompts']['corpus']} (stdlib docstrings of Python {env.get('python')}), "
          "every request a different text. Streamed greedy chat completions; TTFT from the send (Poisson: from the "
          "scheduled send); TPOT = (last token - first token) / (tokens - 1). "
@@ -655,6 +686,10 @@ def markdown(res: dict[str, Any]) -> str:
               f"{r['later_ttft_ms_max']} | {r.get('new_connection_ttft_ms')} | "
               f"{r.get('first_cached_tokens')} / {r.get('later_cached_tokens_max')} |"
               for r in res[key]]
+        if any(r.get("after_idle_ttft_ms_p50") is not None for r in res[key]):
+            L += ["", "After an idle pause: " + "; ".join(
+                f"{r['tokens']} tokens, {r['later']} more requests each {r['idle_s']} s after the last one ended: "
+                f"TTFT p50 {r['after_idle_ttft_ms_p50']} ms" for r in res[key]) + "."]
         if any(r.get("new_connection_ttft_ms") is not None for r in res[key]):
             L += ["", "Every request but the last of each length goes on one kept-alive connection, opened "
                   "before the first; the last opens a new one, and its TTFT includes that."]
@@ -714,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--lengths", nargs="+", type=int, default=[100, 300, 600, 1000, 1500, 1900])
     p.add_argument("--later", type=int, default=5, help="ttft: requests after the first of each length")
+    p.add_argument("--idle", type=float, default=0.0,
+                   help="ttft: seconds of pause before each of --later more requests of each length, "
+                        "reported apart (a request after an idle spell); 0: none")
     p.add_argument("--prefill-streams", type=int, default=32)
     p.add_argument("--prefill-tokens", type=int, default=600)
     p.add_argument("--prefill-rounds", type=int, default=5)
@@ -745,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.later, args.prefill_streams, args.prefill_rounds, args.batch1, args.streams, args.stream_requests,
            args.conversations, args.sequence, args.sequence_tokens) < 1 or args.max_tokens < 2 or args.rate <= 0 or args.duration <= 0:
         p.error("counts must be >= 1, --max-tokens >= 2, --rate and --duration > 0")
+    if args.idle < 0:
+        p.error(f"--idle must be >= 0 seconds, got {args.idle}")
     res = run(args, argv)
     (args.out / "llm_workload_bench.md").write_text(markdown(res))
     print(markdown(res))

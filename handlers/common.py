@@ -233,6 +233,23 @@ def is_models_route(route: str) -> bool:
     return route == MODELS_ROUTE or route.startswith(MODELS_ROUTE + "/")
 
 
+# Sent by servekit.torchserve.warm_up_inference with the streamed chats it sends an LLM when a
+# server starts: the request metrics leave those out, as they do the models API's requests.
+WARM_UP_HEADER = "X-Servekit-Warm-Up"
+
+
+def is_warm_up(context: Any, idx: int) -> bool:
+    """Whether request ``idx`` carries ``WARM_UP_HEADER`` (any case: HTTP clients differ in how they
+    write header names, and TorchServe passes them on as they came)."""
+    try:
+        headers = context.get_all_request_header(idx) or {}
+    except (KeyError, IndexError, AttributeError):
+        return False
+    wanted = WARM_UP_HEADER.lower()
+    return any((k.decode("utf-8", "replace") if isinstance(k, (bytes, bytearray)) else str(k)).lower() == wanted
+               for k in headers)
+
+
 def models_requests(context: Any, answered: Iterable[int]) -> int:
     """How many of the requests ``parse_each`` answered (``answered``: their indices) went to the
     models API. The request metrics leave them out: the inference warm-up sends them by the hundred

@@ -22,9 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from servekit.handlers.common import RequestError, device_error, fail_request, models_requests, parse_each
+from servekit.handlers.common import (RequestError, device_error, fail_request, is_warm_up, models_requests,
+                                      parse_each)
 from servekit.handlers.llm_openai import Answer, LlmRequest, OpenAIApi
-from servekit.handlers.metrics import HandlerMetrics
+from servekit.handlers.metrics import NO_METRICS, HandlerMetrics
 from servekit.optimizations.llm.continuous import FINISH_ERROR, SeqUpdate
 from servekit.optimizations.llm.engine_process import EngineError, EngineProcess
 from servekit.optimizations.llm.generate import SamplingParams
@@ -59,6 +60,7 @@ class _Live:
     error: RequestError | None = None
     answered: bool = False  # a chunk (the response head with it) went out already
     last: float = 0.0  # when the last tokens arrived
+    counted: bool = True  # in the request metrics: all but the inference warm-up's requests
 
 
 class ContinuousFrontend:
@@ -116,9 +118,13 @@ class ContinuousFrontend:
                 answers[i] = fail_request(context, i, self.metrics, got)
             else:
                 requests[i] = got
+        warm_ups = 0
         for i, req in requests.items():
-            self.live[ids[i]] = _Live(ids[i], req, self.api.answer(req, ids[i]), t0)
-            self.metrics.emit("servekit_llm_prompt_tokens_total", "counter", req.prompt_tokens)
+            live = self.live[ids[i]] = _Live(ids[i], req, self.api.answer(req, ids[i]), t0,
+                                             counted=not is_warm_up(context, i))
+            warm_ups += not live.counted
+            if live.counted:
+                self.metrics.emit("servekit_llm_prompt_tokens_total", "counter", req.prompt_tokens)
             for k, (prompt, params) in enumerate(req.choices):
                 self.engine.submit((ids[i], k), prompt, params, req.speculate)
         keys = [(rid, k) for rid in present if rid in self.live for k in range(len(self.live[rid].req.choices))]
@@ -180,7 +186,8 @@ class ContinuousFrontend:
             self._emit_spec_counts()
             self._emit_prefix_stats()
             self._gauges_at = time.perf_counter()
-        served = len(requests) + len(answers) - models_requests(context, answers)  # models API requests not counted
+        # Neither the models API's requests nor the warm-up's chats are counted.
+        served = len(requests) + len(answers) - models_requests(context, answers) - warm_ups
         if served:  # a call that took new requests in: one batch of TorchServe's
             m.emit("servekit_batches_total", "counter", 1)
             m.emit("servekit_requests_total", "counter", served)
@@ -190,7 +197,8 @@ class ContinuousFrontend:
     def _answer(self, i: int, live: _Live, updates: dict[tuple[str, int], SeqUpdate], context: Any
                 ) -> tuple[str, bool]:
         """Request i's text since the last call and whether it is finished."""
-        answer, chunk, m = live.answer, "", self.metrics
+        answer, chunk = live.answer, ""
+        m = self.metrics if live.counted else NO_METRICS
         for k in range(len(live.req.choices)):
             u = updates.get((live.rid, k))
             if u is None:

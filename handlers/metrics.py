@@ -85,6 +85,16 @@ class HandlerMetrics:
             log.exception("could not write %d metric lines", text.count("\n"))
 
 
+class NoMetrics:
+    """Where a request's metrics go when it is not counted (the inference warm-up's chats)."""
+
+    def emit(self, name: str, kind: str, value: float, unit: str = "Count", times: int = 1, **dims: str) -> None:
+        pass
+
+
+NO_METRICS = NoMetrics()
+
+
 def emit_batch(metrics: HandlerMetrics, *, requests: int, texts: int, tokens: int, computed_tokens: int,
                batch_size: int, times: tuple[float, float, float, float], recompiles: int) -> None:
     """The per-batch metrics every encoder-style handler (embeddings, rerank/score/classify) emits.

@@ -7,10 +7,10 @@ Both find the management API at the config's `management_address` (--management 
 
 `ready` is the startup and readiness probe: TorchServe's /ping answers Healthy before any worker
 has loaded (and while every worker restarts), so readiness asks `GET /models/<name>` instead.
-With `--warm-up` (the startup probe) it then sends requests through the inference API (500, at
-most 2 s), so that users' requests do not pay for the frontend's first use of its prediction path
-nor for the JVM interpreting it (servekit.torchserve.warm_up_inference); the pod turns ready only
-after that.
+With `--warm-up` (the startup probe) it then sends requests through the inference API (500 on the
+models route, within 2 s; for an LLM within 1 s, then streamed two-token chats for the other 1 s), so that users' requests do
+not pay for the frontend's first use of its prediction path nor for the JVM interpreting it
+(servekit.torchserve.warm_up_inference); the pod turns ready only after that.
 `register` registers every model of a config's `models` line with the workers and batching written
 there, on a server whose model API is on. servekit's pods do not use it: their model API is off and
 TorchServe registers their `model_snapshot` models at start (docs/security.md).
@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=3.0, help="seconds for the HTTP call")
     r.add_argument("--warm-up", action="store_true",
                    help="once ready, send requests through the inference API (the models route, which "
-                        "servekit's handlers answer without the model; 500, at most 2 s) so that real "
-                        "requests do not pay for loading and compiling its prediction path: for the startup probe")
+                        "servekit's handlers answer without the model, 500; for an LLM half the time, then "
+                        "streamed two-token chats, not counted in servekit's metrics; at most 2 s in all) so that "
+                        "real requests do not pay for loading and compiling its prediction path: for the "
+                        "startup probe")
     r.add_argument("--inference", help=f"TorchServe inference API URL for --warm-up (default: the config's "
                                        f"inference_address, else {DEFAULT_INFERENCE})")
     g = sub.add_parser("register", help="register the models of a config.properties `models` line")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from servekit.handlers.common import WARM_UP_HEADER
 from servekit.resources import config_dir, resolve
 
 DEFAULT_CONFIG = config_dir() / "config.properties"
@@ -116,6 +117,8 @@ WARM_UP_REQUESTS_ENV = "SERVEKIT_WARM_UP_REQUESTS"  # another count (at least 1)
 # The Kubernetes startup probe runs the warm-up inside its 5 s timeout, with Python's start and the
 # readiness check: 500 requests took 0.5-0.6 s on the 2-core CPU host (each on a new connection).
 WARM_UP_BUDGET_S = 2.0
+LLM_MODELS_ROUTE_SHARE = 0.5  # of the warm-up's budget, for an LLM: the rest goes to streamed chats
+WARM_UP_CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
 
 
 def warm_up_requests() -> int:
@@ -148,20 +151,51 @@ def warm_up_inference(inference_url: str, model: str, version: str, timeout: flo
     ~7 ms in all outside the handler on an H100 host. Pings and management calls do not take that
     path. The JVM then interprets that path until it has run a few hundred times: 500 requests
     first took ~1 ms off an H100 server's 600-token TTFT outside the handler (later requests
-    9.1-9.9 against 10.8-11.3 ms; ``benchmarks/results/llm-workload-h100/frontend-jit/``)."""
-    url = inference_url.rstrip("/") + f"/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1/models"
-    deadline = time.monotonic() + budget_s
-    first = None
-    count = warm_up_requests() if requests is None else requests
+    9.1-9.9 against 10.8-11.3 ms; ``benchmarks/results/llm-workload-h100/frontend-jit/``).
+
+    An LLM (its model card has ``max_model_len``) gets models-route requests for at most
+    ``LLM_MODELS_ROUTE_SHARE`` of ``budget_s`` (on an H100 host they took ~4-6 ms each and would
+    take all of it), then streamed two-token chats (``WARM_UP_CHAT``) for the rest, marked with
+    ``WARM_UP_HEADER`` so that its handler leaves them out of the request metrics: a streamed
+    answer takes the frontend's other path (the request queued again after each chunk, the answer
+    written in HTTP chunks), which the models route never runs. On an H100 a fresh SmolLM2
+    server's first 600-token request then cost within 1 ms of later ones, against 1.6-4.0 ms more
+    without the chats (``benchmarks/results/llm-workload-h100/warm-up-chats/``)."""
+    base = inference_url.rstrip("/") + f"/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1/"
+    start = time.monotonic()
+    deadline = start + budget_s
+    first, card = None, None
+    count = max(1, warm_up_requests() if requests is None else requests)
     try:
-        for _ in range(max(1, count)):
-            status = http_json("POST", url, timeout, {"Content-Type": "application/json"}, b"{}")[0]
-            first = status if first is None else first
+        for _ in range(count):
+            status, body = http_json("POST", base + "models", timeout, {"Content-Type": "application/json"}, b"{}")
+            if first is None:
+                first, card = status, body
+                if status == 200 and _is_llm_card(card):
+                    # Half the budget is the chats': on an H100 host 500 models-route requests
+                    # (each on a new connection) took all of 2 s and left none for them.
+                    deadline = start + budget_s * LLM_MODELS_ROUTE_SHARE
             if status != 200 or time.monotonic() > deadline:
                 break
+        deadline = start + budget_s
+        if first == 200 and _is_llm_card(card):
+            chat = json.dumps(WARM_UP_CHAT).encode()
+            headers = {"Content-Type": "application/json", WARM_UP_HEADER: "1"}
+            for _ in range(count):
+                if time.monotonic() > deadline or http_json("POST", base + "chat/completions", timeout, headers,
+                                                            chat)[0] != 200:
+                    break
     except OSError:
         pass
     return first or 0
+
+
+def _is_llm_card(answer: Any) -> bool:
+    """Whether a models-route answer lists an LLM (servekit's LLM cards carry ``max_model_len``)."""
+    try:
+        return "max_model_len" in answer["data"][0]
+    except (TypeError, KeyError, IndexError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -23,19 +23,26 @@ def mock_context(model_dir: Path, model_yaml_config: dict[str, Any], batch_size:
                    model_yaml_config=model_yaml_config)
 
 
-def batch(context: Context, requests: list[tuple[str, Any]]) -> list[dict[str, Any]]:
-    """Set up `context` for a batch of (url_path, body) requests and return the handler's `data`:
-    a JSON body arrives parsed (as with Content-Type: application/json), bytes as a bytearray."""
+def _headers(request: tuple) -> dict[str, str]:
+    """A request's headers as TorchServe passes them: its url_path, and any HTTP headers given as a
+    third item of the request's tuple."""
+    path = request[0]
+    return {**({"url_path": path} if path else {}), **(request[2] if len(request) > 2 else {})}
+
+
+def batch(context: Context, requests: list[tuple]) -> list[dict[str, Any]]:
+    """Set up `context` for a batch of (url_path, body[, headers]) requests and return the handler's
+    `data`: a JSON body arrives parsed (as with Content-Type: application/json), bytes as a bytearray."""
     context.request_ids = {i: f"req-{i}" for i in range(len(requests))}
-    context.request_processor = [RequestProcessor({"url_path": path} if path else {}) for path, _ in requests]
-    return [{"body": bytearray(body) if isinstance(body, bytes) else body} for _, body in requests]
+    context.request_processor = [RequestProcessor(_headers(r)) for r in requests]
+    return [{"body": bytearray(r[1]) if isinstance(r[1], bytes) else r[1]} for r in requests]
 
 
 def status(context: Context, idx: int) -> int:
     return context.get_response_status(idx)[0]
 
 
-def serve(handle: Any, context: Context, requests: list[tuple[str, Any]], max_calls: int = 100_000
+def serve(handle: Any, context: Context, requests: list[tuple], max_calls: int = 100_000
           ) -> list[tuple[int, str, str | None]]:
     """TorchServe 0.12's continuous batching, as its frontend drives a handler: the requests are
     admitted in one call (with their bodies), then sent again without a body while the handler's
@@ -48,8 +55,7 @@ def serve(handle: Any, context: Context, requests: list[tuple[str, Any]], max_ca
         if not pending:
             return [out[i] for i in range(len(requests))]
         context.request_ids = {j: f"req-{i}" for j, i in enumerate(pending)}
-        context.request_processor = [RequestProcessor({"url_path": requests[i][0]} if requests[i][0] else {})
-                                     for i in pending]
+        context.request_processor = [RequestProcessor(_headers(requests[i])) for i in pending]
         answers = handle([data[i] for i in pending], context)
         for i in pending:
             data[i] = {}  # seen: later calls carry its headers only

@@ -162,6 +162,19 @@ def test_the_ttft_probe_opens_its_connection_first_and_times_a_new_connection_ap
     assert row["first_ttft_ms"] > 0 and row["new_connection_ttft_ms"] > 0
 
 
+def test_the_ttft_probe_sends_requests_after_an_idle_pause_and_reports_them_apart(server: _Server) -> None:
+    from servekit.benchmarks.llm_prompts import PromptGenerator
+    from servekit.benchmarks.llm_workload_bench import HttpChat, ttft_by_length
+
+    t0 = time.monotonic()
+    [row] = ttft_by_length(HttpChat(server.url), PromptGenerator(seed=0), [30], later=2, idle=0.3)
+    assert time.monotonic() - t0 >= 0.6  # a pause before each of the 2 requests after idle
+    assert len(server.bodies) == 6  # first + 2 later + 2 after a pause + 1 on a new connection
+    assert row["idle_s"] == 0.3 and row["after_idle_ttft_ms_p50"] > 0
+    [plain] = ttft_by_length(HttpChat(server.url), PromptGenerator(seed=1), [30], later=1)
+    assert plain["idle_s"] is None and plain["after_idle_ttft_ms_p50"] is None
+
+
 def test_a_sequence_times_each_request_and_groups_them_by_index(server: _Server) -> None:
     from servekit.benchmarks.llm_prompts import PromptGenerator
     from servekit.benchmarks.llm_workload_bench import HttpChat, sequence

@@ -445,3 +445,27 @@ def test_llm_engine_warm_up_runs_a_prompt_through_the_engine(llm, capsys) -> Non
     assert engine.gauges.prefix.queried_tokens - before == 2 * (engine.shape.max_seq_len // 2)
     assert engine.gauges.running == 0 and engine.gauges.waiting == 0
     assert capsys.readouterr().out == ""
+
+
+def test_llm_warm_up_chats_are_answered_and_not_counted(llm, capsys) -> None:
+    """The inference warm-up's chats (servekit.torchserve.warm_up_inference marks them with
+    X-Servekit-Warm-Up, in whatever case the client writes it) stream like any chat and leave the
+    request and token metrics alone; a chat beside them is counted."""
+    from servekit.handlers.common import WARM_UP_HEADER
+    from servekit.torchserve import WARM_UP_CHAT
+
+    service, ctx = llm
+    capsys.readouterr()
+    out = serve(service.handle, ctx, [("v1/chat/completions", dict(WARM_UP_CHAT), {WARM_UP_HEADER.lower(): "1"}),
+                                      ("v1/chat/completions", dict(WARM_UP_CHAT), {"X-servekit-warm-up": "1"})])
+    assert [o[0] for o in out] == [200, 200] and all(o[2] == "text/event-stream" for o in out)
+    assert all(o[1].rstrip().endswith("data: [DONE]") for o in out)
+    lines = capsys.readouterr().out
+    for name in ("servekit_requests_total", "servekit_llm_prompt_tokens_total", "servekit_llm_completion_tokens_total",
+                 "servekit_llm_ttft_seconds", "servekit_request_latency_seconds"):
+        assert name not in lines, name
+    serve(service.handle, ctx, [("v1/chat/completions", dict(WARM_UP_CHAT), {WARM_UP_HEADER: "1"}),
+                                ("v1/chat/completions", dict(WARM_UP_CHAT))])
+    lines = capsys.readouterr().out
+    assert "[METRICS]servekit_requests_total.Count:1|" in lines
+    assert lines.count("[METRICS]servekit_llm_ttft_seconds") == 1

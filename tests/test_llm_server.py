@@ -375,3 +375,48 @@ def test_presence_and_frequency_penalties_match_the_runner(client, reference_run
                                        presence_penalty=0.8, frequency_penalty=1.5)
     assert r.choices[0].message.content == tok.decode(tokens)
     assert r.usage.completion_tokens == len(want.tokens)
+
+
+COMPLETION = "servekit_llm_completion_tokens_total"
+
+
+def test_the_warm_up_streams_chats_to_an_llm_and_leaves_them_out_of_the_request_metrics(server: TorchServe,
+                                                                                          client) -> None:
+    """An LLM's inference warm-up (servekit.torchserve.warm_up_inference) also sends streamed two-token
+    chats, so that the frontend's streaming path runs before users' first requests; marked, they
+    are not counted as requests or tokens. A user's chat after them is."""
+    from servekit.benchmarks.llm_workload_bench import warm_up_counts
+    from servekit.torchserve import warm_up_inference
+
+    def chats() -> int:
+        return server.log_text("access_log.log").count('"POST /predictions/smollm2/1.0/v1/chat/completions HTTP/1.1"')
+
+    def models() -> int:
+        return server.log_text("access_log.log").count('"POST /predictions/smollm2/1.0/v1/models HTTP/1.1"')
+
+    assert chats() >= 1  # registration's warm-up sent one (tests/conftest.py: one request per warm-up)
+    before_chats = chats()
+    served, completed = metric_sum(server, "servekit_requests_total"), metric_sum(server, COMPLETION)
+    assert warm_up_inference(server.inference_url, "smollm2", "1.0", requests=3, budget_s=120) == 200
+    deadline = time.monotonic() + 10  # the frontend logs asynchronously
+    while chats() < before_chats + 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert chats() == before_chats + 3
+    # The workload benchmark reports the warm-up's requests the same way.
+    assert models() >= 4  # registration's one, then these 3
+    assert warm_up_counts(server, "smollm2") == {"models_requests": models(), "chats": before_chats + 3}
+    # More requests than the budget holds: the models route stops at half of it, the chats get the rest.
+    before = warm_up_counts(server, "smollm2")
+    t0 = time.monotonic()
+    assert warm_up_inference(server.inference_url, "smollm2", "1.0", requests=10**6, budget_s=1.0) == 200
+    took = time.monotonic() - t0
+    after = warm_up_counts(server, "smollm2")
+    assert after["models_requests"] > before["models_requests"] and after["chats"] > before["chats"]
+    assert took < 1.0 + 5  # the last chat started before the deadline
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    # The worker writes metric lines in order: once the user's chat shows, so would the warm-up's.
+    deadline = time.monotonic() + 15
+    while metric_sum(server, COMPLETION) < completed + r.usage.completion_tokens and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric_sum(server, COMPLETION) - completed == r.usage.completion_tokens
+    assert metric_sum(server, "servekit_requests_total") == served + 1
