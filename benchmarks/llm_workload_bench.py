@@ -562,7 +562,9 @@ class EngineSplit(Split):
 
 def _warm_up_note(res: dict[str, Any]) -> str:
     w = res.get("warm_up")
-    return f", its inference warm-up {w['models_requests']} models-route requests and {w['chats']} streamed chats" if w else ""
+    if not w:
+        return ""
+    return f", its inference warm-up {w['models_requests']} models-route requests and {w['chats']} streamed chats"
 
 
 def warm_up_counts(ts: Any, name: str, settle_s: float = 3.0) -> dict[str, int]:
@@ -573,7 +575,8 @@ def warm_up_counts(ts: Any, name: str, settle_s: float = 3.0) -> dict[str, int]:
     deadline = time.monotonic() + settle_s
     while True:
         text = ts.log_text("access_log.log")
-        counts = {"models_requests": text.count(path + "models HTTP"), "chats": text.count(path + "chat/completions HTTP")}
+        counts = {"models_requests": text.count(path + "models HTTP"),
+                  "chats": text.count(path + "chat/completions HTTP")}
         if counts == last or time.monotonic() > deadline:
             return counts
         last = counts
@@ -666,7 +669,8 @@ def markdown(res: dict[str, Any]) -> str:
          f"Command: `{env['command']}`.", "",
          f"Plan: precision {res['plan'].get('precision')}, compile {res['plan'].get('compile')}, kernels "
          f"{res['plan'].get('kernels', 'torch')}, batchSize {res['config'].get('batchSize')}, maxBatchDelay "
-         f"{res['config'].get('maxBatchDelay')} ms. Worker READY after {res.get('ready_s')} s{_warm_up_note(res)}. Prompts: seed "
+         f"{res['config'].get('maxBatchDelay')} ms. Worker READY after {res.get('ready_s')} s"
+         f"{_warm_up_note(res)}. Prompts: seed "
          f"{res['prompts']['seed']}, corpus {res['prompts']['corpus']} (stdlib docstrings of Python {env.get('python')}), "
          "every request a different text. Streamed greedy chat completions; TTFT from the send (Poisson: from the "
          "scheduled send); TPOT = (last token - first token) / (tokens - 1). "
