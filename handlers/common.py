@@ -246,8 +246,7 @@ def is_warm_up(context: Any, idx: int) -> bool:
     except (KeyError, IndexError, AttributeError):
         return False
     wanted = WARM_UP_HEADER.lower()
-    return any((k.decode("utf-8", "replace") if isinstance(k, (bytes, bytearray)) else str(k)).lower() == wanted
-               for k in headers)
+    return any(_text(k).lower() == wanted for k in headers)
 
 
 def models_requests(context: Any, answered: Iterable[int]) -> int:
@@ -406,9 +405,12 @@ def url_path(context: Any, idx: int) -> str:
         value = context.get_request_header(idx, "url_path")
     except (KeyError, IndexError, AttributeError):
         value = None
-    if isinstance(value, (bytes, bytearray)):
-        value = bytes(value).decode("utf-8", "replace")
-    return (value or "").strip("/")
+    return _text(value or "").strip("/")
+
+
+def _text(value: Any) -> str:
+    """A header name or value as TorchServe hands it over (bytes from the frontend, str in tests)."""
+    return bytes(value).decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
 def freeze_heap() -> int:

@@ -163,27 +163,23 @@ def warm_up_inference(inference_url: str, model: str, version: str, timeout: flo
     without the chats (``benchmarks/results/llm-workload-h100/warm-up-chats/``)."""
     base = inference_url.rstrip("/") + f"/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1/"
     start = time.monotonic()
-    deadline = start + budget_s
-    first, card = None, None
+    first, llm, models_deadline = None, False, start + budget_s
     count = max(1, warm_up_requests() if requests is None else requests)
     try:
         for _ in range(count):
             status, body = http_json("POST", base + "models", timeout, {"Content-Type": "application/json"}, b"{}")
             if first is None:
-                first, card = status, body
-                if status == 200 and _is_llm_card(card):
-                    # Half the budget is the chats': on an H100 host 500 models-route requests
-                    # (each on a new connection) took all of 2 s and left none for them.
-                    deadline = start + budget_s * LLM_MODELS_ROUTE_SHARE
-            if status != 200 or time.monotonic() > deadline:
+                first, llm = status, status == 200 and _is_llm_card(body)
+                if llm:  # on an H100 host 500 models-route requests (each on a new connection) took all of 2 s
+                    models_deadline = start + budget_s * LLM_MODELS_ROUTE_SHARE
+            if status != 200 or time.monotonic() > models_deadline:
                 break
-        deadline = start + budget_s
-        if first == 200 and _is_llm_card(card):
+        if llm:
             chat = json.dumps(WARM_UP_CHAT).encode()
             headers = {"Content-Type": "application/json", WARM_UP_HEADER: "1"}
             for _ in range(count):
-                if time.monotonic() > deadline or http_json("POST", base + "chat/completions", timeout, headers,
-                                                            chat)[0] != 200:
+                if time.monotonic() > start + budget_s or http_json("POST", base + "chat/completions", timeout,
+                                                                    headers, chat)[0] != 200:
                     break
     except OSError:
         pass
