@@ -500,3 +500,56 @@ def test_a_slow_compile_is_an_error_not_a_stall(tokenizer, stops) -> None:
         time.sleep(0.05)
     assert len(impatient) == 1
     impatient.compile(GrammarSpec.of(JSON, schema))
+
+
+def test_servekit_slices_extend_llguidances_and_leave_the_masks_as_they_were(compiler, tokenizer) -> None:
+    """The compiler's tokenizer carries MASK_SLICES (llguidance's default slices and more steps of
+    string lengths); along a walk of every schema, its masks equal those with the default slices
+    alone: slices change what a mask costs, never what it allows."""
+    import llguidance
+    import numpy as np
+
+    from servekit.optimizations.llm.grammar import MASK_SLICES, fill_masks
+
+    assert set(llguidance.LLTokenizer.general_slices()) < set(MASK_SLICES)
+    default = compiler.tokenizer.with_slices(llguidance.LLTokenizer.general_slices())
+    words = (VOCAB + 31) // 32
+    walked = 0
+    for schema in [*SCHEMAS, {"type": "object", "properties": {"s": {"type": "string", "maxLength": 40}},
+                              "required": ["s"], "additionalProperties": False}]:
+        grammar = GrammarSpec.of(JSON, schema).grammar()
+        ours, theirs = llguidance.LLMatcher(compiler.tokenizer, grammar), llguidance.LLMatcher(default, grammar)
+        for step in range(60):
+            a, b = torch.zeros(1, words, dtype=torch.int32), torch.zeros(1, words, dtype=torch.int32)
+            fill_masks([(ours, 0)], a, None)
+            fill_masks([(theirs, 0)], b, None)
+            assert torch.equal(a, b), (schema, step)
+            allowed = np.flatnonzero(np.unpackbits(a[0].numpy().view(np.uint8), bitorder="little")[:VOCAB])
+            t = int(allowed[(step * 7919) % len(allowed)])  # a different allowed token each step
+            assert ours.consume_token(t) and theirs.consume_token(t)
+            walked += 1
+            if ours.is_stopped():
+                break
+    assert walked > 200
+
+
+def test_the_mask_cost_replay_times_every_mask_and_step(compiler, tokenizer) -> None:
+    """benchmarks/grammar_mask_costs.py's replay: over answers of two schemas, one time per mask,
+    lockstep steps of the rows asked for, and a compile time per schema of the benchmark."""
+    from servekit.benchmarks.grammar_mask_costs import replay
+    from servekit.benchmarks.structured_bench import SCHEMAS as BENCH
+
+    answers = []
+    for i in (0, 1):
+        m = compiler.constraint(GrammarSpec.of(JSON, BENCH[i][2])).start().matcher
+        tokens = []
+        while not m.is_stopped() and len(tokens) < 40:
+            ff = m.compute_ff_tokens() or [tokenizer.encode('"')[0]]
+            if not m.consume_tokens(ff[:1]):
+                break
+            tokens += ff[:1]
+        answers.append({"schema": i, "temperature": 0.0, "tokens": tokens})
+    r = replay(compiler.tokenizer, answers, rows=2, threads=2)
+    assert r["masks"] == sum(len(a["tokens"]) for a in answers) and r["steps"] == r["masks"] // 2
+    assert 0 < r["mask_us"]["p50"] <= r["mask_us"]["max"] and r["step_of_2_rows_us"]["mean"] > 0
+    assert 0 < r["compile_ms"]["median"] <= r["compile_ms"]["max"]

@@ -1,0 +1,169 @@
+"""What llguidance's mask costs along a model's own constrained answers, with llguidance's default
+slices and with servekit's (``grammar.MASK_SLICES``).
+
+The answers: each schema of the structured benchmark (benchmarks/structured_bench.py) with its
+prompts, decoded under the mask by the model itself (greedy and sampled), as the server builds the
+grammar. Each answer is then replayed under each slice set, timing every mask on one thread (what
+a row's mask costs), and ``--rows`` answers at a time in lockstep on llguidance's pool (what a
+decode step of that many grammar rows waits for: its slowest row). Also each schema's compile time.
+
+    python -m servekit.benchmarks.grammar_mask_costs ~/.cache/servekit/smollm2-135m-instruct-float32 \\
+        --out /tmp/mask-costs.json
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from servekit.benchmarks.grammar_refusals import allowed_tokens
+from servekit.benchmarks.structured_bench import PROMPTS, SCHEMAS
+from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.llm.grammar import JSON, MASK_SLICES, GrammarSpec, llg_tokenizer
+
+SLICE_SETS = {"llguidance's default": llguidance.LLTokenizer.general_slices(), "servekit's": MASK_SLICES}
+
+
+def grammar_of(schema: dict) -> str:
+    """The grammar the server builds for ``schema``."""
+    return GrammarSpec.of(JSON, schema).grammar()
+
+
+def record(model_dir: Path, tokenizer: llguidance.LLTokenizer, prompts: int, temperatures: list[float],
+           max_tokens: int, seed: int) -> list[dict[str, Any]]:
+    """The model's constrained answers: one per schema, prompt and temperature, as token ids."""
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    # transformers renamed past_key_values to cache (5.2x); the GPU machine's 5.17 has the old name.
+    kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for temperature in temperatures:
+        for p in range(prompts):
+            for i, (name, topic, schema) in enumerate(SCHEMAS):
+                matcher = llguidance.LLMatcher(tokenizer, grammar_of(schema))
+                ids = hf.apply_chat_template([{"role": "user", "content": PROMPTS[(i + p) % len(PROMPTS)].format(topic=topic)}],
+                                             add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+                past, tokens = None, []
+                for _ in range(max_tokens):
+                    with torch.no_grad():
+                        o = model(input_ids=ids, use_cache=True, **{kv: past})
+                    past, logits = getattr(o, kv), o.logits[0, -1].float()
+                    if temperature > 0:
+                        u = torch.rand(logits.shape, generator=gen).clamp_(1e-10, 1.0)
+                        logits = logits / temperature - torch.log(-torch.log(u))
+                    token = int(logits.masked_fill(~allowed_tokens(matcher, vocab), float("-inf")).argmax())
+                    tokens.append(token)
+                    if not matcher.consume_token(token) or matcher.is_stopped():
+                        break
+                    ids = torch.tensor([[token]])
+                out.append({"schema": i, "temperature": temperature, "tokens": tokens})
+                print(f"  {name} (prompt {p}, temperature {temperature}): {len(tokens)} tokens", flush=True)
+    return out
+
+
+def _stats_us(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {"mean": round(1e6 * statistics.mean(v), 1), "p50": round(1e6 * v[len(v) // 2], 1),
+            "p90": round(1e6 * v[int(0.9 * len(v))], 1), "p99": round(1e6 * v[int(0.99 * len(v))], 1),
+            "max": round(1e6 * v[-1], 1)}
+
+
+def replay(tokenizer: llguidance.LLTokenizer, answers: list[dict[str, Any]], rows: int, threads: int) -> dict[str, Any]:
+    """Per-mask times on one thread, per-step times of ``rows`` rows in lockstep on ``threads``, compile times."""
+    words = (tokenizer.vocab_size + 31) // 32
+    compiles, compiled = [], {}
+    for i, (_, _, schema) in enumerate(SCHEMAS):
+        grammar = grammar_of(schema)
+        t0 = time.perf_counter()
+        compiled[i] = llguidance.LLMatcher(tokenizer, grammar)
+        compiles.append(time.perf_counter() - t0)
+    one = torch.empty(1, words, dtype=torch.int32)
+    per_mask = []
+    for a in answers:
+        m = compiled[a["schema"]].deep_copy()
+        for t in a["tokens"]:
+            t0 = time.perf_counter()
+            m.unsafe_compute_mask_ptr(one.data_ptr(), words * 4)
+            per_mask.append(time.perf_counter() - t0)
+            assert m.consume_token(t), "an answer the grammar does not take"
+    # Lockstep: each of `rows` rows walks answers one after another; a step fills every row's mask.
+    executor = llguidance.LLExecutor(threads)
+    block = torch.empty(rows, words, dtype=torch.int32)
+    nxt, lanes = 0, []
+    for _ in range(rows):
+        lanes.append([compiled[answers[nxt % len(answers)]["schema"]].deep_copy(), answers[nxt % len(answers)]["tokens"], 0])
+        nxt += 1
+    per_step = []
+    for _ in range(sum(len(a["tokens"]) for a in answers) // rows):
+        t0 = time.perf_counter()
+        executor.unsafe_compute_mask_ptr([(lane[0], k) for k, lane in enumerate(lanes)], block.data_ptr(), words * 4, rows)
+        per_step.append(time.perf_counter() - t0)
+        for k, lane in enumerate(lanes):
+            assert lane[0].consume_token(lane[1][lane[2]])
+            lane[2] += 1
+            if lane[2] == len(lane[1]):
+                a = answers[nxt % len(answers)]
+                lanes[k], nxt = [compiled[a["schema"]].deep_copy(), a["tokens"], 0], nxt + 1
+    return {"masks": len(per_mask), "mask_us": _stats_us(per_mask), "steps": len(per_step),
+            f"step_of_{rows}_rows_us": _stats_us(per_step),
+            "compile_ms": {"median": round(1e3 * statistics.median(compiles), 2), "max": round(1e3 * max(compiles), 2)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model_dir", type=Path, help="a Hugging Face model folder (SmolLM2: servekit's bundled one)")
+    p.add_argument("--prompts", type=int, default=1, help=f"prompts per schema (at most {len(PROMPTS)})")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    p.add_argument("--max-tokens", type=int, default=150)
+    p.add_argument("--rows", type=int, default=32, help="grammar rows per decode step in the lockstep replay")
+    p.add_argument("--threads", type=int, default=max(2, min(8, (os.cpu_count() or 2) // 2)),
+                   help="llguidance's pool for the lockstep replay (the engine's: half the cores, at most 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="also write the figures here as JSON")
+    args = p.parse_args(argv)
+    if not (args.model_dir / "config.json").is_file():
+        p.error(f"{args.model_dir} is not a model folder (no config.json)")
+    if not 1 <= args.prompts <= len(PROMPTS):
+        p.error(f"--prompts must be between 1 and {len(PROMPTS)}")
+    # llguidance's view of the vocabulary as the server builds it (its own reading of tokenizer.json
+    # where that agrees with servekit's byte table), then with each slice set.
+    chat = ChatTokenizer(args.model_dir)
+    vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+    stops = [chat.eos_token_id] + [i for i in [chat.token_id("<|endoftext|>")] if i is not None]
+    served, why = llg_tokenizer(chat, vocab, stops)
+    print(f"llguidance's tokenizer: {'its own reading of tokenizer.json' if why is None else why}", flush=True)
+    tokenizers = {}
+    for name, slices in SLICE_SETS.items():
+        t0 = time.perf_counter()
+        tokenizers[name] = served.with_slices(slices)
+        print(f"{name} slices: set up in {time.perf_counter() - t0:.2f} s", flush=True)
+    print("recording the model's answers", flush=True)
+    answers = record(args.model_dir, tokenizers["servekit's"], args.prompts, args.temperatures, args.max_tokens,
+                     args.seed)
+    res: dict[str, Any] = {"model_dir": str(args.model_dir), "answers": len(answers), "rows": args.rows,
+                           "threads": args.threads, "cpu_count": os.cpu_count(), "llguidance": llguidance.__version__,
+                           "slice_sets": {}}
+    for name, tokenizer in tokenizers.items():
+        r = replay(tokenizer, answers, args.rows, args.threads)
+        res["slice_sets"][name] = r
+        print(f"{name} slices: {r['masks']} masks, us per mask {r['mask_us']}; {r['steps']} steps of {args.rows} rows "
+              f"on {args.threads} threads, us per step {r[f'step_of_{args.rows}_rows_us']}; compile ms {r['compile_ms']}",
+              flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
