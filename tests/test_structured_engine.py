@@ -532,24 +532,3 @@ def test_servekit_slices_extend_llguidances_and_leave_the_masks_as_they_were(com
                 break
     assert walked > 200
 
-
-def test_the_mask_cost_replay_times_every_mask_and_step(compiler, tokenizer) -> None:
-    """benchmarks/grammar_mask_costs.py's replay: over answers of two schemas, one time per mask,
-    lockstep steps of the rows asked for, and a compile time per schema of the benchmark."""
-    from servekit.benchmarks.grammar_mask_costs import replay
-    from servekit.benchmarks.structured_bench import SCHEMAS as BENCH
-
-    answers = []
-    for i in (0, 1):
-        m = compiler.constraint(GrammarSpec.of(JSON, BENCH[i][2])).start().matcher
-        tokens = []
-        while not m.is_stopped() and len(tokens) < 40:
-            ff = m.compute_ff_tokens() or [tokenizer.encode('"')[0]]
-            if not m.consume_tokens(ff[:1]):
-                break
-            tokens += ff[:1]
-        answers.append({"schema": i, "temperature": 0.0, "tokens": tokens})
-    r = replay(compiler.tokenizer, answers, rows=2, threads=2)
-    assert r["masks"] == sum(len(a["tokens"]) for a in answers) and r["steps"] == r["masks"] // 2
-    assert 0 < r["mask_us"]["p50"] <= r["mask_us"]["max"] and r["step_of_2_rows_us"]["mean"] > 0
-    assert 0 < r["compile_ms"]["median"] <= r["compile_ms"]["max"]

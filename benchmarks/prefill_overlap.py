@@ -1,0 +1,89 @@
+"""How much of a packed prefill forward hides behind a decode step when the two run on two CUDA
+streams: the engine's captured decode step (batch 1 and 32) and its captured packed prefill
+(prompts of several lengths, into the cache's spare row), each alone, one after the other and on
+two streams, in ms per iteration.
+
+    python3 -m servekit.benchmarks.prefill_overlap                      # GPU, shipped smollm2.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from servekit.optimizations.buckets import pick_bucket
+from servekit.optimizations.device import DTYPES
+from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.packed import Chunk
+from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan
+from servekit.optimizations.llm.sampling import GREEDY
+from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+from servekit.resources import model_config
+
+
+def ms_per_call(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, default=model_config("smollm2"), help="LLM model-config (SmolLM2's weights)")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[16, 48, 120, 400])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="decode batch buckets")
+    p.add_argument("--position", type=int, default=300, help="the decode rows' position (their kv bucket)")
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--out", type=Path, help="also write the figures here as JSON")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device: the comparison is of two CUDA streams")
+    plan = parse_llm_plan(yaml.safe_load(args.config.read_text())["servekit"])
+    runner, plan, _ = load_llm_runner(str(smollm2_archive_files(DTYPES[plan.precision])[0].parent), plan)
+    engine = ContinuousBatcher(runner, min(32, runner.max_batch))
+    engine.warmup()
+    kv = pick_bucket(args.position + 1, runner.kv_buckets)
+    main_stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    rows = []
+    for tokens in args.prompt_tokens:
+        chunks = [Chunk([runner.pad_id] * tokens, 0, runner.model.spare_row, True)]
+        for b in args.batches:
+            runner.states[b].input_pos.fill_(args.position)
+            decode = runner.steps[(b, GREEDY, kv)]
+
+            def both() -> None:
+                decode.run()
+                engine.packed.run(chunks)
+
+            def two_streams() -> None:
+                side.wait_stream(main_stream)
+                decode.run()
+                with torch.cuda.stream(side):
+                    engine.packed.run(chunks)
+                main_stream.wait_stream(side)
+
+            row = {"prompt_tokens": tokens, "batch": b, "decode_ms": ms_per_call(decode.run, args.iters),
+                   "prefill_ms": ms_per_call(lambda: engine.packed.run(chunks), args.iters),
+                   "one_after_the_other_ms": ms_per_call(both, args.iters),
+                   "two_streams_ms": ms_per_call(two_streams, args.iters)}
+            rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+            print(f"prompt {tokens} tokens, decode batch {b}: decode {row['decode_ms']:.3f} ms, prefill "
+                  f"{row['prefill_ms']:.3f}, one after the other {row['one_after_the_other_ms']:.3f}, "
+                  f"on two streams {row['two_streams_ms']:.3f}", flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"plan": plan.label(), "kv_bucket": kv, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
