@@ -29,6 +29,7 @@ from servekit.benchmarks.grammar_refusals import allowed_tokens
 from servekit.benchmarks.structured_bench import PROMPTS, SCHEMAS
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.grammar import JSON, MASK_SLICES, GrammarSpec, llg_tokenizer
+from servekit.optimizations.llm.plan import stop_token_ids
 
 SLICE_SETS = {"llguidance's default": llguidance.LLTokenizer.general_slices(), "servekit's": MASK_SLICES}
 
@@ -140,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     # where that agrees with servekit's byte table), then with each slice set.
     chat = ChatTokenizer(args.model_dir)
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
-    stops = [chat.eos_token_id] + [i for i in [chat.token_id("<|endoftext|>")] if i is not None]
-    served, why = llg_tokenizer(chat, vocab, stops)
+    served, why = llg_tokenizer(chat, vocab, stop_token_ids(args.model_dir, chat))
     print(f"llguidance's tokenizer: {'its own reading of tokenizer.json' if why is None else why}", flush=True)
     tokenizers = {}
     for name, slices in SLICE_SETS.items():
