@@ -180,6 +180,11 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 2)
 
 
+def _p50(xs: list[float]) -> float | None:
+    """The median of ``xs`` to two decimals; None when there is none."""
+    return round(float(np.median(xs)), 2) if xs else None
+
+
 def request_windows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``sequence``'s requests in windows of request index (1, 2-10, 11-50, 51-100, then doubling):
     p50 of client TTFT, of the handler's TTFT and of their difference, over the requests that have
@@ -196,13 +201,9 @@ def request_windows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ttft = [r["ttft_ms"] for r in part if r["ttft_ms"] is not None]
         both = [(r["ttft_ms"], r["handler_ttft_ms"]) for r in part
                 if r["ttft_ms"] is not None and r.get("handler_ttft_ms") is not None]
-
-        def p50(xs: list[float]) -> float | None:
-            return round(float(np.median(xs)), 2) if xs else None
-
-        out.append({"from": lo + 1, "to": lo + len(part), "answered": len(ttft), "ttft_ms_p50": p50(ttft),
-                    "handler_ttft_ms_p50": p50([h for _, h in both]),
-                    "outside_ms_p50": p50([t - h for t, h in both])})
+        out.append({"from": lo + 1, "to": lo + len(part), "answered": len(ttft), "ttft_ms_p50": _p50(ttft),
+                    "handler_ttft_ms_p50": _p50([h for _, h in both]),
+                    "outside_ms_p50": _p50([t - h for t, h in both])})
         lo = hi
     return out
 
@@ -256,10 +257,10 @@ def ttft_by_length(chat: Chat, gen: PromptGenerator, lengths: list[int], later: 
         fresh = chat.fresh(list(gen.of_tokens(n, 8).messages), 8) if isinstance(chat, HttpChat) else None
         rows.append({"tokens": n, "prompt_tokens": first.prompt_tokens, "first_ttft_ms": _ms(first.ttft_s),
                      "first_error": first.error or None, "later": len(rest), "later_failed": len(rest) - len(ok),
-                     "later_ttft_ms_p50": round(float(np.median(ok)), 2) if ok else None,
+                     "later_ttft_ms_p50": _p50(ok),
                      "later_ttft_ms_max": round(max(ok), 2) if ok else None,
                      "idle_s": idle or None,
-                     "after_idle_ttft_ms_p50": round(float(np.median(after_idle)), 2) if after_idle else None,
+                     "after_idle_ttft_ms_p50": _p50(after_idle),
                      "new_connection_ttft_ms": _ms(fresh.ttft_s) if fresh is not None else None,
                      "first_cached_tokens": first.cached_tokens,
                      "later_cached_tokens_max": max(cached) if cached else None,
@@ -312,7 +313,7 @@ def followup(chat: Chat, gen: PromptGenerator, n: int, tokens: int) -> dict[str,
         ok = [t.ttft_s * 1e3 for t in ts if t.ttft_s is not None]
         return {"requests": len(ts), "failed": len(ts) - len(ok), "prompt_tokens": [t.prompt_tokens for t in ts],
                 "cached_tokens": [t.cached_tokens for t in ts],
-                "ttft_ms_p50": round(float(np.median(ok)), 2) if ok else None,
+                "ttft_ms_p50": _p50(ok),
                 "ttft_ms_max": round(max(ok), 2) if ok else None}
 
     return {"conversation_tokens": tokens, "followup": row(hits), "cold": row(cold)}
