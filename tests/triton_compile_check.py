@@ -1,10 +1,11 @@
 """Compile every fused decode kernel (every autotune candidate) for an H100 (sm_90) without a GPU:
 Triton's front end, LLVM and ptxas, which the interpreter never runs. Catches type errors and
-unsupported constructs before the code reaches a GPU. Run by test_triton_decode.py in a
-subprocess (the interpreter, once on, is on for the whole process):
+unsupported constructs before the code reaches a GPU. Run by test_triton_decode.py and
+test_triton_sample.py in a subprocess (the interpreter, once on, is on for the whole process):
 
-    python tests/triton_compile_check.py          # bf16, each kernel's first candidate (~15 s)
-    python tests/triton_compile_check.py --all    # bf16 and fp32, every candidate (~90 s)
+    python tests/triton_compile_check.py            # bf16, each kernel's first candidate (~15 s)
+    python tests/triton_compile_check.py --all      # bf16 and fp32, every candidate (~90 s)
+    python tests/triton_compile_check.py --sampling # the sampling kernels (triton_sample.py) only
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from servekit.optimizations.kernels import triton_decode as td  # noqa: E402
+from servekit.optimizations.kernels import triton_sample as tsample  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"*bf16": torch.bfloat16, "*fp32": torch.float32}
@@ -54,7 +56,24 @@ def compile_all(kernel, types: dict[str, str], constants: dict[str, object], k: 
     return len(configs)
 
 
+def compile_sampling() -> int:
+    """The sampling kernels in every variant: greedy or sampled, with grammar masks or without."""
+    types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "packed_ptr": "*i32", "temp_ptr": "*fp32",
+             "seed_ptr": "*i64", "pos_ptr": "*i64", "val_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64",
+             **{name: "i32" for name in ("V", "chunk", "n_chunks", "stride_l", "stride_bb", "stride_bv", "stride_p",
+                                         "stride_pos")}}
+    n = 0
+    for sampled in (False, True):
+        for masked in (False, True):
+            n += compile_all(tsample._chunk_kernel, types, dict(SAMPLED=sampled, MASKED=masked, BLOCK=tsample.BLOCK))
+            n += compile_all(tsample._pick_kernel, types, dict(SAMPLED=sampled, MASKED=masked, CHUNKS_P=8))
+    return n
+
+
 def main() -> int:
+    if "--sampling" in sys.argv:
+        print(f"compiled {compile_sampling()} sampling kernels for sm_90")
+        return 0
     n = 0
     for dt in ("bf16", "fp32") if ALL else ("bf16",):
         p = f"*{dt}"

@@ -152,12 +152,14 @@ def decode_one_token(model: Transformer, tokens: Tensor, input_pos: Tensor, para
 
 
 def sample_mode(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str,
-                counts: Tensor | None = None) -> Tensor:
+                counts: Tensor | None = None, packed: Tensor | None = None) -> Tensor:
     """A decode step's output from its rows' last logits: ``sample_full``'s rows (penalised by
-    ``counts``) in FULL mode, else the sampled ids."""
+    ``counts``) in FULL mode, else the sampled ids; ``packed``: the rows' grammar masks."""
     if mode == FULL:
+        if packed is not None:
+            params = params._replace(bias=masked_bias(params.bias, packed, logits))
         return sample_full(logits, params, position, counts)
-    return sample(logits, params, position, mode)
+    return sample(logits, params, position, mode, packed)
 
 
 def token_ids(out: Tensor, mode: str) -> Tensor:
@@ -320,8 +322,7 @@ class SampleStep(GraphedStep):
     @torch.no_grad()
     def _body(self) -> Tensor:
         st = self.state
-        params = st.params._replace(bias=masked_bias(st.params.bias, st.packed, st.logits))
-        out = sample_mode(st.logits, params, st.input_pos[:, -1], self.mode, st.counts)
+        out = sample_mode(st.logits, st.params, st.input_pos[:, -1], self.mode, st.counts, st.packed)
         advance(st, out, self.mode, self.max_seq_len)
         return out
 

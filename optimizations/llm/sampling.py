@@ -174,12 +174,28 @@ def sampling_mode(temperature: list[float], top_k: list[int], top_p: list[float]
 _GUMBEL_MAX = 20.0  # above any finite draw of the noise (at most ~16.6)
 
 
-def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str = FILTER) -> Tensor:
+def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str = FILTER,
+           packed: Tensor | None = None) -> Tensor:
     """Next token ids ``(B,)`` from fp32 logits ``(B, V)``; ``position`` ``(B,)`` keys the noise.
 
     ``mode`` must cover every row (``sampling_mode``); rows with temperature 0 are greedy in any mode.
-    The rows' ``bias`` is added first (a (B, 1) zero bias changes nothing).
+    The rows' ``bias`` is added first (a (B, 1) zero bias changes nothing), with ``-inf`` where
+    their ``packed`` grammar masks forbid a token (``masked_bias``). On CUDA, GREEDY and SAMPLE
+    run as one fused Triton pass (``kernels/triton_sample.py``: the same tokens, ~30 kernels
+    fewer); FILTER's sort and every CPU step run ``sample_torch``.
     """
+    if mode in (GREEDY, SAMPLE) and logits.is_cuda and not torch.compiler.is_compiling():
+        from servekit.optimizations.kernels.triton_sample import sample_rows  # imports triton: CUDA only
+
+        return sample_rows(logits, params.bias, params.temperature, params.seed, position, mode == SAMPLE, packed)
+    return sample_torch(logits, params, position, mode, packed)
+
+
+def sample_torch(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str = FILTER,
+                 packed: Tensor | None = None) -> Tensor:
+    """``sample`` as torch ops (any device, and inside a compiled region, where inductor fuses them)."""
+    if packed is not None:
+        params = params._replace(bias=masked_bias(params.bias, packed, logits))
     logits = logits + params.bias
     greedy = logits.argmax(dim=-1)
     if mode == GREEDY:
