@@ -90,3 +90,29 @@ def test_captured_in_a_cuda_graph() -> None:
         graph.replay()
         assert torch.equal(out, sample_torch(logits, p, pos, mode, packed)), mode
         pos.sub_(1)
+
+
+def _compiled(kernel) -> int:
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def test_other_batches_compile_nothing_new() -> None:
+    """Warm-up compiles each variant once; a first token sampled for another number of prompts (other
+    sizes, chunk counts, strides) must not compile at request time."""
+    from servekit.optimizations.kernels import triton_sample as ts
+
+    for b in (1, 32):
+        for masked in (False, True):
+            logits, p, pos, packed = _batch(b, 49152, 0, masked)
+            for mode in (GREEDY, SAMPLE):
+                sample(logits, p, pos, mode, packed)
+    before = _compiled(ts._chunk_kernel), _compiled(ts._pick_kernel)
+    assert min(before) >= 4  # greedy or sampled, masked or not: the count is real
+    for b in (2, 3, 5, 12, 17, 31, 64):
+        for masked in (False, True):
+            logits, p, pos, packed = _batch(b, 49152, b, masked)
+            for mode in (GREEDY, SAMPLE):
+                sample(logits, p, pos, mode, packed)
+    p1 = SamplingTensors.build([0.7] * 3, [0] * 3, [1.0] * 3, [1, 2, 3], DEV)  # a (B, 1) bias
+    sample(torch.randn(3, 2, 49152, device=DEV)[:, 0], p1, torch.arange(6, device=DEV).view(3, 2)[:, 0], SAMPLE)
+    assert (_compiled(ts._chunk_kernel), _compiled(ts._pick_kernel)) == before

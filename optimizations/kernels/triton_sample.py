@@ -4,7 +4,7 @@ GREEDY and SAMPLE modes, with the rows' bias and packed grammar masks).
 As torch ops inside the captured step, sampling a batch-32 row block of SmolLM2's 49,152 logits
 took ~30 kernels over ``(B, V)`` int64 and float tensors: the noise's hash (``_fmix32`` in 16-bit
 halves), the Gumbel transform, the bias add, the argmaxes; a grammar row's mask added the unpacking
-and the dead-row rule. On an H100 that was 290 µs of a 1.17 ms batch-32 step at temperature > 0,
+and the dead-row rule. On an H100 that was 300 µs of a 1.17 ms batch-32 step at temperature > 0,
 and 94 µs for a split step's masked greedy sampling. Here each program reads a chunk of one row's
 logits, bias and mask words once and keeps running maxima; a second, tiny kernel picks each row's
 token from its chunks.
@@ -42,7 +42,8 @@ _MIN_TEMPERATURE = tl.constexpr(1e-5)
 
 BLOCK = 2048  # tokens a program handles per loop iteration
 _PROGRAMS = 264  # ~2 per SM of an H100: rows x chunks aim at this many programs
-# Per (row, chunk): greedy and sampled maxima over the live bias, then over the dead row's bias.
+# Per (row, chunk): greedy and sampled maxima over the live bias, then over the dead row's bias
+# (the kernels' stride of 4 in val_ptr / idx_ptr).
 _SLOTS = 4
 
 
@@ -72,7 +73,10 @@ def _better(x, s0, best_v, best_i):
     return tl.where(take, m, best_v), tl.where(take, s0 + tl.argmax(x, axis=0, tie_break_left=True), best_i)
 
 
-@triton.jit
+# Sizes and strides vary with the batch (first tokens are sampled for however many prompts end in a
+# step): not specialized on, so the variants warm-up compiles serve every request.
+@triton.jit(do_not_specialize=["V", "chunk", "n_chunks", "stride_l", "stride_bb", "stride_bv", "stride_p",
+                               "stride_pos"])
 def _chunk_kernel(logits_ptr, bias_ptr, packed_ptr, temp_ptr, seed_ptr, pos_ptr, val_ptr, idx_ptr,
                   V, chunk, n_chunks, stride_l, stride_bb, stride_bv, stride_p, stride_pos,
                   SAMPLED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
@@ -142,7 +146,7 @@ def _pick(val_ptr, idx_ptr, base, c, in_range, slot: tl.constexpr):
     return tl.max(v, axis=0), tl.sum(tl.where(c == j, i, 0), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])
 def _pick_kernel(val_ptr, idx_ptr, temp_ptr, out_ptr, n_chunks,
                  SAMPLED: tl.constexpr, MASKED: tl.constexpr, CHUNKS_P: tl.constexpr):
     row = tl.program_id(0)
@@ -189,6 +193,7 @@ def sample_rows(logits: Tensor, bias: Tensor, temperature: Tensor, seed: Tensor,
         vocab, chunk, n_chunks, logits.stride(0), bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0,
         packed.stride(0) if masked else 0, position.stride(0),
         SAMPLED=sampled, MASKED=masked, BLOCK=BLOCK, num_warps=8)
+    # CHUNKS_P from the vocabulary alone (the most chunks a row can have), not from this batch.
     _pick_kernel[(b,)](vals, idxs, temperature, out, n_chunks, SAMPLED=sampled, MASKED=masked,
-                       CHUNKS_P=max(2, triton.next_power_of_2(n_chunks)), num_warps=1)
+                       CHUNKS_P=max(2, triton.next_power_of_2(per_row)), num_warps=1)
     return out

@@ -184,11 +184,21 @@ def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str 
     run as one fused Triton pass (``kernels/triton_sample.py``: the same tokens, ~30 kernels
     fewer); FILTER's sort and every CPU step run ``sample_torch``.
     """
-    if mode in (GREEDY, SAMPLE) and logits.is_cuda and not torch.compiler.is_compiling():
-        from servekit.optimizations.kernels.triton_sample import sample_rows  # imports triton: CUDA only
-
-        return sample_rows(logits, params.bias, params.temperature, params.seed, position, mode == SAMPLE, packed)
+    fused = _fused_sampler() if mode in (GREEDY, SAMPLE) and logits.is_cuda else None
+    if fused is not None and not torch.compiler.is_compiling():
+        return fused(logits, params.bias, params.temperature, params.seed, position, mode == SAMPLE, packed)
     return sample_torch(logits, params, position, mode, packed)
+
+
+@functools.cache
+def _fused_sampler():
+    """``triton_sample.sample_rows``, imported on the first CUDA step (it imports triton, which CUDA
+    builds of torch bring); None where Triton is missing: the torch ops then run."""
+    try:
+        from servekit.optimizations.kernels.triton_sample import sample_rows
+    except ImportError:
+        return None
+    return sample_rows
 
 
 def sample_torch(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str = FILTER,
