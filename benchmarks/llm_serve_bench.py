@@ -113,13 +113,17 @@ def post_events(url: str, body: dict[str, Any], timeout: float = 600.0, t0: floa
 
 
 def stream_chat(url: str, prompt: str | list[dict[str, str]], max_tokens: int, timeout: float = 600.0,
-                t0: float | None = None, conn: http.client.HTTPConnection | None = None) -> Timing:
-    """POST one streamed greedy chat completion and time its chunks (``post_events``). `prompt`:
+                t0: float | None = None, conn: http.client.HTTPConnection | None = None,
+                temperature: float = 0.0) -> Timing:
+    """POST one streamed chat completion (greedy, or sampled at ``temperature`` with seed 0: the
+    same answer to the same prompt on every run) and time its chunks (``post_events``). `prompt`:
     the user's text, or the whole list of messages; `t0`: the perf_counter time to time from (an
     open-loop request's scheduled send), else the send."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}}
+    if temperature > 0:
+        body["seed"] = 0
     status, lines, error = post_events(url, body, timeout, t0, conn)
     if status != 200:
         return Timing(status, None, None, 0, 0, 0, "", error)
@@ -168,8 +172,8 @@ class Session:
     """A client's kept-alive connection per thread (as an SDK's HTTP session keeps one): a closed
     loop's client sends its requests one after another on it, without a new TCP connection each."""
 
-    def __init__(self, url: str) -> None:
-        self.url, self._local = url, threading.local()
+    def __init__(self, url: str, temperature: float = 0.0) -> None:
+        self.url, self._local, self.temperature = url, threading.local(), temperature
 
     def chat(self, prompt: str | list[dict[str, str]], max_tokens: int, t0: float | None = None) -> Timing:
         conn = getattr(self._local, "conn", None)
@@ -177,11 +181,11 @@ class Session:
         if not reused:
             conn = self._new()
         t0 = time.perf_counter() if t0 is None else t0
-        got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=conn)
+        got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=conn, temperature=self.temperature)
         if reused and got.status == -1 and got.error.startswith(STALE):
             # The server had closed the kept-alive connection: send again on a new one, as HTTP
             # clients do (the time of the failed try counts).
-            got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=self._new())
+            got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=self._new(), temperature=self.temperature)
         return got
 
     def open(self) -> None:
@@ -199,7 +203,8 @@ class Session:
     def fresh(self, prompt: str | list[dict[str, str]], max_tokens: int) -> Timing:
         """One request on a new connection (which this thread keeps afterwards), its TTFT counting
         the connection's opening."""
-        return stream_chat(self.url, prompt, max_tokens, t0=time.perf_counter(), conn=self._new())
+        return stream_chat(self.url, prompt, max_tokens, t0=time.perf_counter(), conn=self._new(),
+                           temperature=self.temperature)
 
     def _new(self) -> http.client.HTTPConnection:
         self._local.conn = connect(self.url)

@@ -120,8 +120,8 @@ def weight_bytes_per_token(model_dir: Path, precision: str) -> int:
 
 
 # -- load shapes -----------------------------------------------------------------------------------
-# One streamed greedy chat: (messages, max_tokens, t0: the perf_counter time to time from or None)
-# -> its timing. Served: an HTTP request (stream_chat); --in-process: the engine driven directly.
+# One streamed chat, greedy unless --temperature: (messages, max_tokens, t0: the perf_counter time
+# to time from or None) -> its timing. Served: an HTTP request (stream_chat); --in-process: the engine driven directly.
 Chat = Callable[[list[dict[str, str]], int, float | None], Timing]
 
 
@@ -491,11 +491,11 @@ class PhaseTimer:
 
 class EngineChat:
     """--in-process: the model-config's engine in this process, driven as the LLM handler drives
-    it (same plan, batch size, chat template, stop tokens, greedy parameters) but with no
+    it (same plan, batch size, chat template, stop tokens, sampling parameters) but with no
     TorchServe, HTTP or handler in between: the engine's own share of every figure. A request's
     TTFT runs from its submission (the prompt is tokenized before) to the engine's first update."""
 
-    def __init__(self, cfg: dict[str, Any], folder: Path) -> None:
+    def __init__(self, cfg: dict[str, Any], folder: Path, temperature: float = 0.0) -> None:
         from servekit.optimizations.llm.chat_template import ChatTokenizer
         from servekit.optimizations.llm.continuous import ContinuousBatcher, EngineThread
         from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, stop_token_ids
@@ -513,6 +513,7 @@ class EngineChat:
             self.timer.instrument(self.batcher, attr, label)
         self.engine = EngineThread(self.batcher, runner.device)
         self._keys = iter(range(1 << 62))
+        self.temperature = temperature
         self._lock = threading.Lock()
 
     def __call__(self, messages: list[dict[str, str]], max_tokens: int, t0: float | None = None) -> Timing:
@@ -523,7 +524,7 @@ class EngineChat:
         with self._lock:
             key = next(self._keys)
         t0 = time.perf_counter() if t0 is None else t0
-        self.engine.submit(key, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+        self.engine.submit(key, prompt, SamplingParams(max_tokens=max_tokens, temperature=self.temperature, seed=0,
                                                        stop_token_ids=self.stops))
         first = last = None
         out: list[int] = []
@@ -611,7 +612,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
     res["mode"] = "in-process" if args.in_process else "served"
     if args.in_process:
-        chat = EngineChat(cfg, folder)
+        chat = EngineChat(cfg, folder, args.temperature)
         res["ready_s"], res["engine_warmup"] = chat.ready_s, chat.built
         print(f"== {res['model']} in-process: engine ready after {chat.ready_s} s", flush=True)
         save()
@@ -636,8 +637,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                   f"warm-up {json.dumps(res['warm_up'])}", flush=True)
             save()
             try:
-                measure(HttpChat(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions"), args, gen, res,
-                        save, HandlerSplit(ts.metrics_url))
+                measure(HttpChat(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions", args.temperature),
+                        args, gen, res, save, HandlerSplit(ts.metrics_url))
             finally:
                 for log in ("model_log.log", "ts_log.log"):  # the worker's own account, beside the figures
                     src = work / "run" / "logs" / log
@@ -673,7 +674,10 @@ def markdown(res: dict[str, Any]) -> str:
          f"{res['config'].get('maxBatchDelay')} ms. Worker READY after {res.get('ready_s')} s"
          f"{_warm_up_note(res)}. Prompts: seed "
          f"{res['prompts']['seed']}, corpus {res['prompts']['corpus']} (stdlib docstrings of Python {env.get('python')}), "
-         "every request a different text. Streamed greedy chat completions; TTFT from the send (Poisson: from the "
+         "every request a different text. Streamed "
+         + (f"chat completions sampled at temperature {t} (seed 0)" if (t := res["args"].get("temperature", 0.0)) > 0
+            else "greedy chat completions")
+         + "; TTFT from the send (Poisson: from the "
          "scheduled send); TPOT = (last token - first token) / (tokens - 1). "
          + ("Client: each client thread keeps one HTTP connection alive across its requests, events timed as "
             "their lines arrive and decoded after the answer." if res.get("mode") != "in-process" else ""), ""]
@@ -751,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"default: {' '.join(DEFAULT_MEASURES)} (sequence only when named)")
     p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (the committed figures); above 0, every request sampled at it with seed 0")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--lengths", nargs="+", type=int, default=[100, 300, 600, 1000, 1500, 1900])
     p.add_argument("--later", type=int, default=5, help="ttft: requests after the first of each length")

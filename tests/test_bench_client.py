@@ -117,6 +117,15 @@ def test_a_session_sends_a_threads_requests_on_one_connection(server: _Server) -
     assert server.connections == 2  # each client thread has its own connection
 
 
+def test_a_session_sends_greedy_requests_or_sampled_ones_with_a_seed(server: _Server) -> None:
+    Session(server.url).chat("greedy", 4)
+    Session(server.url, temperature=0.8).chat("sampled", 4)
+    Session(server.url, temperature=0.8).fresh("sampled again", 4)
+    greedy, sampled, again = server.bodies
+    assert greedy["temperature"] == 0 and "seed" not in greedy
+    assert sampled["temperature"] == again["temperature"] == 0.8 and sampled["seed"] == again["seed"] == 0
+
+
 def test_open_puts_the_first_request_on_a_connection_already_up_and_fresh_opens_another(server: _Server) -> None:
     session = Session(server.url)
     session.open()
