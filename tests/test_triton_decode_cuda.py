@@ -8,16 +8,13 @@ generation through the runner with ``kernels: triton`` and CUDA graphs.
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("the Triton interpreter is on in this process: run this file on its own", allow_module_level=True)
-pytest.importorskip("triton")
+from compiled_triton import require_compiled_triton
+
+require_compiled_triton()
 
 from greedy_parity import check_same_or_tie  # noqa: E402
 from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams  # noqa: E402

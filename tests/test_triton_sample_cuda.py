@@ -7,16 +7,12 @@ the Gumbel noise itself bit for bit (libdevice's log is torch's).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("the Triton interpreter is on in this process: run this file on its own", allow_module_level=True)
-pytest.importorskip("triton")
+from compiled_triton import require_compiled_triton
+
+require_compiled_triton()
 
 from servekit.optimizations.kernels.triton_sample import sample_rows  # noqa: E402
 from servekit.optimizations.llm.sampling import (GREEDY, SAMPLE, SamplingTensors, sample,  # noqa: E402
