@@ -121,7 +121,8 @@ def weight_bytes_per_token(model_dir: Path, precision: str) -> int:
 
 # -- load shapes -----------------------------------------------------------------------------------
 # One streamed chat, greedy unless --temperature: (messages, max_tokens, t0: the perf_counter time
-# to time from or None) -> its timing. Served: an HTTP request (stream_chat); --in-process: the engine driven directly.
+# to time from or None) -> its timing. Served: an HTTP request (stream_chat); --in-process: the
+# engine driven directly.
 Chat = Callable[[list[dict[str, str]], int, float | None], Timing]
 
 

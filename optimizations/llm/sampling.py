@@ -21,7 +21,7 @@ default ``raw_logprobs``), for the sampled token and the row's top alternatives.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -184,14 +184,15 @@ def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str 
     run as one fused Triton pass (``kernels/triton_sample.py``: the same tokens, ~30 kernels
     fewer); FILTER's sort and every CPU step run ``sample_torch``.
     """
-    fused = _fused_sampler() if mode in (GREEDY, SAMPLE) and logits.is_cuda else None
-    if fused is not None and not torch.compiler.is_compiling():
-        return fused(logits, params.bias, params.temperature, params.seed, position, mode == SAMPLE, packed)
+    if mode in (GREEDY, SAMPLE) and logits.is_cuda and not torch.compiler.is_compiling():
+        fused = _fused_sampler()
+        if fused is not None:
+            return fused(logits, params.bias, params.temperature, params.seed, position, mode == SAMPLE, packed)
     return sample_torch(logits, params, position, mode, packed)
 
 
 @functools.cache
-def _fused_sampler():
+def _fused_sampler() -> Callable[..., Tensor] | None:
     """``triton_sample.sample_rows``, imported on the first CUDA step (it imports triton, which CUDA
     builds of torch bring); None where Triton is missing: the torch ops then run."""
     try:
