@@ -65,8 +65,9 @@ def compile_sampling() -> int:
     n = 0
     for sampled in (False, True):
         for masked in (False, True):
-            n += compile_all(tsample._chunk_kernel, types, dict(SAMPLED=sampled, MASKED=masked, BLOCK=tsample.BLOCK))
-            n += compile_all(tsample._pick_kernel, types, dict(SAMPLED=sampled, MASKED=masked, CHUNKS_P=8))
+            n += compile_all(tsample._chunk_kernel, types, dict(SAMPLED=sampled, MASKED=masked, BLOCK=tsample.BLOCK,
+                                                                SLOTS=tsample._SLOTS))
+            n += compile_all(tsample._pick_kernel, types, dict(SAMPLED=sampled, MASKED=masked, CHUNKS_P=8, SLOTS=tsample._SLOTS))
     return n
 
 

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from servekit.optimizations.llm import sampling
+
 try:
     from triton.language.extra import libdevice
 except ImportError:  # Triton < 3.2 kept it under the CUDA backend
@@ -33,17 +35,17 @@ except ImportError:  # Triton < 3.2 kept it under the CUDA backend
 # numpy's log, close enough for the CPU tests' tokens.
 _PRECISE_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-# sampling.py's constants (the noise must be the same function of seed, position and token).
-_FMIX_C1, _FMIX_C2 = tl.constexpr(0x85EBCA6B), tl.constexpr(0xC2B2AE35)
-_POSITION_MUL = tl.constexpr(0x9E3779B9)
-_VOCAB_STRIDE = tl.constexpr(0x27D4EB2F)
-_GUMBEL_MAX = tl.constexpr(20.0)
-_MIN_TEMPERATURE = tl.constexpr(1e-5)
+# sampling.py's constants, as the kernels take globals (the noise must be the same function of seed,
+# position and token).
+_FMIX_C1, _FMIX_C2 = tl.constexpr(sampling.FMIX_C1), tl.constexpr(sampling.FMIX_C2)
+_POSITION_MUL = tl.constexpr(sampling.POSITION_MUL)
+_VOCAB_STRIDE = tl.constexpr(sampling.VOCAB_STRIDE)
+_GUMBEL_MAX = tl.constexpr(sampling.GUMBEL_MAX)
+_MIN_TEMPERATURE = tl.constexpr(sampling.MIN_TEMPERATURE)
 
 BLOCK = 2048  # tokens a program handles per loop iteration
 _PROGRAMS = 264  # ~2 per SM of an H100: rows x chunks aim at this many programs
-# Per (row, chunk): greedy and sampled maxima over the live bias, then over the dead row's bias
-# (the kernels' stride of 4 in val_ptr / idx_ptr).
+# Per (row, chunk): greedy and sampled maxima over the live bias, then over the dead row's bias.
 _SLOTS = 4
 
 
@@ -79,7 +81,7 @@ def _better(x, s0, best_v, best_i):
                                "stride_pos"])
 def _chunk_kernel(logits_ptr, bias_ptr, packed_ptr, temp_ptr, seed_ptr, pos_ptr, val_ptr, idx_ptr,
                   V, chunk, n_chunks, stride_l, stride_bb, stride_bv, stride_p, stride_pos,
-                  SAMPLED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+                  SAMPLED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     start = c * chunk
@@ -126,7 +128,7 @@ def _chunk_kernel(logits_ptr, bias_ptr, packed_ptr, temp_ptr, seed_ptr, pos_ptr,
             if SAMPLED:
                 sd = tl.where(in_row, tl.math.div_rn(logit + dead, temp) + gumbel, neg)
                 sd_v, sd_i = _better(sd, s0, sd_v, sd_i)
-    out = (row * n_chunks + c) * 4
+    out = (row * n_chunks + c) * SLOTS
     tl.store(val_ptr + out + 0, g_v)
     tl.store(idx_ptr + out + 0, g_i)
     tl.store(val_ptr + out + 1, s_v)
@@ -138,31 +140,31 @@ def _chunk_kernel(logits_ptr, bias_ptr, packed_ptr, temp_ptr, seed_ptr, pos_ptr,
 
 
 @triton.jit
-def _pick(val_ptr, idx_ptr, base, c, in_range, slot: tl.constexpr):
+def _pick(val_ptr, idx_ptr, base, c, in_range, slot: tl.constexpr, SLOTS: tl.constexpr):
     """Over a row's chunks, one slot's maximum and its token (the first chunk among equal maxima)."""
-    v = tl.load(val_ptr + base + c * 4 + slot, mask=in_range, other=float("-inf"))
-    i = tl.load(idx_ptr + base + c * 4 + slot, mask=in_range, other=0)
+    v = tl.load(val_ptr + base + c * SLOTS + slot, mask=in_range, other=float("-inf"))
+    i = tl.load(idx_ptr + base + c * SLOTS + slot, mask=in_range, other=0)
     j = tl.argmax(v, axis=0, tie_break_left=True)
     return tl.max(v, axis=0), tl.sum(tl.where(c == j, i, 0), axis=0)
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
 def _pick_kernel(val_ptr, idx_ptr, temp_ptr, out_ptr, n_chunks,
-                 SAMPLED: tl.constexpr, MASKED: tl.constexpr, CHUNKS_P: tl.constexpr):
+                 SAMPLED: tl.constexpr, MASKED: tl.constexpr, CHUNKS_P: tl.constexpr, SLOTS: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, CHUNKS_P)
     in_range = c < n_chunks
-    base = row * n_chunks * 4
-    g_v, token = _pick(val_ptr, idx_ptr, base, c, in_range, 0)
+    base = row * n_chunks * SLOTS
+    g_v, token = _pick(val_ptr, idx_ptr, base, c, in_range, 0, SLOTS)
     if SAMPLED:
-        _, s_token = _pick(val_ptr, idx_ptr, base, c, in_range, 1)
+        _, s_token = _pick(val_ptr, idx_ptr, base, c, in_range, 1, SLOTS)
     if MASKED:
         # Nothing finite under the live bias: the row is dead, its dead-bias maxima count.
         dead = g_v == float("-inf")
-        _, gd_token = _pick(val_ptr, idx_ptr, base, c, in_range, 2)
+        _, gd_token = _pick(val_ptr, idx_ptr, base, c, in_range, 2, SLOTS)
         token = tl.where(dead, gd_token, token)
         if SAMPLED:
-            _, sd_token = _pick(val_ptr, idx_ptr, base, c, in_range, 3)
+            _, sd_token = _pick(val_ptr, idx_ptr, base, c, in_range, 3, SLOTS)
             s_token = tl.where(dead, sd_token, s_token)
     if SAMPLED:
         token = tl.where(tl.load(temp_ptr + row) > 0, s_token, token)
@@ -192,8 +194,8 @@ def sample_rows(logits: Tensor, bias: Tensor, temperature: Tensor, seed: Tensor,
         logits, bias, words, temperature, seed, position, vals, idxs,
         vocab, chunk, n_chunks, logits.stride(0), bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0,
         packed.stride(0) if masked else 0, position.stride(0),
-        SAMPLED=sampled, MASKED=masked, BLOCK=BLOCK, num_warps=8)
+        SAMPLED=sampled, MASKED=masked, BLOCK=BLOCK, SLOTS=_SLOTS, num_warps=8)
     # CHUNKS_P from the vocabulary alone (the most chunks a row can have), not from this batch.
     _pick_kernel[(b,)](vals, idxs, temperature, out, n_chunks, SAMPLED=sampled, MASKED=masked,
-                       CHUNKS_P=max(2, triton.next_power_of_2(per_row)), num_warps=1)
+                       CHUNKS_P=max(2, triton.next_power_of_2(per_row)), SLOTS=_SLOTS, num_warps=1)
     return out

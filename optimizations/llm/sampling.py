@@ -81,39 +81,41 @@ def _mulmod32(x: Tensor, c: int) -> Tensor:
     return (((x & 0xFFFF) * c) + (((x >> 16) * (c & 0xFFFF)) << 16)) & _M32
 
 
-_FMIX_C1, _FMIX_C2 = 0x85EBCA6B, 0xC2B2AE35
+# The noise's constants, also kernels/triton_sample.py's (its noise must be this function).
+FMIX_C1, FMIX_C2 = 0x85EBCA6B, 0xC2B2AE35
+POSITION_MUL = 0x9E3779B9
 
 
 def _fmix32(x: Tensor) -> Tensor:
     """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with p ~ 1/2."""
     x = x ^ (x >> 16)
-    x = _mulmod32(x, _FMIX_C1)
+    x = _mulmod32(x, FMIX_C1)
     x = x ^ (x >> 13)
-    x = _mulmod32(x, _FMIX_C2)
+    x = _mulmod32(x, FMIX_C2)
     return x ^ (x >> 16)
 
 
 def uniform_noise(seed: Tensor, position: Tensor, vocab_size: int) -> Tensor:
     """Uniform floats in (0, 1), shape ``(B, V)``, a pure function of (seed, position, vocab id)."""
-    row = _fmix32((_fmix32(seed & _M32) + _mulmod32(position & _M32, 0x9E3779B9)) & _M32)
+    row = _fmix32((_fmix32(seed & _M32) + _mulmod32(position & _M32, POSITION_MUL)) & _M32)
     if seed.device.type == "cpu" and not torch.compiler.is_compiling():
         return _vocab_noise_numpy(row, vocab_size)
     return _vocab_noise(row, vocab_size)
 
 
-_VOCAB_STRIDE = 0x27D4EB2F
+VOCAB_STRIDE = 0x27D4EB2F
 
 
 def _vocab_noise(row: Tensor, vocab_size: int) -> Tensor:
     """The ``(B, V)`` part of ``uniform_noise`` from each row's hash: one fused kernel once compiled."""
     v = torch.arange(vocab_size, device=row.device, dtype=torch.int64)
-    x = _fmix32((row[:, None] + v[None, :] * _VOCAB_STRIDE) & _M32)  # v < 2**32, c < 2**30: fits int64
+    x = _fmix32((row[:, None] + v[None, :] * VOCAB_STRIDE) & _M32)  # v < 2**32, c < 2**30: fits int64
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 @functools.lru_cache(maxsize=4)
 def _vocab_offsets(vocab_size: int) -> np.ndarray:
-    return np.arange(vocab_size, dtype=np.uint32) * np.uint32(_VOCAB_STRIDE)  # wraps mod 2**32, as & _M32 does
+    return np.arange(vocab_size, dtype=np.uint32) * np.uint32(VOCAB_STRIDE)  # wraps mod 2**32, as & _M32 does
 
 
 def _vocab_noise_numpy(row: Tensor, vocab_size: int) -> Tensor:
@@ -123,9 +125,9 @@ def _vocab_noise_numpy(row: Tensor, vocab_size: int) -> Tensor:
     in ~50 ms a decode step on one thread; this takes ~2 ms."""
     x = row.numpy().astype(np.uint32)[:, None] + _vocab_offsets(vocab_size)[None, :]
     x ^= x >> 16
-    x *= np.uint32(_FMIX_C1)
+    x *= np.uint32(FMIX_C1)
     x ^= x >> 13
-    x *= np.uint32(_FMIX_C2)
+    x *= np.uint32(FMIX_C2)
     x ^= x >> 16
     out = (x >> 8).astype(np.float32)
     out += np.float32(0.5)
@@ -171,7 +173,8 @@ def sampling_mode(temperature: list[float], top_k: list[int], top_p: list[float]
     return SAMPLE
 
 
-_GUMBEL_MAX = 20.0  # above any finite draw of the noise (at most ~16.6)
+GUMBEL_MAX = 20.0  # above any finite draw of the noise (at most ~16.6)
+MIN_TEMPERATURE = 1e-5  # the divisor of a temperature-0 (greedy) row's logits
 
 
 def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str = FILTER,
@@ -211,12 +214,12 @@ def sample_torch(logits: Tensor, params: SamplingTensors, position: Tensor, mode
     greedy = logits.argmax(dim=-1)
     if mode == GREEDY:
         return greedy
-    scaled = logits / params.temperature.clamp(min=1e-5)[:, None]
+    scaled = logits / params.temperature.clamp(min=MIN_TEMPERATURE)[:, None]
     if mode == FILTER:
         scaled = top_k_top_p_filter(scaled, params.top_k, params.top_p)
     # float32 rounds the noise's largest values to exactly 1.0, whose Gumbel is +inf: bounded, so
     # that a token masked to -inf (a grammar, logit_bias) never becomes NaN and wins the argmax.
-    gumbel = (-torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))).clamp(max=_GUMBEL_MAX)
+    gumbel = (-torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))).clamp(max=GUMBEL_MAX)
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(params.temperature > 0, sampled, greedy)
 
