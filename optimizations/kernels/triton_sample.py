@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from servekit.optimizations.llm import sampling
+from servekit.optimizations.llm import noise
 
 try:
     from triton.language.extra import libdevice
@@ -35,13 +35,12 @@ except ImportError:  # Triton < 3.2 kept it under the CUDA backend
 # numpy's log, close enough for the CPU tests' tokens.
 _PRECISE_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
-# sampling.py's constants, as the kernels take globals (the noise must be the same function of seed,
-# position and token).
-_FMIX_C1, _FMIX_C2 = tl.constexpr(sampling.FMIX_C1), tl.constexpr(sampling.FMIX_C2)
-_POSITION_MUL = tl.constexpr(sampling.POSITION_MUL)
-_VOCAB_STRIDE = tl.constexpr(sampling.VOCAB_STRIDE)
-_GUMBEL_MAX = tl.constexpr(sampling.GUMBEL_MAX)
-_MIN_TEMPERATURE = tl.constexpr(sampling.MIN_TEMPERATURE)
+# The noise's constants (noise.py, as sampling.py's torch ops use them), as the kernels take globals.
+_FMIX_C1, _FMIX_C2 = tl.constexpr(noise.FMIX_C1), tl.constexpr(noise.FMIX_C2)
+_POSITION_MUL = tl.constexpr(noise.POSITION_MUL)
+_VOCAB_STRIDE = tl.constexpr(noise.VOCAB_STRIDE)
+_GUMBEL_MAX = tl.constexpr(noise.GUMBEL_MAX)
+_MIN_TEMPERATURE = tl.constexpr(noise.MIN_TEMPERATURE)
 
 BLOCK = 2048  # tokens a program handles per loop iteration
 _PROGRAMS = 264  # ~2 per SM of an H100: rows x chunks aim at this many programs

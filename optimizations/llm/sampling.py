@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from servekit.optimizations.llm.noise import FMIX_C1, FMIX_C2, GUMBEL_MAX, MIN_TEMPERATURE, POSITION_MUL, VOCAB_STRIDE
+
 _M32 = 0xFFFFFFFF
 
 
@@ -81,11 +83,6 @@ def _mulmod32(x: Tensor, c: int) -> Tensor:
     return (((x & 0xFFFF) * c) + (((x >> 16) * (c & 0xFFFF)) << 16)) & _M32
 
 
-# The noise's constants, also kernels/triton_sample.py's (its noise must be this function).
-FMIX_C1, FMIX_C2 = 0x85EBCA6B, 0xC2B2AE35
-POSITION_MUL = 0x9E3779B9
-
-
 def _fmix32(x: Tensor) -> Tensor:
     """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with p ~ 1/2."""
     x = x ^ (x >> 16)
@@ -101,9 +98,6 @@ def uniform_noise(seed: Tensor, position: Tensor, vocab_size: int) -> Tensor:
     if seed.device.type == "cpu" and not torch.compiler.is_compiling():
         return _vocab_noise_numpy(row, vocab_size)
     return _vocab_noise(row, vocab_size)
-
-
-VOCAB_STRIDE = 0x27D4EB2F
 
 
 def _vocab_noise(row: Tensor, vocab_size: int) -> Tensor:
@@ -171,10 +165,6 @@ def sampling_mode(temperature: list[float], top_k: list[int], top_p: list[float]
     if any(t > 0 and (k > 0 or p < 1.0) for t, k, p in zip(temperature, top_k, top_p)):
         return FILTER
     return SAMPLE
-
-
-GUMBEL_MAX = 20.0  # above any finite draw of the noise (at most ~16.6)
-MIN_TEMPERATURE = 1e-5  # the divisor of a temperature-0 (greedy) row's logits
 
 
 def sample(logits: Tensor, params: SamplingTensors, position: Tensor, mode: str = FILTER,
