@@ -78,15 +78,18 @@ def profile_kernels(fn) -> tuple[int, list[dict]]:
 
 
 def measure(runner: LlamaRunner, fwd, batch: int, kv_len: int, start_pos: int, steps: int, repeats: int,
-            device: torch.device, count_uncaptured: bool = False) -> dict:
-    """One variant at one batch: step time (captured on CUDA), kernel count, logits vs eager."""
+            device: torch.device, count_uncaptured: bool = False, idle: int = 0) -> dict:
+    """One variant at one batch: step time (captured on CUDA), kernel count, logits vs eager.
+    ``idle``: that many of the batch's last rows (all but one at most) parked at the cache's last
+    slot, as the engine parks free rows and rows whose prompt goes in."""
     model = runner.model
     state = runner.states[batch]
     greedy = SamplingTensors.build([0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch, device)
+    positions = torch.full((batch,), start_pos, dtype=torch.int64, device=device)
+    positions[batch - min(idle, batch - 1):] = runner.max_seq_len - 1
 
     def reset() -> None:
-        state.load(torch.full((batch,), 5, dtype=torch.int64, device=device),
-                   torch.full((batch,), start_pos, dtype=torch.int64, device=device), greedy)
+        state.load(torch.full((batch,), 5, dtype=torch.int64, device=device), positions, greedy)
 
     step = runner.steps[(batch, GREEDY, kv_len)]
     reset()
@@ -117,7 +120,7 @@ def measure(runner: LlamaRunner, fwd, batch: int, kv_len: int, start_pos: int, s
     with torch.no_grad():
         want = model(tokens, pos, kv_len=kv_len)
         got = fwd(tokens, pos, kv_len=kv_len)
-    return {"ms_per_step": min(times), "ms_per_step_all": times, "kernels_per_step": kernels,
+    return {"ms_per_step": min(times), "ms_per_step_all": times, "kernels_per_step": kernels, "idle_rows": min(idle, batch - 1),
             "kernels_per_step_uncaptured": kernels_eager,
             "kernel_times": kernel_table,
             "max_abs_logit_diff": float((got - want).abs().max()), "mean_pos": start_pos + steps / 2}
@@ -132,16 +135,19 @@ def run_shape(name: str, config: LlamaConfig, args: argparse.Namespace, device: 
     start_pos = kv_len // 2
     steps = min(args.steps, kv_len - start_pos - 1)
     rows = []
+    # With idle rows the cache is twice the bucket, so that their parked position lies past it, as
+    # in serving (the engine's cache holds the whole context, its steps attend over a bucket of it).
+    max_seq = 2 * kv_len if args.idle_rows else kv_len
     # Prefill every row once (eager), so attention reads real k/v.
     with torch.no_grad():
         model.fuse_projections()
-        model.setup_caches(max(batches), kv_len)
+        model.setup_caches(max(batches), max_seq)
         tokens = torch.randint(3, config.vocab_size, (max(batches), start_pos), device=device)
         model(tokens, torch.arange(start_pos, device=device).expand(max(batches), start_pos), kv_len=start_pos)
     for kernels in args.variants:
         t0 = time.perf_counter()
         compiled = kernels == "torch" and args.compile != "off"
-        runner = LlamaRunner(model, kv_len, batches, prefill_buckets=(start_pos,), kv_buckets=(kv_len,),
+        runner = LlamaRunner(model, max_seq, batches, prefill_buckets=(start_pos,), kv_buckets=(kv_len,),
                              compile_decode=compiled, compile_mode=args.compile if compiled else "default",
                              cuda_graphs=device.type == "cuda", kernels=kernels.removesuffix("-nopdl"))
         for block in runner.triton_model.blocks if runner.triton_model else ():
@@ -149,7 +155,8 @@ def run_shape(name: str, config: LlamaConfig, args: argparse.Namespace, device: 
             block.splits = args.splits or block.splits
         fwd = runner.triton_model or runner.compiled_model or model
         for b in batches:
-            r = measure(runner, fwd, b, kv_len, start_pos, steps, args.repeats, device, count_uncaptured=b == batches[0])
+            r = measure(runner, fwd, b, kv_len, start_pos, steps, args.repeats, device, count_uncaptured=b == batches[0],
+                        idle=args.idle_rows)
             bound = bytes_per_step(model, b, r["mean_pos"])
             bw = peak_bandwidth(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
             r.update(model=name, kernels=kernels, compile=args.compile if kernels == "torch" else "off", batch=b,
@@ -178,6 +185,9 @@ def markdown(res: dict) -> str:
              "timed over consecutive replays (best of the repeats). `torch`: the transformer block compiled "
              f"(`compile: {res['compile']}`), as the shipped plan; `triton`: the fused decode kernels, not compiled.",
              "Kernels per step: the profiler's kernels of one graph replay (of one uncaptured call in brackets).",
+             *([f"Idle rows: the last {res['idle_rows']} rows of each batch (all but one at most) parked at the "
+                "cache's last slot, past the bucket, as the engine parks free rows and prompts going in."]
+               if res.get("idle_rows") else []),
              "", "| model | batch | kernels | ms/step | kernels/step | max abs logit diff vs eager | bandwidth share |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
@@ -222,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--splits", type=int, default=None,
                    help="attention cache splits per (row, kv head) for the triton variants (default: by batch and kv length)")
     p.add_argument("--kv-len", type=int, default=512, help="kv bucket of the steps (positions from half of it)")
+    p.add_argument("--idle-rows", type=int, default=0,
+                   help="rows of each batch parked past the kv bucket, as the engine parks free rows and prompts going in")
     p.add_argument("--steps", type=int, default=100, help="replays per timing")
     p.add_argument("--repeats", type=int, default=3)
     return p
@@ -249,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         rows += run_shape(name, SHAPES[name], args, device, dtype, say)
     res = {"environment": env, "triton": triton.__version__, "dtype": str(dtype).removeprefix("torch."),
-           "compile": args.compile, "kv_len": args.kv_len, "peak_bandwidth": peak_bandwidth(env["gpu"]),
+           "compile": args.compile, "kv_len": args.kv_len, "idle_rows": args.idle_rows,
+           "peak_bandwidth": peak_bandwidth(env["gpu"]),
            "rows": rows, "wall_s": time.perf_counter() - t_start}
     (out / "decode_kernels.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "decode_kernels.md").write_text(markdown(res))

@@ -125,17 +125,23 @@ def burst(batcher: ContinuousBatcher, rng: random.Random, vocab: int, n: int, le
 
 
 def streams(batcher: ContinuousBatcher, rng: random.Random, vocab: int, n_streams: int, per_stream: int,
-            lengths: tuple[int, int], max_tokens: int, tag: str) -> dict[str, Any]:
-    """``n_streams`` closed-loop clients, each sending ``per_stream`` requests one after another."""
+            lengths: tuple[int, int], max_tokens: int, tag: str, spread: float = 0.0) -> dict[str, Any]:
+    """``n_streams`` closed-loop clients, each sending ``per_stream`` requests one after another.
+    ``spread``: answers of ``max_tokens`` down to ``(1 - spread) * max_tokens`` tokens (uniform), so
+    that requests end and the next ones arrive at different steps, beside rows still decoding, as
+    in serving; 0: every answer ``max_tokens`` long (the streams end together, and their next
+    requests arrive as one burst)."""
     d = Driver(batcher)
     left = {s: per_stream for s in range(n_streams)}
     count = 0
     # Every prompt made before the clock starts: making one takes longer than some engine steps.
     prompts = [_prompt(rng, rng.randint(*lengths), vocab) for _ in range(n_streams * per_stream)]
+    answers = [rng.randint(max(2, round((1 - spread) * max_tokens)), max_tokens) if spread else max_tokens
+               for _ in prompts]
 
     def send(stream: int) -> None:
         nonlocal count
-        d.add((tag, stream, count), prompts[count], max_tokens)
+        d.add((tag, stream, count), prompts[count], answers[count])
         count += 1
         left[stream] -= 1
 
@@ -148,8 +154,9 @@ def streams(batcher: ContinuousBatcher, rng: random.Random, vocab: int, n_stream
                 send(key[1])
     wall = time.perf_counter() - t0
     ttft = d.ttft_ms(list(d.added))
-    tpot = [1000 * (d.ended[k] - d.first[k]) / (max_tokens - 1) for k in d.added] if max_tokens > 1 else []
+    tpot = [1000 * (d.ended[k] - d.first[k]) / (answers[k[2]] - 1) for k in d.added if answers[k[2]] > 1]
     return {"streams": n_streams, "requests": count, "prompt_lengths": list(lengths), "max_tokens": max_tokens,
+            "answer_spread": spread,
             "tokens_per_s": round(d.tokens / wall), "wall_s": round(wall, 2),
             "ttft_p50_ms": round(_pct(ttft, 0.5), 2), "ttft_p99_ms": round(_pct(ttft, 0.99), 2),
             "ttft_max_ms": round(max(ttft), 2),
@@ -278,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (engines that have it)")
     p.add_argument("--per-stream", type=int, default=2, help="requests per closed-loop stream in (c) and (d)")
     p.add_argument("--single-requests", type=int, default=2, help="requests of the one-stream short run in (d)")
+    p.add_argument("--answer-spread", type=float, default=0.0,
+                   help="in (c) and (d), answers from (1 - spread) x max tokens up to max tokens (uniform), so that "
+                        "requests arrive beside rows still decoding; 0: every answer max tokens long")
     p.add_argument("--label", default="", help="free text saved with the results (e.g. baseline)")
     p.add_argument("--profile", action="store_true",
                    help="also profile the engine's packed forward by kernel and time each token bucket")
@@ -308,9 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     results["prefill_32"] = [burst(batcher, rng, vocab, n, 600, 16, f"burst{r}") for r in range(2)]
     print("(b) prefill-32:", json.dumps(results["prefill_32"]), flush=True)
     results["passages_32"] = streams(batcher, rng, vocab, n, args.per_stream, (450, 700), 64 if args.small else 256,
-                                     "passages")
+                                     "passages", args.answer_spread)
     print("(c) passages-32:", json.dumps(results["passages_32"]), flush=True)
-    results["short_32"] = streams(batcher, rng, vocab, n, args.per_stream, (20, 60), short_max, "short")
+    results["short_32"] = streams(batcher, rng, vocab, n, args.per_stream, (20, 60), short_max, "short",
+                                  args.answer_spread)
     results["short_1"] = streams(batcher, rng, vocab, 1, args.single_requests, (20, 60), short_max, "short1")
     results["short_1"]["tokens_per_s_per_sequence"] = results["short_1"]["tokens_per_s"]
     print("(d) short-32:", json.dumps(results["short_32"]), "short-1:", json.dumps(results["short_1"]), flush=True)

@@ -461,8 +461,8 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
 
 
 # -- the engine in this process ----------------------------------------------------------------------
-ENGINE_PHASES = {"step": "step", "_admit": "admit", "_prefill": "prefill", "_start_rows": "first tokens",
-                 "_launch": "launch decode", "_read_all": "read decode"}
+ENGINE_PHASES = {"step": "step", "_admit": "admit", "_prefill": "prefill", "_first_tokens": "first tokens",
+                 "_decode_from": "sample mixed decode", "_launch": "launch decode", "_read_all": "read decode"}
 
 
 class PhaseTimer:

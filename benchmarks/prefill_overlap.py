@@ -1,7 +1,8 @@
-"""How much of a packed prefill forward hides behind a decode step when the two run on two CUDA
-streams: the engine's captured decode step (batch 1 and 32) and its captured packed prefill
-(prompts of several lengths, into the cache's spare row), each alone, one after the other and on
-two streams, in ms per iteration.
+"""How a packed prefill forward and a decode step combine: the engine's captured decode step (batch
+1 and 32) and its captured packed prefill (prompts of several lengths, into the cache's spare row),
+each alone, one after the other, on two CUDA streams, and as the engine runs them now, the decoding
+rows riding in the packed forward (one token each, from the decode state) followed by the captured
+sampling half of their batch; in ms per iteration, the rows held at one position.
 
     python3 -m servekit.benchmarks.prefill_overlap                      # GPU, shipped smollm2.yaml
 """
@@ -58,28 +59,41 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in args.prompt_tokens:
         chunks = [Chunk([runner.pad_id] * tokens, 0, runner.model.spare_row, True)]
         for b in args.batches:
-            runner.states[b].input_pos.fill_(args.position)
-            decode = runner.steps[(b, GREEDY, kv)]
+            positions = runner.states[b].input_pos
+            step, sampling = runner.steps[(b, GREEDY, kv)], runner.sample_steps[(b, GREEDY)]
+            # The prompt's request holds one of the engine's rows: at most all the others decode beside it.
+            riders = [Chunk([runner.pad_id], args.position, row, True, from_state=True)
+                      for row in range(min(b, engine.max_num_seqs - 1))]
+
+            def decode() -> None:
+                positions.fill_(args.position)  # a step advances them: every iteration at the same one
+                step.run()
 
             def both() -> None:
-                decode.run()
+                decode()
                 engine.packed.run(chunks)
 
             def two_streams() -> None:
                 side.wait_stream(main_stream)
-                decode.run()
+                decode()
                 with torch.cuda.stream(side):
                     engine.packed.run(chunks)
                 main_stream.wait_stream(side)
 
-            row = {"prompt_tokens": tokens, "batch": b, "decode_ms": ms_per_call(decode.run, args.iters),
+            def mixed() -> None:
+                positions.fill_(args.position)
+                engine.packed.run(chunks + riders)
+                sampling.run()
+
+            row = {"prompt_tokens": tokens, "batch": b, "decode_ms": ms_per_call(decode, args.iters),
                    "prefill_ms": ms_per_call(lambda: engine.packed.run(chunks), args.iters),
                    "one_after_the_other_ms": ms_per_call(both, args.iters),
-                   "two_streams_ms": ms_per_call(two_streams, args.iters)}
+                   "two_streams_ms": ms_per_call(two_streams, args.iters),
+                   "mixed_ms": ms_per_call(mixed, args.iters)}
             rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
             print(f"prompt {tokens} tokens, decode batch {b}: decode {row['decode_ms']:.3f} ms, prefill "
                   f"{row['prefill_ms']:.3f}, one after the other {row['one_after_the_other_ms']:.3f}, "
-                  f"on two streams {row['two_streams_ms']:.3f}", flush=True)
+                  f"on two streams {row['two_streams_ms']:.3f}, mixed {row['mixed_ms']:.3f}", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps({"plan": plan.label(), "kv_bucket": kv, "rows": rows}, indent=1) + "\n")
     return 0

@@ -99,6 +99,46 @@ def test_packed_prefill_equals_per_request_prefill(family_models: dict[str, Tran
             torch.testing.assert_close(v[row, :, :len(p)], wv[row, :, :len(p)], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_decoding_rows_riding_in_a_packed_forward_get_their_decode_step(family_models: dict[str, Transformer],
+                                                                        family: str) -> None:
+    """Two rows decoding (their next tokens only in the decode state, as on the device between two
+    steps) ride in one packed forward beside a fresh prompt: each row's logits and the key / value
+    its token stores equal its own decode step's, and the prompt's equal its own prefill's."""
+    model = family_models[family]
+    model.setup_caches(4, 96)
+    vocab = model.config.vocab_size
+    prompts = {0: _prompt(9, 11, vocab), 1: _prompt(33, 12, vocab)}
+    fresh = _prompt(20, 13, vocab)
+    nxt = {0: 7, 1: 42}
+    with torch.no_grad():
+        _zero_caches(model)
+        for row, p in prompts.items():
+            n = len(p)
+            model(torch.tensor([p]), torch.arange(n)[None], torch.tensor([n - 1]), kv_len=n, rows=torch.tensor([row]))
+        before = _caches(model)
+        want = {row: model(torch.tensor([[nxt[row]]]), torch.tensor([[len(p)]]), torch.tensor([0]), kv_len=len(p) + 1,
+                           rows=torch.tensor([row]))[0] for row, p in prompts.items()}
+        want[2] = model(torch.tensor([fresh]), torch.arange(20)[None], torch.tensor([19]), kv_len=20,
+                        rows=torch.tensor([2]))[0]
+        want_cache = _caches(model)
+        for layer, (k, v) in zip(model.layers, before):
+            layer.attention.kv_cache.k_cache.copy_(k)
+            layer.attention.kv_cache.v_cache.copy_(v)
+        state = torch.zeros(4, 1, dtype=torch.int64)
+        state[0, 0], state[1, 0] = nxt[0], nxt[1]
+        packed = PackedPrefill(model, max_tokens=96, max_seqs=4, state_tokens=state)
+        got = packed.run([Chunk(fresh, 0, 2, True)] + [Chunk([0], len(p), row, True, from_state=True)
+                                                       for row, p in prompts.items()])
+    assert got.shape[0] == 3
+    for i, row in enumerate((2, 0, 1)):
+        torch.testing.assert_close(got[i], want[row], atol=2e-4, rtol=1e-4, msg=f"{family} row {row}")
+    for (k, v), (wk, wv) in zip(_caches(model), want_cache):
+        for row, span in ((0, len(prompts[0]) + 1), (1, len(prompts[1]) + 1), (2, 20)):
+            torch.testing.assert_close(k[row, :, :span], wk[row, :, :span], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v[row, :, :span], wv[row, :, :span], atol=1e-5, rtol=1e-5)
+
+
 def test_packed_tables_give_every_token_its_position_row_and_block(tiny_llama: Transformer) -> None:
     """The tables the packed forward reads (what the Triton kernel is driven by on CUDA), against a
     token-by-token construction: random mixes of later chunks (start > 0) and whole prompts, with
@@ -137,6 +177,11 @@ def test_packed_prefill_refuses_what_it_cannot_run(tiny_llama: Transformer) -> N
         packed.run([Chunk([5] * 20, 0, 0, True), Chunk([5] * 20, 0, 1, True)])
     with pytest.raises(ValueError, match="chunks"):
         packed.run([Chunk([5], 0, i, True) for i in range(3)])
+    with pytest.raises(ValueError, match="from_state"):  # no decode state given
+        packed.run([Chunk([5], 3, 0, True, from_state=True)])
+    riding = PackedPrefill(tiny_llama, max_tokens=32, max_seqs=2, state_tokens=torch.zeros(4, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="from_state"):  # a decoding row brings one token
+        riding.run([Chunk([5, 6], 3, 0, True, from_state=True)])
     with pytest.raises(ValueError, match="CUDA"):
         PackedPrefill(tiny_llama, max_tokens=32, max_seqs=2, graphs=True)
     with pytest.raises(ValueError, match="Triton"):
@@ -155,17 +200,27 @@ def runner(tiny_llama: Transformer) -> LlamaRunner:
 
 
 class Counted:
-    """The batcher's packed forward, recording the tokens of each call and the step it ran in."""
+    """The batcher's packed forward, recording for each call the step it ran in, its prompt tokens,
+    its prompt chunks' sizes and the decoding rows that rode along (one token each); and the
+    steps that launched a decode step of their own."""
 
     def __init__(self, batcher: ContinuousBatcher) -> None:
-        self.b, self.calls, self.steps = batcher, [], 0
-        real = batcher.packed.run
+        self.b, self.calls, self.steps, self.launches, self.riders = batcher, [], 0, [], []
+        real, launch = batcher.packed.run, batcher._launch
 
         def run(chunks: list[Chunk]) -> torch.Tensor:
-            self.calls.append((self.steps, sum(len(c.tokens) for c in chunks), [len(c.tokens) for c in chunks]))
+            self.riders += [c for c in chunks if c.from_state]
+            prompts = [len(c.tokens) for c in chunks if not c.from_state]
+            self.calls.append((self.steps, sum(prompts), prompts, sum(c.from_state for c in chunks)))
             return real(chunks)
 
-        batcher.packed.run = run
+        def launched(*args, **kwargs):
+            out = launch(*args, **kwargs)
+            if out is not None:
+                self.launches.append(self.steps)
+            return out
+
+        batcher.packed.run, batcher._launch = run, launched
 
     def step(self) -> dict:
         self.steps += 1
@@ -192,8 +247,12 @@ def test_engine_output_equals_solo_with_mixed_prompt_lengths(runner: LlamaRunner
         for key, u in counted.step().items():
             tokens[key] += u.tokens
         step += 1
-    assert max(n for _, n, _ in counted.calls) == 48 and len({s for s, _, _ in counted.calls}) == len(counted.calls)
-    assert any(len(sizes) >= 3 for _, _, sizes in counted.calls)  # several requests' chunks in one forward
+    assert max(n + riders for _, n, _, riders in counted.calls) == 48
+    assert len({s for s, _, _, _ in counted.calls}) == len(counted.calls)
+    assert any(len(sizes) >= 3 for _, _, sizes, _ in counted.calls)  # several requests' chunks in one forward
+    # Decoding rows rode in the packed forwards: those steps launched no decode step of their own.
+    mixed = {s for s, _, _, riders in counted.calls if riders}
+    assert mixed and not mixed & set(counted.launches)
     for key, (prompt, params) in cases.items():
         assert tokens[key] == generate(runner, [prompt], [params])[0].tokens, key
 
@@ -208,10 +267,49 @@ def test_each_step_keeps_the_budget_and_decoding_rows_never_wait_more_than_one_s
     while any(f"long{i}" in batcher.by_key for i in range(3)):
         updates = counted.step()
         assert len(updates["run"].tokens) == 1  # a token every step while the long prompts go in
-    steps = [s for s, _, _ in counted.calls]
+    steps = [s for s, _, _, _ in counted.calls]
     assert len(steps) == len(set(steps))  # at most one packed forward per step
-    assert all(n <= 32 for _, n, _ in counted.calls)
-    assert sum(n for _, n, _ in counted.calls) == 6 + 120 + 100 + 70  # every prompt token went in exactly once
+    assert all(n + riders <= 32 for _, n, _, riders in counted.calls)  # decode tokens count in the budget
+    assert sum(n for _, n, _, _ in counted.calls) == 6 + 120 + 100 + 70  # every prompt token went in exactly once
+    # "run" decoded inside the forwards that had long prompts' chunks: one forward a step, not two.
+    assert sum(riders for _, _, _, riders in counted.calls) >= len(steps) - 1
+    assert not {s for s, _, _, riders in counted.calls if riders} & set(counted.launches)
+
+
+def test_a_row_at_the_end_of_its_context_rides_until_its_last_read(runner: LlamaRunner) -> None:
+    """A request filling the whole context (prompt + max_tokens = max_seq_len) while short prompts
+    keep arriving: it rides in packed forwards up to the step that feeds the context's last
+    position (launched before its final token is read); every request gets its solo tokens."""
+    batcher = ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=48)
+    counted = Counted(batcher)
+    full = _prompt(120, 21)
+    cases = {"full": (full, SamplingParams(max_tokens=runner.max_seq_len - 120))}
+    tokens: dict[str, list[int]] = {"full": []}
+    batcher.add("full", *cases["full"])
+    while batcher.has_work:
+        if "full" in batcher.by_key and batcher.by_key["full"].launched:  # a new prompt every step
+            key = f"s{len(cases)}"
+            cases[key] = (_prompt(5, 30 + len(cases)), SamplingParams(max_tokens=2))
+            tokens[key] = []
+            batcher.add(key, *cases[key])
+        for key, u in counted.step().items():
+            tokens[key] += u.tokens
+    assert any(riders for *_, riders in counted.calls)
+    assert max(c.start for c in counted.riders) == runner.max_seq_len - 1
+    for key, (prompt, params) in cases.items():
+        assert tokens[key] == generate(runner, [prompt], [params])[0].tokens, key
+
+
+def test_the_prefill_benchmark_staggers_answers_so_prompts_arrive_beside_decoding_rows(runner: LlamaRunner) -> None:
+    """llm_prefill_bench's closed loop with --answer-spread: answers of different lengths, so later
+    prompts arrive while other rows decode and ride with them in one forward; every request ends."""
+    from servekit.benchmarks.llm_prefill_bench import streams
+
+    batcher = ContinuousBatcher(runner, prefill_chunk=16, max_num_batched_tokens=48)
+    counted = Counted(batcher)
+    res = streams(batcher, random.Random(0), 256, 4, 3, (5, 12), 24, "s", spread=0.75)
+    assert res["requests"] == 12 and res["answer_spread"] == 0.75 and not batcher.has_work
+    assert any(riders and n for _, n, _, riders in counted.calls)  # a prompt beside decoding rows
 
 
 def test_a_short_prompt_behind_long_ones_starts_at_once_and_the_long_ones_are_not_starved(runner: LlamaRunner) -> None:
@@ -305,20 +403,25 @@ def test_the_plan_takes_a_token_budget_and_refuses_one_below_the_chunk() -> None
 def test_triton_packed_prefill_equals_the_torch_reference_on_cuda(tmp_path: Path, family: str) -> None:
     """fp32 on the GPU (the kernel's dots in TF32): the Triton attention, eager, replayed from each
     bucket's CUDA graph, and with the layers compiled around it (then captured), gives the torch reference's logits and cache rows, for packs of fresh
-    prompts and a later chunk (gemma3: sliding-window layers, a window shorter than the prompts)."""
+    prompts, a later chunk, and decoding rows riding beside a later turn (their tokens from the
+    decode state) (gemma3: sliding-window layers, a window shorter than the prompts)."""
     overrides = {"head_dim": 32} if family == "llama3" else {}  # the kernel takes power-of-two head sizes
     model = load_llama(write_checkpoint(family, tmp_path / family, **overrides), "cuda", torch.float32)
     model.setup_caches(4, 256)
     vocab = model.config.vocab_size
     prompts = [_prompt(n, i, vocab) for i, n in enumerate((7, 130, 64, 200))]
+    more = _prompt(10, 9, vocab)  # a later turn of request 2, beside rows 0 and 1 decoding
     packs = [[Chunk(prompts[0], 0, 0, True), Chunk(prompts[3][:150], 0, 3, False), Chunk(prompts[1], 0, 1, True)],
-             [Chunk(prompts[3][150:], 150, 3, True), Chunk(prompts[2], 0, 2, True)]]
+             [Chunk(prompts[3][150:], 150, 3, True), Chunk(prompts[2], 0, 2, True)],
+             [Chunk(more, 64, 2, True), Chunk([0], 7, 0, True, from_state=True), Chunk([0], 130, 1, True, from_state=True)]]
+    spans = [8, 131, 74, 200]
+    state = torch.tensor([[5], [9], [0], [0]], device="cuda")  # rows 0 and 1's next tokens
     results = {}
     compiled = [torch.compile(layer, dynamic=True) for layer in model.layers]  # as a compiling plan's engine has
     for name, kw in {"torch": dict(attention="torch"), "triton": dict(attention="triton"),
                      "graphs": dict(attention="triton", graphs=True),
                      "compiled": dict(attention="triton", graphs=True, blocks=compiled)}.items():
-        packed = PackedPrefill(model, max_tokens=512, max_seqs=4, **kw)
+        packed = PackedPrefill(model, max_tokens=512, max_seqs=4, state_tokens=state, **kw)
         packed.warmup()
         _zero_caches(model)
         logits = [packed.run(p).clone() for p in packs]
@@ -331,6 +434,6 @@ def test_triton_packed_prefill_equals_the_torch_reference_on_cuda(tmp_path: Path
             assert torch.equal(got.argmax(-1), want.argmax(-1))
         # Layers after the first write k/v computed from TF32 attention: about 1e-2 apart at worst.
         for (k, v), (wk, wv) in zip(cache, want_cache):
-            for row, p in enumerate(prompts):
-                torch.testing.assert_close(k[row, :, :len(p)], wk[row, :, :len(p)], atol=2e-2, rtol=2e-2)
-                torch.testing.assert_close(v[row, :, :len(p)], wv[row, :, :len(p)], atol=2e-2, rtol=2e-2)
+            for row, span in enumerate(spans):
+                torch.testing.assert_close(k[row, :, :span], wk[row, :, :span], atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(v[row, :, :span], wv[row, :, :span], atol=2e-2, rtol=2e-2)

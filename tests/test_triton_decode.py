@@ -131,6 +131,25 @@ def test_decode_attention_reads_only_slots_up_to_each_position(name: str, t: int
     torch.testing.assert_close(y, _reference_attention(q, model, input_pos, rows, kv_len), **TOL)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rows_past_the_bucket_are_idle_and_the_others_unchanged(splits: int) -> None:
+    """A row parked at the cache's last slot (a prompt going in, a free row) sits past the kv
+    bucket the live rows chose: it reads nothing and gives zeros, never NaN; the live rows'
+    attention is the reference's."""
+    model = _model(CONFIGS["tiny"])
+    att = model.layers[0].attention
+    cache, kv_len = att.kv_cache, 48
+    input_pos = torch.tensor([40, model.max_seq_len - 1, 22, kv_len])
+    rows = torch.tensor([1, 3, 0, 2])
+    q = torch.randn(4, att.n_heads * att.head_dim, generator=torch.Generator().manual_seed(5))
+    y = td.decode_attention(q, cache.k_cache, cache.v_cache, input_pos, kv_len, 4, 1, att.n_heads, att.n_kv_heads,
+                            att.head_dim, rows, splits)
+    live = torch.tensor([0, 2])
+    want = _reference_attention(q[live][:, None], model, input_pos[live][:, None], rows[live], kv_len)
+    torch.testing.assert_close(y[live], want, **TOL)
+    assert torch.equal(y[torch.tensor([1, 3])], torch.zeros(2, y.shape[1]))
+
+
 def test_rows_per_program_choose_the_gemv_path_for_few_rows_of_small_weights() -> None:
     """Up to GEMV_ROWS rows go through the GEMV path (BLOCK_M below 16, a power of two); 3-4 rows
     only for weights up to 4 M elements (Qwen2.5-0.5B's gate/up is larger); the rest through tl.dot,

@@ -419,8 +419,12 @@ def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, p
         crow = tl.load(rows_ptr + b)
     else:
         crow = b
-    # Slots up to the row's last position, inside the kv_len bucket; this split's share of them.
-    n_valid = tl.minimum(tl.max(pos, axis=0) + 1, kv_len)
+    # Slots up to the row's last position; this split's share of them. A row whose position lies
+    # past the bucket is idle: the engine picks the bucket from its live rows, so that is a free
+    # row or one parked at the cache's last slot while its prompt goes in. It attends nothing:
+    # reading the whole bucket, it was the kernel's slowest program beside rows of shorter contexts.
+    last = tl.max(pos, axis=0)
+    n_valid = tl.where(last < kv_len, last + 1, 0)
     chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_S) * BLOCK_S
     start = split * chunk
     end = tl.minimum(start + chunk, n_valid)
@@ -473,7 +477,8 @@ def _attention_reduce_kernel(y_ptr, pm_ptr, pl_ptr, pacc_ptr, T,
     l = tl.load(pl_ptr + part * Q_P + r, mask=sp_mask, other=0.0)
     acc = tl.load(pacc_ptr + (part * Q_P + r)[:, None] * D_P + d[None, :], mask=sp_mask[:, None], other=0.0)
     w = tl.exp(m - tl.max(m, axis=0))
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # an idle row: zeros
     tok = b * T + r // GROUP
     head = g * GROUP + r % GROUP
     tl.store(y_ptr + tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM + d, out.to(y_ptr.dtype.element_ty),
@@ -606,7 +611,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Ten
                      t: int, n_heads: int, n_kv_heads: int, head_dim: int, rows: Tensor | None = None,
                      splits: int | None = None, pdl: bool = False) -> Tensor:
     """q ``(B * T, n_heads * head_dim)`` -> attention output of the same shape: token (b, t) at
-    position p attends to slots ``0..p`` of cache row ``rows[b]`` (default b), below ``kv_len``."""
+    position p attends to slots ``0..p`` of cache row ``rows[b]`` (default b), below ``kv_len``.
+    A row with a position at or past ``kv_len`` is idle: its output is zeros."""
     group = n_heads // n_kv_heads
     qrows = t * group
     q_p = max(16, triton.next_power_of_2(qrows))

@@ -11,14 +11,18 @@ changing bucket moves nothing.
 
 Prefill (packed.py): each ``step()`` runs one packed forward over chunks of as many prefilling
 prompts as fit the token budget (``max_num_batched_tokens``), laid end to end without padding
-between requests, then the decode step of the running rows. ``plan_prefill`` splits the budget:
-first up to ``prefill_chunk`` tokens for each prompt, oldest first, then what is left to the oldest
-ones again. So a decode row waits for at most one packed forward per token, a long prompt holds a
-short one back by at most one chunk, and the oldest prompt always advances (no starvation). A
-prompt's last chunk samples its first token and starts its row decoding.
+between requests, with the running rows' next tokens riding in it (one each, counted in the
+budget), whose sampling half then runs (``_mixable`` says when they ride instead: speculation,
+grammar rows and a suspect prefilled alone keep the packed forward and the whole decode step).
+``plan_prefill`` splits the budget: first up to ``prefill_chunk`` tokens for each prompt, oldest
+first, then what is left to the oldest ones again. So a decode row gets a token every step, a long
+prompt holds a short one back by at most one chunk, and the oldest prompt always advances (no
+starvation). A prompt's last chunk samples its first token and starts its row decoding.
 
-Each row computes exactly what it computes alone (its own cache row, its own positions, noise
-keyed by its own seed and position), so greedy output does not depend on who else is running.
+Each row computes what it computes alone (its own cache row, its own positions, noise keyed by
+its own seed and position), so its output does not depend on who else is running: exactly so in
+fp32 (the CPU tests); in bf16 on a GPU, forwards of other shapes (another batch bucket, the packed
+forward a row rides in) round differently, so a greedy answer can part where two tokens tie.
 
 Pipelining: each ``step()`` launches decode step t+1 before it reads
 step t, so the device never waits for the host's bookkeeping; a row that finished at step t has one
@@ -177,7 +181,7 @@ class ContinuousBatcher:
         # token count): their elementwise work fuses around the kernel, built per bucket by warmup().
         blocks = runner.compiled_model.blocks if graphs and runner.compiled_model is not None else None
         self.packed = PackedPrefill(runner.model, max_num_batched_tokens, self.max_num_seqs, graphs=graphs,
-                                    pad_id=runner.pad_id, blocks=blocks)
+                                    pad_id=runner.pad_id, blocks=blocks, state_tokens=runner.state.tokens)
         spec = runner.speculation
         self.spec = spec
         # Draft positions proposed and accepted so far (the handler's metrics read these).
@@ -260,9 +264,10 @@ class ContinuousBatcher:
         if admitted:
             self._compact()
             self._admit()
-            prefilled = self._prefill(updates)
+            prefilled, launched = self._prefill(updates, self._mixable())
             if not self._per_step_bias():  # pipelined: launch step t+1, then read step t
-                launched = self._launch()
+                if launched is None:  # no decoding row rode along with the prompts
+                    launched = self._launch()
                 self._read_all(updates)
                 if prefilled is not None:
                     self._read(prefilled, updates)
@@ -284,7 +289,7 @@ class ContinuousBatcher:
             # their new rows from the next step on) and new rows load their state.
             self._compact()
             self._admit()
-            prefilled = self._prefill(updates)
+            prefilled, _ = self._prefill(updates, [])
             self._inflight += [prefilled] if prefilled is not None else []
         if self._per_step_bias():
             # The next forward now, before this step's tokens are handed out: it needs only the
@@ -388,9 +393,25 @@ class ContinuousBatcher:
             self.r.state.input_pos[s.slot] = self.r.max_seq_len - 1
             self.prefilling.append(s)
 
-    def _prefill(self, updates: dict[Hashable, SeqUpdate]) -> _Pending | None:
+    def _mixable(self) -> list[_Seq]:
+        """The decoding rows whose next token this step's packed forward can compute beside the
+        prompts' chunks (one forward instead of a packed one and a decode step), or none: with
+        speculation (its verify steps), rows whose bias needs their last token (split steps), a
+        suspect prefilled alone, or nothing to prefill."""
+        if self.spec is not None or self._suspects or not self.prefilling:
+            return []
+        if any(s is not None and s.constraint is not None and s.constraint.per_step for s in self.slots):
+            return []
+        active = [s for s in self.slots if s is not None and not s.done and s.launched > 0]
+        return active if any(s.launched < s.params.max_tokens for s in active) else []
+
+    def _prefill(self, updates: dict[Hashable, SeqUpdate], decoding: list[_Seq]
+                 ) -> tuple[_Pending | None, _Pending | None]:
         """One packed forward over the next chunks of the prefilling prompts (``plan_prefill``);
-        prompts whose last chunk went in get their first token and start decoding."""
+        prompts whose last chunk went in get their first token and start decoding. ``decoding``
+        (``_mixable``): rows whose decode step rides in the same forward, one token each within the
+        token budget; then also returns that step, sampled by their bucket's captured sampling half
+        (None: the rows still need their decode step)."""
         while self.prefilling and self.prefilling[0].done:  # cancelled meanwhile
             self.prefilling.popleft()
         queue = [s for s in self.prefilling if not s.done]
@@ -398,9 +419,12 @@ class ContinuousBatcher:
         if suspects:
             queue = suspects[:1]
         if not queue:
-            return None
-        take = plan_prefill([len(s.prompt) - s.prefilled for s in queue], self.max_num_batched_tokens,
-                            self.prefill_chunk)
+            return None, None
+        budget = self.max_num_batched_tokens - len(decoding)
+        if budget < min(self.prefill_chunk, len(queue[0].prompt) - queue[0].prefilled):
+            # The decode tokens would cut the oldest prompt's chunk: two forwards keep it whole.
+            decoding, budget = [], self.max_num_batched_tokens
+        take = plan_prefill([len(s.prompt) - s.prefilled for s in queue], budget, self.prefill_chunk)
         chunks, seqs = [], []
         for s, n in zip(queue, take):
             if n:
@@ -408,20 +432,27 @@ class ContinuousBatcher:
                 chunks.append(Chunk(s.prompt[s.prefilled:end], s.prefilled, s.slot, end == len(s.prompt)))
                 seqs.append(s)
         finishing = [s for s, c in zip(seqs, chunks) if c.last]
+        # A decoding row's entry: its next token (on the device) at the position it feeds (at most
+        # the context's last: a request's prompt and max_tokens fit the context).
+        riders = [Chunk([self.r.pad_id], s.pos_hi, s.slot, True, from_state=True) for s in decoding]
         try:
-            logits = self.packed.run(chunks)
-            out, mode = self._start_rows(logits, finishing) if finishing else (None, "")
+            logits = self.packed.run(chunks + riders)
+            out, mode, start = self._first_tokens(logits[:len(finishing)], finishing) if finishing else (None, "", None)
         except Exception as e:  # e.g. out of memory: which request? each is prefilled alone next
             if len(seqs) > 1:
                 self._suspects.update(s.key for s in seqs)
-                return None
+                return None, None
             s = seqs[0]
             self._suspects.discard(s.key)
             self.prefilling.remove(s)
             self.by_key.pop(s.key, None)
             self._finish(s)
             updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
-            return None
+            return None, None
+        # Sampled before the new rows load their state: the sampling half advances every row of its bucket.
+        mixed = self._decode_from(logits[len(finishing):], decoding) if decoding else None
+        if start is not None:
+            self.r.state.load_rows(*start)
         for s, c in zip(seqs, chunks):
             s.prefilled += len(c.tokens)
             if self.prefix is not None:
@@ -431,14 +462,15 @@ class ContinuousBatcher:
             self._suspects.discard(s.key)
             s.launched, s.pos_hi = 1, len(s.prompt)
         if not finishing:
-            return None
+            return None, mixed
         self._set_spec_rows(finishing)
         host, slot = self._host(out)
-        return _Pending(host, slot, mode, list(enumerate(finishing)))  # output row i: finishing request i
+        return _Pending(host, slot, mode, list(enumerate(finishing))), mixed  # output row i: finishing request i
 
-    def _start_rows(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, str]:
-        """Sample the first token of each request from its prompt's last logits and load its decode
-        row (token, position, sampling parameters). Returns the sampled output and its mode."""
+    def _first_tokens(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, str, tuple]:
+        """Sample the first token of each request from its prompt's last logits. Returns the sampled
+        output, its mode, and the arguments of ``DecodeState.load_rows`` that start the requests'
+        decode rows (token, position, sampling parameters)."""
         ps = [s.params for s in seqs]
         temperature, top_k, top_p = [float(p.temperature) for p in ps], [p.top_k for p in ps], [float(p.top_p) for p in ps]
         dev = self.r.device
@@ -454,9 +486,20 @@ class ContinuousBatcher:
             # The decode state keeps the bias without the grammar: its split steps apply each
             # step's packed masks themselves.
             sampling = sampling._replace(bias=bias_rows([s.constraint for s in seqs], vocab, dev, grammar=False))
-        self.r.state.load_rows(upload([s.slot for s in seqs], torch.int64, dev), token_ids(out, mode), last + 1,
-                               sampling)
-        return out, mode
+        return out, mode, (upload([s.slot for s in seqs], torch.int64, dev), token_ids(out, mode), last + 1, sampling)
+
+    def _decode_from(self, logits: torch.Tensor, rows: list[_Seq]) -> _Pending:
+        """The decode step of ``rows`` whose forward half was the packed forward (``logits``: one
+        row each, in order): their logits into the decode state, then the captured sampling half
+        of their batch bucket, which advances them as a decode step does."""
+        batch = pick_bucket(max(s.slot for s in rows) + 1, self.r.batch_buckets)
+        mode = _mode([s.params for s in rows])
+        self.r.state.logits.index_copy_(0, upload([s.slot for s in rows], torch.int64, self.r.device), logits)
+        host, slot = self._host(self.r.sample_steps[(batch, mode)].run())
+        for s in rows:
+            s.launched += 1
+            s.pos_hi += 1
+        return _Pending(host, slot, mode, [(s.slot, s) for s in rows])
 
     def _set_spec_rows(self, seqs: list[_Seq]) -> None:
         """Tell the verify steps which of these newly started rows accept drafts."""

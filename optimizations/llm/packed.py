@@ -7,7 +7,8 @@ runs its layers unchanged over that one row of ``N`` tokens (``Transformer.hidde
 only attention differs: each layer's ``Attention.packed`` hook writes every token's k/v at its own
 (cache row, position) and makes each token attend over its own row up to its own position, which
 covers a later chunk of a long prompt (its earlier chunks are in the row already) as well as a
-whole short prompt.
+whole short prompt, and a decoding row's next token, which rides in the same forward as a chunk of
+one token taken on the device from the decode state (``Chunk.from_state``).
 
 Two attention paths compute the same thing:
 
@@ -47,12 +48,17 @@ SMALLEST_BUCKET = 16
 @dataclass(frozen=True)
 class Chunk:
     """A prompt's next tokens for one packed forward: ``tokens`` at positions ``start ..`` of cache
-    row ``row``; ``last``: the prompt's final chunk, whose last token's logits are wanted."""
+    row ``row``; ``last``: the prompt's final chunk, whose last token's logits are wanted.
+
+    ``from_state``: a decoding row's next token instead (one token, ``last`` set), taken on the
+    device from the decode state's ``tokens[row]``, where the step before it left it: the host has
+    not read it yet (the engine reads a step's tokens after launching the next)."""
 
     tokens: list[int]
     start: int
     row: int
     last: bool
+    from_state: bool = False
 
 
 # From this many tokens up, a bucket also sits halfway between two powers of two.
@@ -215,7 +221,7 @@ class _PackedStep(GraphedStep):
     @torch.no_grad()
     def _body(self) -> Tensor:
         o, n = self.owner, self.n
-        return packed_logits(o.model, o.tokens[:n], o.positions[:n], o.last_idx, o.triton, o.blocks)
+        return packed_logits(o.model, o.inputs(n), o.positions[:n], o.last_idx, o.triton, o.blocks)
 
 
 class PackedPrefill:
@@ -227,7 +233,9 @@ class PackedPrefill:
 
     def __init__(self, model: Transformer, max_tokens: int, max_seqs: int, graphs: bool = False,
                  attention: str | None = None, pad_id: int = 0,
-                 blocks: Sequence[Callable[..., Tensor]] | None = None) -> None:
+                 blocks: Sequence[Callable[..., Tensor]] | None = None, state_tokens: Tensor | None = None) -> None:
+        """``state_tokens``: the decode state's ``tokens`` ``(rows, 1)``, where ``from_state``
+        chunks take their token (a forward without them needs none)."""
         if max_tokens < 1 or max_seqs < 1:
             raise ValueError(f"max_tokens ({max_tokens}) and max_seqs ({max_seqs}) must be positive")
         self.model, self.max_tokens, self.max_seqs, self.pad_id = model, max_tokens, max_seqs, pad_id
@@ -247,23 +255,33 @@ class PackedPrefill:
         self.attention, self.graphs, self.blocks = attention, graphs, blocks
         self.buckets = token_buckets(max_tokens) if graphs else ()
         # The static tables, one int64 buffer (one host-to-device copy per step): tokens, positions,
-        # cache rows (max_tokens each), last_idx (max_seqs), seq (4 per request), block table (2 x blocks).
+        # cache rows, from_state (max_tokens each), last_idx (max_seqs), seq (4 per request), block
+        # table (2 x blocks).
         n, s = max_tokens, max_seqs
         self._blocks = max_tokens // BLOCK_M + max_seqs
-        sizes = [n, n, n, s, 4 * s, self._blocks, self._blocks]
+        sizes = [n, n, n, n, s, 4 * s, self._blocks, self._blocks]
         self._dev = torch.zeros(sum(sizes), dtype=torch.int64, device=self.device)
         views = torch.split(self._dev, sizes)
-        self.tokens, self.positions, self.rows, self.last_idx, seq, self.block_seq, self.block_off = views
+        self.tokens, self.positions, self.rows, self.from_state, self.last_idx, seq, self.block_seq, self.block_off = views
+        self.state_tokens = state_tokens[:, 0] if state_tokens is not None else None
         self.seq = seq.view(s, 4)
         blank = torch.zeros(sum(sizes), dtype=torch.int64)
         b = torch.split(blank, sizes)
         b[0].fill_(pad_id)
-        b[5].fill_(-1)  # no request: the program exits
+        b[6].fill_(-1)  # no request: the program exits
         self._blank, self._sizes = blank, sizes
         self._steps: dict[int, _PackedStep] = {}
         # One hook object for every bucket (compiled layers see the same one each time).
         self.triton = (TritonAttention(self.seq, self.block_seq, self.block_off, s)
                        if attention == "triton" else None)
+
+    def inputs(self, n: int) -> Tensor:
+        """The first ``n`` input tokens: the table's, or the decode state's for ``from_state`` entries."""
+        if self.state_tokens is None:
+            return self.tokens[:n]
+        pick = self.from_state[:n]
+        # Other entries index row 0: their rows (the spare row of padding) may lie past the state's.
+        return torch.where(pick.bool(), self.state_tokens[self.rows[:n] * pick], self.tokens[:n])
 
     def _load(self, chunks: list[Chunk]) -> tuple[int, list[tuple[int, int, int, int]]]:
         """Fill the tables for ``chunks``; returns the token count and the segments."""
@@ -272,12 +290,16 @@ class PackedPrefill:
         total = sum(len(c.tokens) for c in chunks)
         if total > self.max_tokens or any(not c.tokens for c in chunks):
             raise ValueError(f"chunks of {total} tokens (empty ones refused) exceed the budget of {self.max_tokens}")
+        if any(c.from_state and (len(c.tokens) != 1 or not c.last) for c in chunks) or \
+                (self.state_tokens is None and any(c.from_state for c in chunks)):
+            raise ValueError("a from_state chunk is one token whose logits are wanted, on a forward given the decode state")
         # A fresh host copy of the blank tables per forward, pinned on CUDA: the copy to the device
         # is queued behind the step in flight instead of waiting for it (a pageable source would
         # wait), and PyTorch's pinned-memory cache keeps each buffer until its copy has run, so the
         # next forward's tables never overwrite one still being read.
         host = self._blank.pin_memory() if self.device.type == "cuda" else self._blank.clone()
-        tokens, positions, rows, last_idx, seq, block_seq, block_off = (t.numpy() for t in torch.split(host, self._sizes))
+        tokens, positions, rows, from_state, last_idx, seq, block_seq, block_off = (
+            t.numpy() for t in torch.split(host, self._sizes))
         # The tables in numpy from per-chunk arrays (a Python loop per token cost ~0.55 ms a
         # 2,048-token step on the 2-core VM, on the engine thread; this ~0.07 ms).
         n = len(chunks)
@@ -288,6 +310,9 @@ class PackedPrefill:
         tokens[:total] = np.concatenate([np.array(c.tokens, dtype=np.int64) for c in chunks])  # C loops, not a generator
         positions[:total] = np.arange(total) - np.repeat(offsets - starts, lengths)  # chunk i's token j: start_i + j
         rows[:total] = np.repeat(cache_rows, lengths)
+        decoding = [c.from_state for c in chunks]
+        if any(decoding):  # one token each
+            from_state[offsets[decoding]] = 1
         last = (offsets + lengths - 1)[[c.last for c in chunks]]
         last_idx[:len(last)] = last
         seq[:4 * n] = np.stack([offsets, lengths, starts, cache_rows], axis=1).ravel()
@@ -311,10 +336,10 @@ class PackedPrefill:
             return self._steps[pick_bucket(total, self.buckets)].run()[:n_last]
         n = total
         if self.triton is not None:
-            return packed_logits(self.model, self.tokens[:n], self.positions[:n], self.last_idx[:n_last], self.triton,
+            return packed_logits(self.model, self.inputs(n), self.positions[:n], self.last_idx[:n_last], self.triton,
                                  self.blocks)
         attend = TorchAttention(segments, self.rows[:n], self.positions[:n])
-        return packed_logits(self.model, self.tokens[:n], self.positions[:n], self.last_idx[:n_last], attend)
+        return packed_logits(self.model, self.inputs(n), self.positions[:n], self.last_idx[:n_last], attend)
 
     @torch.no_grad()
     def warmup(self) -> dict[str, object]:

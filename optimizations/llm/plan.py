@@ -55,8 +55,8 @@ class LlmPlan:
     limits: LlmLimits = field(default_factory=LlmLimits)
     cpu_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
     speculation: SpecPlan | None = None  # None: plain decoding
-    # Continuous batching: each step runs one packed prefill forward of at most this many prompt
-    # tokens (several prompts' chunks, no padding between them), then the decode step.
+    # Continuous batching: each step runs one packed forward of at most this many tokens: the
+    # decoding rows' next tokens and prompt chunks (several prompts', no padding between them).
     max_num_batched_tokens: int = 2048
     prefill_chunk: int = 512  # ... of which one prompt takes at most this many while others wait for the budget
     # Reuse the K/V of prompt prefixes already computed (optimizations/llm/prefix_cache.py).
