@@ -23,7 +23,9 @@ the served model's own tokens):
   batch1    per set (--sets): requests one after another: TTFT, time per output token (TPOT, the
             mean gap after the first token), tokens/s of one sequence (1 / TPOT).
   streams   per set: --streams closed-loop clients, each sending --stream-requests requests back to
-            back: total tokens/s, TTFT p50/p99, TPOT.
+            back: total tokens/s (completion tokens / the whole load's wall time, the tail of the
+            longest answers included), tokens/s at full load (while every client is busy: from
+            the last client's first token to the first client's last answer), TTFT p50/p99, TPOT.
   poisson   per set: open-loop Poisson arrivals at --rate requests/s for --duration s, each request
             in its own thread, timed from its scheduled send: TTFT p50/p99, TPOT, tokens/s.
   followup  --conversations chats of ~1,500 tokens: the chat is sent, then its follow-up turn (the
@@ -57,6 +59,7 @@ import collections
 import copy
 import functools
 import json
+import math
 import struct
 import sys
 import tempfile
@@ -138,15 +141,44 @@ def one_by_one(chat: Chat, prompts: list[Prompt]) -> list[Timing]:
     return [chat(list(p.messages), p.max_tokens, None) for p in prompts]
 
 
-def closed_loop(chat: Chat, prompts: list[Prompt], streams: int) -> tuple[list[Timing], float]:
-    """`streams` clients starting together, client i sending prompts i, i + streams, ... back to back."""
-    out: list[list[Timing]] = [[] for _ in range(streams)]
+def closed_loop(chat: Chat, prompts: list[Prompt], streams: int) -> tuple[list[Timing], float, list[float]]:
+    """`streams` clients starting together, client i sending prompts i, i + streams, ... back to back.
+    Returns the timings client by client, the wall time, and each request's send (perf_counter)."""
+    out: list[list[tuple[float, Timing]]] = [[] for _ in range(streams)]
 
     def client(i: int) -> None:
-        out[i] = one_by_one(chat, prompts[i::streams])
+        for p in prompts[i::streams]:
+            sent = time.perf_counter()
+            out[i].append((sent, chat(list(p.messages), p.max_tokens, None)))
 
     wall = run_together(client, streams)
-    return [t for ts in out for t in ts], wall
+    return [t for ts in out for _, t in ts], wall, [s for ts in out for s, _ in ts]
+
+
+def full_load(timings: list[Timing], sends: list[float], per_stream: int) -> dict[str, Any]:
+    """Tokens/s while every closed-loop stream is busy: from when the last stream got its first token
+    to when the first stream had its last answer (before, streams are still starting; after, fewer
+    of them run and the longest answers set the pace: `tok/s total` counts both). A request's
+    tokens are spread evenly between its first and last token, as TPOT takes them. None where a
+    request failed or no stream overlapped all the others."""
+    none = {"tok_per_s_full_load": None, "full_load_s": None}
+    if any(t.status != 200 or t.ttft_s is None or t.last_s is None for t in timings) or not timings:
+        return none
+    firsts = [sends[i] + timings[i].ttft_s for i in range(0, len(timings), per_stream)]
+    lasts = [sends[i] + timings[i].last_s for i in range(per_stream - 1, len(timings), per_stream)]
+    a, b = max(firsts), min(lasts)
+    if b <= a:
+        return none
+    tokens = 0
+    for sent, t in zip(sends, timings):
+        first, last, n = sent + t.ttft_s, sent + t.last_s, t.tokens
+        if n <= 1 or last <= first:  # one token, or all of them in one chunk
+            tokens += n * (a <= first <= b)
+            continue
+        gap = (last - first) / (n - 1)
+        lo, hi = max(0, math.ceil((a - first) / gap)), min(n - 1, math.floor((b - first) / gap))
+        tokens += max(0, hi - lo + 1)
+    return {"tok_per_s_full_load": round(tokens / (b - a), 1), "full_load_s": round(b - a, 3)}
 
 
 def poisson(chat: Chat, prompts: list[Prompt], rate: float, duration: float, seed: int
@@ -276,7 +308,7 @@ def prefill(chat: Chat, gen: PromptGenerator, streams: int, tokens: int, rounds:
     per_round, timings = [], []
     for _ in range(rounds):
         prompts = [gen.of_tokens(tokens, 16) for _ in range(streams)]
-        got, _ = closed_loop(chat, prompts, streams)
+        got, _, _ = closed_loop(chat, prompts, streams)
         timings += got
         firsts = [t.ttft_s for t in got if t.ttft_s is not None]
         if len(firsts) == len(got):
@@ -430,12 +462,12 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
             print(f"  {name} batch 1: {json.dumps(per['batch1'])}", flush=True)
         if "streams" in args.measures:
             split.start()
-            got, wall = closed_loop(chat, take(args.streams * args.stream_requests), args.streams)
+            got, wall, sends = closed_loop(chat, take(args.streams * args.stream_requests), args.streams)
             # Each client's first request arrives with the other clients' (a burst of `streams`);
             # the later ones as requests end.
             burst = [(t.ttft_s or 0) * 1e3 for t in got[::args.stream_requests]]
             later = [(t.ttft_s or 0) * 1e3 for i, t in enumerate(got) if i % args.stream_requests]
-            per["streams"] = {"streams": args.streams, **figures(got, wall),
+            per["streams"] = {"streams": args.streams, **figures(got, wall), **full_load(got, sends, args.stream_requests),
                               "ttft_ms_max": round(max((t.ttft_s or 0) for t in got) * 1e3, 2),
                               "ttft_ms_p99_burst": round(float(np.percentile(burst, 99)), 2),
                               "ttft_ms_p99_later": round(float(np.percentile(later, 99)), 2) if later else None,
@@ -725,15 +757,16 @@ def markdown(res: dict[str, Any]) -> str:
     rows = [(name, kind, r) for name, per in res["sets"].items() for kind, r in per.items()]
     if rows:
         L += ["## Per prompt set", "", "| set | load | requests (failed) | prompt tokens p50 / max | tokens/req | "
-              "TTFT p50 / p99 ms | TPOT p50 / p99 ms | tok/s per seq | tok/s total | bandwidth share |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "TTFT p50 / p99 ms | TPOT p50 / p99 ms | tok/s per seq | tok/s total | tok/s at full load | "
+              "bandwidth share |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, kind, r in rows:
             load = {"batch1": "batch 1", "streams": f"{r.get('streams')} streams",
                     "poisson": f"Poisson {r.get('rate')}/s"}[kind]
             L.append(f"| {name} | {load} | {r['requests']} ({r['failed']}) | {r['prompt_tokens_p50']} / "
                      f"{r['prompt_tokens_max']} | {r['mean_completion_tokens']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
                      f"{r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['tok_per_s_per_seq_p50']} | {r['tok_per_s_total']} | "
-                     f"{r.get('bandwidth_share', '')} |")
+                     f"{r.get('tok_per_s_full_load') or ''} | {r.get('bandwidth_share', '')} |")
         L.append("")
     if res.get("followup"):
         f = res["followup"]

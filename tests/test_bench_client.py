@@ -207,3 +207,25 @@ def test_request_windows_double_after_100_and_leave_out_what_a_request_lacks() -
     assert windows[0] == {"from": 1, "to": 1, "answered": 0, "ttft_ms_p50": None, "handler_ttft_ms_p50": None,
                           "outside_ms_p50": None}
     assert windows[1]["ttft_ms_p50"] == 15.0 and windows[1]["outside_ms_p50"] == 11.0  # requests 2-10: 11..19 ms
+
+
+def test_full_load_counts_the_tokens_while_every_stream_is_busy() -> None:
+    """Two streams of two requests: the window runs from the later stream's first token to the
+    earlier stream's last answer, and each request's tokens are spread evenly over its own span."""
+    from servekit.benchmarks.llm_serve_bench import Timing
+    from servekit.benchmarks.llm_workload_bench import full_load
+
+    def timing(ttft: float, last: float, tokens: int, status: int = 200) -> Timing:
+        return Timing(status, ttft, last, tokens, 10, tokens, "")
+
+    # Stream 0: sent at 0 (tokens at 1..5, one a second), then at 5 (tokens 6..10). Stream 1: sent
+    # at 0 (first token at 2, tokens 2..12 every 2 s), then at 12 (tokens 13, 14).
+    timings = [timing(1, 5, 5), timing(1, 5, 5), timing(2, 12, 6), timing(1, 2, 2)]
+    sends = [0.0, 5.0, 0.0, 12.0]
+    got = full_load(timings, sends, per_stream=2)
+    # Window [2, 10]: stream 0 tokens at 2,3,4,5 and 6..10 (9), stream 1 at 2,4,6,8,10 (5).
+    assert got == {"tok_per_s_full_load": round(14 / 8, 1), "full_load_s": 8.0}
+    assert full_load([timing(1, 5, 5, 500)] + timings[1:], sends, 2)["tok_per_s_full_load"] is None
+    # A stream that ends before another starts producing: no window.
+    assert full_load([timing(1, 2, 2), timing(1, 2, 2), timing(9, 10, 2), timing(1, 2, 2)],
+                     [0.0, 2.0, 0.0, 10.0], 2)["full_load_s"] is None
