@@ -257,7 +257,9 @@ def test_serving_benchmark_measures_the_live_server(server: TorchServe) -> None:
         speed = level["tok_per_s_per_seq_p50"]
         slowest, fastest = level["itl_ms_p99"] + 0.0005, max(level["itl_ms_p50"] - 0.0005, 1e-6)
         assert 1e3 / slowest * 0.99 - 0.05 <= speed <= 1e3 / fastest * 1.01 + 0.05
-        assert 0 < level["tok_per_s_total"] <= level["completion_tokens"] / (level["ttft_ms_p50"] / 1e3)
+        # (tok/s total is rounded to 0.1: a round that ends with its first chunk, the whole answer
+        # in it, gives exactly the bound, rounded up by up to 0.05)
+        assert 0 < level["tok_per_s_total"] <= level["completion_tokens"] / (level["ttft_ms_p50"] / 1e3) + 0.05
     assert set(res["texts"]) == {"Say hello."} and res["texts"]["Say hello."]
 
 
