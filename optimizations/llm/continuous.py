@@ -257,8 +257,9 @@ class ContinuousBatcher:
     # -- one iteration -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> dict[Hashable, SeqUpdate]:
-        """Admit waiting requests into free slots, run one packed prefill forward, launch the next
-        decode step, read the previous one. Returns the new tokens of every request that got some."""
+        """Admit waiting requests into free slots, run one packed forward over the prompts' chunks with
+        the decoding rows' next tokens riding in it where they can (else the next decode step is
+        launched too), read the previous step. Returns the new tokens of every request that got some."""
         updates: dict[Hashable, SeqUpdate] = {}
         admitted = self._forward is None
         if admitted:
