@@ -303,9 +303,30 @@ class ContinuousBatcher:
             self._read(pending, updates)
         self._inflight = []
 
-    def _per_step_bias(self) -> bool:
-        return any(s is not None and not s.done and s.launched and s.constraint is not None and s.constraint.per_step
-                   for s in self.slots)
+    def _per_step_bias(self, prefilling: bool = False) -> bool:
+        """Whether a decoding row's bias needs its last token (a grammar, ``min_tokens``): its steps
+        run split; ``prefilling``: or a row whose prompt is still going in will."""
+        return any(s is not None and (prefilling or (not s.done and s.launched)) and s.constraint is not None
+                   and s.constraint.per_step for s in self.slots)
+
+    def _decoding(self) -> list[_Seq]:
+        """The rows a decode step advances, or none when none of them may still need a token after
+        the steps already launched (each gives at least one): the last read finishes the rest."""
+        active = [s for s in self.slots if s is not None and not s.done and s.launched > 0]
+        return active if any(s.launched < s.params.max_tokens for s in active) else []
+
+    def _shape(self, rows: list[_Seq]) -> tuple[int, str]:
+        """The batch bucket and sampling mode of a step over ``rows``."""
+        return pick_bucket(max(s.slot for s in rows) + 1, self.r.batch_buckets), _mode([s.params for s in rows])
+
+    @staticmethod
+    def _advance(rows: list[_Seq], k: int = 0) -> list[tuple[int, _Seq]]:
+        """Count a step launched for ``rows`` (each writes positions pos .. pos+k); returns its
+        (output row, request) pairs: a decode step's output row is the slot."""
+        for s in rows:
+            s.launched += 1
+            s.pos_hi += k + 1
+        return [(s.slot, s) for s in rows]
 
     def _load_bias(self) -> None:
         """Before a split step's sampling half, for each decoding row's next token: the grammar rows'
@@ -399,12 +420,9 @@ class ContinuousBatcher:
         prompts' chunks (one forward instead of a packed one and a decode step), or none: with
         speculation (its verify steps), rows whose bias needs their last token (split steps), a
         suspect prefilled alone, or nothing to prefill."""
-        if self.spec is not None or self._suspects or not self.prefilling:
+        if self.spec is not None or self._suspects or not self.prefilling or self._per_step_bias(prefilling=True):
             return []
-        if any(s is not None and s.constraint is not None and s.constraint.per_step for s in self.slots):
-            return []
-        active = [s for s in self.slots if s is not None and not s.done and s.launched > 0]
-        return active if any(s.launched < s.params.max_tokens for s in active) else []
+        return self._decoding()
 
     def _prefill(self, updates: dict[Hashable, SeqUpdate], decoding: list[_Seq]
                  ) -> tuple[_Pending | None, _Pending | None]:
@@ -493,14 +511,10 @@ class ContinuousBatcher:
         """The decode step of ``rows`` whose forward half was the packed forward (``logits``: one
         row each, in order): their logits into the decode state, then the captured sampling half
         of their batch bucket, which advances them as a decode step does."""
-        batch = pick_bucket(max(s.slot for s in rows) + 1, self.r.batch_buckets)
-        mode = _mode([s.params for s in rows])
+        batch, mode = self._shape(rows)
         self.r.state.logits.index_copy_(0, upload([s.slot for s in rows], torch.int64, self.r.device), logits)
         host, slot = self._host(self.r.sample_steps[(batch, mode)].run())
-        for s in rows:
-            s.launched += 1
-            s.pos_hi += 1
-        return _Pending(host, slot, mode, [(s.slot, s) for s in rows])
+        return _Pending(host, slot, mode, self._advance(rows))
 
     def _set_spec_rows(self, seqs: list[_Seq]) -> None:
         """Tell the verify steps which of these newly started rows accept drafts."""
@@ -523,13 +537,10 @@ class ContinuousBatcher:
     def _launch(self, split: bool = False) -> _Pending | None:
         """Launch the next decode step of the decoding rows (a verify step when they speculate);
         ``split``: only its forward half, ``_sample()`` launches the rest."""
-        active = [s for s in self.slots if s is not None and not s.done and s.launched > 0]
-        # Only rows that may still need a token after the launched steps (each gives at least one):
-        # the last read finishes the rest.
-        if not any(s.launched < s.params.max_tokens for s in active):
+        active = self._decoding()
+        if not active:
             return None
-        batch = pick_bucket(max(s.slot for s in active) + 1, self.r.batch_buckets)
-        mode = _mode([s.params for s in active])
+        batch, mode = self._shape(active)
         steps, k = self.r.steps, 0  # a plain step, or a verify step proposing k drafts per row
         if not split and self._speculates(active, batch, mode):
             steps, k = self.spec.steps, self.spec.n_heads
@@ -537,10 +548,7 @@ class ContinuousBatcher:
         # The step writes positions pos .. pos+k of each row: attend to one past the last.
         needed = min(max(s.pos_hi for s in active) + k + 1, self.r.max_seq_len)
         kv = pick_bucket(needed, self.r.kv_buckets)
-        for s in active:
-            s.launched += 1
-            s.pos_hi += k + 1
-        seqs = [(s.slot, s) for s in active]  # decode output row = slot
+        seqs = self._advance(active, k)
         if split:
             self.r.forward_steps[(batch, kv)].run()
             return _Pending(None, -1, mode, seqs, sample=self.r.sample_steps[(batch, mode)])
