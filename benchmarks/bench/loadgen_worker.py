@@ -231,7 +231,10 @@ def main(folder: str) -> int:
     # walk: 33-40 ms on the busy 2-core VM, a pause that delays this process's sends and reads alike
     # and so lands in the latencies it records. Nothing imported is ever freed: exempt it.
     frozen = freeze_heap()
-    (folder_p / "ready").write_text(json.dumps({"pid": os.getpid(), "gc_frozen_objects": frozen}))
+    # Written whole, then renamed: the parent takes the file's existence for readiness, and a
+    # reader between its creation and its write saw it empty.
+    (folder_p / "ready.tmp").write_text(json.dumps({"pid": os.getpid(), "gc_frozen_objects": frozen}))
+    os.replace(folder_p / "ready.tmp", folder_p / "ready")
     seq = 0
     while True:
         cmd = folder_p / f"cmd-{seq}.json"
