@@ -233,36 +233,51 @@ def full_server(tiny_smollm2: list[Path], tmp_path_factory: pytest.TempPathFacto
 
 
 def test_a_full_server_answers_503_at_once_and_serves_what_it_queued(full_server: TorchServe) -> None:
+    """A long stream holds the one running place; two requests then wait in TorchServe's queue and the
+    next two find it full. The long one is streamed so that the test knows it runs before sending the
+    others, and it must still be running when they are answered: otherwise the queue had room again."""
     url = f"{full_server.inference_url}/predictions/smollm2/1.0/v1/chat/completions"
-    answers: dict[int, tuple[int, float, dict]] = {}
+    answers: dict[int, tuple[int, float, float, dict]] = {}
 
-    def post(k: int, text: str, max_tokens: int) -> None:
-        body = json.dumps({"messages": _msgs(text), "max_tokens": max_tokens, "temperature": 0}).encode()
+    def post(k: int) -> None:
+        body = json.dumps({"messages": _msgs("Say hi."), "max_tokens": 4, "temperature": 0}).encode()
         t0 = time.perf_counter()
         try:
             with urllib.request.urlopen(urllib.request.Request(url, body, {"Content-Type": "application/json"}),
                                         timeout=300) as r:
-                answers[k] = (r.status, time.perf_counter() - t0, json.loads(r.read()))
+                status, body = r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
-            answers[k] = (e.code, time.perf_counter() - t0, json.loads(e.read()))
+            status, body = e.code, json.loads(e.read())
+        answers[k] = (status, time.perf_counter() - t0, time.perf_counter(), body)
 
-    # 2000 tokens: seconds of decoding on any CPU, while the others come within 1.6 s.
-    threads = [threading.Thread(target=post, args=(0, "Count from 1 to 1000.", 2000))]
-    threads[0].start()
-    time.sleep(1.0)  # the long one runs; the next two wait in TorchServe's queue, the rest find it full
-    for k in range(1, 5):
-        threads.append(threading.Thread(target=post, args=(k, "Say hi.", 4)))
+    s = _raw_stream(full_server, "Count from 1 to 1000.", LONG)
+    got = b""
+    while got.count(b"data: ") < 3:  # the long one runs
+        got += s.recv(4096)
+    threads = []
+    for k in range(1, 5):  # 1 and 2 wait in the queue; 3 and 4 find it full
+        threads.append(threading.Thread(target=post, args=(k,)))
         threads[-1].start()
-        time.sleep(0.2)
+        time.sleep(0.15)
+    for t in threads[2:]:
+        t.join(60)
+    s.settimeout(300)
+    while b"0\r\n\r\n" not in got[-16:]:  # the chunked response's end
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    long_ended = time.perf_counter()
+    s.close()
     for t in threads:
         t.join(300)
-    statuses = [answers[k][0] for k in range(5)]
-    assert statuses == [200, 200, 200, 503, 503], statuses
+    assert max(answers[k][2] for k in (3, 4)) < long_ended, "the long stream ended before the queue was full"
+    assert [answers[k][0] for k in range(1, 5)] == [200, 200, 503, 503], answers
     for k in (3, 4):  # refused at once, in TorchServe's own shape (see docs/reliability.md)
-        status, took, body = answers[k]
+        status, took, _, body = answers[k]
         assert took < 2.0 and body["type"] == "ServiceUnavailableException", answers[k]
-    assert answers[0][2]["usage"]["completion_tokens"] > 50  # the long one really ran while they came
-    assert all(answers[k][2]["choices"][0]["message"]["content"] for k in (1, 2))
+    assert got.count(b"data: ") > 50
+    assert all(answers[k][3]["choices"][0]["message"]["content"] for k in (1, 2))
 
 
 def test_an_engine_process_that_dies_fails_its_requests_and_the_worker_is_replaced(full_server: TorchServe) -> None:
