@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from decoder_checkpoints import FAMILIES, write_checkpoint
+from engine_steps import Counted
 from servekit.optimizations.llm.continuous import ContinuousBatcher, plan_prefill
 from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
 from servekit.optimizations.llm.offline import generate
@@ -197,34 +198,6 @@ def test_packed_prefill_refuses_what_it_cannot_run(tiny_llama: Transformer) -> N
 @pytest.fixture(scope="module")
 def runner(tiny_llama: Transformer) -> LlamaRunner:
     return LlamaRunner(tiny_llama, max_seq_len=160, batch_buckets=(1, 2, 4), prefill_buckets=(8, 16, 32, 64, 128))
-
-
-class Counted:
-    """The batcher's packed forward, recording for each call the step it ran in, its prompt tokens,
-    its prompt chunks' sizes and the decoding rows that rode along (one token each); and the
-    steps that launched a decode step of their own."""
-
-    def __init__(self, batcher: ContinuousBatcher) -> None:
-        self.b, self.calls, self.steps, self.launches, self.riders = batcher, [], 0, [], []
-        real, launch = batcher.packed.run, batcher._launch
-
-        def run(chunks: list[Chunk]) -> torch.Tensor:
-            self.riders += [c for c in chunks if c.from_state]
-            prompts = [len(c.tokens) for c in chunks if not c.from_state]
-            self.calls.append((self.steps, sum(prompts), prompts, sum(c.from_state for c in chunks)))
-            return real(chunks)
-
-        def launched(*args, **kwargs):
-            out = launch(*args, **kwargs)
-            if out is not None:
-                self.launches.append(self.steps)
-            return out
-
-        batcher.packed.run, batcher._launch = run, launched
-
-    def step(self) -> dict:
-        self.steps += 1
-        return self.b.step()
 
 
 def test_engine_output_equals_solo_with_mixed_prompt_lengths(runner: LlamaRunner) -> None:

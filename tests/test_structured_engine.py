@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 import torch
 
+from engine_steps import Counted
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.continuous import ContinuousBatcher
 from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
@@ -199,6 +200,42 @@ def test_a_request_taking_a_freed_slot_mid_batch_gets_its_solo_output(runner, co
     together = _run(runner, rows, max_num_seqs=2)
     for key, request in rows.items():
         assert _run(runner, {key: request})[key] == together[key], key
+
+
+def test_constrained_rows_ride_in_the_packed_forwards_of_prompts_arriving_beside_them(runner, compiler, tokenizer,
+                                                                                     stops) -> None:
+    """Grammar and min_tokens rows decode while new prompts (free and constrained) keep arriving:
+    their decode steps ride in the prompts' packed forwards, whose sampling half waits for their
+    masks as a split step's does, and those steps launch no decode forward of their own. A new
+    row starts after that sampling half; every request gets what it gets alone."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Ride along."}])
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[3]))
+    held = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[0]), min_tokens=8)
+    rows = {"json": (prompt, SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=c)),
+            "sampled": (prompt[1:], SamplingParams(max_tokens=60, temperature=0.9, seed=3, stop_token_ids=stops,
+                                                   constraint=held))}
+    arrivals = {}
+    for i, step in enumerate((3, 6, 9, 12, 15)):
+        key = f"new{i}"
+        params = (SamplingParams(max_tokens=6, stop_token_ids=stops, constraint=c) if i % 2 else
+                  SamplingParams(max_tokens=5, temperature=0.7, seed=i, stop_token_ids=stops))
+        rows[key] = (prompt[i + 2:], params)
+        arrivals[step] = key
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+    counted = Counted(b)
+    together: dict[str, list[int]] = {k: [] for k in rows}
+    b.add("json", *rows["json"])
+    b.add("sampled", *rows["sampled"])
+    while b.has_work or counted.steps < max(arrivals):
+        if counted.steps in arrivals:
+            b.add(arrivals[counted.steps], *rows[arrivals[counted.steps]])
+        for key, u in counted.step().items():
+            together[key] += u.tokens
+    ridden = {step for step, prompt_tokens, _, riders in counted.calls if riders and prompt_tokens}
+    assert len(ridden) >= len(arrivals) - 1, counted.calls
+    assert not ridden & set(counted.launches)  # one forward in those steps
+    for key, request in rows.items():
+        assert _run(runner, {key: request})[key][0] == together[key], key
 
 
 def test_constrained_rows_left_in_high_rows_move_down_and_keep_their_output(runner, compiler, tokenizer,

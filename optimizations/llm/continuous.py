@@ -12,8 +12,9 @@ changing bucket moves nothing.
 Prefill (packed.py): each ``step()`` runs one packed forward over chunks of as many prefilling
 prompts as fit the token budget (``max_num_batched_tokens``), laid end to end without padding
 between requests, with the running rows' next tokens riding in it (one each, counted in the
-budget), whose sampling half then runs (``_mixable`` says when they ride instead: speculation,
-grammar rows and a suspect prefilled alone keep the packed forward and the whole decode step).
+budget), whose sampling half then runs (``_mixable`` says when they ride instead: speculation
+and a suspect prefilled alone keep the packed forward and the whole decode step). With grammar
+rows that sampling half waits for their masks, as a split step's does (below).
 ``plan_prefill`` splits the budget: first up to ``prefill_chunk`` tokens for each prompt, oldest
 first, then what is left to the oldest ones again. So a decode row gets a token every step, a long
 prompt holds a short one back by at most one chunk, and the oldest prompt always advances (no
@@ -138,6 +139,10 @@ class _Pending:
     seqs: list[tuple[int, _Seq]]  # (row of the output, request)
     drafts: int = 0  # k for a verify step's output (k+1 base tokens and the accepted count per row)
     sample: SampleStep | None = None  # a split step's sampling half, launched by _sample()
+    # Rows whose prompt ended in the packed forward that this split step's rows rode in: their state
+    # (``DecodeState.load_rows``'s arguments) goes in after the sampling half, which advances every
+    # row of its bucket.
+    load: tuple | None = None
 
 
 class ContinuousBatcher:
@@ -262,10 +267,11 @@ class ContinuousBatcher:
         launched too), read the previous step. Returns the new tokens of every request that got some."""
         updates: dict[Hashable, SeqUpdate] = {}
         admitted = self._forward is None
+        later: list[_Pending] = []  # read from the next step on
         if admitted:
             self._compact()
             self._admit()
-            prefilled, launched = self._prefill(updates, self._mixable())
+            prefilled, launched = self._prefill(updates, self._mixable(), split=self._per_step_bias())
             if not self._per_step_bias():  # pipelined: launch step t+1, then read step t
                 if launched is None:  # no decoding row rode along with the prompts
                     launched = self._launch()
@@ -274,8 +280,15 @@ class ContinuousBatcher:
                     self._read(prefilled, updates)
                 self._inflight = [launched] if launched is not None else []
                 return updates
-            self._inflight += [prefilled] if prefilled is not None else []
-            self._forward = self._launch(split=True)
+            if launched is not None:
+                # The decoding rows rode in the packed forward; the new rows start after their
+                # sampling half, so their first tokens can wait a step rather than the host wait
+                # for the whole forward before it fills the riders' masks.
+                self._forward = launched
+                later += [prefilled] if prefilled is not None else []
+            else:  # the new rows are in this forward: their matchers take their first tokens first
+                self._inflight += [prefilled] if prefilled is not None else []
+                self._forward = self._launch(split=True)
         # A row whose bias depends on its last token (a grammar, min_tokens not reached) needs that
         # token on the host before its next token is sampled; the model's forward does not (its
         # input tokens are on the device). So the step runs in halves: while the forward runs, the
@@ -285,14 +298,19 @@ class ContinuousBatcher:
         if self._forward is not None:
             self._inflight = [self._sample(self._forward)]
             self._forward = None
+        self._inflight += later
         if not admitted:
             # After the sampling, behind it on the device: rows move down (their masks are filled at
-            # their new rows from the next step on) and new rows load their state.
+            # their new rows from the next step on), then the next forward: the prompts' chunks with
+            # the decoding rows riding in it where they can.
             self._compact()
             self._admit()
-            prefilled, _ = self._prefill(updates, [])
+            prefilled, self._forward = self._prefill(updates, self._mixable(), split=self._per_step_bias())
             self._inflight += [prefilled] if prefilled is not None else []
-        if self._per_step_bias():
+            if self._forward is not None and self._forward.sample is None:  # sampled at once: no bias to wait for
+                self._inflight.append(self._forward)
+                self._forward = None
+        if self._forward is None and self._per_step_bias():
             # The next forward now, before this step's tokens are handed out: it needs only the
             # sampled tokens, which the device has, and runs while the host works.
             self._forward = self._launch(split=True)
@@ -336,8 +354,7 @@ class ContinuousBatcher:
         if self._forward is None or self._forward.sample is None:
             return
         st = self._forward.sample.state
-        batch = st.packed.shape[0]
-        rows = [s for s in self.slots[:batch] if s is not None and not s.done and s.launched and s.constraint is not None]
+        rows = [s for _, s in self._forward.seqs if not s.done and s.constraint is not None]
         dev = self.r.device
         matchers = [(s.constraint.matcher, s.slot) for s in rows if s.constraint.matcher is not None]
         if matchers:
@@ -418,19 +435,20 @@ class ContinuousBatcher:
     def _mixable(self) -> list[_Seq]:
         """The decoding rows whose next token this step's packed forward can compute beside the
         prompts' chunks (one forward instead of a packed one and a decode step), or none: with
-        speculation (its verify steps), rows whose bias needs their last token (split steps), a
-        suspect prefilled alone, or nothing to prefill."""
-        if self.spec is not None or self._suspects or not self.prefilling or self._per_step_bias(prefilling=True):
+        speculation (its verify steps), a suspect prefilled alone, or nothing to prefill."""
+        if self.spec is not None or self._suspects or not self.prefilling:
             return []
         return self._decoding()
 
-    def _prefill(self, updates: dict[Hashable, SeqUpdate], decoding: list[_Seq]
+    def _prefill(self, updates: dict[Hashable, SeqUpdate], decoding: list[_Seq], split: bool = False
                  ) -> tuple[_Pending | None, _Pending | None]:
         """One packed forward over the next chunks of the prefilling prompts (``plan_prefill``);
         prompts whose last chunk went in get their first token and start decoding. ``decoding``
         (``_mixable``): rows whose decode step rides in the same forward, one token each within the
         token budget; then also returns that step, sampled by their bucket's captured sampling half
-        (None: the rows still need their decode step)."""
+        (None: the rows still need their decode step). ``split`` (a decoding row's bias needs its
+        last token), or a new row whose will: that sampling half is left to ``_sample()``, after
+        the bias is loaded, and the new rows' state with it."""
         while self.prefilling and self.prefilling[0].done:  # cancelled meanwhile
             self.prefilling.popleft()
         queue = [s for s in self.prefilling if not s.done]
@@ -451,6 +469,7 @@ class ContinuousBatcher:
                 chunks.append(Chunk(s.prompt[s.prefilled:end], s.prefilled, s.slot, end == len(s.prompt)))
                 seqs.append(s)
         finishing = [s for s, c in zip(seqs, chunks) if c.last]
+        split = split or any(s.constraint is not None and s.constraint.per_step for s in finishing)
         # A decoding row's entry: its next token (on the device) at the position it feeds (at most
         # the context's last: a request's prompt and max_tokens fit the context).
         riders = [Chunk([self.r.pad_id], s.pos_hi, s.slot, True, from_state=True) for s in decoding]
@@ -469,8 +488,10 @@ class ContinuousBatcher:
             updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
             return None, None
         # Sampled before the new rows load their state: the sampling half advances every row of its bucket.
-        mixed = self._decode_from(logits[len(finishing):], decoding) if decoding else None
-        if start is not None:
+        mixed = self._decode_from(logits[len(finishing):], decoding, split) if decoding else None
+        if mixed is not None and mixed.sample is not None:
+            mixed.load = start
+        elif start is not None:
             self.r.state.load_rows(*start)
         for s, c in zip(seqs, chunks):
             s.prefilled += len(c.tokens)
@@ -507,13 +528,17 @@ class ContinuousBatcher:
             sampling = sampling._replace(bias=bias_rows([s.constraint for s in seqs], vocab, dev, grammar=False))
         return out, mode, (upload([s.slot for s in seqs], torch.int64, dev), token_ids(out, mode), last + 1, sampling)
 
-    def _decode_from(self, logits: torch.Tensor, rows: list[_Seq]) -> _Pending:
+    def _decode_from(self, logits: torch.Tensor, rows: list[_Seq], split: bool = False) -> _Pending:
         """The decode step of ``rows`` whose forward half was the packed forward (``logits``: one
         row each, in order): their logits into the decode state, then the captured sampling half
-        of their batch bucket, which advances them as a decode step does."""
+        of their batch bucket, which advances them as a decode step does; ``split``: that half
+        is left to ``_sample()``, as a split step's."""
         batch, mode = self._shape(rows)
         self.r.state.logits.index_copy_(0, upload([s.slot for s in rows], torch.int64, self.r.device), logits)
-        host, slot = self._host(self.r.sample_steps[(batch, mode)].run())
+        sample = self.r.sample_steps[(batch, mode)]
+        if split:
+            return _Pending(None, -1, mode, self._advance(rows), sample=sample)
+        host, slot = self._host(sample.run())
         return _Pending(host, slot, mode, self._advance(rows))
 
     def _set_spec_rows(self, seqs: list[_Seq]) -> None:
@@ -559,6 +584,8 @@ class ContinuousBatcher:
         """Launch a split step's sampling half (its rows' bias loaded) and the copy of its output."""
         assert pending.sample is not None
         pending.host, pending.slot = self._host(pending.sample.run())
+        if pending.load is not None:
+            self.r.state.load_rows(*pending.load)
         return pending
 
     def _read(self, pending: _Pending, updates: dict[Hashable, SeqUpdate]) -> None:
