@@ -10,9 +10,16 @@ rows sit empty after a short answer ends and the plain comparison weighs per-req
 (``max_tokens`` set to it, stop tokens off): the same rows busy for the same steps, so tokens/s
 and ms per step compare the steps alone (``comparison()``).
 
+All requests start together by default, so no prompt arrives while rows decode. ``--closed-loop
+N`` serves N requests with ``--requests`` of them running at a time, each finished one replaced
+by the next, as the served benchmark's streams do: constrained answers are short, so a new prompt
+then comes every step or two and rides with the decoding rows (``forwards per step`` counts the
+packed forwards and the decode forwards launched).
+
     python3 -m servekit.benchmarks.structured_engine_profile --requests 32 16   # GPU, shipped smollm2.yaml
     python -m servekit.benchmarks.structured_engine_profile --config config/models/smollm2-cpu.yaml \\
         --requests 2 --max-tokens 16 --repeats 1                               # CPU smoke run
+    python3 -m servekit.benchmarks.structured_engine_profile --requests 32 --closed-loop 256
 
 ``--mask-threads`` repeats the constrained runs with llguidance's mask fill on that many threads
 (0 or 1: one row after another on the engine's thread) instead of the engine's choice.
@@ -42,32 +49,66 @@ from servekit.resources import model_config
 PHASES = {"_read_all": "read tokens", "_load_bias": "load masks", "_sample": "launch sampling",
           "_launch": "launch step/forward", "_prefill": "prefill", "_admit": "admit"}
 FREE, JSON, MATCHED = "free", "JSON schema", "free, matched lengths"
+FORWARDS, DECODE_FORWARDS = "packed forwards", "decode forwards"  # counted, not timed: launches return at once
 
 
 def run_once(engine: ContinuousBatcher, timer: PhaseTimer, prompts: list[list[int]],
-             params: list[SamplingParams], key: Any) -> dict[str, Any]:
-    """All requests added at once, stepped until done: tokens/s, ms and tokens per step, TTFT from
-    the start, each request's answer length and host ms per step in each phase."""
+             params: list[SamplingParams], key: Any, at_once: int | None = None) -> dict[str, Any]:
+    """The requests stepped until done, all added at once or ``at_once`` of them running at a time
+    (each finished one replaced by the next): tokens/s, ms, tokens and forwards per step, TTFT from
+    each request's add, each request's answer length and host ms per step in each phase."""
     timer.seconds.clear()
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add((key, i), prompt, p)
-    lengths, ttft = [0] * len(prompts), [0.0] * len(prompts)
-    steps = 0
+    timer.calls.clear()
+    at_once = at_once or len(prompts)
+    lengths, ttft, added = [0] * len(prompts), [0.0] * len(prompts), [0.0] * len(prompts)
     t0 = time.perf_counter()
+    queued = 0
+
+    def add_next() -> None:
+        nonlocal queued
+        engine.add((key, queued), prompts[queued], params[queued])
+        added[queued] = time.perf_counter() - t0
+        queued += 1
+
+    while queued < min(at_once, len(prompts)):
+        add_next()
+    steps = 0
     while engine.has_work:
         updates = engine.step()
         now = time.perf_counter() - t0
         steps += 1
         for (_, i), u in updates.items():
             if u.tokens and not lengths[i]:
-                ttft[i] = now
+                ttft[i] = now - added[i]
             lengths[i] += len(u.tokens)
+            if u.finish_reason is not None and queued < len(prompts):
+                add_next()
     wall = time.perf_counter() - t0
     tokens = sum(lengths)
+    forwards = timer.calls[FORWARDS] + timer.calls[DECODE_FORWARDS]
     return {"steps": steps, "tokens": tokens, "tok_per_s": tokens / wall, "ms_per_step": wall / steps * 1e3,
             "tokens_per_step": tokens / steps, "mean_length": tokens / len(lengths), "lengths": lengths,
+            "forwards_per_step": forwards / steps,
             "ttft_ms_p50": statistics.median(ttft) * 1e3, "ttft_ms_max": max(ttft) * 1e3,
-            "host_ms_per_step": {k: v / steps * 1e3 for k, v in sorted(timer.seconds.items())}}
+            "host_ms_per_step": {k: v / steps * 1e3 for k, v in sorted(timer.seconds.items())
+                                 if k not in (FORWARDS, DECODE_FORWARDS)}}
+
+
+def count_forwards(engine: ContinuousBatcher, timer: PhaseTimer) -> None:
+    """Count in ``timer.calls`` the packed forwards the engine runs and the decode forwards it
+    launches (a whole decode step or a split step's forward half)."""
+    run, launch = engine.packed.run, engine._launch
+
+    def packed(*args: Any, **kwargs: Any) -> Any:
+        timer.calls[FORWARDS] += 1
+        return run(*args, **kwargs)
+
+    def launched(*args: Any, **kwargs: Any) -> Any:
+        out = launch(*args, **kwargs)
+        timer.calls[DECODE_FORWARDS] += out is not None
+        return out
+
+    engine.packed.run, engine._launch = packed, launched
 
 
 def matched(params: list[SamplingParams], lengths: list[int]) -> list[SamplingParams]:
@@ -93,7 +134,7 @@ def line(name: str, rep: int, r: dict[str, Any]) -> str:
     phases = ", ".join(f"{k} {v:.3f}" for k, v in r["host_ms_per_step"].items())
     return (f"{name} (run {rep + 1}): {r['steps']} steps, {r['tokens']} tokens (mean {r['mean_length']:.1f} per "
             f"answer), {r['tok_per_s']:.0f} tokens/s, {r['ms_per_step']:.2f} ms per step, "
-            f"{r['tokens_per_step']:.1f} tokens per step, TTFT p50 {r['ttft_ms_p50']:.1f} ms (max "
+            f"{r['tokens_per_step']:.1f} tokens per step, {r['forwards_per_step']:.2f} forwards per step, TTFT p50 {r['ttft_ms_p50']:.1f} ms (max "
             f"{r['ttft_ms_max']:.1f}); host ms per step: {phases}")
 
 
@@ -104,6 +145,9 @@ def main() -> None:
                     help="requests at once (one per schema, in order); one profile per value")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--closed-loop", type=int, default=0, metavar="N",
+                    help="serve N requests in all, --requests of them at a time (a finished one replaced by the "
+                         "next) instead of all at once")
     ap.add_argument("--mask-threads", type=int, nargs="*", default=[],
                     help="also run the constrained requests with the masks filled on this many threads")
     args = ap.parse_args()
@@ -119,11 +163,17 @@ def main() -> None:
     for name, label in PHASES.items():
         timer.instrument(engine, name, label)
     timer.instrument(grammar, "fill_masks", "  of which: fill masks")
+    count_forwards(engine, timer)
     engine_executor = grammar._executor
     for n in args.requests:
-        print(f"{plan.label()}, {n} requests of at most {args.max_tokens} tokens, temperature 0.8", flush=True)
+        if n > engine.max_num_seqs:
+            raise SystemExit(f"--requests {n}: the plan runs at most {engine.max_num_seqs} requests at once "
+                             f"(its largest batch bucket)")
+        total = max(args.closed_loop, n)
+        shape = f"{total} requests, {n} at a time" if args.closed_loop else f"{n} requests"
+        print(f"{plan.label()}, {shape}, of at most {args.max_tokens} tokens, temperature 0.8", flush=True)
         prompts, free, constrained = [], [], []
-        for i in range(n):
+        for i in range(total):
             _, topic, schema = SCHEMAS[i % len(SCHEMAS)]
             prompts.append(tokenizer.encode_chat([{"role": "user", "content": f"Describe {topic} as JSON."}]))
             free.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, stop_token_ids=stops))
@@ -132,19 +182,19 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {FREE: [], JSON: [], MATCHED: []}
         for name, params in ((FREE, free), (JSON, constrained)):
             for rep in range(args.repeats):
-                runs[name].append(run_once(engine, timer, prompts, params, (name, rep)))
+                runs[name].append(run_once(engine, timer, prompts, params, (name, rep), n))
                 print(line(name, rep, runs[name][-1]), flush=True)
         # Sampled with a seed each, the constrained answers have the same lengths every run.
         same = matched(free, runs[JSON][0]["lengths"])
         for rep in range(args.repeats):
-            runs[MATCHED].append(run_once(engine, timer, prompts, same, (MATCHED, rep)))
+            runs[MATCHED].append(run_once(engine, timer, prompts, same, (MATCHED, rep), n))
             print(line(MATCHED, rep, runs[MATCHED][-1]), flush=True)
         print(f"comparison at {n} rows: {comparison(runs)}", flush=True)
         for threads in args.mask_threads:
             executor = grammar.llguidance.LLExecutor(threads) if threads > 1 else None
             grammar._executor = functools.cache(lambda e=executor: e)
             for rep in range(args.repeats):
-                r = run_once(engine, timer, prompts, constrained, ("threads", threads, rep))
+                r = run_once(engine, timer, prompts, constrained, ("threads", threads, rep), n)
                 print(line(f"{JSON}, masks on {threads} threads", rep, r), flush=True)
             grammar._executor = engine_executor
 

@@ -569,3 +569,33 @@ def test_servekit_slices_extend_llguidances_and_leave_the_masks_as_they_were(com
                 break
     assert walked > 200
 
+
+
+def test_the_engine_profiles_closed_loop_keeps_its_rows_busy_with_one_forward_a_step(runner, compiler, tokenizer,
+                                                                                    stops) -> None:
+    """benchmarks/structured_engine_profile.py's closed loop: 7 constrained requests, 3 at a time,
+    each finished one replaced by the next; every request is answered, never more than 3 run, and
+    no step runs more than one forward (the arrivals ride with the decoding rows)."""
+    from servekit.benchmarks.llm_workload_bench import PhaseTimer
+    from servekit.benchmarks.structured_engine_profile import DECODE_FORWARDS, FORWARDS, count_forwards, run_once
+
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+    timer = PhaseTimer()
+    count_forwards(b, timer)
+    running: list[int] = []
+    step = b.step
+
+    def counted_step() -> dict:
+        out = step()
+        running.append(b.running)
+        return out
+
+    b.step = counted_step
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": f"Loop {i}."}]) for i in range(7)]
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, stop_token_ids=stops,
+                             constraint=compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[i % 4]))) for i in range(7)]
+    r = run_once(b, timer, prompts, params, "loop", at_once=3)
+    assert all(n > 0 for n in r["lengths"]) and r["tokens"] == sum(r["lengths"])
+    assert max(running) == 3 and not b.has_work
+    assert timer.calls[FORWARDS] >= 4  # the first 3 prompts in one, the next 4 as rows freed (some together)
+    assert 0 < r["forwards_per_step"] <= 1.0, (r["forwards_per_step"], timer.calls[DECODE_FORWARDS], r["steps"])
