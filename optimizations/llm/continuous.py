@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 
 FINISH_ERROR = "error"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+HOST_COPIES = 6  # host buffers per output shape (``ContinuousBatcher._host``)
 
 
 def plan_prefill(remaining: list[int], budget: int, chunk: int) -> list[int]:
@@ -211,7 +212,7 @@ class ContinuousBatcher:
             for rows in sorted(set(range(1, self.max_num_seqs + 1)) | set(self.r.batch_buckets)):
                 key = ((rows, *probe.shape[1:]), probe.dtype)
                 if key not in self._hosts:
-                    self._hosts[key] = HostCopies(key[0], dev, probe.dtype, count=4)
+                    self._hosts[key] = HostCopies(key[0], dev, probe.dtype, count=HOST_COPIES)
         built["host_copies"] = len(self._hosts)
         return built
 
@@ -321,10 +322,10 @@ class ContinuousBatcher:
             self._read(pending, updates)
         self._inflight = []
 
-    def _per_step_bias(self, prefilling: bool = False) -> bool:
+    def _per_step_bias(self) -> bool:
         """Whether a decoding row's bias needs its last token (a grammar, ``min_tokens``): its steps
-        run split; ``prefilling``: or a row whose prompt is still going in will."""
-        return any(s is not None and (prefilling or (not s.done and s.launched)) and s.constraint is not None
+        run split."""
+        return any(s is not None and not s.done and s.launched and s.constraint is not None
                    and s.constraint.per_step for s in self.slots)
 
     def _decoding(self) -> list[_Seq]:
@@ -368,12 +369,14 @@ class ContinuousBatcher:
                              bias_rows([s.constraint for s in changing], bias.shape[1], dev, grammar=False))
 
     def _host(self, out: torch.Tensor) -> tuple[HostCopies, int]:
-        """Start copying ``out`` to the host; returns where it lands. At most three copies are
-        outstanding (the step in flight, a prefill's first tokens, the step just launched), so
-        a ring of four buffers per shape never overwrites one before it is read."""
+        """Start copying ``out`` to the host; returns where it lands. At most five copies are
+        outstanding: a step's sampling, its prefill's first tokens and its riders' sampling, then
+        the next step's first tokens and its riders' sampling (or decode step) before that step
+        reads them all; so a ring of ``HOST_COPIES`` buffers per shape never overwrites one before
+        it is read."""
         key = (tuple(out.shape), out.dtype)
         if key not in self._hosts:
-            self._hosts[key] = HostCopies(tuple(out.shape), self.r.device, out.dtype, count=4)
+            self._hosts[key] = HostCopies(tuple(out.shape), self.r.device, out.dtype, count=HOST_COPIES)
         host = self._hosts[key]
         return host, host.start_next(out)
 
