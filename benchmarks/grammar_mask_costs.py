@@ -28,10 +28,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from servekit.benchmarks.grammar_refusals import allowed_tokens
 from servekit.benchmarks.structured_bench import PROMPTS, SCHEMAS
 from servekit.optimizations.llm.chat_template import ChatTokenizer
-from servekit.optimizations.llm.grammar import JSON, MASK_SLICES, GrammarSpec, llg_tokenizer
+from servekit.optimizations.llm.grammar import JSON, MASK_SLICES, STRING_CHARS, GrammarSpec, llg_tokenizer
 from servekit.optimizations.llm.plan import stop_token_ids
 
 SLICE_SETS = {"llguidance's default": llguidance.LLTokenizer.general_slices(), "servekit's": MASK_SLICES}
+# --every-length: a slice per string length up to 30 (each slice then holds the tokens of exactly
+# that many characters). llguidance takes a slice whole only where the lexer allows all of it, and
+# walks every other slice's tokens, those it allows none of included: the question is whether the
+# masks near a maxLength, whose long tokens are all refused, get cheaper with it.
+EVERY_LENGTH = [MASK_SLICES[0], *(f"{STRING_CHARS}{{1,{n}}}" for n in range(1, 31)), MASK_SLICES[-1]]
 
 
 def grammar_of(schema: dict) -> str:
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=max(2, min(8, (os.cpu_count() or 2) // 2)),
                    help="llguidance's pool for the lockstep replay (the engine's: half the cores, at most 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--every-length", action="store_true",
+                   help="also time a slice set with one slice per string length up to 30")
     p.add_argument("--out", type=Path, help="also write the figures here as JSON")
     args = p.parse_args(argv)
     if not (args.model_dir / "config.json").is_file():
@@ -144,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     served, why = llg_tokenizer(chat, vocab, stop_token_ids(args.model_dir, chat))
     print(f"llguidance's tokenizer: {'its own reading of tokenizer.json' if why is None else why}", flush=True)
     tokenizers = {}
-    for name, slices in SLICE_SETS.items():
+    sets = {**SLICE_SETS, **({"every length to 30": EVERY_LENGTH} if args.every_length else {})}
+    for name, slices in sets.items():
         t0 = time.perf_counter()
         tokenizers[name] = served.with_slices(slices)
         print(f"{name} slices: set up in {time.perf_counter() - t0:.2f} s", flush=True)
