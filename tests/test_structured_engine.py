@@ -238,6 +238,57 @@ def test_constrained_rows_ride_in_the_packed_forwards_of_prompts_arriving_beside
         assert _run(runner, {key: request})[key][0] == together[key], key
 
 
+def test_steps_moving_between_split_and_pipelined_never_overrun_the_host_copies(runner, compiler, tokenizer, stops,
+                                                                              monkeypatch) -> None:
+    """A free row decodes throughout while short grammar rows and free prompts keep arriving and
+    ending, so steps move between split and pipelined ones with prompts riding in either. No step
+    has more host copies outstanding than ContinuousBatcher._host says (five), no ring more than it
+    holds, and every request gets what it gets alone."""
+    from servekit.optimizations.llm import generate
+    from servekit.optimizations.llm.continuous import HOST_COPIES
+
+    unread: dict[int, int] = {}
+    most = {"all": 0, "one": 0}
+    start_next, wait = generate.HostCopies.start_next, generate.HostCopies.wait
+
+    def started(self, t):
+        unread[id(self)] = unread.get(id(self), 0) + 1
+        most["all"] = max(most["all"], sum(unread.values()))
+        most["one"] = max(most["one"], unread[id(self)])
+        return start_next(self, t)
+
+    def read(self, slot):
+        unread[id(self)] -= 1
+        return wait(self, slot)
+
+    monkeypatch.setattr(generate.HostCopies, "start_next", started)
+    monkeypatch.setattr(generate.HostCopies, "wait", read)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Back and forth, a longer prompt here."}]) * 3
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[3]))
+    rows = {"free": (prompt[:30], SamplingParams(max_tokens=60, stop_token_ids=()))}
+    arrivals = {}
+    for i in range(12):  # every third step a prompt; every other one constrained, 3 tokens
+        key = f"r{i}"
+        params = (SamplingParams(max_tokens=3, stop_token_ids=stops, constraint=c) if i % 2 == 0 else
+                  SamplingParams(max_tokens=2, temperature=0.8, seed=i, stop_token_ids=()))
+        rows[key] = (prompt[:20 + i], params)
+        arrivals[1 + 3 * i] = key
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+    together: dict[str, list[int]] = {k: [] for k in rows}
+    b.add("free", *rows["free"])
+    step = 0
+    while b.has_work or step <= max(arrivals):
+        if step in arrivals:
+            b.add(arrivals[step], *rows[arrivals[step]])
+        for key, u in b.step().items():
+            together[key] += u.tokens
+        step += 1
+    assert not any(unread.values())
+    assert 4 <= most["all"] <= 5 and most["one"] < HOST_COPIES, most
+    for key, request in rows.items():
+        assert _run(runner, {key: request})[key][0] == together[key], key
+
+
 def test_constrained_rows_left_in_high_rows_move_down_and_keep_their_output(runner, compiler, tokenizer,
                                                                             stops) -> None:
     """Four rows (bucket 4): the three short ones end, and the long constrained rows still running
