@@ -131,6 +131,11 @@ class _Seq:
     done: bool = False
     constraint: RowConstraint | None = None  # grammar, logit_bias, min_tokens: the row's bias per step
 
+    @property
+    def per_step_bias(self) -> bool:
+        """Its bias needs its last token (a grammar, ``min_tokens``): its steps run split."""
+        return self.constraint is not None and self.constraint.per_step
+
 
 @dataclass
 class _Pending:
@@ -272,7 +277,7 @@ class ContinuousBatcher:
         if admitted:
             self._compact()
             self._admit()
-            prefilled, launched = self._prefill(updates, self._mixable(), split=self._per_step_bias())
+            prefilled, launched = self._prefill(updates, self._mixable())
             if not self._per_step_bias():  # pipelined: launch step t+1, then read step t
                 if launched is None:  # no decoding row rode along with the prompts
                     launched = self._launch()
@@ -306,7 +311,7 @@ class ContinuousBatcher:
             # the decoding rows riding in it where they can.
             self._compact()
             self._admit()
-            prefilled, self._forward = self._prefill(updates, self._mixable(), split=self._per_step_bias())
+            prefilled, self._forward = self._prefill(updates, self._mixable())
             self._inflight += [prefilled] if prefilled is not None else []
             if self._forward is not None and self._forward.sample is None:  # sampled at once: no bias to wait for
                 self._inflight.append(self._forward)
@@ -325,8 +330,7 @@ class ContinuousBatcher:
     def _per_step_bias(self) -> bool:
         """Whether a decoding row's bias needs its last token (a grammar, ``min_tokens``): its steps
         run split."""
-        return any(s is not None and not s.done and s.launched and s.constraint is not None
-                   and s.constraint.per_step for s in self.slots)
+        return any(s is not None and not s.done and s.launched and s.per_step_bias for s in self.slots)
 
     def _decoding(self) -> list[_Seq]:
         """The rows a decode step advances, or none when none of them may still need a token after
@@ -443,15 +447,15 @@ class ContinuousBatcher:
             return []
         return self._decoding()
 
-    def _prefill(self, updates: dict[Hashable, SeqUpdate], decoding: list[_Seq], split: bool = False
+    def _prefill(self, updates: dict[Hashable, SeqUpdate], decoding: list[_Seq]
                  ) -> tuple[_Pending | None, _Pending | None]:
         """One packed forward over the next chunks of the prefilling prompts (``plan_prefill``);
         prompts whose last chunk went in get their first token and start decoding. ``decoding``
         (``_mixable``): rows whose decode step rides in the same forward, one token each within the
         token budget; then also returns that step, sampled by their bucket's captured sampling half
-        (None: the rows still need their decode step). ``split`` (a decoding row's bias needs its
-        last token), or a new row whose will: that sampling half is left to ``_sample()``, after
-        the bias is loaded, and the new rows' state with it."""
+        (None: the rows still need their decode step). Where a decoding row's bias needs its last
+        token, or a new row's will, that sampling half is left to ``_sample()``, after the bias is
+        loaded, and the new rows' state with it."""
         while self.prefilling and self.prefilling[0].done:  # cancelled meanwhile
             self.prefilling.popleft()
         queue = [s for s in self.prefilling if not s.done]
@@ -472,7 +476,7 @@ class ContinuousBatcher:
                 chunks.append(Chunk(s.prompt[s.prefilled:end], s.prefilled, s.slot, end == len(s.prompt)))
                 seqs.append(s)
         finishing = [s for s, c in zip(seqs, chunks) if c.last]
-        split = split or any(s.constraint is not None and s.constraint.per_step for s in finishing)
+        split = self._per_step_bias() or any(s.per_step_bias for s in finishing)
         # A decoding row's entry: its next token (on the device) at the position it feeds (at most
         # the context's last: a request's prompt and max_tokens fit the context).
         riders = [Chunk([self.r.pad_id], s.pos_hi, s.slot, True, from_state=True) for s in decoding]
