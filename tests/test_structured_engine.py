@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from typing import Callable
 
 import jsonschema
 import pytest
@@ -126,6 +127,24 @@ def _run(runner: LlamaRunner, requests: dict[str, tuple[list[int], SamplingParam
     return {k: (out[k], finish[k]) for k in requests}
 
 
+def _run_arriving(b: ContinuousBatcher, requests: dict[str, tuple[list[int], SamplingParams]], first: list[str],
+                  arrivals: dict[int, str], step: Callable[[], dict]) -> dict[str, list[int]]:
+    """``first`` added at once, then ``arrivals[n]`` before the n-th call of ``step`` (the batcher's
+    or a counting wrapper of it), until the last has arrived and the batcher is done: each
+    request's tokens."""
+    out: dict[str, list[int]] = {k: [] for k in requests}
+    for key in first:
+        b.add(key, *requests[key])
+    n = 0
+    while b.has_work or n <= max(arrivals):
+        if n in arrivals:
+            b.add(arrivals[n], *requests[arrivals[n]])
+        for key, u in step().items():
+            out[key] += u.tokens
+        n += 1
+    return out
+
+
 def _text(tokenizer: ChatTokenizer, tokens: list[int], finish: str) -> str:
     return tokenizer.decode(tokens[:-1] if finish == "stop" else tokens)
 
@@ -223,14 +242,7 @@ def test_constrained_rows_ride_in_the_packed_forwards_of_prompts_arriving_beside
         arrivals[step] = key
     b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
     counted = Counted(b)
-    together: dict[str, list[int]] = {k: [] for k in rows}
-    b.add("json", *rows["json"])
-    b.add("sampled", *rows["sampled"])
-    while b.has_work or counted.steps < max(arrivals):
-        if counted.steps in arrivals:
-            b.add(arrivals[counted.steps], *rows[arrivals[counted.steps]])
-        for key, u in counted.step().items():
-            together[key] += u.tokens
+    together = _run_arriving(b, rows, ["json", "sampled"], arrivals, counted.step)
     ridden = {step for step, prompt_tokens, _, riders in counted.calls if riders and prompt_tokens}
     assert len(ridden) >= len(arrivals) - 1, counted.calls
     assert not ridden & set(counted.launches)  # one forward in those steps
@@ -274,15 +286,7 @@ def test_steps_moving_between_split_and_pipelined_never_overrun_the_host_copies(
         rows[key] = (prompt[:20 + i], params)
         arrivals[1 + 3 * i] = key
     b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
-    together: dict[str, list[int]] = {k: [] for k in rows}
-    b.add("free", *rows["free"])
-    step = 0
-    while b.has_work or step <= max(arrivals):
-        if step in arrivals:
-            b.add(arrivals[step], *rows[arrivals[step]])
-        for key, u in b.step().items():
-            together[key] += u.tokens
-        step += 1
+    together = _run_arriving(b, rows, ["free"], arrivals, b.step)
     assert not any(unread.values())
     assert 4 <= most["all"] <= 5 and most["one"] < HOST_COPIES, most
     for key, request in rows.items():
