@@ -52,16 +52,14 @@ def _api(warm: bool, seed: int) -> tuple[Any, PromptGenerator]:
     """The LLM handler's request/answer code as initialize() builds it, over SmolLM2's CPU plan, and
     a prompt generator counting that model's tokens."""
     from servekit.handlers.llm_openai import OpenAIApi
-    from servekit.optimizations.device import DTYPES
     from servekit.optimizations.llm.chat_template import ChatTokenizer
     from servekit.optimizations.llm.grammar import GrammarCompiler
-    from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, stop_token_ids
-    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+    from servekit.benchmarks.llm_inprocess import smollm2_runner
+    from servekit.optimizations.llm.plan import stop_token_ids
 
     # The engine never runs here: no warm-up of its shapes.
-    plan = parse_llm_plan({**yaml.safe_load(model_config("smollm2-cpu").read_text())["servekit"], "warmup": False})
-    model_dir = smollm2_archive_files(DTYPES[plan.precision])[0].parent
-    runner, plan, _ = load_llm_runner(str(model_dir), plan)
+    runner, plan, model_dir = smollm2_runner({**yaml.safe_load(model_config("smollm2-cpu").read_text())["servekit"],
+                                              "warmup": False})
     tokenizer = ChatTokenizer(model_dir)
     stops = tuple(stop_token_ids(model_dir, tokenizer))
     api = OpenAIApi(runner.shape, plan.limits, tokenizer, stops, GrammarCompiler(tokenizer, runner.model.config.vocab_size,

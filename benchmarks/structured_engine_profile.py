@@ -35,15 +35,14 @@ from typing import Any
 
 import yaml
 
+from servekit.benchmarks.llm_inprocess import smollm2_runner
 from servekit.benchmarks.llm_workload_bench import PhaseTimer
 from servekit.benchmarks.structured_bench import SCHEMAS
-from servekit.optimizations.device import DTYPES
 from servekit.optimizations.llm import grammar
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.continuous import ContinuousBatcher
 from servekit.optimizations.llm.generate import SamplingParams
-from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, stop_token_ids
-from servekit.optimizations.models.gguf_weights import smollm2_archive_files
+from servekit.optimizations.llm.plan import stop_token_ids
 from servekit.resources import model_config
 
 PHASES = {"_read_all": "read tokens", "_load_bias": "load masks", "_sample": "launch sampling",
@@ -152,9 +151,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.closed_loop and args.closed_loop < max(args.requests):
         ap.error(f"--closed-loop {args.closed_loop} is fewer requests than --requests {max(args.requests)} at a time")
-    plan = parse_llm_plan(yaml.safe_load(args.config.read_text())["servekit"])
-    model_dir = smollm2_archive_files(DTYPES[plan.precision])[0].parent
-    runner, plan, _ = load_llm_runner(str(model_dir), plan)
+    runner, plan, model_dir = smollm2_runner(yaml.safe_load(args.config.read_text())["servekit"])
     tokenizer = ChatTokenizer(model_dir)
     stops = tuple(stop_token_ids(model_dir, tokenizer))
     compiler = grammar.GrammarCompiler(tokenizer, runner.model.config.vocab_size, stops)
