@@ -109,9 +109,12 @@ def runner() -> LlamaRunner:
                        kv_buckets=(128, 256))
 
 
-def _run(runner: LlamaRunner, requests: dict[str, tuple[list[int], SamplingParams]],
-         max_num_seqs: int = 4) -> dict[str, tuple[list, str]]:
-    b = ContinuousBatcher(runner, max_num_seqs, prefill_chunk=32, max_num_batched_tokens=64)
+Requests = dict[str, tuple[list[int], SamplingParams]]
+
+
+def _run(runner: LlamaRunner, requests: Requests, max_num_seqs: int = 4,
+         **engine: bool) -> dict[str, tuple[list, str]]:
+    b = ContinuousBatcher(runner, max_num_seqs, prefill_chunk=32, max_num_batched_tokens=64, **engine)
     out: dict[str, list] = {k: [] for k in requests}
     finish: dict[str, str] = {}
     for key, (prompt, params) in requests.items():
@@ -127,7 +130,7 @@ def _run(runner: LlamaRunner, requests: dict[str, tuple[list[int], SamplingParam
     return {k: (out[k], finish[k]) for k in requests}
 
 
-def _run_arriving(b: ContinuousBatcher, requests: dict[str, tuple[list[int], SamplingParams]], first: list[str],
+def _run_arriving(b: ContinuousBatcher, requests: Requests, first: list[str],
                   arrivals: dict[int, str], step: Callable[[], dict]) -> dict[str, list[int]]:
     """``first`` added at once, then ``arrivals[n]`` before the n-th call of ``step`` (the batcher's
     or a counting wrapper of it), until the last has arrived and the batcher is done: each
@@ -143,6 +146,58 @@ def _run_arriving(b: ContinuousBatcher, requests: dict[str, tuple[list[int], Sam
             out[key] += u.tokens
         n += 1
     return out
+
+
+def _riders(compiler: GrammarCompiler, tokenizer: ChatTokenizer,
+            stops: tuple[int, ...]) -> tuple[Requests, list[str], dict[int, str]]:
+    """A grammar row and a sampled min_tokens row decode while free and constrained prompts arrive
+    every third step: (requests, those added first, arrivals by step)."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Ride along."}])
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[3]))
+    held = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[0]), min_tokens=8)
+    rows = {"json": (prompt, SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=c)),
+            "sampled": (prompt[1:], SamplingParams(max_tokens=60, temperature=0.9, seed=3, stop_token_ids=stops,
+                                                   constraint=held))}
+    arrivals = {}
+    for i, step in enumerate((3, 6, 9, 12, 15)):
+        key = f"new{i}"
+        params = (SamplingParams(max_tokens=6, stop_token_ids=stops, constraint=c) if i % 2 else
+                  SamplingParams(max_tokens=5, temperature=0.7, seed=i, stop_token_ids=stops))
+        rows[key] = (prompt[i + 2:], params)
+        arrivals[step] = key
+    return rows, ["json", "sampled"], arrivals
+
+
+def _back_and_forth(compiler: GrammarCompiler, tokenizer: ChatTokenizer,
+                    stops: tuple[int, ...]) -> tuple[Requests, list[str], dict[int, str]]:
+    """A free row decodes throughout while short grammar rows and free prompts arrive every third
+    step and end within a few, so steps move between split and pipelined ones."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Back and forth, a longer prompt here."}]) * 3
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[3]))
+    rows = {"free": (prompt[:30], SamplingParams(max_tokens=60, stop_token_ids=()))}
+    arrivals = {}
+    for i in range(12):  # every other one constrained, 3 tokens
+        key = f"r{i}"
+        params = (SamplingParams(max_tokens=3, stop_token_ids=stops, constraint=c) if i % 2 == 0 else
+                  SamplingParams(max_tokens=2, temperature=0.8, seed=i, stop_token_ids=()))
+        rows[key] = (prompt[:20 + i], params)
+        arrivals[1 + 3 * i] = key
+    return rows, ["free"], arrivals
+
+
+def _forced(compiler: GrammarCompiler, tokenizer: ChatTokenizer,
+            stops: tuple[int, ...]) -> tuple[Requests, list[str], dict[int, str]]:
+    """Greedy and sampled rows under grammars that force runs of tokens (property names, a const),
+    one cut by max_tokens inside a run, and a free prompt arriving at the third step."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "A user and their city."}])
+    nested = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[17]))
+    const = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[9]))
+    rows = {"greedy": (prompt, SamplingParams(max_tokens=80, stop_token_ids=stops, constraint=nested)),
+            "sampled": (prompt[1:], SamplingParams(max_tokens=80, temperature=1.0, seed=5, stop_token_ids=stops,
+                                                   constraint=const)),
+            "free": (prompt[2:], SamplingParams(max_tokens=6, temperature=0.8, seed=1, stop_token_ids=stops)),
+            "cut": (prompt[3:], SamplingParams(max_tokens=4, stop_token_ids=stops, constraint=nested))}
+    return rows, ["greedy", "sampled", "cut"], {2: "free"}
 
 
 def _text(tokenizer: ChatTokenizer, tokens: list[int], finish: str) -> str:
@@ -227,22 +282,10 @@ def test_constrained_rows_ride_in_the_packed_forwards_of_prompts_arriving_beside
     their decode steps ride in the prompts' packed forwards, whose sampling half waits for their
     masks as a split step's does, and those steps launch no decode forward of their own. A new
     row starts after that sampling half; every request gets what it gets alone."""
-    prompt = tokenizer.encode_chat([{"role": "user", "content": "Ride along."}])
-    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[3]))
-    held = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[0]), min_tokens=8)
-    rows = {"json": (prompt, SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=c)),
-            "sampled": (prompt[1:], SamplingParams(max_tokens=60, temperature=0.9, seed=3, stop_token_ids=stops,
-                                                   constraint=held))}
-    arrivals = {}
-    for i, step in enumerate((3, 6, 9, 12, 15)):
-        key = f"new{i}"
-        params = (SamplingParams(max_tokens=6, stop_token_ids=stops, constraint=c) if i % 2 else
-                  SamplingParams(max_tokens=5, temperature=0.7, seed=i, stop_token_ids=stops))
-        rows[key] = (prompt[i + 2:], params)
-        arrivals[step] = key
+    rows, first, arrivals = _riders(compiler, tokenizer, stops)
     b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
     counted = Counted(b)
-    together = _run_arriving(b, rows, ["json", "sampled"], arrivals, counted.step)
+    together = _run_arriving(b, rows, first, arrivals, counted.step)
     ridden = {step for step, prompt_tokens, _, riders in counted.calls if riders and prompt_tokens}
     assert len(ridden) >= len(arrivals) - 1, counted.calls
     assert not ridden & set(counted.launches)  # one forward in those steps
@@ -275,22 +318,61 @@ def test_steps_moving_between_split_and_pipelined_never_overrun_the_host_copies(
 
     monkeypatch.setattr(generate.HostCopies, "start_next", started)
     monkeypatch.setattr(generate.HostCopies, "wait", read)
-    prompt = tokenizer.encode_chat([{"role": "user", "content": "Back and forth, a longer prompt here."}]) * 3
-    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[3]))
-    rows = {"free": (prompt[:30], SamplingParams(max_tokens=60, stop_token_ids=()))}
-    arrivals = {}
-    for i in range(12):  # every third step a prompt; every other one constrained, 3 tokens
-        key = f"r{i}"
-        params = (SamplingParams(max_tokens=3, stop_token_ids=stops, constraint=c) if i % 2 == 0 else
-                  SamplingParams(max_tokens=2, temperature=0.8, seed=i, stop_token_ids=()))
-        rows[key] = (prompt[:20 + i], params)
-        arrivals[1 + 3 * i] = key
-    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
-    together = _run_arriving(b, rows, ["free"], arrivals, b.step)
+    rows, first, arrivals = _back_and_forth(compiler, tokenizer, stops)
+    # Forced runs off: they shorten the grammar rows' answers by steps, and with them the overlap
+    # of split and pipelined steps that reaches five copies.
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64, jump_forced=False)
+    together = _run_arriving(b, rows, first, arrivals, b.step)
     assert not any(unread.values())
     assert 4 <= most["all"] <= 5 and most["one"] < HOST_COPIES, most
     for key, request in rows.items():
         assert _run(runner, {key: request})[key][0] == together[key], key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scenario", [_riders, _back_and_forth, _forced])
+def test_captured_steps_with_riders_and_split_sampling_equal_eager_on_cuda(compiler, tokenizer, stops,
+                                                                         scenario) -> None:
+    """The scenarios above on a GPU with CUDA graphs: the packed forward with constrained rows
+    riding (forced runs among them), its captured sampling half after the masks' upload and the
+    host-copy ring give every request what eager steps give it, and rows did ride."""
+    rows, first, arrivals = scenario(compiler, tokenizer, stops)
+
+    def run(cuda_graphs: bool) -> tuple[dict[str, list[int]], int]:
+        model = init_random(LlamaConfig.tiny(vocab_size=VOCAB), seed=0).cuda()
+        r = LlamaRunner(model, max_seq_len=256, batch_buckets=(1, 2, 4), prefill_buckets=(16, 32, 64),
+                        kv_buckets=(128, 256), cuda_graphs=cuda_graphs)
+        r.warmup()
+        b = ContinuousBatcher(r, 4, prefill_chunk=32, max_num_batched_tokens=64)
+        b.warmup()  # captures the packed forwards: without it they cannot run on graphs
+        counted = Counted(b)
+        out = _run_arriving(b, rows, first, arrivals, counted.step)
+        return out, sum(1 for _, prompt_tokens, _, riders in counted.calls if riders and prompt_tokens)
+
+    (graphed, ridden), (eager, _) = run(True), run(False)
+    assert ridden >= len(arrivals) - 1
+    assert graphed == eager
+
+
+def test_tokens_a_grammar_forces_go_in_one_forward_and_change_no_output(runner, compiler, tokenizer, stops) -> None:
+    """Where a grammar allows one token after another (``{"user": {"name": "`` once ``{`` is out),
+    the row feeds that run in one forward instead of a step a token: greedy and sampled rows,
+    beside a free one, get exactly the tokens they get a token a step, in fewer steps; a run is
+    cut at ``max_tokens``."""
+    rows, first, arrivals = _forced(compiler, tokenizer, stops)
+    steps = {}
+    out = {}
+    for jump in (True, False):
+        b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64, jump_forced=jump)
+        counted = Counted(b)
+        out[jump] = _run_arriving(b, rows, first, arrivals, counted.step)
+        steps[jump] = counted.steps
+    assert out[True] == out[False]
+    for key in ("greedy", "sampled"):
+        jsonschema.validate(json.loads(tokenizer.decode(out[True][key][:-1])), SCHEMAS[17 if key == "greedy" else 9])
+    assert len(out[True]["cut"]) == 4
+    # {"user": {"name": " and "address": {"city": " are forced: several tokens each
+    assert steps[True] <= steps[False] - 6, steps
 
 
 def test_constrained_rows_left_in_high_rows_move_down_and_keep_their_output(runner, compiler, tokenizer,

@@ -130,6 +130,9 @@ class _Seq:
     pos_hi: int = 0
     done: bool = False
     constraint: RowConstraint | None = None  # grammar, logit_bias, min_tokens: the row's bias per step
+    # Tokens its grammar forces, fed in one forward (``_forced_runs``): reported with the read of
+    # the first of them, which that forward's previous step samples.
+    forced: list[int] = field(default_factory=list)
 
     @property
     def per_step_bias(self) -> bool:
@@ -160,7 +163,8 @@ class ContinuousBatcher:
     """
 
     def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None, prefill_chunk: int = 512,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, prefix_caching: bool = True) -> None:
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, prefix_caching: bool = True,
+                 jump_forced: bool = True) -> None:
         self.r = runner
         self.max_num_seqs = max_num_seqs or runner.max_batch
         if not 1 <= self.max_num_seqs <= runner.max_batch:
@@ -185,6 +189,9 @@ class ContinuousBatcher:
         # Requests of a packed forward that failed: prefilled alone, one at a time, so that only the culprit fails.
         self._suspects: set[Hashable] = set()
         self._rng = random.Random()
+        # Grammar rows' forced token runs for the next forward (``_forced_runs``), by request.
+        self.jump_forced = jump_forced
+        self._jumps: dict[Hashable, list[int]] = {}
         self.moves = 0  # requests moved to a lower row by _compact()
         # Captured per token bucket where decode steps are (CUDA graphs) and the Triton attention serves the model.
         graphs = runner.cuda_graphs and triton_fits(runner.model) is None
@@ -301,14 +308,17 @@ class ContinuousBatcher:
         # host reads the previous tokens and fills the bias rows; then the sampling is launched.
         self._read_all(updates)
         self._load_bias()
+        sampled = None
         if self._forward is not None:
-            self._inflight = [self._sample(self._forward)]
+            sampled = self._sample(self._forward)
+            self._inflight = [sampled]
             self._forward = None
         self._inflight += later
         if not admitted:
             # After the sampling, behind it on the device: rows move down (their masks are filled at
             # their new rows from the next step on), then the next forward: the prompts' chunks with
-            # the decoding rows riding in it where they can.
+            # the decoding rows riding in it where they can, each run of tokens a grammar forces in it.
+            self._jumps = self._forced_runs(sampled.seqs) if sampled is not None else {}
             self._compact()
             self._admit()
             prefilled, self._forward = self._prefill(updates, self._mixable())
@@ -320,6 +330,7 @@ class ContinuousBatcher:
             # The next forward now, before this step's tokens are handed out: it needs only the
             # sampled tokens, which the device has, and runs while the host works.
             self._forward = self._launch(split=True)
+        self._jumps = {}
         return updates
 
     def _read_all(self, updates: dict[Hashable, SeqUpdate]) -> None:
@@ -443,7 +454,7 @@ class ContinuousBatcher:
         """The decoding rows whose next token this step's packed forward can compute beside the
         prompts' chunks (one forward instead of a packed one and a decode step), or none: with
         speculation (its verify steps), a suspect prefilled alone, or nothing to prefill."""
-        if self.spec is not None or self._suspects or not self.prefilling:
+        if self.spec is not None or self._suspects or not (self.prefilling or self._jumps):
             return []
         return self._decoding()
 
@@ -451,23 +462,25 @@ class ContinuousBatcher:
                  ) -> tuple[_Pending | None, _Pending | None]:
         """One packed forward over the next chunks of the prefilling prompts (``plan_prefill``);
         prompts whose last chunk went in get their first token and start decoding. ``decoding``
-        (``_mixable``): rows whose decode step rides in the same forward, one token each within the
-        token budget; then also returns that step, sampled by their bucket's captured sampling half
-        (None: the rows still need their decode step). Where a decoding row's bias needs its last
-        token, or a new row's will, that sampling half is left to ``_sample()``, after the bias is
-        loaded, and the new rows' state with it."""
+        (``_mixable``): rows whose decode step rides in the same forward, one token each (a run of
+        forced tokens for those in ``_jumps``) within the token budget; then also returns that
+        step, sampled by their bucket's captured sampling half (None: the rows still need their
+        decode step). Where a decoding row's bias needs its last token, or a new row's will, that
+        sampling half is left to ``_sample()``, after the bias is loaded, and the new rows' state
+        with it. Without prompts to prefill, the forward carries the decoding rows alone."""
         while self.prefilling and self.prefilling[0].done:  # cancelled meanwhile
             self.prefilling.popleft()
         queue = [s for s in self.prefilling if not s.done]
         suspects = [s for s in queue if s.key in self._suspects]
         if suspects:
             queue = suspects[:1]
-        if not queue:
+        jumps = {s.key: self._jumps[s.key] for s in decoding if s.key in self._jumps}
+        if not queue and not jumps:
             return None, None
-        budget = self.max_num_batched_tokens - len(decoding)
-        if budget < min(self.prefill_chunk, len(queue[0].prompt) - queue[0].prefilled):
+        budget = self.max_num_batched_tokens - len(decoding) - sum(len(f) - 1 for f in jumps.values())
+        if queue and budget < min(self.prefill_chunk, len(queue[0].prompt) - queue[0].prefilled):
             # The decode tokens would cut the oldest prompt's chunk: two forwards keep it whole.
-            decoding, budget = [], self.max_num_batched_tokens
+            decoding, jumps, budget = [], {}, self.max_num_batched_tokens
         take = plan_prefill([len(s.prompt) - s.prefilled for s in queue], budget, self.prefill_chunk)
         chunks, seqs = [], []
         for s, n in zip(queue, take):
@@ -478,8 +491,10 @@ class ContinuousBatcher:
         finishing = [s for s, c in zip(seqs, chunks) if c.last]
         split = self._per_step_bias() or any(s.per_step_bias for s in finishing)
         # A decoding row's entry: its next token (on the device) at the position it feeds (at most
-        # the context's last: a request's prompt and max_tokens fit the context).
-        riders = [Chunk([self.r.pad_id], s.pos_hi, s.slot, True, from_state=True) for s in decoding]
+        # the context's last: a request's prompt and max_tokens fit the context), or the run of
+        # tokens its grammar forces from there (the first of them is that next token).
+        riders = [Chunk(jumps[s.key], s.pos_hi, s.slot, True) if s.key in jumps else
+                  Chunk([self.r.pad_id], s.pos_hi, s.slot, True, from_state=True) for s in decoding]
         try:
             logits = self.packed.run(chunks + riders)
             out, mode, start = self._first_tokens(logits[:len(finishing)], finishing) if finishing else (None, "", None)
@@ -495,7 +510,7 @@ class ContinuousBatcher:
             updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
             return None, None
         # Sampled before the new rows load their state: the sampling half advances every row of its bucket.
-        mixed = self._decode_from(logits[len(finishing):], decoding, split) if decoding else None
+        mixed = self._decode_from(logits[len(finishing):], decoding, split, jumps) if decoding else None
         if mixed is not None and mixed.sample is not None:
             mixed.load = start
         elif start is not None:
@@ -535,18 +550,53 @@ class ContinuousBatcher:
             sampling = sampling._replace(bias=bias_rows([s.constraint for s in seqs], vocab, dev, grammar=False))
         return out, mode, (upload([s.slot for s in seqs], torch.int64, dev), token_ids(out, mode), last + 1, sampling)
 
-    def _decode_from(self, logits: torch.Tensor, rows: list[_Seq], split: bool = False) -> _Pending:
+    def _decode_from(self, logits: torch.Tensor, rows: list[_Seq], split: bool = False,
+                     jumps: dict[Hashable, list[int]] | None = None) -> _Pending:
         """The decode step of ``rows`` whose forward half was the packed forward (``logits``: one
         row each, in order): their logits into the decode state, then the captured sampling half
         of their batch bucket, which advances them as a decode step does; ``split``: that half
-        is left to ``_sample()``, as a split step's."""
+        is left to ``_sample()``, as a split step's. ``jumps``: the runs of forced tokens that
+        rows fed instead of one token; the sampling half takes each such row at its run's last
+        position, and the run is reported with the row's next read."""
         batch, mode = self._shape(rows)
-        self.r.state.logits.index_copy_(0, upload([s.slot for s in rows], torch.int64, self.r.device), logits)
+        dev = self.r.device
+        self.r.state.logits.index_copy_(0, upload([s.slot for s in rows], torch.int64, dev), logits)
+        seqs = self._advance(rows)
+        if jumps:
+            jumped = [s for s in rows if s.key in jumps]
+            for s in jumped:
+                s.forced = jumps[s.key]
+                s.pos_hi += len(s.forced) - 1
+            # Where the run's last token sits: the position its sample is keyed by and advances from.
+            self.r.state.input_pos.index_copy_(0, upload([s.slot for s in jumped], torch.int64, dev),
+                                               upload([[s.pos_hi - 1] for s in jumped], torch.int64, dev))
         sample = self.r.sample_steps[(batch, mode)]
         if split:
-            return _Pending(None, -1, mode, self._advance(rows), sample=sample)
+            return _Pending(None, -1, mode, seqs, sample=sample)
         host, slot = self._host(sample.run())
-        return _Pending(host, slot, mode, self._advance(rows))
+        return _Pending(host, slot, mode, seqs)
+
+    def _forced_runs(self, sampled: list[tuple[int, _Seq]]) -> dict[Hashable, list[int]]:
+        """For the rows of a sampling half just launched (their matchers have taken every token but
+        the one it samples, which the next forward feeds): the tokens their grammars force from
+        there, where that is two or more, up to ``max_tokens``. The next forward feeds such a run
+        whole, so a row writes ``{"name": "`` in one step instead of one step a token. Rows with
+        logprobs or penalties (their counts and logprobs go token by token) take no runs."""
+        if not self.jump_forced:
+            return {}
+        runs = {}
+        for _, s in sampled:
+            c = s.constraint
+            if s.done or c is None or c.matcher is None or s.params.full or c.matcher.is_stopped():
+                continue
+            run = c.matcher.compute_ff_tokens()[:s.params.max_tokens - s.generated]
+            for i, tok in enumerate(run):
+                if tok in s.stops:
+                    run = run[:i]
+                    break
+            if len(run) >= 2:
+                runs[s.key] = run
+        return runs
 
     def _set_spec_rows(self, seqs: list[_Seq]) -> None:
         """Tell the verify steps which of these newly started rows accept drafts."""
@@ -613,6 +663,12 @@ class ContinuousBatcher:
             else:
                 tok, logprob = read_row(rows[row], pending.mode, s.params.logprobs)
                 new, logprobs = [tok], logprob
+                if s.forced:  # this step sampled the first token of a forced run fed since
+                    run, s.forced = s.forced, []
+                    new = run if tok == run[0] else []
+                    if not new:  # the mask allowed only run[0]: a bug
+                        u.finish_reason, u.error = FINISH_ERROR, RuntimeError(
+                            f"the step sampled {tok} where the grammar forces {run[0]}")
             for tok in new:
                 if s.constraint is not None and not s.constraint.accept(tok):
                     u.finish_reason, u.error = FINISH_ERROR, RuntimeError(f"the grammar rejected token {tok}")
