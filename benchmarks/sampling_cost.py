@@ -1,7 +1,8 @@
 """What sampling adds to a decode step: the engine's captured decode steps for each sampling mode
 (greedy, temperature, top-k/top-p, logprobs), and the two halves a grammar row's split step runs
 (the forward, then the sampling with the packed masks), in device µs per step (CUDA events around
-200 graph replays each).
+200 graph replays each). Beside the forward half: the packed forward that takes its place when the
+rows ride in it (one token each), and when half of them feed a run of four forced tokens instead.
 
     python3 -m servekit.benchmarks.sampling_cost --out DIR       # GPU, the shipped smollm2.yaml
 
@@ -22,6 +23,7 @@ import yaml
 
 from servekit.benchmarks.llm_inprocess import smollm2_runner
 from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.packed import Chunk
 from servekit.optimizations.llm.sampling import PLAIN_MODES
 from servekit.resources import model_config
 
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs a CUDA device: it times captured decode steps")
     runner, plan, _ = smollm2_runner(yaml.safe_load(args.config.read_text())["servekit"])
     t0 = time.perf_counter()
-    ContinuousBatcher(runner, runner.max_batch).warmup()  # every step captured, as initialize() does
+    engine = ContinuousBatcher(runner, runner.max_batch)
+    engine.warmup()  # every step captured, as initialize() does
     print(f"{plan.label()}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
     missing = [b for b in args.batches if b not in runner.batch_buckets] + [k for k in args.kv if k not in runner.kv_buckets]
     if missing:
@@ -60,11 +63,18 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.batches:
         for kv in args.kv:
             fwd = device_us(lambda: runner.forward_steps[(b, kv)].run())
+            pos = kv // 2  # the rows' positions, inside the kv bucket
+            riders = [Chunk([0], pos, row, True, from_state=True) for row in range(b)]
+            runs = [Chunk([5, 6, 7, 8], pos, row, True) if row % 2 else riders[row] for row in range(b)]
+            packed = {"packed_riders_us": round(device_us(lambda: engine.packed.run(riders)), 1),
+                      "packed_half_runs_of_4_us": round(device_us(lambda: engine.packed.run(runs)), 1)}
+            print(f"batch {b:>3} kv {kv:>5} packed forward instead: rows riding {packed['packed_riders_us']:8.1f} µs, "
+                  f"half of them feeding 4 forced tokens {packed['packed_half_runs_of_4_us']:8.1f}", flush=True)
             for mode in PLAIN_MODES:
                 whole = device_us(lambda: runner.steps[(b, mode, kv)].run())
                 half = device_us(lambda: runner.sample_steps[(b, mode)].run())
                 rows.append({"batch": b, "kv": kv, "mode": mode, "step_us": round(whole, 1),
-                             "forward_half_us": round(fwd, 1), "sampling_half_us": round(half, 1)})
+                             "forward_half_us": round(fwd, 1), "sampling_half_us": round(half, 1), **packed})
                 print(f"batch {b:>3} kv {kv:>5} {mode:<7} step {whole:8.1f} µs | split: forward {fwd:8.1f}, "
                       f"sampling with masks {half:7.1f}", flush=True)
     if args.out:
