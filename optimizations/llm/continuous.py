@@ -461,8 +461,9 @@ class ContinuousBatcher:
         rows = self._decoding()
         if not self.prefilling and sum(len(run) - 1 for run in self._jumps.values()) < len(rows):
             # Without prompts, the runs alone pay for a packed forward only where they at least
-            # double the step's tokens: it costs ~1.5x the decode step's forward at 32 rows (SmolLM2,
-            # H100: 1.22-1.41 against 0.79-0.90 ms, with its tables built on the host).
+            # double the step's tokens: it costs more than the decode step's forward (SmolLM2 on an
+            # H100, benchmarks/sampling_cost.py: 1.19-1.32 against 0.72-0.85 ms at 32 rows, 1.03-1.07
+            # against 0.38-0.41 at one), and its tables are built on the host.
             self._jumps = {}
         return rows if self.prefilling or self._jumps else []
 
