@@ -375,6 +375,30 @@ def test_tokens_a_grammar_forces_go_in_one_forward_and_change_no_output(runner, 
     assert steps[True] <= steps[False] - 6, steps
 
 
+def test_forced_runs_longer_than_the_token_budget_are_cut_to_fit_it(runner, compiler, tokenizer, stops) -> None:
+    """A const string forces runs longer than a step's token budget (16 here) for three rows at
+    once: each packed forward keeps the budget, the runs are cut to what fits, and every row gets
+    the output it gets a token a step, in fewer steps."""
+    schema = {"type": "object", "properties": {"motto": {
+        "const": "the quick brown fox jumps over the lazy dog and keeps on running far away"}},
+        "required": ["motto"], "additionalProperties": False}
+    c = compiler.constraint(GrammarSpec.of(JSON, schema))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Motto."}])
+    out, steps = {}, {}
+    for jump in (True, False):
+        b = ContinuousBatcher(runner, 4, prefill_chunk=16, max_num_batched_tokens=16, jump_forced=jump)
+        counted = Counted(b)
+        requests = {str(i): (prompt[i:], SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=c))
+                    for i in range(3)}
+        out[jump] = _run_arriving(b, requests, ["0", "1"], {1: "2"}, counted.step)
+        steps[jump] = counted.steps
+        assert all(tokens + riders <= 16 for _, tokens, _, riders in counted.calls), counted.calls
+    assert out[True] == out[False]
+    assert all(json.loads(tokenizer.decode(t[:-1])) == {"motto": schema["properties"]["motto"]["const"]}
+               for t in out[True].values())
+    assert steps[True] < steps[False] // 2, steps
+
+
 def test_constrained_rows_left_in_high_rows_move_down_and_keep_their_output(runner, compiler, tokenizer,
                                                                             stops) -> None:
     """Four rows (bucket 4): the three short ones end, and the long constrained rows still running

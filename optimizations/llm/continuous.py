@@ -483,7 +483,12 @@ class ContinuousBatcher:
         suspects = [s for s in queue if s.key in self._suspects]
         if suspects:
             queue = suspects[:1]
-        jumps = {s.key: self._jumps[s.key] for s in decoding if s.key in self._jumps}
+        jumps, room = {}, self.max_num_batched_tokens - len(decoding)  # room: tokens past one a row
+        for s in decoding:
+            run = self._jumps.get(s.key, [])[:room + 1]  # a run's head is forced too
+            if len(run) >= 2:
+                jumps[s.key] = run
+                room -= len(run) - 1
         if not queue and not jumps:
             return None, None
         budget = self.max_num_batched_tokens - len(decoding) - sum(len(f) - 1 for f in jumps.values())
@@ -508,6 +513,8 @@ class ContinuousBatcher:
             logits = self.packed.run(chunks + riders)
             out, mode, start = self._first_tokens(logits[:len(finishing)], finishing) if finishing else (None, "", None)
         except Exception as e:  # e.g. out of memory: which request? each is prefilled alone next
+            if not seqs:  # decoding rows alone: like a failed decode step, not one request's
+                raise
             if len(seqs) > 1:
                 self._suspects.update(s.key for s in seqs)
                 return None, None
