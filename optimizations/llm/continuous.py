@@ -455,17 +455,9 @@ class ContinuousBatcher:
         prompts' chunks (one forward instead of a packed one and a decode step), or none: with
         speculation (its verify steps), a suspect prefilled alone, or nothing to prefill and no
         forced runs worth a packed forward of their own."""
-        if self.spec is not None or self._suspects:
-            self._jumps = {}
+        if self.spec is not None or self._suspects or not (self.prefilling or self._jumps):
             return []
-        rows = self._decoding()
-        if not self.prefilling and sum(len(run) - 1 for run in self._jumps.values()) < len(rows):
-            # Without prompts, the runs alone pay for a packed forward only where they at least
-            # double the step's tokens: it costs more than the decode step's forward (SmolLM2 on an
-            # H100, benchmarks/sampling_cost.py: 1.19-1.32 against 0.72-0.85 ms at 32 rows, 1.03-1.07
-            # against 0.38-0.41 at one), and its tables are built on the host.
-            self._jumps = {}
-        return rows if self.prefilling or self._jumps else []
+        return self._decoding()
 
     def _prefill(self, updates: dict[Hashable, SeqUpdate], decoding: list[_Seq]
                  ) -> tuple[_Pending | None, _Pending | None]:
@@ -489,7 +481,11 @@ class ContinuousBatcher:
             if len(run) >= 2:
                 jumps[s.key] = run
                 room -= len(run) - 1
-        if not queue and not jumps:
+        if not queue and sum(len(run) - 1 for run in jumps.values()) < max(len(decoding), 1):
+            # Without prompts, the runs alone pay for a packed forward only where they at least
+            # double the step's tokens: it costs more than the decode step's forward (SmolLM2 on an
+            # H100, benchmarks/sampling_cost.py: 1.19-1.32 against 0.72-0.85 ms at 32 rows, 1.03-1.07
+            # against 0.38-0.41 at one), and its tables are built on the host.
             return None, None
         budget = self.max_num_batched_tokens - len(decoding) - sum(len(f) - 1 for f in jumps.values())
         if queue and budget < min(self.prefill_chunk, len(queue[0].prompt) - queue[0].prefilled):
