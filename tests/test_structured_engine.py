@@ -112,9 +112,8 @@ def runner() -> LlamaRunner:
 Requests = dict[str, tuple[list[int], SamplingParams]]
 
 
-def _run(runner: LlamaRunner, requests: Requests, max_num_seqs: int = 4,
-         **engine: bool) -> dict[str, tuple[list, str]]:
-    b = ContinuousBatcher(runner, max_num_seqs, prefill_chunk=32, max_num_batched_tokens=64, **engine)
+def _run(runner: LlamaRunner, requests: Requests, max_num_seqs: int = 4) -> dict[str, tuple[list, str]]:
+    b = ContinuousBatcher(runner, max_num_seqs, prefill_chunk=32, max_num_batched_tokens=64)
     out: dict[str, list] = {k: [] for k in requests}
     finish: dict[str, str] = {}
     for key, (prompt, params) in requests.items():
@@ -198,6 +197,22 @@ def _forced(compiler: GrammarCompiler, tokenizer: ChatTokenizer,
             "free": (prompt[2:], SamplingParams(max_tokens=6, temperature=0.8, seed=1, stop_token_ids=stops)),
             "cut": (prompt[3:], SamplingParams(max_tokens=4, stop_token_ids=stops, constraint=nested))}
     return rows, ["greedy", "sampled", "cut"], {2: "free"}
+
+
+def _with_and_without_runs(runner: LlamaRunner, scenario: tuple[Requests, list[str], dict[int, str]],
+                           budget: int = 64) -> tuple[dict[bool, dict], dict[bool, int], list[tuple]]:
+    """``scenario`` on engines with forced runs on and off (4 rows, chunks of at most ``budget``
+    tokens, as is the step's budget): each request's tokens and the steps taken by each engine, and
+    the packed forwards of the one with runs (``Counted.calls``)."""
+    out, steps, calls = {}, {}, []
+    for jump in (True, False):
+        b = ContinuousBatcher(runner, 4, prefill_chunk=min(32, budget), max_num_batched_tokens=budget,
+                              jump_forced=jump)
+        counted = Counted(b)
+        out[jump] = _run_arriving(b, *scenario, counted.step)
+        steps[jump] = counted.steps
+        calls = calls or counted.calls
+    return out, steps, calls
 
 
 def _text(tokenizer: ChatTokenizer, tokens: list[int], finish: str) -> str:
@@ -359,14 +374,7 @@ def test_tokens_a_grammar_forces_go_in_one_forward_and_change_no_output(runner, 
     the row feeds that run in one forward instead of a step a token: greedy and sampled rows,
     beside a free one, get exactly the tokens they get a token a step, in fewer steps; a run is
     cut at ``max_tokens``."""
-    rows, first, arrivals = _forced(compiler, tokenizer, stops)
-    steps = {}
-    out = {}
-    for jump in (True, False):
-        b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64, jump_forced=jump)
-        counted = Counted(b)
-        out[jump] = _run_arriving(b, rows, first, arrivals, counted.step)
-        steps[jump] = counted.steps
+    out, steps, _ = _with_and_without_runs(runner, _forced(compiler, tokenizer, stops))
     assert out[True] == out[False]
     for key in ("greedy", "sampled"):
         jsonschema.validate(json.loads(tokenizer.decode(out[True][key][:-1])), SCHEMAS[17 if key == "greedy" else 9])
@@ -384,15 +392,10 @@ def test_forced_runs_longer_than_the_token_budget_are_cut_to_fit_it(runner, comp
         "required": ["motto"], "additionalProperties": False}
     c = compiler.constraint(GrammarSpec.of(JSON, schema))
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Motto."}])
-    out, steps = {}, {}
-    for jump in (True, False):
-        b = ContinuousBatcher(runner, 4, prefill_chunk=16, max_num_batched_tokens=16, jump_forced=jump)
-        counted = Counted(b)
-        requests = {str(i): (prompt[i:], SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=c))
-                    for i in range(3)}
-        out[jump] = _run_arriving(b, requests, ["0", "1"], {1: "2"}, counted.step)
-        steps[jump] = counted.steps
-        assert all(tokens + riders <= 16 for _, tokens, _, riders in counted.calls), counted.calls
+    requests = {str(i): (prompt[i:], SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=c))
+                for i in range(3)}
+    out, steps, calls = _with_and_without_runs(runner, (requests, ["0", "1"], {1: "2"}), budget=16)
+    assert all(tokens + riders <= 16 for _, tokens, _, riders in calls), calls
     assert out[True] == out[False]
     assert all(json.loads(tokenizer.decode(t[:-1])) == {"motto": schema["properties"]["motto"]["const"]}
                for t in out[True].values())
