@@ -378,6 +378,28 @@ def group_alive(pgid: int) -> list[int]:
     return alive
 
 
+class PortTaken(ServerError):
+    """The frontend could not bind one of its ports: another process holds it."""
+
+
+PORT_ATTEMPTS = 3  # starts with newly picked ports when the picked ones were taken meanwhile
+
+
+def listening_ports(pgid: int) -> set[int]:
+    """TCP ports that processes of process group `pgid` listen on."""
+    import psutil
+
+    ports = set()
+    for pid in group_alive(pgid):
+        try:
+            proc = psutil.Process(pid)
+            conns = proc.net_connections("tcp") if hasattr(proc, "net_connections") else proc.connections("tcp")
+        except psutil.Error:
+            continue
+        ports.update(c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN)
+    return ports
+
+
 # sun_path holds 108 bytes with its terminating NUL; a worker's socket is <dir>/.ts.sock.<port>.
 UNIX_SOCKET_PATH_MAX = 107
 WORKER_SOCKET_NAME = ".ts.sock.65535"
@@ -408,6 +430,7 @@ class TorchServe:
         self.run_dir = Path(run_dir).resolve()
         self.model_store = Path(model_store).resolve()
         self.ports = ports or Ports.free()
+        self._picked_ports = ports is None  # free ones picked here: start() may pick others
         self.config = Path(config)
         self.extra_props = extra_props or {}
         self.models = models
@@ -479,33 +502,54 @@ class TorchServe:
             if not self.log_config.is_file():
                 raise ServerError(f"log config {self.log_config} does not exist")
             cmd += ["--log-config", str(self.log_config)]
-        out = open(self.log_dir / "server.out", "ab")
-        # A new session: stop() ends the Java frontend and every worker it forked in one signal.
-        self.proc = subprocess.Popen(cmd, cwd=self.run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        out.close()
-        (self.run_dir / "torchserve.pid").write_text(str(self.proc.pid))
-        try:
-            self._wait_frontend(timeout)
-        except BaseException:
-            self.stop()  # never leave a half-started server behind (Ctrl-C included)
-            raise
+        for attempt in range(PORT_ATTEMPTS):
+            out = open(self.log_dir / "server.out", "ab")
+            self._log_from = out.tell()  # this start's output begins here
+            # A new session: stop() ends the Java frontend and every worker it forked in one signal.
+            self.proc = subprocess.Popen(cmd, cwd=self.run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            out.close()
+            (self.run_dir / "torchserve.pid").write_text(str(self.proc.pid))
+            try:
+                self._wait_frontend(timeout)
+                return self
+            except PortTaken:
+                self.stop()
+                # Ports picked free here were taken before the frontend bound them (by a server
+                # starting beside this one): pick others. Ports the caller chose stay an error.
+                if not self._picked_ports or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                self.ports = Ports.free()
+                self._write_config()
+            except BaseException:
+                self.stop()  # never leave a half-started server behind (Ctrl-C included)
+                raise
         return self
 
     def _wait_frontend(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"TorchServe exited with code {self.proc.returncode}; see {self.log_dir}/server.out:\n"
-                                  + self.tail_log())
+                with open(self.log_dir / "server.out", "rb") as log:
+                    log.seek(self._log_from)
+                    taken = b"Address already in use" in log.read()
+                raise (PortTaken if taken else ServerError)(
+                    f"TorchServe exited with code {self.proc.returncode}; see {self.log_dir}/server.out:\n"
+                    + self.tail_log())
             try:
-                # Any HTTP answer means the frontend is up: with token authorization on, /ping
+                # Any HTTP answer means a frontend is up: with token authorization on, /ping
                 # without the key is answered 400.
                 http_json("GET", f"{self.inference_url}/ping", 2)
-                return
+                # Ours, with its management API: a free port picked for this server can be taken
+                # by another one starting at the same time (a parallel test's), which then answers
+                # /ping while this JVM is still starting (and fails to bind).
+                if {self.ports.inference, self.ports.management} <= listening_ports(self.proc.pid):
+                    return
             except OSError:
-                time.sleep(0.3)
-        raise ServerError(f"TorchServe did not answer /ping within {timeout:.0f}s; see {self.log_dir}")
+                pass
+            time.sleep(0.3)
+        raise ServerError(f"TorchServe did not answer /ping on its own ports within {timeout:.0f}s; "
+                          f"see {self.log_dir}")
 
     def log_text(self, name: str) -> str:
         """The whole of log `name` (e.g. model_log.log) since the server started: log4j rolls its

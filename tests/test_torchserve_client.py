@@ -2,14 +2,18 @@
 what a taken model name does, the model-config precedence, scaling to exactly N workers."""
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
 
 from servekit.archive import build_archive
 from servekit.benchmarks.bench.archives import BENCH_SPECS
-from servekit.torchserve import ManagementClient, Registration, ServerError, TorchServe
+from servekit.torchserve import ManagementClient, Ports, PortTaken, Registration, ServerError, TorchServe, free_ports
 
 pytestmark = pytest.mark.server
 
@@ -83,3 +87,55 @@ def test_wait_ready_names_the_worker_states_on_timeout(server: TorchServe) -> No
     api.unregister("s3")
     with pytest.raises(ServerError, match="unreachable"):
         ManagementClient("http://127.0.0.1:9").describe("s3")
+
+
+class _Healthy(BaseHTTPRequestHandler):
+    """Another server: answers every GET as TorchServe's /ping does."""
+
+    def do_GET(self) -> None:
+        body = json.dumps({"status": "Healthy"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def other_server() -> Iterator[int]:
+    """A port that another HTTP server holds and answers /ping on."""
+    other = ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    yield other.server_address[1]
+    other.shutdown()
+    other.server_close()
+
+
+def test_another_server_answering_on_a_chosen_port_is_not_taken_for_this_one(other_server: int,
+                                                                              tmp_path: Path) -> None:
+    """Ports given to the harness, one of them held by another server that answers /ping: start()
+    does not take that answer for its own frontend; it fails naming the port taken."""
+    store = tmp_path / "store"
+    store.mkdir()
+    ts = TorchServe(tmp_path / "run", store, ports=Ports(other_server, *free_ports(4)))
+    with pytest.raises(PortTaken, match="Address already in use"):
+        ts.start(timeout=60)
+    assert ts.proc is None
+
+
+def test_picked_ports_taken_before_the_server_binds_them_are_picked_again(other_server: int, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    """A free port the harness picked is taken by another server before TorchServe binds it (a
+    server starting beside it, as parallel tests do): the start goes on with other ports."""
+    picks = iter([Ports(other_server, *free_ports(4))])
+    real = Ports.free
+    monkeypatch.setattr(Ports, "free", classmethod(lambda cls: next(picks, None) or real()))
+    store = tmp_path / "store"
+    store.mkdir()
+    with TorchServe(tmp_path / "run", store) as ts:
+        assert ts.ports.inference != other_server
+        assert ManagementClient(ts.management_url).describe("absent") is None  # its own API answers
+    assert "Address already in use" in (tmp_path / "run" / "logs" / "server.out").read_text()
