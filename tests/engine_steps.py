@@ -10,17 +10,22 @@ from servekit.optimizations.llm.packed import Chunk
 
 class Counted:
     """The batcher's packed forward, recording for each call the step it ran in, its prompt tokens,
-    its prompt chunks' sizes and the decoding rows that rode along (one token each); and the
-    steps that launched a decode step of their own."""
+    its prompt chunks' sizes and the decoding rows that rode along (one token each, or a run of
+    tokens their grammar forces), and in ``tokens`` each call's tokens in all; and the steps that
+    launched a decode step of their own."""
 
     def __init__(self, batcher: ContinuousBatcher) -> None:
-        self.b, self.calls, self.steps, self.launches, self.riders = batcher, [], 0, [], []
+        self.b, self.calls, self.steps, self.launches, self.riders, self.tokens = batcher, [], 0, [], [], []
         real, launch = batcher.packed.run, batcher._launch
 
         def run(chunks: list[Chunk]) -> torch.Tensor:
             self.riders += [c for c in chunks if c.from_state]
-            prompts = [len(c.tokens) for c in chunks if not c.from_state]
-            self.calls.append((self.steps, sum(prompts), prompts, sum(c.from_state for c in chunks)))
+            # A forced run is fed from the host as a prompt's chunk is: told apart by its row.
+            forced = {self.b.by_key[k].slot for k in self.b._jumps if k in self.b.by_key}
+            ride = [c.from_state or c.row in forced for c in chunks]
+            prompts = [len(c.tokens) for c, r in zip(chunks, ride) if not r]
+            self.calls.append((self.steps, sum(prompts), prompts, sum(ride)))
+            self.tokens.append(sum(len(c.tokens) for c in chunks))
             return real(chunks)
 
         def launched(*args, **kwargs):
