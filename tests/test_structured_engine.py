@@ -5,8 +5,10 @@ schemas below; rows with a grammar, logit_bias or min_tokens share the batch wit
 and sampled rows, and each row gets what it gets alone."""
 from __future__ import annotations
 
+import collections
 import json
 import re
+import threading
 import time
 from typing import Callable
 
@@ -369,6 +371,57 @@ def test_captured_steps_with_riders_and_split_sampling_equal_eager_on_cuda(compi
     assert graphed == eager
 
 
+@pytest.mark.parametrize("scenario", [_riders, _back_and_forth, _forced])
+def test_masks_fill_on_a_helper_thread_beside_the_engines_work_and_no_matcher_takes_a_token_meanwhile(
+        runner, compiler, tokenizer, stops, scenario, monkeypatch) -> None:
+    """Once a split step's forward is launched, the engine reads the tokens sampled before it and
+    its grammar rows' masks are filled on MaskUpload's helper thread while the engine thread goes on
+    (the new rows' first tokens, the next call's start). Each fill is slowed here so that this work
+    overlaps it: no matcher takes a token while a fill runs, the fills go to the helper thread, and
+    every request gets what it gets alone."""
+    from servekit.optimizations.llm import continuous, grammar
+
+    fill, accept, first_tokens = grammar.fill_packed, grammar.RowConstraint.accept, ContinuousBatcher._first_tokens
+    fills, beside = [], []
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+
+    def in_flight() -> bool:  # a fill started and not done: from its submission on, not only while it runs
+        started = b._masks._filling
+        return started is not None and not started[1].done()
+
+    def slow_fill(matchers, host):
+        fills.append(threading.current_thread().name)
+        time.sleep(0.003)
+        fill(matchers, host)
+
+    def checked_accept(self, token):
+        assert not in_flight(), "a matcher took a token while its mask was being filled"
+        return accept(self, token)
+
+    def timed_first_tokens(self, *args):
+        beside.append(in_flight())
+        return first_tokens(self, *args)
+
+    monkeypatch.setattr(grammar, "fill_packed", slow_fill)
+    ways = collections.Counter()
+    call, start = grammar.MaskUpload.__call__, grammar.MaskUpload.start
+    monkeypatch.setattr(grammar.MaskUpload, "__call__", lambda self, *a: (ways.update(["sync"]), call(self, *a))[1])
+    monkeypatch.setattr(grammar.MaskUpload, "start", lambda self, *a: (ways.update(["helper"]), start(self, *a))[1])
+    monkeypatch.setattr(grammar.RowConstraint, "accept", checked_accept)
+    monkeypatch.setattr(continuous.ContinuousBatcher, "_first_tokens", timed_first_tokens)
+    rows, first, arrivals = scenario(compiler, tokenizer, stops)
+    together = _run_arriving(b, rows, first, arrivals, b.step)
+    # Every decode step's masks but the first split step's (no forward launched before it to
+    # start them after) on the helper thread; the new rows' first masks are filled where they are sampled.
+    assert ways["helper"] >= 10 and ways["sync"] <= 1, ways
+    assert sum(name.startswith("servekit-masks") for name in fills) == ways["helper"], fills
+    if scenario is not _back_and_forth:  # there a grammar row is mostly alone while prompts arrive
+        assert any(beside), "no new row's first token was sampled while masks were being filled"
+    monkeypatch.undo()
+    for key, request in rows.items():
+        assert _run(runner, {key: request})[key][0] == together[key], key
+
+
 def test_tokens_a_grammar_forces_go_in_one_forward_and_change_no_output(runner, compiler, tokenizer, stops) -> None:
     """Where a grammar allows one token after another (``{"user": {"name": "`` once ``{`` is out),
     the row feeds that run in one forward instead of a step a token: greedy and sampled rows,
@@ -496,6 +549,17 @@ def test_masks_filled_on_threads_equal_one_by_one(compiler, tokenizer) -> None:
     assert torch.equal(dest[0], one_by_one[0]) and (dest[1:] == -1).all()
     upload(matchers, dest)
     assert torch.equal(dest, packed)
+    # Filled on the helper thread: the same masks, copied only into a buffer of the shape started for.
+    dest.zero_()
+    upload.start(matchers[:1], dest)
+    assert not upload.finish(torch.zeros(4, words, dtype=torch.int32))
+    assert not upload.finish(dest) and (dest == 0).all()  # finish() took the fill above
+    upload.start(matchers, dest)
+    upload.wait()
+    assert upload.finish(dest) and torch.equal(dest, packed)
+    upload.start(matchers[:1], dest)
+    upload.discard()
+    assert not upload.finish(dest) and torch.equal(dest, packed)
 
 
 def test_masks_fill_without_calling_into_python_and_equal_the_byte_tables(compiler, tokenizer, stops) -> None:

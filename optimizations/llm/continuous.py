@@ -186,6 +186,7 @@ class ContinuousBatcher:
         self._forward: _Pending | None = None
         self._hosts: dict[tuple, HostCopies] = {}
         self._masks = MaskUpload()  # the grammar rows' packed masks on their way to the sampling steps
+        self._filling: _Pending | None = None  # the split step whose masks ``_masks`` fills on its helper thread
         # Requests of a packed forward that failed: prefilled alone, one at a time, so that only the culprit fails.
         self._suspects: set[Hashable] = set()
         self._rng = random.Random()
@@ -330,10 +331,14 @@ class ContinuousBatcher:
             # The next forward now, before this step's tokens are handed out: it needs only the
             # sampled tokens, which the device has, and runs while the host works.
             self._forward = self._launch(split=True)
+            if self._forward is not None:
+                self._start_masks(updates, self._forward)
         self._jumps = {}
         return updates
 
     def _read_all(self, updates: dict[Hashable, SeqUpdate]) -> None:
+        if self._inflight:
+            self._masks.wait()  # the matchers a started fill reads take no token meanwhile
         for pending in self._inflight:
             self._read(pending, updates)
         self._inflight = []
@@ -373,9 +378,14 @@ class ContinuousBatcher:
         rows = [s for _, s in self._forward.seqs if not s.done and s.constraint is not None]
         dev = self.r.device
         matchers = [(s.constraint.matcher, s.slot) for s in rows if s.constraint.matcher is not None]
+        started, self._filling = self._filling, None
+        if started is not self._forward:
+            self._masks.discard()
         if matchers:
-            self._masks(matchers, st.packed)
+            if started is not self._forward or not self._masks.finish(st.packed):
+                self._masks(matchers, st.packed)
         else:  # masks left by grammar rows that have finished
+            self._masks.discard()
             st.packed.fill_(-1)
         changing = [s for s in rows if s.constraint.bias_changes]
         if changing:
@@ -508,22 +518,20 @@ class ContinuousBatcher:
                   Chunk([self.r.pad_id], s.pos_hi, s.slot, True, from_state=True) for s in decoding]
         try:
             logits = self.packed.run(chunks + riders)
-            out, mode, start = self._first_tokens(logits[:len(finishing)], finishing) if finishing else (None, "", None)
         except Exception as e:  # e.g. out of memory: which request? each is prefilled alone next
             if not seqs:  # decoding rows alone: like a failed decode step, not one request's
                 raise
-            if len(seqs) > 1:
-                self._suspects.update(s.key for s in seqs)
-                return None, None
-            s = seqs[0]
-            self._suspects.discard(s.key)
-            self.prefilling.remove(s)
-            self.by_key.pop(s.key, None)
-            self._finish(s)
-            updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
+            self._prefill_failed(seqs, e, updates)
             return None, None
-        # Sampled before the new rows load their state: the sampling half advances every row of its bucket.
         mixed = self._decode_from(logits[len(finishing):], decoding, split, jumps) if decoding else None
+        if mixed is not None and mixed.sample is not None:
+            self._start_masks(updates, mixed)
+        try:
+            out, mode, start = self._first_tokens(logits[:len(finishing)], finishing) if finishing else (None, "", None)
+        except Exception as e:  # the riders' step goes on; the prompts are prefilled again
+            self._prefill_failed(seqs, e, updates)
+            return None, mixed
+        # Loaded after the sampling half: it advances every row of its bucket.
         if mixed is not None and mixed.sample is not None:
             mixed.load = start
         elif start is not None:
@@ -541,6 +549,31 @@ class ContinuousBatcher:
         self._set_spec_rows(finishing)
         host, slot = self._host(out)
         return _Pending(host, slot, mode, list(enumerate(finishing))), mixed  # output row i: finishing request i
+
+    def _prefill_failed(self, seqs: list[_Seq], error: Exception, updates: dict[Hashable, SeqUpdate]) -> None:
+        """The prompts of a packed forward that failed (e.g. out of memory), not advanced: which
+        request? Several are prefilled again one at a time; one alone ends with ``error``."""
+        if len(seqs) > 1:
+            self._suspects.update(s.key for s in seqs)
+            return
+        s = seqs[0]
+        self._suspects.discard(s.key)
+        self.prefilling.remove(s)
+        self.by_key.pop(s.key, None)
+        self._finish(s)
+        updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=error)
+
+    def _start_masks(self, updates: dict[Hashable, SeqUpdate], forward: _Pending) -> None:
+        """Right after a split step's forward is launched: read the tokens sampled before it (the
+        grammar rows' last ones), then fill its grammar rows' masks on a helper thread. The host's
+        work up to the sampling half (the new rows' first tokens, handing out the updates, the next
+        call's start) then runs beside the fill instead of after it; ``_load_bias`` takes them."""
+        self._read_all(updates)
+        matchers = [(s.constraint.matcher, s.slot) for _, s in forward.seqs
+                    if not s.done and s.constraint is not None and s.constraint.matcher is not None]
+        if matchers and forward.sample is not None:
+            self._masks.start(matchers, forward.sample.state.packed)
+            self._filling = forward
 
     def _first_tokens(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, str, tuple]:
         """Sample the first token of each request from its prompt's last logits. Returns the sampled
@@ -720,7 +753,8 @@ class ContinuousBatcher:
         self.waiting.clear()
         self.prefilling.clear()
         self._suspects.clear()
-        self._inflight, self._forward = [], None
+        self._inflight, self._forward, self._filling = [], None, None
+        self._masks.discard()
         if self.prefix is not None:  # what the failed step left in the cache is unknown
             self.prefix.clear()
         return out

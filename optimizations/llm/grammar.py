@@ -497,14 +497,58 @@ class MaskUpload:
     copied from it straight into the sampling step's own buffer. Allocating a pinned block and a
     device tensor per step, then copying that into the buffer, cost the engine thread more than
     the copy itself. A block is refilled only once its last copy has run (an event: by then long
-    done, since the step that copy feeds has been read)."""
+    done, since the step that copy feeds has been read).
+
+    ``start()`` fills on a helper thread instead (llguidance lets go of the GIL while it fills), so
+    that the engine thread's other work before the sampling half runs beside the fill; ``finish()``
+    copies what it filled. Until then the matchers it fills are the helper's: the engine reads no
+    token into them (``wait()``)."""
 
     def __init__(self) -> None:
         self._blocks: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event | None]] = {}
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._filling: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
 
     def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
         """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks; on
         CUDA without waiting for the device."""
+        self.discard()
+        host = self._block(dest)
+        fill_packed(matchers, host)
+        self._copy(host, dest)
+
+    def start(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
+        """Begin filling the masks that ``finish(dest)`` will copy into ``dest``, on the helper thread."""
+        self.discard()
+        if self._helper is None:
+            self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="servekit-masks")
+        self._filling = (tuple(dest.shape), self._helper.submit(fill_packed, list(matchers), self._block(dest)))
+
+    def finish(self, dest: Tensor) -> bool:
+        """Copy the masks ``start()`` filled into ``dest``, once filled; False (nothing copied) when
+        no fill of that shape was started."""
+        filling, self._filling = self._filling, None
+        if filling is None:
+            return False
+        filling[1].result()
+        if filling[0] != tuple(dest.shape):
+            return False
+        self._copy(self._blocks[filling[0]][0], dest)
+        return True
+
+    def wait(self) -> None:
+        """Until a started fill is done (its matchers free again); it stays for ``finish()``."""
+        if self._filling is not None:
+            self._filling[1].result()
+
+    def discard(self) -> None:
+        """Drop a started fill, once done (its matchers are then free again); what it raised too."""
+        filling, self._filling = self._filling, None
+        if filling is not None:
+            concurrent.futures.wait([filling[1]])
+
+    def _block(self, dest: Tensor) -> Tensor:
+        """The pinned block for ``dest``'s shape, free to fill: its last copy has run."""
         got = self._blocks.get(tuple(dest.shape))
         if got is None:
             cuda = dest.device.type == "cuda"
@@ -513,8 +557,11 @@ class MaskUpload:
         host, copied = got
         if copied is not None:
             copied.synchronize()
-        fill_packed(matchers, host)
+        return host
+
+    def _copy(self, host: Tensor, dest: Tensor) -> None:
         dest.copy_(host, non_blocking=True)
+        copied = self._blocks[tuple(dest.shape)][1]
         if copied is not None:
             copied.record()
 
