@@ -317,20 +317,30 @@ def test_a_short_prompt_behind_long_ones_starts_at_once_and_the_long_ones_are_no
     assert "long1" in first
 
 
-def test_a_failed_packed_forward_ends_only_the_request_that_fails_alone(runner: LlamaRunner) -> None:
-    """An out-of-memory prefill (a real one needs a GPU: simulated by a packed forward that raises
-    whenever a marker prompt is in it): its requests are prefilled alone next, so the marker's
-    request fails with the error and the one packed beside it, and the running one, go on."""
+@pytest.mark.parametrize("where", ["forward", "first tokens"])
+def test_a_failed_packed_forward_ends_only_the_request_that_fails_alone(runner: LlamaRunner, where: str) -> None:
+    """An out-of-memory prefill (a real one needs a GPU: simulated by a packed forward, or the
+    sampling of its prompts' first tokens, that raises whenever a marker prompt is in it): its
+    requests are prefilled alone next, so the marker's request fails with the error and the one
+    packed beside it, and the running one riding in that forward, go on."""
     batcher = ContinuousBatcher(runner)
     marker = _prompt(12, 9)
-    real = batcher.packed.run
+    real, first_tokens = batcher.packed.run, batcher._first_tokens
 
     def failing(chunks: list[Chunk]) -> torch.Tensor:
         if any(c.tokens[:len(marker)] == marker for c in chunks):
             raise torch.OutOfMemoryError("simulated")
         return real(chunks)
 
-    batcher.packed.run = failing
+    def failing_first(logits: torch.Tensor, seqs: list) -> tuple:
+        if any(s.prompt[:len(marker)] == marker for s in seqs):
+            raise torch.OutOfMemoryError("simulated")
+        return first_tokens(logits, seqs)
+
+    if where == "forward":
+        batcher.packed.run = failing
+    else:
+        batcher._first_tokens = failing_first
     got: dict[str, list[int]] = {"run": [], "oom": [], "mate": []}
     batcher.add("run", _prompt(7, 1), SamplingParams(max_tokens=20))
     for _ in range(3):
