@@ -387,7 +387,7 @@ def test_masks_fill_on_a_helper_thread_beside_the_engines_work_and_no_matcher_ta
 
     def in_flight() -> bool:  # a fill started and not done: from its submission on, not only while it runs
         started = b._masks._filling
-        return started is not None and not started[1].done()
+        return started is not None and not started[2].done()
 
     def slow_fill(matchers, host):
         fills.append(threading.current_thread().name)
@@ -551,15 +551,18 @@ def test_masks_filled_on_threads_equal_one_by_one(compiler, tokenizer) -> None:
     assert torch.equal(dest, packed)
     # Filled on the helper thread: the same masks, copied only into a buffer of the shape started for.
     dest.zero_()
-    upload.start(matchers[:1], dest)
-    assert not upload.finish(torch.zeros(4, words, dtype=torch.int32))
-    assert not upload.finish(dest) and (dest == 0).all()  # finish() took the fill above
-    upload.start(matchers, dest)
+    upload.start(matchers[:1], dest, "a")
+    assert not upload.finish(torch.zeros(4, words, dtype=torch.int32), "a")
+    assert not upload.finish(dest, "a") and (dest == 0).all()  # finish() took the fill above
+    upload.start(matchers[:1], dest, "b")
+    assert not upload.finish(dest, "another step") and (dest == 0).all()  # a fill for another step: dropped
+    assert not upload.finish(dest, "b")
+    upload.start(matchers, dest, "c")
     upload.wait()
-    assert upload.finish(dest) and torch.equal(dest, packed)
-    upload.start(matchers[:1], dest)
+    assert upload.finish(dest, "c") and torch.equal(dest, packed)
+    upload.start(matchers[:1], dest, "d")
     upload.discard()
-    assert not upload.finish(dest) and torch.equal(dest, packed)
+    assert not upload.finish(dest, "d") and torch.equal(dest, packed)
 
 
 def test_masks_fill_without_calling_into_python_and_equal_the_byte_tables(compiler, tokenizer, stops) -> None:

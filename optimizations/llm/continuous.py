@@ -50,7 +50,7 @@ import random
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Hashable
+from typing import TYPE_CHECKING, Callable, Collection, Hashable
 
 import torch
 
@@ -62,6 +62,9 @@ from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
 from servekit.optimizations.llm.prefix_cache import PrefixCache, PrefixStats, copy_rows
 from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sampling_mode, upload
 from servekit.optimizations.llm.speculative import SpecStats
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +189,6 @@ class ContinuousBatcher:
         self._forward: _Pending | None = None
         self._hosts: dict[tuple, HostCopies] = {}
         self._masks = MaskUpload()  # the grammar rows' packed masks on their way to the sampling steps
-        self._filling: _Pending | None = None  # the split step whose masks ``_masks`` fills on its helper thread
         # Requests of a packed forward that failed: prefilled alone, one at a time, so that only the culprit fails.
         self._suspects: set[Hashable] = set()
         self._rng = random.Random()
@@ -375,19 +377,15 @@ class ContinuousBatcher:
         if self._forward is None or self._forward.sample is None:
             return
         st = self._forward.sample.state
-        rows = [s for _, s in self._forward.seqs if not s.done and s.constraint is not None]
-        dev = self.r.device
-        matchers = [(s.constraint.matcher, s.slot) for s in rows if s.constraint.matcher is not None]
-        started, self._filling = self._filling, None
-        if started is not self._forward:
-            self._masks.discard()
-        if matchers:
-            if started is not self._forward or not self._masks.finish(st.packed):
-                self._masks(matchers, st.packed)
-        else:  # masks left by grammar rows that have finished
+        matchers = self._matchers(self._forward)
+        if not matchers:  # masks left by grammar rows that have finished
             self._masks.discard()
             st.packed.fill_(-1)
-        changing = [s for s in rows if s.constraint.bias_changes]
+        elif not self._masks.finish(st.packed, self._forward):  # none started for this step: fill now
+            self._masks(matchers, st.packed)
+        dev = self.r.device
+        changing = [s for _, s in self._forward.seqs if not s.done and s.constraint is not None
+                    and s.constraint.bias_changes]
         if changing:
             bias = self.r.state.params.bias
             bias.index_copy_(0, upload([s.slot for s in changing], torch.int64, dev),
@@ -569,11 +567,15 @@ class ContinuousBatcher:
         work up to the sampling half (the new rows' first tokens, handing out the updates, the next
         call's start) then runs beside the fill instead of after it; ``_load_bias`` takes them."""
         self._read_all(updates)
-        matchers = [(s.constraint.matcher, s.slot) for _, s in forward.seqs
-                    if not s.done and s.constraint is not None and s.constraint.matcher is not None]
+        matchers = self._matchers(forward)
         if matchers and forward.sample is not None:
-            self._masks.start(matchers, forward.sample.state.packed)
-            self._filling = forward
+            self._masks.start(matchers, forward.sample.state.packed, forward)
+
+    @staticmethod
+    def _matchers(step: _Pending) -> list[tuple[LLMatcher, int]]:
+        """(matcher, row) of each grammar row of ``step`` still running: the masks its sampling half takes."""
+        return [(s.constraint.matcher, s.slot) for _, s in step.seqs
+                if not s.done and s.constraint is not None and s.constraint.matcher is not None]
 
     def _first_tokens(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, str, tuple]:
         """Sample the first token of each request from its prompt's last logits. Returns the sampled
@@ -753,7 +755,7 @@ class ContinuousBatcher:
         self.waiting.clear()
         self.prefilling.clear()
         self._suspects.clear()
-        self._inflight, self._forward, self._filling = [], None, None
+        self._inflight, self._forward = [], None
         self._masks.discard()
         if self.prefix is not None:  # what the failed step left in the cache is unknown
             self.prefix.clear()

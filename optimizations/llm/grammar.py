@@ -501,13 +501,13 @@ class MaskUpload:
 
     ``start()`` fills on a helper thread instead (llguidance lets go of the GIL while it fills), so
     that the engine thread's other work before the sampling half runs beside the fill; ``finish()``
-    copies what it filled. Until then the matchers it fills are the helper's: the engine reads no
-    token into them (``wait()``)."""
+    copies what it filled for the step it was started for. Until then the matchers it fills are the
+    helper's: the engine reads no token into them (``wait()``)."""
 
     def __init__(self) -> None:
         self._blocks: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event | None]] = {}
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
-        self._filling: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
+        self._filling: tuple[tuple[int, ...], object, concurrent.futures.Future] | None = None
 
     def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
         """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks; on
@@ -517,35 +517,38 @@ class MaskUpload:
         fill_packed(matchers, host)
         self._copy(host, dest)
 
-    def start(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
-        """Begin filling the masks that ``finish(dest)`` will copy into ``dest``, on the helper thread."""
+    def start(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor, step: object) -> None:
+        """Begin filling the masks that ``finish(dest, step)`` will copy into ``dest``, on the helper
+        thread (``step``: whose masks these are)."""
         self.discard()
         if self._helper is None:
             self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="servekit-masks")
-        self._filling = (tuple(dest.shape), self._helper.submit(fill_packed, list(matchers), self._block(dest)))
+        self._filling = (tuple(dest.shape), step,
+                         self._helper.submit(fill_packed, list(matchers), self._block(dest)))
 
-    def finish(self, dest: Tensor) -> bool:
-        """Copy the masks ``start()`` filled into ``dest``, once filled; False (nothing copied) when
-        no fill of that shape was started."""
+    def finish(self, dest: Tensor, step: object) -> bool:
+        """Copy the masks ``start()`` filled for ``step`` into ``dest``, once filled; False (nothing
+        copied, a fill started for anything else dropped) when none of that step and shape was."""
         filling, self._filling = self._filling, None
         if filling is None:
             return False
-        filling[1].result()
-        if filling[0] != tuple(dest.shape):
+        shape, started_for, future = filling
+        future.result()
+        if started_for is not step or shape != tuple(dest.shape):
             return False
-        self._copy(self._blocks[filling[0]][0], dest)
+        self._copy(self._blocks[shape][0], dest)
         return True
 
     def wait(self) -> None:
         """Until a started fill is done (its matchers free again); it stays for ``finish()``."""
         if self._filling is not None:
-            self._filling[1].result()
+            self._filling[2].result()
 
     def discard(self) -> None:
         """Drop a started fill, once done (its matchers are then free again); what it raised too."""
         filling, self._filling = self._filling, None
         if filling is not None:
-            concurrent.futures.wait([filling[1]])
+            concurrent.futures.wait([filling[2]])
 
     def _block(self, dest: Tensor) -> Tensor:
         """The pinned block for ``dest``'s shape, free to fill: its last copy has run."""
