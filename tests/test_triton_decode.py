@@ -234,6 +234,60 @@ def test_decode_steps_after_a_prefill_give_the_eager_logits() -> None:
             nxt, pos = got[:, -1].argmax(-1, keepdim=True), pos + 1
 
 
+@pytest.mark.parametrize("name", ["tiny", "gqa3-bias"])
+def test_a_packed_forward_through_the_fused_blocks_equals_the_packed_layers(name: str) -> None:
+    """A packed forward of a fresh prompt, a later chunk of another (its earlier positions already
+    in the row) and two decoding rows riding (their tokens from the decode state), run by the fused
+    blocks a token a row: the same logits and cache rows as the packed layers' forward; padded to a
+    larger token bucket (as a captured graph runs it), the same again, and the padding touches no
+    request's row."""
+    from servekit.optimizations.llm.packed import Chunk, PackedPrefill, _PackedStep
+
+    model = _model(CONFIGS[name])  # random cache contents: the chunk's earlier positions, the riders' contexts
+    fused = td.TritonDecode(model).blocks
+    before = [(layer.attention.kv_cache.k_cache.clone(), layer.attention.kv_cache.v_cache.clone())
+              for layer in model.layers]
+    state = torch.zeros(model.max_batch_size, 1, dtype=torch.int64)
+    state[0, 0], state[1, 0] = 17, 99
+    gen = torch.Generator().manual_seed(7)
+    chunks = [Chunk(torch.randint(3, 256, (7,), generator=gen).tolist(), 0, 2, True),
+              Chunk([0], 20, 0, True, from_state=True),
+              Chunk(torch.randint(3, 256, (5,), generator=gen).tolist(), 10, 3, True),
+              Chunk([0], 33, 1, True, from_state=True)]
+    written = {2: range(0, 7), 0: range(20, 21), 3: range(10, 15), 1: range(33, 34)}
+
+    def restore() -> None:
+        for layer, (k, v) in zip(model.layers, before):
+            layer.attention.kv_cache.k_cache.copy_(k)
+            layer.attention.kv_cache.v_cache.copy_(v)
+
+    def rows_of_requests() -> list[torch.Tensor]:
+        return [torch.stack([layer.attention.kv_cache.k_cache[:4], layer.attention.kv_cache.v_cache[:4]])
+                for layer in model.layers]
+
+    with torch.no_grad():
+        want = PackedPrefill(model, max_tokens=32, max_seqs=4, state_tokens=state).run(chunks)
+        want_rows = rows_of_requests()
+        restore()
+        packed = PackedPrefill(model, max_tokens=32, max_seqs=4, state_tokens=state, fused=fused, fused_tokens=32)
+        got = packed.run(chunks)
+        got_rows = rows_of_requests()
+        restore()
+        packed._load(chunks)  # 14 tokens as the 32-token bucket's graph body runs them
+        padded = _PackedStep(packed, 32).run()[:4].clone()
+        padded_rows = rows_of_requests()
+    assert packed.layers(32) is packed.fused and packed.layers(33) is None
+    assert td.TritonDecode(model).small_weights  # the engine's condition for this path
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(padded, want, **TOL)
+    for layer_got, layer_padded, layer_want, (k0, _) in zip(got_rows, padded_rows, want_rows, before):
+        torch.testing.assert_close(layer_got, layer_want, **TOL)
+        torch.testing.assert_close(layer_padded, layer_want, **TOL)
+        for row, span in written.items():  # the rest of each request's row is as it was
+            untouched = [i for i in range(MAX_SEQ) if i not in span]
+            torch.testing.assert_close(layer_padded[0, row][:, untouched], k0[row][:, untouched])
+
+
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(6)
     return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 13, 9)]
@@ -258,6 +312,8 @@ def test_continuous_batching_decodes_through_the_fused_kernels(runners: dict[str
     from servekit.optimizations.llm.continuous import ContinuousBatcher
 
     batcher = ContinuousBatcher(runners["triton"])
+    # The prompts' forwards (the second's with the first's row riding) go through the fused blocks too.
+    assert batcher.packed.fused is not None and batcher.packed.layers(13 + 1) is batcher.packed.fused
     prompts, got = _prompts(), {}
     batcher.add(0, prompts[0], SamplingParams(max_tokens=5))
     for i in range(8):

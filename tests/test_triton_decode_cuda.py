@@ -19,6 +19,7 @@ require_compiled_triton()
 from greedy_parity import check_same_or_tie  # noqa: E402
 from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams  # noqa: E402
 from servekit.optimizations.llm.offline import generate  # noqa: E402
+from servekit.optimizations.llm.packed import Chunk, PackedPrefill  # noqa: E402
 from servekit.optimizations.models.llama import LlamaConfig, Transformer, init_random  # noqa: E402
 from servekit.optimizations.kernels.triton_decode import TritonDecode, pdl_supported  # noqa: E402
 
@@ -115,3 +116,56 @@ def test_greedy_generation_in_cuda_graphs_matches_eager_bf16(name: str) -> None:
     problems = [p for prompt, g, w in zip(prompts, got, want)
                 if (p := check_same_or_tie(prompt, g, w, logits_after, 2e-2)) is not None]
     assert not problems, problems
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_captured_packed_forward_through_the_fused_blocks_matches_the_packed_layers(name: str) -> None:
+    """A captured packed forward (a prompt, a later chunk of another, two decoding rows riding; 34
+    tokens padded to the 64-token bucket) through the fused blocks: its logits are about as far from
+    the fp32 model's as the packed layers' bf16 forward is, the same greedy choices where clear,
+    the requests' cache rows the same, and the padding writes no request's row."""
+    bf16, fp32 = _models(name)
+    fused = TritonDecode(bf16)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    contexts = {0: 40, 1: 90, 3: 30}  # rows decoding (0, 1) and a prompt's earlier chunk (3)
+    with torch.no_grad():
+        for m in (bf16, fp32):
+            for row, n in contexts.items():
+                ids = torch.randint(3, 1024, (1, n), device="cuda", generator=torch.Generator(device="cuda").manual_seed(row))
+                m(ids, torch.arange(n, device="cuda")[None], kv_len=n, rows=torch.tensor([row], device="cuda"))
+    state = torch.zeros(8, 1, dtype=torch.int64, device="cuda")
+    state[0, 0], state[1, 0] = 17, 99
+    chunks = [Chunk(torch.randint(3, 1024, (20,), device="cuda", generator=gen).tolist(), 0, 2, True),
+              Chunk([0], 40, 0, True, from_state=True),
+              Chunk(torch.randint(3, 1024, (12,), device="cuda", generator=gen).tolist(), 30, 3, True),
+              Chunk([0], 90, 1, True, from_state=True)]
+    before = [(layer.attention.kv_cache.k_cache.clone(), layer.attention.kv_cache.v_cache.clone()) for layer in bf16.layers]
+
+    def run(**kw: object) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for layer, (k, v) in zip(bf16.layers, before):
+            layer.attention.kv_cache.k_cache.copy_(k)
+            layer.attention.kv_cache.v_cache.copy_(v)
+        packed = PackedPrefill(bf16, max_tokens=64, max_seqs=4, graphs=True, state_tokens=state, **kw)
+        packed.warmup()  # captures every bucket (its chunks go into the spare row)
+        out = packed.run(chunks).float()
+        torch.cuda.synchronize()
+        return out.clone(), [layer.attention.kv_cache.k_cache[:4].clone() for layer in bf16.layers]
+
+    with torch.no_grad():
+        layers, layers_rows = run()
+        got, got_rows = run(fused=fused.blocks, fused_tokens=64)
+        ref = PackedPrefill(fp32, max_tokens=64, max_seqs=4, state_tokens=state).run(chunks)
+    eager_err = (layers - ref).abs().max().item()
+    fused_err = (got - ref).abs().max().item()
+    assert fused_err <= 2 * eager_err + 1e-2, f"fused bf16 {fused_err:.4g} vs packed layers {eager_err:.4g} from fp32"
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * max(eager_err, fused_err)
+    assert clear.any(), "no row with a clear greedy choice: the check would test nothing"
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+    written = {2: range(0, 20), 0: range(40, 41), 3: range(30, 42), 1: range(90, 91)}
+    for k_got, k_layers, (k0, _) in zip(got_rows, layers_rows, before):
+        for row, span in written.items():
+            torch.testing.assert_close(k_got[row, :, span.start:span.stop].float(),
+                                       k_layers[row, :, span.start:span.stop].float(), atol=0.05, rtol=0.05)
+            untouched = [i for i in range(MAX_SEQ) if i not in span]
+            assert torch.equal(k_got[row][:, untouched], k0[row][:, untouched]), f"row {row} written outside its span"

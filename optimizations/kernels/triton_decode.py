@@ -685,21 +685,47 @@ class FusedDecodeBlock:
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
                  rows: Tensor | None = None) -> Tensor:
+        b, t, _ = x.shape
+        return self.run(x, cos, sin, input_pos, mask.shape[-1], b, t, rows)
+
+    def run(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, kv_len: int, b: int, t: int,
+            rows: Tensor | None = None) -> Tensor:
+        """The block over ``b`` rows of ``t`` tokens each, whatever shape ``x`` (``b * t`` tokens
+        of ``dim``), cos / sin (``b * t`` rows) and input_pos (``b * t`` positions) come in:
+        token (i, j) at position ``input_pos[i * t + j]`` of cache row ``rows[i]`` (default i),
+        attending slots up to it below ``kv_len``. Returns ``x``'s shape."""
         att, ff = self.block.attention, self.block.feed_forward
         cache = att.kv_cache
         if cache is None:
             raise RuntimeError("call Transformer.setup_caches() before forward()")
-        b, t, dim = x.shape
-        x2 = x.reshape(b * t, dim).contiguous()
+        shape = x.shape
+        x2 = x.reshape(b * t, shape[-1]).contiguous()
         pos = input_pos.reshape(-1).contiguous()
         q = norm_qkv_rope(x2, self.block.attention_norm, att.wqkv, cos.reshape(b * t, -1).contiguous(),
                           sin.reshape(b * t, -1).contiguous(), pos, cache.k_cache, cache.v_cache,
                           att.n_heads, att.n_kv_heads, att.head_dim, t, rows, self.pdl)
-        y = decode_attention(q, cache.k_cache, cache.v_cache, pos, mask.shape[-1], b, t, att.n_heads,
+        y = decode_attention(q, cache.k_cache, cache.v_cache, pos, kv_len, b, t, att.n_heads,
                              att.n_kv_heads, att.head_dim, rows, self.splits, self.pdl)
         h = linear_residual(y, att.wo, x2, self.pdl)
         out = linear_residual(norm_gate_up(h, self.block.ffn_norm, ff.w13, self.pdl), ff.w2, h, self.pdl)
-        return out.view(b, t, dim)
+        return out.view(shape)
+
+
+class PackedBlock:
+    """A ``FusedDecodeBlock`` over a packed forward (optimizations/llm/packed.py): the ``N`` tokens of
+    its one row are ``N`` rows of one token each, token i at its own position of cache row
+    ``rows[i]``, so each attends over its request's row up to itself (the chunk's earlier tokens
+    included: the q/k/v kernel stores every token's k/v before attention reads). A short packed
+    forward then costs about a decode step of ``N`` rows instead of the compiled layers' floor.
+    Callable like ``TransformerBlock.forward`` on ``Transformer.hidden``'s batch of 1."""
+
+    def __init__(self, block: FusedDecodeBlock, rows: Tensor, kv_len: int) -> None:
+        self.block, self.rows, self.kv_len = block, rows, kv_len  # rows: the packed forward's table
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+                 rows: Tensor | None = None) -> Tensor:
+        n = x.shape[1]
+        return self.block.run(x, cos, sin, input_pos, self.kv_len, n, 1, self.rows[:n])
 
 
 class TritonDecode(WithBlocks):
@@ -717,8 +743,13 @@ class TritonDecode(WithBlocks):
         if pdl is None:  # on wherever the GPU and Triton support it
             pdl = pdl_supported(model.tok_embeddings.weight.device)
         self.pdl = pdl
+        # Every projection within SMALL_WEIGHTS: the tl.dot path's fixed configuration, under which
+        # short packed forwards through these blocks were measured faster than the packed layers.
+        self.small_weights = max(lin.weight.numel() for layer in model.layers
+                                 for lin in (layer.attention.wqkv, layer.attention.wo,
+                                             layer.feed_forward.w13, layer.feed_forward.w2)) <= SMALL_WEIGHTS
         super().__init__(model, [FusedDecodeBlock(layer, splits, pdl) for layer in model.layers])
 
 
-__all__ = ["FusedDecodeBlock", "TritonDecode", "gemv_fits", "norm_qkv_rope", "decode_attention",
+__all__ = ["FusedDecodeBlock", "PackedBlock", "TritonDecode", "gemv_fits", "norm_qkv_rope", "decode_attention",
            "linear_residual", "norm_gate_up", "attention_splits", "pdl_supported"]

@@ -71,6 +71,9 @@ log = logging.getLogger(__name__)
 FINISH_ERROR = "error"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 HOST_COPIES = 6  # host buffers per output shape (``ContinuousBatcher._host``)
+# Packed forwards of up to this many tokens run the fused decode kernels (kernels: triton), larger
+# ones the packed layers (packed.py).
+FUSED_PACKED_TOKENS = 64
 
 
 def plan_prefill(remaining: list[int], budget: int, chunk: int) -> list[int]:
@@ -167,7 +170,7 @@ class ContinuousBatcher:
 
     def __init__(self, runner: LlamaRunner, max_num_seqs: int | None = None, prefill_chunk: int = 512,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, prefix_caching: bool = True,
-                 jump_forced: bool = True) -> None:
+                 jump_forced: bool = True, fused_tokens: int = FUSED_PACKED_TOKENS) -> None:
         self.r = runner
         self.max_num_seqs = max_num_seqs or runner.max_batch
         if not 1 <= self.max_num_seqs <= runner.max_batch:
@@ -201,8 +204,15 @@ class ContinuousBatcher:
         # A compiling plan compiles the packed layers too (the runner's compiled blocks, dynamic in the
         # token count): their elementwise work fuses around the kernel, built per bucket by warmup().
         blocks = runner.compiled_model.blocks if graphs and runner.compiled_model is not None else None
+        # With kernels: triton on a model of small weights, the short forwards (decoding rows riding
+        # beside a short prompt, a short prompt alone) run the decode steps' fused blocks, a token a
+        # row: a forward of 32 rows and a 1-token prompt cost an H100 0.91 ms so, 1.34 through the
+        # packed layers; from 128 tokens up the packed layers are faster (docs/llm-engine.md).
+        triton = runner.triton_model
+        fused = triton.blocks if triton is not None and triton.small_weights else None
         self.packed = PackedPrefill(runner.model, max_num_batched_tokens, self.max_num_seqs, graphs=graphs,
-                                    pad_id=runner.pad_id, blocks=blocks, state_tokens=runner.state.tokens)
+                                    pad_id=runner.pad_id, blocks=blocks, state_tokens=runner.state.tokens,
+                                    fused=fused, fused_tokens=fused_tokens)
         spec = runner.speculation
         self.spec = spec
         # Draft positions proposed and accepted so far (the handler's metrics read these).

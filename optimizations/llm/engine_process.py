@@ -280,9 +280,10 @@ def _build(spec: EngineSpec) -> tuple[Any, Any, Any, EngineReady]:
                                 prefix_caching=plan.prefix_caching)
     built = batcher.warmup()
     log.info("continuous batching: packed prefill (%s attention, %s layers, %s) over token buckets %s built in "
-             "%.1f s; prefix caching %s", built["attention"], "compiled" if built["compiled"] else "eager",
+             "%.1f s, forwards of up to %d tokens through the fused decode kernels; prefix caching %s",
+             built["attention"], "compiled" if built["compiled"] else "eager",
              "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"],
-             "on" if plan.prefix_caching else "off")
+             built["fused_up_to"], "on" if plan.prefix_caching else "off")
     tokenizer = ChatTokenizer(spec.model_dir)
     compiler = GrammarCompiler(tokenizer, runner.model.config.vocab_size, stop_token_ids(spec.model_dir, tokenizer))
     if spec.hook:

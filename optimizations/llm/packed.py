@@ -18,6 +18,10 @@ Two attention paths compute the same thing:
 * ``torch``: per request, scores against its cache row, masked and soft-maxed in fp32 (CPU, and
   the reference the kernel is tested against). Its loop runs on the host, so it is never captured.
 
+With ``kernels: triton`` and small weights, a forward of up to a few dozen tokens runs the decode
+steps' fused blocks instead of the layers (``triton_decode.PackedBlock``: each token a row of its own),
+which cost a short forward less than the layers' floor; the attention hook is then not called.
+
 With graphs, the packed batch is padded to the smallest token bucket that holds it (powers of two
 from 16 up to the token budget, with a bucket halfway between two of them from 128 up): no block
 of the kernel covers a padding token, so it is neither stored in the cache nor attended for. Every
@@ -29,7 +33,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -39,6 +43,9 @@ from torch import Tensor
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llm.generate import GraphedStep
 from servekit.optimizations.models.llama import Attention, Transformer
+
+if TYPE_CHECKING:
+    from servekit.optimizations.kernels.triton_decode import FusedDecodeBlock
 
 ATTENTIONS = ("triton", "torch")
 BLOCK_M = 64  # query block of the Triton kernel: the block table's unit
@@ -221,7 +228,7 @@ class _PackedStep(GraphedStep):
     @torch.no_grad()
     def _body(self) -> Tensor:
         o, n = self.owner, self.n
-        return packed_logits(o.model, o.inputs(n), o.positions[:n], o.last_idx, o.triton, o.blocks)
+        return packed_logits(o.model, o.inputs(n), o.positions[:n], o.last_idx, o.triton, o.layers(n))
 
 
 class PackedPrefill:
@@ -233,9 +240,12 @@ class PackedPrefill:
 
     def __init__(self, model: Transformer, max_tokens: int, max_seqs: int, graphs: bool = False,
                  attention: str | None = None, pad_id: int = 0,
-                 blocks: Sequence[Callable[..., Tensor]] | None = None, state_tokens: Tensor | None = None) -> None:
+                 blocks: Sequence[Callable[..., Tensor]] | None = None, state_tokens: Tensor | None = None,
+                 fused: Sequence[FusedDecodeBlock] | None = None, fused_tokens: int = 0) -> None:
         """``state_tokens``: the decode state's ``tokens`` ``(rows, 1)``, where ``from_state``
-        chunks take their token (a forward without them needs none)."""
+        chunks take their token (a forward without them needs none). ``fused``: the decode
+        steps' fused Triton blocks (``kernels: triton``), which run the forwards of up to
+        ``fused_tokens`` tokens (``PackedBlock``) instead of ``blocks`` or the model's layers."""
         if max_tokens < 1 or max_seqs < 1:
             raise ValueError(f"max_tokens ({max_tokens}) and max_seqs ({max_seqs}) must be positive")
         self.model, self.max_tokens, self.max_seqs, self.pad_id = model, max_tokens, max_seqs, pad_id
@@ -274,6 +284,16 @@ class PackedPrefill:
         # One hook object for every bucket (compiled layers see the same one each time).
         self.triton = (TritonAttention(self.seq, self.block_seq, self.block_off, s)
                        if attention == "triton" else None)
+        self.fused_tokens = fused_tokens if fused is not None else 0
+        self.fused = None
+        if fused is not None:
+            from servekit.optimizations.kernels.triton_decode import PackedBlock  # imports triton: only when asked for
+
+            self.fused = [PackedBlock(f, self.rows, model.max_seq_len) for f in fused]
+
+    def layers(self, n: int) -> Sequence[Callable[..., Tensor]] | None:
+        """What runs the layers of a forward of ``n`` tokens (None: the model's own)."""
+        return self.fused if n <= self.fused_tokens else self.blocks
 
     def inputs(self, n: int) -> Tensor:
         """The first ``n`` input tokens: the table's, or the decode state's for ``from_state`` entries."""
@@ -310,6 +330,9 @@ class PackedPrefill:
         tokens[:total] = np.concatenate([np.array(c.tokens, dtype=np.int64) for c in chunks])  # C loops, not a generator
         positions[:total] = np.arange(total) - np.repeat(offsets - starts, lengths)  # chunk i's token j: start_i + j
         rows[:total] = np.repeat(cache_rows, lengths)
+        # Padding tokens in the cache's garbage row, at position 0: the fused blocks store their
+        # k/v and attend one slot there (the kernel's block table leaves them out altogether).
+        rows[total:] = self.model.spare_row
         decoding = [c.from_state for c in chunks]
         if any(decoding):  # one token each
             from_state[offsets[decoding]] = 1
@@ -335,11 +358,9 @@ class PackedPrefill:
         if self.graphs:
             return self._steps[pick_bucket(total, self.buckets)].run()[:n_last]
         n = total
-        if self.triton is not None:
-            return packed_logits(self.model, self.inputs(n), self.positions[:n], self.last_idx[:n_last], self.triton,
-                                 self.blocks)
-        attend = TorchAttention(segments, self.rows[:n], self.positions[:n])
-        return packed_logits(self.model, self.inputs(n), self.positions[:n], self.last_idx[:n_last], attend)
+        attend = self.triton or TorchAttention(segments, self.rows[:n], self.positions[:n])
+        return packed_logits(self.model, self.inputs(n), self.positions[:n], self.last_idx[:n_last], attend,
+                             self.layers(n))
 
     @torch.no_grad()
     def warmup(self) -> dict[str, object]:
@@ -370,7 +391,7 @@ class PackedPrefill:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"attention": self.attention, "compiled": self.blocks is not None, "graphs": self.graphs,
-                "token_buckets": list(sizes),
+                "token_buckets": list(sizes), "fused_up_to": self.fused_tokens,
                 "max_seqs": self.max_seqs, "seconds": round(time.perf_counter() - t0, 2)}
 
 
