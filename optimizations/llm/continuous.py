@@ -206,8 +206,8 @@ class ContinuousBatcher:
         blocks = runner.compiled_model.blocks if graphs and runner.compiled_model is not None else None
         # With kernels: triton on a model of small weights, the short forwards (decoding rows riding
         # beside a short prompt, a short prompt alone) run the decode steps' fused blocks, a token a
-        # row: a forward of 32 rows and a 1-token prompt cost an H100 0.91 ms so, 1.34 through the
-        # packed layers; from 128 tokens up the packed layers are faster (docs/llm-engine.md).
+        # row: 31 decoding rows and a 1-token prompt cost an H100 0.91 ms this way against 1.34 through
+        # the packed layers; from 128 tokens up the packed layers are faster (docs/llm-engine.md).
         triton = runner.triton_model
         fused = triton.blocks if triton is not None and triton.small_weights else None
         self.packed = PackedPrefill(runner.model, max_num_batched_tokens, self.max_num_seqs, graphs=graphs,

@@ -279,11 +279,12 @@ def _build(spec: EngineSpec) -> tuple[Any, Any, Any, EngineReady]:
     batcher = ContinuousBatcher(runner, spec.max_num_seqs, plan.prefill_chunk, plan.max_num_batched_tokens,
                                 prefix_caching=plan.prefix_caching)
     built = batcher.warmup()
+    fused = f", forwards of up to {built['fused_up_to']} tokens through the fused decode kernels" \
+        if built["fused_up_to"] else ""
     log.info("continuous batching: packed prefill (%s attention, %s layers, %s) over token buckets %s built in "
-             "%.1f s, forwards of up to %d tokens through the fused decode kernels; prefix caching %s",
-             built["attention"], "compiled" if built["compiled"] else "eager",
-             "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"],
-             built["fused_up_to"], "on" if plan.prefix_caching else "off")
+             "%.1f s%s; prefix caching %s", built["attention"], "compiled" if built["compiled"] else "eager",
+             "CUDA graphs" if built["graphs"] else "no graphs", built["token_buckets"], built["seconds"], fused,
+             "on" if plan.prefix_caching else "off")
     tokenizer = ChatTokenizer(spec.model_dir)
     compiler = GrammarCompiler(tokenizer, runner.model.config.vocab_size, stop_token_ids(spec.model_dir, tokenizer))
     if spec.hook:
