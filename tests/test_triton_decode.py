@@ -62,11 +62,16 @@ def _batch(model: Transformer, positions: list[list[int]], seed: int = 0):
     return x, model.rope_cos[input_pos].unsqueeze(1), model.rope_sin[input_pos].unsqueeze(1), input_pos
 
 
-@pytest.fixture(params=["K looped", "K in one block"])
+@pytest.fixture(params=["K looped", "K looped, rms loop not unrolled", "K in one block"])
 def k_blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The matmul kernels with their interpreter configuration (K in 32-wide blocks: the loop) or
+    """The matmul kernels with their interpreter configuration (K in 32-wide blocks: the loop; the
+    rms loop unrolled, as for SmolLM2-sized rows, or not, as for Llama-3.1-8B-sized ones) or
     with K in one block (the tiny models' K <= 128: the path SmolLM2-sized layers take on a GPU,
     where the rms comes from the multiplied tile itself)."""
+    if request.param == "K looped, rms loop not unrolled":
+        import triton.language as tl
+
+        monkeypatch.setattr(td, "_RSTD_UNROLLED", tl.constexpr(1))
     if request.param == "K in one block":
         import triton
 
