@@ -529,6 +529,7 @@ class EngineChat:
     TTFT runs from its submission (the prompt is tokenized before) to the engine's first update."""
 
     def __init__(self, cfg: dict[str, Any], folder: Path, temperature: float = 0.0) -> None:
+        from servekit.optimizations.heap import freeze_heap
         from servekit.optimizations.llm.chat_template import ChatTokenizer
         from servekit.optimizations.llm.continuous import ContinuousBatcher, EngineThread
         from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, stop_token_ids
@@ -540,6 +541,7 @@ class EngineChat:
         self.batcher = ContinuousBatcher(runner, int(cfg.get("batchSize") or runner.max_batch), plan.prefill_chunk,
                                          plan.max_num_batched_tokens, prefix_caching=plan.prefix_caching)
         self.built = self.batcher.warmup()
+        freeze_heap()  # as the engine process does once built
         self.ready_s = round(time.perf_counter() - t0, 1)
         self.timer = PhaseTimer()
         for attr, label in ENGINE_PHASES.items():

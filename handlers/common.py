@@ -1,7 +1,6 @@
 """Request decoding and error shaping shared by servekit's handlers (no `ts` import here)."""
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -411,17 +410,3 @@ def url_path(context: Any, idx: int) -> str:
 def _text(value: Any) -> str:
     """A header name or value as TorchServe hands it over (bytes from the frontend, str in tests)."""
     return bytes(value).decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
-
-
-def freeze_heap() -> int:
-    """Exempt every object alive now from the cyclic garbage collector; returns how many.
-
-    Called once a long-lived process is set up: a worker once warm, a load-generator process once
-    imported. A loaded plan is ~0.5 M objects (dynamo/inductor state, graphs, tokenizer), and each
-    full collection walks them all: ~250 ms on a 2-core VM, and on an H100 host under load p99
-    stalls of 70-100 ms that came and went between measurement windows. Frozen objects are never
-    collected, which is right for what lives as long as the process.
-    """
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()

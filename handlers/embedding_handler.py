@@ -23,13 +23,14 @@ import numpy as np
 import orjson
 import torch
 
-from servekit.handlers.common import (RequestError, device_error, fail_request, freeze_heap, parse_each,
+from servekit.handlers.common import (RequestError, device_error, fail_request, parse_each,
                                       models_requests, registered_batch_size)
 from servekit.handlers.embedding_budget import DEFAULT_RESPONSE_TIMEOUT_S, WorkBudget, derive_budget
 from servekit.handlers.embedding_requests import EmbeddingRequest, parse_embedding_request
 from servekit.handlers.metrics import HandlerMetrics, emit_batch
 from servekit.handlers.worker_io import install_buffered_reads
 from servekit.optimizations.embed.runner import Batch, EmbeddingRunner, Inputs, Refusal
+from servekit.optimizations.heap import freeze_heap
 from servekit.optimizations.plan import parse_plan
 
 log = logging.getLogger(__name__)

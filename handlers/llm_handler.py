@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from servekit import __version__
-from servekit.handlers.common import freeze_heap, registered_batch_size
+from servekit.handlers.common import registered_batch_size
 from servekit.handlers.llm_continuous import ContinuousFrontend
 from servekit.handlers.llm_openai import OpenAIApi
 from servekit.handlers.metrics import HandlerMetrics
@@ -30,6 +30,7 @@ from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.engine_process import EngineProcess, EngineSpec
 from servekit.optimizations.llm.grammar import DeferredGrammars
 from servekit.optimizations.llm.plan import parse_llm_plan, stop_token_ids
+from servekit.optimizations.heap import freeze_heap
 from servekit.optimizations.plan import PlanError
 
 log = logging.getLogger(__name__)
@@ -88,10 +89,10 @@ class LlmService:
             warm_prompt = tokenizer.encode(WARM_UP_TEXT * 40)
         engine_warm = self.frontend.warm_up(warm_prompt)
         install_buffered_reads()
-        log.info("servekit LLM plan %s ready in %.1f s (engine process %d built in %.1f s, request path warmed in "
-                 "%.1f ms, engine in %.1f ms, gc_frozen_objects %d): %s", self.plan.label(),
-                 time.perf_counter() - t0, self.engine.pid, self.engine.ready.seconds, warm * 1e3,
-                 engine_warm * 1e3, freeze_heap(), json.dumps(self.engine.ready.runner_plan))
+        log.info("servekit LLM plan %s ready in %.1f s (engine process %d built in %.1f s with gc_frozen_objects %d, "
+                 "request path warmed in %.1f ms, engine in %.1f ms, gc_frozen_objects %d): %s", self.plan.label(),
+                 time.perf_counter() - t0, self.engine.pid, self.engine.ready.seconds, self.engine.ready.frozen_objects,
+                 warm * 1e3, engine_warm * 1e3, freeze_heap(), json.dumps(self.engine.ready.runner_plan))
         self.initialized = True
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[str]:

@@ -49,7 +49,7 @@ from locust.exception import StopUser  # noqa: E402
 
 from servekit.benchmarks.bench.sse import StreamTally, read_events  # noqa: E402
 from servekit.benchmarks.bench.stats import CONNECTION_ERROR, INCOMPLETE_STREAM  # noqa: E402
-from servekit.handlers.common import freeze_heap  # noqa: E402
+from servekit.optimizations.heap import freeze_heap  # noqa: E402
 
 POLL_S = 0.02
 FLUSH_S = 0.2

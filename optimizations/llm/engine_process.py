@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Collection, Hashable
 
+from servekit.optimizations.heap import freeze_heap
 from servekit.optimizations.llm.continuous import FINISH_ERROR, SeqUpdate, UpdateBoard
 from servekit.optimizations.llm.generate import RunnerShape, SamplingParams
 from servekit.optimizations.llm.plan import LlmPlan
@@ -81,6 +82,7 @@ class EngineReady:
     max_num_batched_tokens: int
     spec_positions: int | None  # draft positions counted, None without speculation
     seconds: float
+    frozen_objects: int = 0  # objects of the built engine exempted from the garbage collector (freeze_heap)
 
 
 @dataclass(frozen=True)
@@ -342,7 +344,9 @@ def main() -> None:
             stats_at[0] = now
         conn.send(("updates", _portable(updates), gauges(full)))
 
-    conn.send(("ready", ready))
+    # The built engine (model, compiled layers, graphs, tokenizer, grammar compiler) lives as long as
+    # this process: out of the collector's reach, a full collection never walks it mid-step.
+    conn.send(("ready", replace(ready, frozen_objects=freeze_heap())))
     engine = EngineThread(batcher, device, outlet=send_updates)
     # Grammars not in the cache compile on helper threads (up to the compiler's time limit), so
     # that this thread goes on taking other requests and cancellations in meanwhile; a request
