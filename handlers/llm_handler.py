@@ -26,11 +26,11 @@ from servekit.handlers.llm_continuous import ContinuousFrontend
 from servekit.handlers.llm_openai import OpenAIApi
 from servekit.handlers.metrics import HandlerMetrics
 from servekit.handlers.worker_io import install_buffered_reads
+from servekit.optimizations.heap import freeze_heap
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.engine_process import EngineProcess, EngineSpec
 from servekit.optimizations.llm.grammar import DeferredGrammars
 from servekit.optimizations.llm.plan import parse_llm_plan, stop_token_ids
-from servekit.optimizations.heap import freeze_heap
 from servekit.optimizations.plan import PlanError
 
 log = logging.getLogger(__name__)

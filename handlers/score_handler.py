@@ -25,8 +25,8 @@ from servekit.handlers.common import (RequestError, fail_request, models_request
 from servekit.handlers.metrics import HandlerMetrics, emit_batch
 from servekit.handlers.score_requests import ScoreRequest, parse_score_request
 from servekit.handlers.worker_io import install_buffered_reads
-from servekit.optimizations.plan import parse_plan
 from servekit.optimizations.heap import freeze_heap
+from servekit.optimizations.plan import parse_plan
 from servekit.optimizations.score.runner import ScoreRunner
 
 log = logging.getLogger(__name__)
