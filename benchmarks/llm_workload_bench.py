@@ -423,6 +423,13 @@ class HandlerSplit(Split):
         return {"handler_ttft_ms_mean": mean_ms("ttft"), "handler_itl_ms_mean": mean_ms("itl")}
 
 
+def set_runs(sets: list[str]) -> list[tuple[str, str]]:
+    """(key in the report, set) for each of --sets in order: a set named again runs again on the
+    same server, reported as "short #2", "short #3" (a fresh server's first burst against later ones)."""
+    return [(name if sets[:i].count(name) == 0 else f"{name} #{sets[:i].count(name) + 1}", name)
+            for i, name in enumerate(sets)]
+
+
 def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dict[str, Any], save,
             split: Split | None = None) -> None:
     """Every measure of --measures against the model, saving after each; `split` adds where each
@@ -451,15 +458,15 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
                           **split.stop()}
         print(f"  prefill: {json.dumps(res['prefill'])}", flush=True)
         save()
-    for name in args.sets:
-        per: dict[str, Any] = res["sets"].setdefault(name, {})
+    for key, name in set_runs(args.sets):
+        per: dict[str, Any] = res["sets"].setdefault(key, {})
         take = {"short": lambda k: gen.short(k, args.max_tokens), "passages": lambda k: gen.passages(k, args.max_tokens),
                 "mixed": lambda k: gen.mixed(k, (min(32, args.max_tokens), args.max_tokens))}[name]
         if "batch1" in args.measures:
             split.start()
             got = one_by_one(chat, take(args.batch1))
             per["batch1"] = {**figures(got, sum(t.last_s or 0 for t in got)), **split.stop()}
-            print(f"  {name} batch 1: {json.dumps(per['batch1'])}", flush=True)
+            print(f"  {key} batch 1: {json.dumps(per['batch1'])}", flush=True)
         if "streams" in args.measures:
             split.start()
             got, wall, sends = closed_loop(chat, take(args.streams * args.stream_requests), args.streams)
@@ -472,7 +479,7 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
                               "ttft_ms_p99_burst": round(float(np.percentile(burst, 99)), 2),
                               "ttft_ms_p99_later": round(float(np.percentile(later, 99)), 2) if later else None,
                               **split.stop()}
-            print(f"  {name} {args.streams} streams: {json.dumps(per['streams'])}", flush=True)
+            print(f"  {key} {args.streams} streams: {json.dumps(per['streams'])}", flush=True)
         if "poisson" in args.measures:
             prompts = take(int(args.rate * args.duration * 1.5) + 10)
             split.start()
@@ -481,7 +488,7 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
                               "achieved_rate": round(len(got) / args.duration, 2),
                               "send_late_ms_p99": round(float(np.percentile(late, 99)) * 1e3, 2) if late else None,
                               **split.stop()}
-            print(f"  {name} poisson {args.rate}/s: {json.dumps(per['poisson'])}", flush=True)
+            print(f"  {key} poisson {args.rate}/s: {json.dumps(per['poisson'])}", flush=True)
         save()
     if "followup" in args.measures:
         split.start()
@@ -789,7 +796,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "`servekit archive PATH` generates for --model-dir)")
     p.add_argument("--measures", nargs="+", choices=MEASURES, default=DEFAULT_MEASURES,
                    help=f"default: {' '.join(DEFAULT_MEASURES)} (sequence only when named)")
-    p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
+    p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS),
+                   help="a set named again runs again on the same server, reported as 'short #2', ...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (the committed figures); above 0, every request sampled at it with seed 0")

@@ -229,3 +229,12 @@ def test_full_load_counts_the_tokens_while_every_stream_is_busy() -> None:
     # A stream that ends before another starts producing: no window.
     assert full_load([timing(1, 2, 2), timing(1, 2, 2), timing(9, 10, 2), timing(1, 2, 2)],
                      [0.0, 2.0, 0.0, 10.0], 2)["full_load_s"] is None
+
+
+def test_a_set_named_again_runs_again_under_its_own_key() -> None:
+    """--sets short passages short: the second short run is reported beside the first, not over it."""
+    from servekit.benchmarks.llm_workload_bench import set_runs
+
+    assert set_runs(["short", "passages", "short", "short"]) == [
+        ("short", "short"), ("passages", "passages"), ("short #2", "short"), ("short #3", "short")]
+    assert set_runs(["mixed"]) == [("mixed", "mixed")]
