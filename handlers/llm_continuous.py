@@ -108,7 +108,8 @@ class ContinuousFrontend:
         running = {i for i, rid in enumerate(ids) if rid in self.live}
         prepared, answers = parse_each(data, context, self.metrics, self.api.model_name, self.api.created,
                                        self.api.prepare, skip=running,
-                                       card_fields={"max_model_len": self.api.shape.max_seq_len})
+                                       card_fields={"max_model_len": self.api.shape.max_seq_len,
+                                                    "max_num_seqs": self.engine.ready.max_num_seqs})
         # The new requests' prompts in one tokenizer call: a burst of long prompts (TorchServe hands
         # over all that arrived together) would otherwise be tokenized one after another on this
         # thread, holding the GIL from the engine thread, before the first of them reached the engine.

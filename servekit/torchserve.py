@@ -25,6 +25,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -118,7 +119,10 @@ WARM_UP_REQUESTS_ENV = "SERVEKIT_WARM_UP_REQUESTS"  # another count (at least 1)
 # readiness check: 500 requests took 0.5-0.6 s on the 2-core CPU host (each on a new connection).
 WARM_UP_BUDGET_S = 2.0
 LLM_MODELS_ROUTE_SHARE = 0.5  # of the warm-up's budget, for an LLM: the rest goes to streamed chats
+LLM_LONE_CHATS_SHARE = 0.75  # of the budget, where an LLM's chats one at a time end and its bursts begin
 WARM_UP_CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+WARM_UP_BURSTS = 2  # bursts of concurrent chats, each as many as the model runs at once
+WARM_UP_BURST_TOKENS = 8
 
 
 def warm_up_requests() -> int:
@@ -160,16 +164,18 @@ def warm_up_inference(inference_url: str, model: str, version: str, timeout: flo
     answer takes the frontend's other path (the request queued again after each chunk, the answer
     written in HTTP chunks), which the models route never runs. On an H100 a fresh SmolLM2
     server's first 600-token request then cost within 1 ms of later ones, against 1.6-4.0 ms more
-    without the chats (``benchmarks/results/llm-workload-h100/warm-up-chats/``)."""
+    without the chats (``benchmarks/results/llm-workload-h100/warm-up-chats/``). From
+    ``LLM_LONE_CHATS_SHARE`` of the budget on, ``WARM_UP_BURSTS`` bursts of as many concurrent chats
+    as the model runs at once (its card's ``max_num_seqs``) follow (``_chat_burst``)."""
     base = inference_url.rstrip("/") + f"/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1/"
     start = time.monotonic()
-    first, llm, models_deadline = None, False, start + budget_s
+    first, llm, models_deadline, card = None, False, start + budget_s, None
     count = max(1, warm_up_requests() if requests is None else requests)
     try:
         for _ in range(count):
             status, body = http_json("POST", base + "models", timeout, {"Content-Type": "application/json"}, b"{}")
             if first is None:
-                first, llm = status, status == 200 and _is_llm_card(body)
+                first, llm, card = status, status == 200 and _is_llm_card(body), body
                 if llm:  # on an H100 host 500 models-route requests (each on a new connection) took all of 2 s
                     models_deadline = start + budget_s * LLM_MODELS_ROUTE_SHARE
             if status != 200 or time.monotonic() > models_deadline:
@@ -177,13 +183,39 @@ def warm_up_inference(inference_url: str, model: str, version: str, timeout: flo
         if llm:
             chat = json.dumps(WARM_UP_CHAT).encode()
             headers = {"Content-Type": "application/json", WARM_UP_HEADER: "1"}
+            lone_deadline = start + budget_s * LLM_LONE_CHATS_SHARE
             for _ in range(count):
-                if time.monotonic() > start + budget_s or http_json("POST", base + "chat/completions", timeout,
-                                                                    headers, chat)[0] != 200:
+                if time.monotonic() > lone_deadline or http_json("POST", base + "chat/completions", timeout,
+                                                                 headers, chat)[0] != 200:
+                    break
+            streams = _card_int(card, "max_num_seqs")
+            for _ in range(WARM_UP_BURSTS if streams > 1 else 0):
+                if time.monotonic() > start + budget_s or not _chat_burst(base + "chat/completions", headers,
+                                                                          streams, timeout):
                     break
     except OSError:
         pass
     return first or 0
+
+
+def _chat_burst(url: str, headers: dict[str, str], streams: int, timeout: float) -> bool:
+    """``streams`` streamed chats of distinct prompts sent at once, as a burst of users' first requests
+    arrives; True when all were answered 200. Why: chats one at a time never run the paths that a
+    burst runs (the frontend's batch of many new requests, the handler's many prompts in one call,
+    many streams' chunks per step), which a fresh server's first burst of users would pay for."""
+    bodies = [json.dumps({"messages": [{"role": "user", "content": f"Warm-up stream {i}: count from {i} onwards."}],
+                          "max_tokens": WARM_UP_BURST_TOKENS, "stream": True}).encode() for i in range(streams)]
+    with ThreadPoolExecutor(streams) as pool:
+        return all(status == 200 for status, _ in pool.map(lambda b: http_json("POST", url, timeout, headers, b), bodies))
+
+
+def _card_int(answer: Any, field: str) -> int:
+    """A whole-number field of a models-route answer's first card, 0 where it has none."""
+    try:
+        value = answer["data"][0][field]
+    except (TypeError, KeyError, IndexError):
+        return 0
+    return value if isinstance(value, int) else 0
 
 
 def _is_llm_card(answer: Any) -> bool:

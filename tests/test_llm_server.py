@@ -284,6 +284,7 @@ def test_openai_models_api(client) -> None:
     assert [m.id for m in client.models.list().data] == ["smollm2"]
     card = client.models.retrieve("smollm2")
     assert card.owned_by == "servekit" and card.max_model_len == 1024  # smollm2-cpu.yaml's max_seq_len
+    assert card.max_num_seqs == 4  # its batchSize: the requests the engine runs at once
     with pytest.raises(openai.NotFoundError, match="serves 'smollm2'"):
         client.models.retrieve("gpt-4o")
 
@@ -385,10 +386,11 @@ COMPLETION = "servekit_llm_completion_tokens_total"
 def test_the_warm_up_streams_chats_to_an_llm_and_leaves_them_out_of_the_request_metrics(server: TorchServe,
                                                                                           client) -> None:
     """An LLM's inference warm-up (servekit.torchserve.warm_up_inference) also sends streamed two-token
-    chats, so that the frontend's streaming path runs before users' first requests; marked, they
+    chats, then bursts of as many concurrent chats as its card's max_num_seqs, so that the
+    frontend's streaming path and a burst's paths run before users' first requests; marked, they
     are not counted as requests or tokens. A user's chat after them is."""
     from servekit.benchmarks.llm_workload_bench import warm_up_counts
-    from servekit.torchserve import warm_up_inference
+    from servekit.torchserve import WARM_UP_BURSTS, warm_up_inference
 
     def chats() -> int:
         return server.log_text("access_log.log").count('"POST /predictions/smollm2/1.0/v1/chat/completions HTTP/1.1"')
@@ -400,13 +402,14 @@ def test_the_warm_up_streams_chats_to_an_llm_and_leaves_them_out_of_the_request_
     before_chats = chats()
     served, completed = metric_sum(server, "servekit_requests_total"), metric_sum(server, COMPLETION)
     assert warm_up_inference(server.inference_url, "smollm2", "1.0", requests=3, budget_s=120) == 200
+    sent = 3 + WARM_UP_BURSTS * client.models.retrieve("smollm2").max_num_seqs  # 3 alone, 2 bursts of 4
     deadline = time.monotonic() + 10  # the frontend logs asynchronously
-    while chats() < before_chats + 3 and time.monotonic() < deadline:
+    while chats() < before_chats + sent and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert chats() == before_chats + 3
+    assert chats() == before_chats + sent
     # The workload benchmark reports the warm-up's requests the same way.
     assert models() >= 4  # registration's one, then these 3
-    assert warm_up_counts(server, "smollm2") == {"models_requests": models(), "chats": before_chats + 3}
+    assert warm_up_counts(server, "smollm2") == {"models_requests": models(), "chats": before_chats + sent}
     # More requests than the budget holds: the models route stops at half of it, the chats get the rest.
     before = warm_up_counts(server, "smollm2")
     t0 = time.monotonic()

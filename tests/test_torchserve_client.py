@@ -13,6 +13,7 @@ import yaml
 
 from servekit.archive import build_archive
 from servekit.benchmarks.bench.archives import BENCH_SPECS
+from servekit.handlers.common import WARM_UP_HEADER
 from servekit.torchserve import ManagementClient, Ports, PortTaken, Registration, ServerError, TorchServe, free_ports
 
 pytestmark = pytest.mark.server
@@ -139,3 +140,51 @@ def test_picked_ports_taken_before_the_server_binds_them_are_picked_again(other_
         assert ts.ports.inference != other_server
         assert ManagementClient(ts.management_url).describe("absent") is None  # its own API answers
     assert "Address already in use" in (tmp_path / "run" / "logs" / "server.out").read_text()
+
+
+def _meeting_server(streams: int) -> ThreadingHTTPServer:
+    """An HTTP server whose POSTs answer 200 only once ``streams`` of them are in flight together
+    (each waits for the others up to 2 s, else 503), recording each body and warm-up header."""
+
+    class Meeting(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            server.seen.append((body, self.headers.get(WARM_UP_HEADER)))
+            try:
+                server.barrier.wait(timeout=2)
+                status = 200
+            except threading.BrokenBarrierError:
+                status = 503
+            self.send_response(status)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Meeting)
+    server.barrier, server.seen = threading.Barrier(streams), []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("streams, meet", [(4, 4), (4, 5)])
+def test_a_warm_up_burst_sends_its_chats_at_once(streams: int, meet: int) -> None:
+    """The LLM warm-up's burst (servekit.torchserve._chat_burst): ``streams`` streamed chats of
+    distinct prompts in flight together, marked as the warm-up's; a server that needs one more
+    in flight than were sent never answers them all 200, and the burst says so."""
+    from servekit.torchserve import WARM_UP_BURST_TOKENS, _chat_burst
+
+    server = _meeting_server(meet)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/predictions/m/1.0/v1/chat/completions"
+        ok = _chat_burst(url, {"Content-Type": "application/json", WARM_UP_HEADER: "1"}, streams, timeout=20)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert ok is (streams >= meet)
+    assert len(server.seen) == streams and all(marked == "1" for _, marked in server.seen)
+    bodies = [body for body, _ in server.seen]
+    assert all(b["stream"] is True and b["max_tokens"] == WARM_UP_BURST_TOKENS for b in bodies)
+    assert len({b["messages"][0]["content"] for b in bodies}) == streams

@@ -254,6 +254,10 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = self._body()
+        # Replayed once now: PyTorch does not upload a graph when it instantiates one, so the first
+        # launch pays the upload, which must not fall on a request. A replay does what the warm-up
+        # runs above did (the same state advanced the same way).
+        self.graph.replay()
 
     def run(self) -> Tensor:
         if self.graph is None:
