@@ -8,10 +8,11 @@ Both find the management API at the config's `management_address` (--management 
 `ready` is the startup and readiness probe: TorchServe's /ping answers Healthy before any worker
 has loaded (and while every worker restarts), so readiness asks `GET /models/<name>` instead.
 With `--warm-up` (the startup probe) it then sends requests through the inference API (500 on the
-models route within 2 s; for an LLM, that within 1 s, then streamed two-token chats for the other
-1 s), so that users' requests do not pay for the frontend's first use of its prediction path nor
-for the JVM interpreting it (servekit.torchserve.warm_up_inference); the pod turns ready only
-after that.
+models route within 2 s; for an LLM, that within 1 s, then streamed two-token chats until 1.5 s,
+then two bursts of as many concurrent chats as it runs at once), so that users' requests do not
+pay for the frontend's first use of its prediction path, for the JVM interpreting it, nor, on an
+LLM, for the paths a burst of users first runs (servekit.torchserve.warm_up_inference); the pod
+turns ready only after that.
 `register` registers every model of a config's `models` line with the workers and batching written
 there, on a server whose model API is on. servekit's pods do not use it: their model API is off and
 TorchServe registers their `model_snapshot` models at start (docs/security.md).
