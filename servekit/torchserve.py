@@ -202,7 +202,9 @@ def _chat_burst(url: str, headers: dict[str, str], streams: int, timeout: float)
     """``streams`` streamed chats of distinct prompts sent at once, as a burst of users' first requests
     arrives; True when all were answered 200. Why: chats one at a time never run the paths that a
     burst runs (the frontend's batch of many new requests, the handler's many prompts in one call,
-    many streams' chunks per step), which a fresh server's first burst of users would pay for."""
+    many streams' chunks per step), which a fresh server's first burst of users would pay for: on an
+    H100 a fresh SmolLM2 server's first burst of 32 had a TTFT p99 of 43-94 ms without the warm-up's
+    bursts, 29-36 with them (``benchmarks/results/llm-workload-h100/warm-up-bursts/``)."""
     bodies = [json.dumps({"messages": [{"role": "user", "content": f"Warm-up stream {i}: count from {i} onwards."}],
                           "max_tokens": WARM_UP_BURST_TOKENS, "stream": True}).encode() for i in range(streams)]
     with ThreadPoolExecutor(streams) as pool:
