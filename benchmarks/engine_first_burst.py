@@ -30,13 +30,10 @@ import yaml
 
 from servekit.benchmarks.llm_inprocess import environment
 from servekit.benchmarks.llm_prompts import PromptGenerator, tokenizer_counter
-from servekit.benchmarks.llm_workload_bench import MODEL, checkpoint_dir
-from servekit.optimizations.heap import freeze_heap
-from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.benchmarks.llm_workload_bench import MODEL, build_engine, checkpoint_dir
 from servekit.optimizations.llm.continuous import ContinuousBatcher
 from servekit.optimizations.llm.generate import GraphedStep, SamplingParams
-from servekit.optimizations.llm.packed import Chunk
-from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, stop_token_ids
+from servekit.optimizations.llm.plan import parse_llm_plan
 from servekit.resources import model_config
 
 
@@ -57,13 +54,11 @@ def replay_twice(batcher: ContinuousBatcher, steps: list[GraphedStep]) -> dict[s
     """Each graph launched twice, the device idle before each launch: host ms of both, by step type.
     A packed step's tables are loaded first as its warm-up loaded them (pad chunks in the spare row)."""
     packed = batcher.packed
-    spare, span = packed.model.spare_row, packed.model.max_seq_len
+    bucket_of = {id(step): n for n, step in packed._steps.items()}
     times: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     for step in steps:
-        n = getattr(step, "n", None)
-        if step in packed._steps.values() and n is not None:
-            lengths = [span] * (n // span) + ([n % span] if n % span else [])
-            packed._load([Chunk([packed.pad_id] * m, 0, spare, True) for m in lengths[:packed.max_seqs]])
+        if id(step) in bucket_of:
+            packed._load(packed.pad_chunks(bucket_of[id(step)]))
         launches = []
         for _ in range(2):
             torch.cuda.synchronize()
@@ -147,27 +142,20 @@ def burst(batcher: ContinuousBatcher, prompts: list[list[int]], max_tokens: list
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     cfg = yaml.safe_load(args.config.read_text())
-    plan = parse_llm_plan(cfg.get("servekit"))
-    folder = checkpoint_dir(argparse.Namespace(model_dir=args.model_dir), plan.precision)
-    t0 = time.perf_counter()
-    runner, plan, _ = load_llm_runner(str(folder), plan)
-    tokenizer = ChatTokenizer(folder)
-    stops = tuple(stop_token_ids(folder, tokenizer))
-    batcher = ContinuousBatcher(runner, int(cfg.get("batchSize") or runner.max_batch), plan.prefill_chunk,
-                                plan.max_num_batched_tokens, prefix_caching=plan.prefix_caching)
-    built = batcher.warmup()
+    folder = checkpoint_dir(argparse.Namespace(model_dir=args.model_dir), parse_llm_plan(cfg.get("servekit")).precision)
+    engine = build_engine(cfg, folder)
+    batcher, tokenizer, stops = engine.batcher, engine.tokenizer, engine.stops
     steps = captured_steps(batcher)
-    frozen = freeze_heap()
     res: dict[str, Any] = {"environment": environment(argv, "servekit.benchmarks.engine_first_burst"),
-                           "config": str(args.config), "ready_s": round(time.perf_counter() - t0, 1),
-                           "warm_up": built, "graphs": len(steps), "frozen_objects": frozen, "bursts": []}
+                           "config": str(args.config), "ready_s": engine.ready_s, "warm_up": engine.built,
+                           "graphs": len(steps), "frozen_objects": engine.frozen_objects, "bursts": []}
     print(f"engine ready in {res['ready_s']} s, {len(steps)} CUDA graphs", flush=True)
     if args.replay_first:
         if not steps:
             raise SystemExit("--replay-first: this plan captures no CUDA graphs")
         res["replay_first"] = replay_twice(batcher, steps)
         print(f"graphs launched twice: {json.dumps(res['replay_first'])}", flush=True)
-    gen = PromptGenerator(args.seed, tokenizer_counter(folder), max_seq_len=runner.max_seq_len)
+    gen = PromptGenerator(args.seed, tokenizer_counter(folder), max_seq_len=batcher.r.max_seq_len)
     with LaunchLog() as launches:
         for i in range(args.bursts):
             prompts = gen.short(args.streams, args.max_tokens)

@@ -65,6 +65,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -529,6 +530,37 @@ class PhaseTimer:
         setattr(owner, attr, timed)
 
 
+@dataclass(frozen=True)
+class BuiltEngine:
+    """A model-config's engine in this process, built as the LLM worker's engine process builds it."""
+
+    batcher: Any  # the ContinuousBatcher, warmed up
+    tokenizer: Any  # the model's ChatTokenizer
+    stops: tuple[int, ...]  # the stop token ids the handler passes
+    built: dict[str, Any]  # what the batcher's warm-up built
+    frozen_objects: int
+    ready_s: float
+
+
+def build_engine(cfg: dict[str, Any], folder: Path) -> BuiltEngine:
+    """The plan, batch size (``batchSize``), warm-up and frozen heap of the engine process
+    (optimizations/llm/engine_process.py), with no TorchServe, worker or pipe around it."""
+    from servekit.optimizations.heap import freeze_heap
+    from servekit.optimizations.llm.chat_template import ChatTokenizer
+    from servekit.optimizations.llm.continuous import ContinuousBatcher
+    from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, stop_token_ids
+
+    t0 = time.perf_counter()
+    runner, plan, _ = load_llm_runner(str(folder), parse_llm_plan(cfg.get("servekit")))
+    tokenizer = ChatTokenizer(folder)
+    stops = tuple(stop_token_ids(folder, tokenizer))
+    batcher = ContinuousBatcher(runner, int(cfg.get("batchSize") or runner.max_batch), plan.prefill_chunk,
+                                plan.max_num_batched_tokens, prefix_caching=plan.prefix_caching)
+    built = batcher.warmup()
+    frozen = freeze_heap()  # as the engine process does once built
+    return BuiltEngine(batcher, tokenizer, stops, built, frozen, round(time.perf_counter() - t0, 1))
+
+
 class EngineChat:
     """--in-process: the model-config's engine in this process, driven as the LLM handler drives
     it (same plan, batch size, chat template, stop tokens, sampling parameters) but with no
@@ -536,24 +568,15 @@ class EngineChat:
     TTFT runs from its submission (the prompt is tokenized before) to the engine's first update."""
 
     def __init__(self, cfg: dict[str, Any], folder: Path, temperature: float = 0.0) -> None:
-        from servekit.optimizations.heap import freeze_heap
-        from servekit.optimizations.llm.chat_template import ChatTokenizer
-        from servekit.optimizations.llm.continuous import ContinuousBatcher, EngineThread
-        from servekit.optimizations.llm.plan import load_llm_runner, parse_llm_plan, stop_token_ids
+        from servekit.optimizations.llm.continuous import EngineThread
 
-        t0 = time.perf_counter()
-        runner, plan, _ = load_llm_runner(str(folder), parse_llm_plan(cfg.get("servekit")))
-        self.tokenizer = ChatTokenizer(folder)
-        self.stops = tuple(stop_token_ids(folder, self.tokenizer))
-        self.batcher = ContinuousBatcher(runner, int(cfg.get("batchSize") or runner.max_batch), plan.prefill_chunk,
-                                         plan.max_num_batched_tokens, prefix_caching=plan.prefix_caching)
-        self.built = self.batcher.warmup()
-        freeze_heap()  # as the engine process does once built
-        self.ready_s = round(time.perf_counter() - t0, 1)
+        engine = build_engine(cfg, folder)
+        self.batcher, self.tokenizer, self.stops = engine.batcher, engine.tokenizer, engine.stops
+        self.built, self.ready_s = engine.built, engine.ready_s
         self.timer = PhaseTimer()
         for attr, label in ENGINE_PHASES.items():
             self.timer.instrument(self.batcher, attr, label)
-        self.engine = EngineThread(self.batcher, runner.device)
+        self.engine = EngineThread(self.batcher, self.batcher.r.device)
         self._keys = iter(range(1 << 62))
         self.temperature = temperature
         self._lock = threading.Lock()

@@ -169,13 +169,14 @@ def warm_up_inference(inference_url: str, model: str, version: str, timeout: flo
     as the model runs at once (its card's ``max_num_seqs``) follow (``_chat_burst``)."""
     base = inference_url.rstrip("/") + f"/predictions/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}/v1/"
     start = time.monotonic()
-    first, llm, models_deadline, card = None, False, start + budget_s, None
+    first, llm, models_deadline, card = None, False, start + budget_s, {}
     count = max(1, warm_up_requests() if requests is None else requests)
     try:
         for _ in range(count):
             status, body = http_json("POST", base + "models", timeout, {"Content-Type": "application/json"}, b"{}")
             if first is None:
-                first, llm, card = status, status == 200 and _is_llm_card(body), body
+                card = _first_card(body) if status == 200 else {}
+                first, llm = status, "max_model_len" in card
                 if llm:  # on an H100 host 500 models-route requests (each on a new connection) took all of 2 s
                     models_deadline = start + budget_s * LLM_MODELS_ROUTE_SHARE
             if status != 200 or time.monotonic() > models_deadline:
@@ -188,8 +189,8 @@ def warm_up_inference(inference_url: str, model: str, version: str, timeout: flo
                 if time.monotonic() > lone_deadline or http_json("POST", base + "chat/completions", timeout,
                                                                  headers, chat)[0] != 200:
                     break
-            streams = _card_int(card, "max_num_seqs")
-            for _ in range(WARM_UP_BURSTS if streams > 1 else 0):
+            streams = card.get("max_num_seqs")
+            for _ in range(WARM_UP_BURSTS if isinstance(streams, int) and streams > 1 else 0):
                 if time.monotonic() > start + budget_s or not _chat_burst(base + "chat/completions", headers,
                                                                           streams, timeout):
                     break
@@ -211,21 +212,14 @@ def _chat_burst(url: str, headers: dict[str, str], streams: int, timeout: float)
         return all(status == 200 for status, _ in pool.map(lambda b: http_json("POST", url, timeout, headers, b), bodies))
 
 
-def _card_int(answer: Any, field: str) -> int:
-    """A whole-number field of a models-route answer's first card, 0 where it has none."""
+def _first_card(answer: Any) -> dict[str, Any]:
+    """The first model card of a models-route answer, {} where it has none. servekit's LLM cards
+    carry ``max_model_len`` and ``max_num_seqs``."""
     try:
-        value = answer["data"][0][field]
+        card = answer["data"][0]
     except (TypeError, KeyError, IndexError):
-        return 0
-    return value if isinstance(value, int) else 0
-
-
-def _is_llm_card(answer: Any) -> bool:
-    """Whether a models-route answer lists an LLM (servekit's LLM cards carry ``max_model_len``)."""
-    try:
-        return "max_model_len" in answer["data"][0]
-    except (TypeError, KeyError, IndexError):
-        return False
+        return {}
+    return card if isinstance(card, dict) else {}
 
 
 @dataclass(frozen=True)

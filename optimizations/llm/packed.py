@@ -362,6 +362,13 @@ class PackedPrefill:
         return packed_logits(self.model, self.inputs(n), self.positions[:n], self.last_idx[:n_last], attend,
                              self.layers(n))
 
+    def pad_chunks(self, n: int) -> list[Chunk]:
+        """Padding chunks of ``n`` tokens in all, what ``warmup()`` runs a bucket on: one request each
+        into the spare row (the cache's garbage row), each at most a context long."""
+        span = self.model.max_seq_len
+        lengths = [span] * (n // span) + ([n % span] if n % span else [])
+        return [Chunk([self.pad_id] * m, 0, self.model.spare_row, True) for m in lengths[:self.max_seqs]]
+
     @torch.no_grad()
     def warmup(self) -> dict[str, object]:
         """Capture (graphs) or run once every token bucket: the Triton kernel compiles here, and no
@@ -379,9 +386,7 @@ class PackedPrefill:
             self._load([Chunk([self.pad_id] * m, 0, spare, True)])
             packed_logits(self.model, self.tokens[:m], self.positions[:m], self.last_idx[:1], self.triton, self.blocks)
         for n in sorted(sizes, reverse=True):  # largest first: the smaller graphs fit in its pool
-            # Chunks of one request each into the spare row (the cache's garbage row), at most a context long.
-            lengths = [span] * (n // span) + ([n % span] if n % span else [])
-            chunks = [Chunk([self.pad_id] * m, 0, spare, True) for m in lengths[:self.max_seqs]]
+            chunks = self.pad_chunks(n)
             if self.graphs:
                 self._load(chunks)
                 self._steps[n] = _PackedStep(self, n)
