@@ -114,16 +114,18 @@ def post_events(url: str, body: dict[str, Any], timeout: float = 600.0, t0: floa
 
 def stream_chat(url: str, prompt: str | list[dict[str, str]], max_tokens: int, timeout: float = 600.0,
                 t0: float | None = None, conn: http.client.HTTPConnection | None = None,
-                temperature: float = 0.0) -> Timing:
+                temperature: float = 0.0, ignore_eos: bool = False) -> Timing:
     """POST one streamed chat completion (greedy, or sampled at ``temperature`` with seed 0: the
     same answer to the same prompt on every run) and time its chunks (``post_events``). `prompt`:
     the user's text, or the whole list of messages; `t0`: the perf_counter time to time from (an
-    open-loop request's scheduled send), else the send."""
+    open-loop request's scheduled send), else the send; `ignore_eos`: the answer runs to max_tokens."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     if temperature > 0:
         body["seed"] = 0
+    if ignore_eos:
+        body["ignore_eos"] = True
     status, lines, error = post_events(url, body, timeout, t0, conn)
     if status != 200:
         return Timing(status, None, None, 0, 0, 0, "", error)
@@ -175,17 +177,20 @@ class Session:
     def __init__(self, url: str, temperature: float = 0.0) -> None:
         self.url, self._local, self.temperature = url, threading.local(), temperature
 
-    def chat(self, prompt: str | list[dict[str, str]], max_tokens: int, t0: float | None = None) -> Timing:
+    def chat(self, prompt: str | list[dict[str, str]], max_tokens: int, t0: float | None = None,
+             ignore_eos: bool = False) -> Timing:
         conn = getattr(self._local, "conn", None)
         reused = conn is not None and conn.sock is not None
         if not reused:
             conn = self._new()
         t0 = time.perf_counter() if t0 is None else t0
-        got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=conn, temperature=self.temperature)
+        got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=conn, temperature=self.temperature,
+                          ignore_eos=ignore_eos)
         if reused and got.status == -1 and got.error.startswith(STALE):
             # The server had closed the kept-alive connection: send again on a new one, as HTTP
             # clients do (the time of the failed try counts).
-            got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=self._new(), temperature=self.temperature)
+            got = stream_chat(self.url, prompt, max_tokens, t0=t0, conn=self._new(), temperature=self.temperature,
+                              ignore_eos=ignore_eos)
         return got
 
     def open(self) -> None:

@@ -26,6 +26,10 @@ the served model's own tokens):
             back: total tokens/s (completion tokens / the whole load's wall time, the tail of the
             longest answers included), tokens/s at full load (while every client is busy: from
             the last client's first token to the first client's last answer), TTFT p50/p99, TPOT.
+  decode    per set: --batch1 requests one after another, then --streams requests sent together,
+            all with ignore_eos (each runs to --max-tokens, so every row decodes every step and no
+            prompt arrives between the steps): TPOT (the served decode step) of each and their
+            ratio, against the streams measure's TPOT, where answers end and prompts arrive.
   poisson   per set: open-loop Poisson arrivals at --rate requests/s for --duration s, each request
             in its own thread, timed from its scheduled send: TTFT p50/p99, TPOT, tokens/s.
   followup  --conversations chats of ~1,500 tokens: the chat is sent, then its follow-up turn (the
@@ -78,7 +82,7 @@ from servekit.resources import model_config
 from servekit.torchserve import TorchServe
 
 MODEL = "smollm2"
-MEASURES = ("ttft", "prefill", "batch1", "streams", "poisson", "followup", "sequence")
+MEASURES = ("ttft", "prefill", "batch1", "streams", "decode", "poisson", "followup", "sequence")
 DEFAULT_MEASURES = [m for m in MEASURES if m != "sequence"]  # sequence: asked for by name
 SETS = ("short", "passages", "mixed")
 # Peak memory bandwidth (bytes/s) by a substring of the GPU's name, most specific first.
@@ -127,7 +131,7 @@ def weight_bytes_per_token(model_dir: Path, precision: str) -> int:
 # One streamed chat, greedy unless --temperature: (messages, max_tokens, t0: the perf_counter time
 # to time from or None) -> its timing. Served: an HTTP request (stream_chat); --in-process: the
 # engine driven directly.
-Chat = Callable[[list[dict[str, str]], int, float | None], Timing]
+Chat = Callable[..., Timing]  # (messages, max_tokens, t0, ignore_eos=False)
 
 
 class HttpChat(Session):
@@ -322,6 +326,34 @@ def prefill(chat: Chat, gen: PromptGenerator, streams: int, tokens: int, rounds:
             **{k: s[k] for k in ("requests", "failed", "errors", "ttft_ms_p50", "ttft_ms_p99")}}
 
 
+def decode_steps(chat: Chat, prompts: list[Prompt], alone: int, together: int, split: Split) -> dict[str, Any]:
+    """The decode step served, as TPOT: ``alone`` requests one after another, then ``together`` sent
+    at once, every one with ignore_eos, so that all of them run to max_tokens, the rows decode in
+    lockstep after the burst's prefill and no prompt arrives between the steps. Returns the
+    figures of each, the handler's split of each, and the ratio of their TPOT p50. A request
+    admitted early in the burst rides in the prefills of the rest, so its TPOT counts some longer
+    steps; the request that got its first token last decoded only beside rows already decoding,
+    until all of them ended together: its TPOT is the decode step at the full batch
+    (``tpot_ms_last_started``, and ``tpot_ratio_full_batch`` against batch 1)."""
+    def ignoring(messages: list[dict[str, str]], max_tokens: int, t0: float | None) -> Timing:
+        return chat(messages, max_tokens, t0, ignore_eos=True)
+
+    out: dict[str, Any] = {}
+    split.start()
+    got = [ignoring(list(p.messages), p.max_tokens, None) for p in prompts[:alone]]
+    out["batch1"] = {**figures(got, sum(t.last_s or 0 for t in got)), **split.stop()}
+    split.start()
+    got, wall, _ = closed_loop(ignoring, prompts[alone:alone + together], together)
+    ok = [t for t in got if t.status == 200 and t.ttft_s is not None and t.itl_s is not None]
+    last = max(ok, key=lambda t: t.ttft_s).itl_s * 1e3 if len(ok) == len(got) and ok else None
+    out[f"batch{together}"] = {**figures(got, wall), **split.stop(),
+                               "tpot_ms_last_started": round(last, 3) if last else None}
+    one, many = out["batch1"]["itl_ms_p50"], out[f"batch{together}"]["itl_ms_p50"]
+    out["tpot_ratio"] = round(many / one, 3) if one and many else None
+    out["tpot_ratio_full_batch"] = round(last / one, 3) if one and last else None
+    return out
+
+
 def figures(timings: list[Timing], wall_s: float) -> dict[str, Any]:
     """summarize()'s figures (ITL = TPOT) and the requests' prompt tokens."""
     s = summarize(timings, wall_s)
@@ -481,6 +513,9 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
                               "ttft_ms_p99_later": round(float(np.percentile(later, 99)), 2) if later else None,
                               **split.stop()}
             print(f"  {key} {args.streams} streams: {json.dumps(per['streams'])}", flush=True)
+        if "decode" in args.measures:
+            per["decode"] = decode_steps(chat, take(args.batch1 + args.streams), args.batch1, args.streams, split)
+            print(f"  {key} decode: {json.dumps(per['decode'])}", flush=True)
         if "poisson" in args.measures:
             prompts = take(int(args.rate * args.duration * 1.5) + 10)
             split.start()
@@ -581,7 +616,8 @@ class EngineChat:
         self.temperature = temperature
         self._lock = threading.Lock()
 
-    def __call__(self, messages: list[dict[str, str]], max_tokens: int, t0: float | None = None) -> Timing:
+    def __call__(self, messages: list[dict[str, str]], max_tokens: int, t0: float | None = None,
+                 ignore_eos: bool = False) -> Timing:
         from servekit.optimizations.llm.continuous import FINISH_ERROR
         from servekit.optimizations.llm.generate import SamplingParams
 
@@ -590,7 +626,7 @@ class EngineChat:
             key = next(self._keys)
         t0 = time.perf_counter() if t0 is None else t0
         self.engine.submit(key, prompt, SamplingParams(max_tokens=max_tokens, temperature=self.temperature, seed=0,
-                                                       stop_token_ids=self.stops))
+                                                       stop_token_ids=() if ignore_eos else self.stops))
         first = last = None
         out: list[int] = []
         chunks = cached = 0
@@ -786,7 +822,12 @@ def markdown(res: dict[str, Any]) -> str:
               f"served) sent together, {p['max_tokens']} max tokens, {p['rounds']} rounds: **{p['prompt_tok_per_s_p50']} "
               f"prompt tokens/s** (p50 of rounds; best {p['prompt_tok_per_s_max']}), TTFT p50 {p['ttft_ms_p50']} ms, "
               f"p99 {p['ttft_ms_p99']} ms, {p['failed']} failed.", ""]
-    rows = [(name, kind, r) for name, per in res["sets"].items() for kind, r in per.items()]
+    rows = []
+    for name, per in res["sets"].items():
+        for kind, r in per.items():
+            # decode: its rows, each with ignore_eos
+            rows += [(name, f"decode, {k.removeprefix('batch')} at once", v) for k, v in r.items()
+                     if k.startswith("batch")] if kind == "decode" else [(name, kind, r)]
     if rows:
         L += ["## Per prompt set", "", "| set | load | requests (failed) | prompt tokens p50 / max | tokens/req | "
               "TTFT p50 / p99 ms | TPOT p50 / p99 ms | tok/s per seq | tok/s total | tok/s at full load | "
@@ -794,12 +835,17 @@ def markdown(res: dict[str, Any]) -> str:
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, kind, r in rows:
             load = {"batch1": "batch 1", "streams": f"{r.get('streams')} streams",
-                    "poisson": f"Poisson {r.get('rate')}/s"}[kind]
+                    "poisson": f"Poisson {r.get('rate')}/s"}.get(kind, kind)
             L.append(f"| {name} | {load} | {r['requests']} ({r['failed']}) | {r['prompt_tokens_p50']} / "
                      f"{r['prompt_tokens_max']} | {r['mean_completion_tokens']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
                      f"{r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['tok_per_s_per_seq_p50']} | {r['tok_per_s_total']} | "
                      f"{r.get('tok_per_s_full_load') or ''} | {r.get('bandwidth_share', '')} |")
         L.append("")
+        ratios = [(name, per["decode"]) for name, per in res["sets"].items() if "decode" in per]
+        L += [f"Decode (ignore_eos, every row decoding every step), {name}: TPOT p50 of "
+              f"{[k for k in d if k.startswith('batch')][-1].removeprefix('batch')} at once / batch 1 = "
+              f"{d['tpot_ratio']}; of the request that started last (the full batch's decode step) / batch 1 "
+              f"= {d.get('tpot_ratio_full_batch')}." for name, d in ratios] + ([""] if ratios else [])
     if res.get("followup"):
         f = res["followup"]
         L += ["## Follow-up turn", "", f"A chat of ~{f['conversation_tokens']} tokens, then its follow-up turn: TTFT "

@@ -54,7 +54,8 @@ from servekit.optimizations.llm.plan import stop_token_ids
 from servekit.resources import model_config
 
 PHASES = {"_read_all": "read tokens", "_load_bias": "load masks", "_sample": "launch sampling",
-          "_launch": "launch step/forward", "_prefill": "prefill", "_admit": "admit"}
+          "_launch": "launch step/forward", "_prefill": "prefill", "_admit": "admit",
+          "_forced_runs": "forced runs", "_compact": "compact"}
 FREE, JSON, MATCHED = "free", "JSON schema", "free, matched lengths"
 FORWARDS, DECODE_FORWARDS = "packed forwards", "decode forwards"  # counted in PhaseTimer.calls, not timed
 

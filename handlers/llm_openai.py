@@ -42,6 +42,7 @@ COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "
                "n", "user", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias",
                "speculate", "metadata", "store", "service_tier", "suffix", "echo", "best_of"}
 COMMON_KEYS |= {"min_tokens", "structured_outputs", "response_format"}  # handlers/llm_openai_tools.py
+COMMON_KEYS |= {"ignore_eos"}  # vLLM's extension: only max_tokens (or the context) ends the answer
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
                            "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction",
                            "reasoning_effort", "web_search_options"}
@@ -307,6 +308,10 @@ class OpenAIApi:
         if not p.chat and not all(prompts):
             raise _bad("'prompt' is empty" if len(prompts) == 1 else
                        f"'prompt[{[bool(q) for q in prompts].index(False)}]' is empty", "empty_prompt")
+        if body.get("ignore_eos") is True and ((c := p.extras.constraint) is not None and c.spec is not None
+                                               or p.extras.plan is not None):
+            raise _bad("'ignore_eos' cannot be combined with a structured output or tools: their answers end "
+                       "where the grammar or the call ends", "invalid_value")
         n = int_field(body, "n", 1, self.shape.max_batch, 1)
         if len(prompts) * n > self.shape.max_batch:
             raise _bad(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} choices; at most "
@@ -355,13 +360,16 @@ class OpenAIApi:
             raise _bad(err.replace("max_tokens", f"'{key}'"), "context_length_exceeded")
         top_k = int_field(body, "top_k", -1, 2**31 - 1)  # -1 and 0: off; above the vocabulary: all of it
         seed = int_field(body, "seed", *SEED_RANGE)
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise _bad("'ignore_eos' must be true or false", "invalid_type")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=number_field(body, "temperature", 1.0, *TEMPERATURE_RANGE),
             top_p=number_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
             top_k=max(top_k or 0, 0),
             seed=None if seed is None else seed % 2**32,
-            stop_token_ids=self.stop_ids,
+            stop_token_ids=() if ignore_eos else self.stop_ids,
             presence_penalty=number_field(body, "presence_penalty", 0.0, *PENALTY_RANGE),
             frequency_penalty=number_field(body, "frequency_penalty", 0.0, *PENALTY_RANGE),
             logprobs=_logprobs(body, chat))

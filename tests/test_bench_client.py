@@ -238,3 +238,25 @@ def test_a_set_named_again_runs_again_under_its_own_key() -> None:
     assert set_runs(["short", "passages", "short", "short"]) == [
         ("short", "short"), ("passages", "passages"), ("short #2", "short"), ("short #3", "short")]
     assert set_runs(["mixed"]) == [("mixed", "mixed")]
+
+
+def test_the_decode_measure_sends_ignore_eos_one_by_one_then_together(server: _Server) -> None:
+    """``decode_steps``: the batch-1 requests one after another, then the rest at once, every body
+    with ignore_eos; the TPOT of each and their ratio."""
+    from servekit.benchmarks.llm_prompts import Prompt
+    from servekit.benchmarks.llm_workload_bench import HttpChat, Split, decode_steps
+
+    prompts = [Prompt("short", ({"role": "user", "content": f"w{i} x y z"},), 4, 5) for i in range(5)]
+    t0 = time.monotonic()
+    got = decode_steps(HttpChat(server.url), prompts, 2, 3, Split())
+    wall = time.monotonic() - t0
+    assert [b["messages"][-1]["content"].split()[0] for b in server.bodies[:2]] == ["w0", "w1"]
+    assert sorted(b["messages"][-1]["content"].split()[0] for b in server.bodies[2:]) == ["w2", "w3", "w4"]
+    assert all(b["ignore_eos"] is True and b["max_tokens"] == 5 for b in server.bodies)
+    # 4 chunks GAP_S apart each: the two alone in turn, the three together at once
+    assert 3 * 4 * GAP_S <= wall < 4 * 4 * GAP_S + 1.0
+    assert got["batch1"]["requests"] == 2 and got["batch3"]["requests"] == 3
+    assert got["batch1"]["itl_ms_p50"] > 0 and got["batch3"]["itl_ms_p50"] > 0
+    assert got["tpot_ratio"] == round(got["batch3"]["itl_ms_p50"] / got["batch1"]["itl_ms_p50"], 3)
+    last = got["batch3"]["tpot_ms_last_started"]
+    assert last > 0 and got["tpot_ratio_full_batch"] == round(last / got["batch1"]["itl_ms_p50"], 3)

@@ -181,6 +181,9 @@ def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchSe
     ("v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, 400, "too_many_choices"),
     ("v1/completions", {"prompt": ""}, 400, "empty_prompt"),
     ("v1/completions", {"prompt": "x", "speculate": "yes"}, 400, "invalid_type"),
+    ("v1/completions", {"prompt": "x", "ignore_eos": 1}, 400, "invalid_type"),
+    ("v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True, "response_format": {"type": "json_object"}},
+     400, "invalid_value"),
     ("v1/embeddings", {"input": "x"}, 404, "unknown_route"),
 ])
 def test_invalid_requests(server: TorchServe, route: str, body: dict, status: int, code: str) -> None:
@@ -235,6 +238,28 @@ def test_requests_can_opt_out_of_speculation(server: TorchServe, reference) -> N
     assert status == 200 and body["choices"][0]["message"]["content"] == want
     wait_for_change(server, "servekit_llm_completion_tokens_total", tokens_before)
     assert metric_sum(server, "servekit_spec_proposed_total") == before
+
+
+def test_ignore_eos_generates_max_tokens_past_the_stop_token(server: TorchServe, reference) -> None:
+    """vLLM's ``ignore_eos``: a logit_bias makes the end-of-turn token the model's every pick, so
+    the answer stops at once; with ignore_eos the same request runs to max_tokens (the benchmarks'
+    way of timing decode steps with every row busy), streamed as not."""
+    tok, _ = reference
+    body = {"messages": MESSAGES, "max_tokens": 7, "temperature": 0, "logit_bias": {str(tok.eos_token_id): 100}}
+    status, stopped = post(server, "v1/chat/completions", body)
+    assert status == 200 and stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 1
+    status, got = post(server, "v1/chat/completions", {**body, "ignore_eos": True})
+    assert status == 200 and got["choices"][0]["finish_reason"] == "length"
+    assert got["usage"]["completion_tokens"] == 7
+    req = urllib.request.Request(f"{server.inference_url}/predictions/smollm2/1.0/v1/chat/completions",
+                                 data=json.dumps({**body, "ignore_eos": True, "stream": True,
+                                                  "stream_options": {"include_usage": True}}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: {")]
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")] == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == 7
 
 
 def test_serving_benchmark_measures_the_live_server(server: TorchServe) -> None:
