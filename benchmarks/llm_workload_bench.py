@@ -146,6 +146,14 @@ def one_by_one(chat: Chat, prompts: list[Prompt]) -> list[Timing]:
     return [chat(list(p.messages), p.max_tokens, None) for p in prompts]
 
 
+def batch1_figures(chat: Chat, prompts: list[Prompt], split: Split) -> dict[str, Any]:
+    """``prompts`` one after another: their figures (the wall time their answers took, end to end)
+    and ``split``'s over them."""
+    split.start()
+    got = one_by_one(chat, prompts)
+    return {**figures(got, sum(t.last_s or 0 for t in got)), **split.stop()}
+
+
 def closed_loop(chat: Chat, prompts: list[Prompt], streams: int) -> tuple[list[Timing], float, list[float]]:
     """`streams` clients starting together, client i sending prompts i, i + streams, ... back to back.
     Returns the timings client by client, the wall time, and each request's send (perf_counter)."""
@@ -338,10 +346,7 @@ def decode_steps(chat: Chat, prompts: list[Prompt], alone: int, together: int, s
     def ignoring(messages: list[dict[str, str]], max_tokens: int, t0: float | None) -> Timing:
         return chat(messages, max_tokens, t0, ignore_eos=True)
 
-    out: dict[str, Any] = {}
-    split.start()
-    got = [ignoring(list(p.messages), p.max_tokens, None) for p in prompts[:alone]]
-    out["batch1"] = {**figures(got, sum(t.last_s or 0 for t in got)), **split.stop()}
+    out: dict[str, Any] = {"batch1": batch1_figures(ignoring, prompts[:alone], split)}
     split.start()
     got, wall, _ = closed_loop(ignoring, prompts[alone:alone + together], together)
     ok = [t for t in got if t.status == 200 and t.ttft_s is not None and t.itl_s is not None]
@@ -496,9 +501,7 @@ def measure(chat: Chat, args: argparse.Namespace, gen: PromptGenerator, res: dic
         take = {"short": lambda k: gen.short(k, args.max_tokens), "passages": lambda k: gen.passages(k, args.max_tokens),
                 "mixed": lambda k: gen.mixed(k, (min(32, args.max_tokens), args.max_tokens))}[name]
         if "batch1" in args.measures:
-            split.start()
-            got = one_by_one(chat, take(args.batch1))
-            per["batch1"] = {**figures(got, sum(t.last_s or 0 for t in got)), **split.stop()}
+            per["batch1"] = batch1_figures(chat, take(args.batch1), split)
             print(f"  {key} batch 1: {json.dumps(per['batch1'])}", flush=True)
         if "streams" in args.measures:
             split.start()
