@@ -154,6 +154,10 @@ def run_shape(name: str, config: LlamaConfig, args: argparse.Namespace, device: 
             block.pdl = block.pdl and kernels != "triton-nopdl"  # nopdl: each kernel launched after the last ends
             block.splits = args.splits or block.splits
         fwd = runner.triton_model or runner.compiled_model or model
+        if args.warm_up == "engine":
+            # As the engine starts: every step compiled, tuned and captured with its rows at
+            # position 0, before measure() captures the measured steps again at their positions.
+            say(f"{name} {kernels}: runner warm-up {runner.warmup()['decode_s']:.1f} s")
         for b in batches:
             r = measure(runner, fwd, b, kv_len, start_pos, steps, args.repeats, device, count_uncaptured=b == batches[0],
                         idle=args.idle_rows)
@@ -179,7 +183,8 @@ def markdown(res: dict) -> str:
     env = res["environment"]
     lines = [f"# Decode-step kernels: torch vs triton ({env['gpu'] or 'CPU'})", "",
              f"{env['date']}, torch {env['torch']}, triton {res['triton']}, CUDA {env['cuda']}, dtype {res['dtype']}, "
-             f"kv bucket {res['kv_len']}, peak bandwidth {res['peak_bandwidth']}.", "",
+             f"kv bucket {res['kv_len']}, peak bandwidth {res['peak_bandwidth']}, warm-up {res.get('warm_up', 'steps')}.",
+             "",
              f"Command: `{env['command']}`", "",
              "Random weights in the model's real shapes; a greedy decode step captured as a CUDA graph (on GPU), "
              "timed over consecutive replays (best of the repeats). `torch`: the transformer block compiled "
@@ -231,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--splits", type=int, default=None,
                    help="attention cache splits per (row, kv head) for the triton variants (default: by batch and kv length)")
+    p.add_argument("--warm-up", choices=("steps", "engine"), default="steps",
+                   help="steps: each measured step compiled and tuned at the measured positions; engine: the "
+                        "runner's warm-up first, as the engine starts (every step at position 0)")
     p.add_argument("--kv-len", type=int, default=512, help="kv bucket of the steps (positions from half of it)")
     p.add_argument("--idle-rows", type=int, default=0,
                    help="rows of each batch parked past the kv bucket, as the engine parks free rows and prompts going in")
@@ -261,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         rows += run_shape(name, SHAPES[name], args, device, dtype, say)
     res = {"environment": env, "triton": triton.__version__, "dtype": str(dtype).removeprefix("torch."),
-           "compile": args.compile, "kv_len": args.kv_len, "idle_rows": args.idle_rows,
+           "compile": args.compile, "kv_len": args.kv_len, "idle_rows": args.idle_rows, "warm_up": args.warm_up,
            "peak_bandwidth": peak_bandwidth(env["gpu"]),
            "rows": rows, "wall_s": time.perf_counter() - t_start}
     (out / "decode_kernels.json").write_text(json.dumps(res, indent=2) + "\n")

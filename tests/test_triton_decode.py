@@ -8,6 +8,7 @@ import), for the whole process: on a CUDA machine this module is skipped and
 test_triton_decode_cuda.py runs the compiled kernels instead."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -153,6 +154,51 @@ def test_rows_past_the_bucket_are_idle_and_the_others_unchanged(splits: int) -> 
     want = _reference_attention(q[live][:, None], model, input_pos[live][:, None], rows[live], kv_len)
     torch.testing.assert_close(y[live], want, **TOL)
     assert torch.equal(y[torch.tensor([1, 3])], torch.zeros(2, y.shape[1]))
+
+
+def test_tuning_positions_fill_the_upper_half_of_the_bucket() -> None:
+    """The contexts attention is tuned on: each row's tokens consecutive, the rows' last positions
+    spread from the bucket's middle to its last slot, none past it."""
+    pos = td.tuning_positions(512, 32, 1, "cpu")
+    assert pos.shape == (32,) and int(pos[0]) == 256 and 496 <= int(pos[-1]) <= 511
+    assert bool((pos[1:] > pos[:-1]).all())
+    verify = td.tuning_positions(1024, 4, 3, "cpu").view(4, 3)
+    assert bool((verify[:, 1:] - verify[:, :-1] == 1).all()) and int(verify.max()) <= 1023
+    assert verify[:, -1].tolist() == [512, 639, 767, 895]
+    assert td.tuning_positions(1, 2, 2, "cpu").tolist() == [0, 0, 0, 0]  # clamped: no negative position
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_attention_is_tuned_once_per_shape_on_bucket_contexts_without_touching_the_call(
+        monkeypatch: pytest.MonkeyPatch, table: bool) -> None:
+    """Off the interpreter, a shape's first decode_attention call first runs the kernel on
+    tuning_positions (autotuning there, not on the caller's rows, which the runner's warm-up
+    keeps at position 0), once per autotune key; the caller's output and the cache are what they
+    are without it. Here the kernels run under the interpreter with the flag turned off."""
+    model = _model(CONFIGS["gqa3-bias"])
+    att = model.layers[0].attention
+    cache = att.kv_cache
+    before = (cache.k_cache.clone(), cache.v_cache.clone())
+    monkeypatch.setattr(td, "INTERPRET", False)
+    monkeypatch.setattr(td, "_TUNED_ON_CONTEXT", set())
+    tuned = []
+    real = td._tune_on_context
+    monkeypatch.setattr(td, "_tune_on_context", lambda *a: tuned.append(a[3:6]) or real(*a))
+    kv_len, rows = 48, torch.tensor([2, 0, 3, 1, 2, 0]) if table else None  # more tokens than cache rows
+    n = 6 if table else 4
+    input_pos = torch.tensor([0, 5, 31, 47, 12, 20][:n])
+    q = torch.randn(n, att.n_heads * att.head_dim, generator=torch.Generator().manual_seed(7))
+    for _ in range(2):
+        y = td.decode_attention(q, cache.k_cache, cache.v_cache, input_pos, kv_len, n, 1, att.n_heads,
+                                att.n_kv_heads, att.head_dim, rows, 2)
+        want = _reference_attention(q[:, None], model, input_pos[:, None],
+                                    rows if rows is not None else torch.arange(n), kv_len)
+        torch.testing.assert_close(y, want, **TOL)
+    assert tuned == [(kv_len, n, 1)]  # once: the second call found its key tuned
+    assert torch.equal(cache.k_cache, before[0]) and torch.equal(cache.v_cache, before[1])
+    td.decode_attention(q, cache.k_cache, cache.v_cache, input_pos, 32, n, 1, att.n_heads, att.n_kv_heads,
+                        att.head_dim, rows, 2)
+    assert tuned[-1] == (32, n, 1)  # another bucket: another key
 
 
 def test_rows_per_program_choose_the_gemv_path_for_few_rows_of_small_weights() -> None:
@@ -364,12 +410,15 @@ def test_plan_key_is_validated_and_checked_against_the_device(monkeypatch: pytes
         LlamaRunner(init_random(LlamaConfig.tiny()), 32, (1,), kernels="triton", compile_decode=True)
 
 
-def test_benchmark_smoke_run_on_cpu(tmp_path) -> None:
+@pytest.mark.parametrize("warm_up", ["steps", "engine"])
+def test_benchmark_smoke_run_on_cpu(tmp_path, warm_up: str) -> None:
+    """Both warm-ups: each measured step's own, and the runner's (as the engine starts) first."""
     from servekit.benchmarks import decode_kernels
 
-    assert decode_kernels.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
-    result = (tmp_path / "decode_kernels.json").read_text()
-    assert '"triton"' in result and (tmp_path / "decode_kernels.md").is_file()
+    assert decode_kernels.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--warm-up", warm_up]) == 0
+    result = json.loads((tmp_path / "decode_kernels.json").read_text())
+    assert result["warm_up"] == warm_up and {r["kernels"] for r in result["rows"]} == {"torch", "triton"}
+    assert f"warm-up {warm_up}" in (tmp_path / "decode_kernels.md").read_text()
 
 
 def test_greedy_parity_benchmark_finds_and_judges_partings(tmp_path) -> None:

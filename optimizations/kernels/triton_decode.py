@@ -627,6 +627,37 @@ def attention_splits(batch: int, n_kv_heads: int, kv_len: int, programs: int = 2
     return max(1, min(programs // (batch * n_kv_heads), triton.cdiv(kv_len, min_slots)))
 
 
+# The attention kernel's autotune keys that were tuned on contexts spread over their kv bucket.
+_TUNED_ON_CONTEXT: set[tuple] = set()
+
+
+def _tune_on_context(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len: int, batch: int, t: int, n_heads: int,
+                     n_kv_heads: int, head_dim: int, rows: Tensor | None, splits: int, pdl: bool) -> None:
+    """Run the attention kernel's autotuning for this shape on rows whose contexts fill the upper
+    half of the kv bucket (the contexts a bucket serves: longer than the bucket below it), before
+    the caller's own first call tunes it on whatever it holds. The runner's warm-up runs every
+    step at position 0, where each candidate reads one slot and the pick is noise: on an H100,
+    SmolLM2's batch-32 step at the 1,024 bucket took 1.04 or 1.19 ms after such starts, 0.96
+    after this (benchmarks/results/decode-kernels-h100/attention-tuning/). It reads the cache
+    (whatever it holds) and writes only its own scratch outputs, with the caller's launch
+    options, so that no extra variant is compiled."""
+    _TUNED_ON_CONTEXT.add((kv_len, t * (n_heads // n_kv_heads), head_dim, splits, q.dtype, k_cache.dtype))
+    # Rows in cache rows of their own where the caller's table names rows (a packed forward's tokens
+    # may outnumber them): the kernel variant with a row table, as the caller's.
+    table = None if rows is None else torch.arange(batch, device=q.device) % k_cache.shape[0]
+    decode_attention(torch.randn_like(q), k_cache, v_cache, tuning_positions(kv_len, batch, t, q.device), kv_len,
+                     batch, t, n_heads, n_kv_heads, head_dim, table, splits, pdl)
+
+
+def tuning_positions(kv_len: int, batch: int, t: int, device: torch.device | str) -> Tensor:
+    """``batch * t`` positions for tuning attention at a kv bucket: row b's ``t`` tokens end at
+    positions spread evenly over the bucket's upper half (row 0 at ``kv_len // 2``), consecutive
+    within a row, as a verify step's are."""
+    half = kv_len // 2
+    last = half + torch.arange(batch, device=device) * (kv_len - 1 - half) // max(batch, 1)
+    return (last[:, None] - torch.arange(t - 1, -1, -1, device=device)[None, :]).clamp(min=0).reshape(-1)
+
+
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, kv_len: int, batch: int,
                      t: int, n_heads: int, n_kv_heads: int, head_dim: int, rows: Tensor | None = None,
                      splits: int | None = None, pdl: bool = False) -> Tensor:
@@ -638,6 +669,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Ten
     q_p = max(16, triton.next_power_of_2(qrows))
     d_p = max(16, triton.next_power_of_2(head_dim))
     splits = splits or attention_splits(batch, n_kv_heads, kv_len)
+    if not INTERPRET and (kv_len, qrows, head_dim, splits, q.dtype, k_cache.dtype) not in _TUNED_ON_CONTEXT:
+        _tune_on_context(q, k_cache, v_cache, kv_len, batch, t, n_heads, n_kv_heads, head_dim, rows, splits, pdl)
     y = torch.empty_like(q)
     if splits > 1:
         parts = batch * n_kv_heads * splits * q_p
