@@ -641,7 +641,6 @@ def _tune_on_context(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len: int, b
     after this (benchmarks/results/decode-kernels-h100/attention-tuning/). It reads the cache
     (whatever it holds) and writes only its own scratch outputs, with the caller's launch
     options, so that no extra variant is compiled."""
-    _TUNED_ON_CONTEXT.add((kv_len, t * (n_heads // n_kv_heads), head_dim, splits, q.dtype, k_cache.dtype))
     # Rows in cache rows of their own where the caller's table names rows (a packed forward's tokens
     # may outnumber them): the kernel variant with a row table, as the caller's.
     table = None if rows is None else torch.arange(batch, device=q.device) % k_cache.shape[0]
@@ -669,7 +668,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Ten
     q_p = max(16, triton.next_power_of_2(qrows))
     d_p = max(16, triton.next_power_of_2(head_dim))
     splits = splits or attention_splits(batch, n_kv_heads, kv_len)
-    if not INTERPRET and (kv_len, qrows, head_dim, splits, q.dtype, k_cache.dtype) not in _TUNED_ON_CONTEXT:
+    key = (kv_len, qrows, head_dim, splits, q.dtype, k_cache.dtype)  # the autotuner's, or finer
+    if not INTERPRET and key not in _TUNED_ON_CONTEXT:
+        _TUNED_ON_CONTEXT.add(key)  # first: the tuning call comes back through here
         _tune_on_context(q, k_cache, v_cache, kv_len, batch, t, n_heads, n_kv_heads, head_dim, rows, splits, pdl)
     y = torch.empty_like(q)
     if splits > 1:
