@@ -101,7 +101,9 @@ def test_a_short_request_behind_a_long_one_starts_within_steps(runner: LlamaRunn
     added_at = rec.steps
     while "short" not in rec.finish:
         rec.step()
-    assert rec.first_step["short"] == added_at + 1  # its prefill runs in the very next step
+    # Its prefill runs in the very next step, the long one's token riding in it; their step's
+    # sampling half samples its first token too, read (as the long one's) once the next step is launched.
+    assert rec.first_step["short"] == added_at + 2
     assert rec.steps - added_at <= 6  # and it ends while the long one still runs
     assert "long" not in rec.finish
     rec.run()
@@ -118,7 +120,8 @@ def test_admission_is_fifo_up_to_max_num_seqs_and_a_cancel_frees_the_slot_at_onc
     assert batcher.running == 2 and set(rec.first_step) == {"a", "b"}  # c and d wait, in order
     batcher.cancel("a")
     assert batcher.running == 1
-    rec.step()
+    rec.step()  # c's prompt goes in with b's token riding; their sampling half samples c's first token
+    rec.step()  # read once the next step is launched
     assert "c" in rec.first_step and "d" not in rec.first_step
     n = len(rec.tokens["a"])
     rec.run()
@@ -156,7 +159,9 @@ def test_long_prompts_go_in_chunks_while_the_others_keep_decoding(runner: LlamaR
     for _ in range(4):  # 60 tokens, 16 per step: the long prompt is in after its 4th chunk
         updates = rec.step()
         assert len(updates["run"].tokens) == 1  # the running request got its token every step
-    assert len(rec.tokens["run"]) == before + 4 and rec.first_step["long"] == rec.steps
+    assert "long" not in rec.first_step
+    rec.step()  # its first token, sampled with the run's in the 4th forward, read once the next is launched
+    assert len(rec.tokens["run"]) == before + 5 and rec.first_step["long"] == rec.steps
     rec.run()
     for key, (prompt, params) in cases.items():
         assert rec.tokens[key] == _solo(runner, prompt, params).tokens, key

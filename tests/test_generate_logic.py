@@ -390,3 +390,23 @@ def test_a_split_step_equals_the_whole_step(runner: LlamaRunner, mode: str) -> N
     assert torch.equal(split, whole)
     assert all(torch.equal(t, want) for t, want in zip((st.tokens, st.input_pos, st.counts), after))
     assert not torch.equal(after[0], before[0])  # the step did advance the rows
+
+
+def test_starting_a_row_clears_the_mask_its_last_request_left() -> None:
+    """A grammar row that moves down leaves its last packed mask in its old row, and a free row's
+    sampling half applies its packed row too: a request started in that row (its first token
+    sampled on its own, or by the riders' sampling half) gets no mask, its neighbours keep theirs;
+    a row started for the riders' half sits at its prompt's last position with no penalty counts."""
+    from servekit.optimizations.llm.generate import DecodeState
+    from servekit.optimizations.llm.sampling import SamplingTensors
+
+    st = DecodeState(4, torch.device("cpu"), vocab_size=40)
+    params = SamplingTensors.build([0.0, 0.7], [0, 0], [1.0, 1.0], [1, 2], "cpu", vocab_size=40)
+    st.packed.zero_()  # every row's tokens forbidden, as a mask left behind
+    st.counts.fill_(3.0)
+    st.load_rows(torch.tensor([1]), torch.tensor([7]), torch.tensor([5]), SamplingTensors(*(t[:1] for t in params)))
+    st.start_rows(torch.tensor([3]), torch.tensor([11]), SamplingTensors(*(t[1:] for t in params)))
+    assert st.packed[1].eq(-1).all() and st.packed[3].eq(-1).all()
+    assert st.packed[0].eq(0).all() and st.packed[2].eq(0).all()
+    assert st.input_pos[3, 0] == 11 and st.counts[3].eq(0).all() and st.counts[1, 7] == 1 and st.counts[1].sum() == 1
+    assert st.params.temperature[3] == pytest.approx(0.7) and st.params.seed[3] == 2

@@ -317,30 +317,33 @@ def test_a_short_prompt_behind_long_ones_starts_at_once_and_the_long_ones_are_no
     assert "long1" in first
 
 
-@pytest.mark.parametrize("where", ["forward", "first tokens"])
+@pytest.mark.parametrize("where", ["forward", "new rows"])
 def test_a_failed_packed_forward_ends_only_the_request_that_fails_alone(runner: LlamaRunner, where: str) -> None:
-    """An out-of-memory prefill (a real one needs a GPU: simulated by a packed forward, or the
-    sampling of its prompts' first tokens, that raises whenever a marker prompt is in it): its
-    requests are prefilled alone next, so the marker's request fails with the error and the one
-    packed beside it, and the running one riding in that forward, go on."""
+    """An out-of-memory prefill (a real one needs a GPU: simulated by a packed forward, or the start
+    of its prompts' decode rows (their first tokens sampled on their own, or their rows loaded for
+    the riders' sampling half), that raises whenever a marker prompt is in it): its requests are
+    prefilled alone next, so the marker's request fails with the error and the one packed beside
+    it, and the running one riding in that forward, go on."""
     batcher = ContinuousBatcher(runner)
     marker = _prompt(12, 9)
-    real, first_tokens = batcher.packed.run, batcher._first_tokens
+    real, first_tokens, start_rows = batcher.packed.run, batcher._first_tokens, batcher._start_rows
+    failed = []
 
     def failing(chunks: list[Chunk]) -> torch.Tensor:
         if any(c.tokens[:len(marker)] == marker for c in chunks):
             raise torch.OutOfMemoryError("simulated")
         return real(chunks)
 
-    def failing_first(logits: torch.Tensor, seqs: list) -> tuple:
+    def fail_on_marker(seqs: list) -> None:
         if any(s.prompt[:len(marker)] == marker for s in seqs):
+            failed.append(len(seqs))
             raise torch.OutOfMemoryError("simulated")
-        return first_tokens(logits, seqs)
 
     if where == "forward":
         batcher.packed.run = failing
     else:
-        batcher._first_tokens = failing_first
+        batcher._first_tokens = lambda logits, seqs: (fail_on_marker(seqs), first_tokens(logits, seqs))[1]
+        batcher._start_rows = lambda seqs: (fail_on_marker(seqs), start_rows(seqs))[1]
     got: dict[str, list[int]] = {"run": [], "oom": [], "mate": []}
     batcher.add("run", _prompt(7, 1), SamplingParams(max_tokens=20))
     for _ in range(3):
@@ -358,6 +361,7 @@ def test_a_failed_packed_forward_ends_only_the_request_that_fails_alone(runner: 
             if u.error is not None:
                 errors[key] = u.error
     assert set(errors) == {"oom"} and isinstance(errors["oom"], torch.OutOfMemoryError) and got["oom"] == []
+    assert where == "forward" or failed == [2, 1]  # together with the mate, then alone
     assert got["run"] == generate(runner, [_prompt(7, 1)], [SamplingParams(max_tokens=20)])[0].tokens
     assert got["mate"] == generate(runner, [_prompt(5, 2)], [SamplingParams(max_tokens=6)])[0].tokens
 

@@ -50,7 +50,7 @@ import random
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Hashable
+from typing import TYPE_CHECKING, Callable, Collection, Hashable, Sequence
 
 import torch
 
@@ -154,10 +154,6 @@ class _Pending:
     seqs: list[tuple[int, _Seq]]  # (row of the output, request)
     drafts: int = 0  # k for a verify step's output (k+1 base tokens and the accepted count per row)
     sample: SampleStep | None = None  # a split step's sampling half, launched by _sample()
-    # Rows whose prompt ended in the packed forward that this split step's rows rode in: their state
-    # (``DecodeState.load_rows``'s arguments) goes in after the sampling half, which advances every
-    # row of its bucket.
-    load: tuple | None = None
 
 
 class ContinuousBatcher:
@@ -402,11 +398,11 @@ class ContinuousBatcher:
                              bias_rows([s.constraint for s in changing], bias.shape[1], dev, grammar=False))
 
     def _host(self, out: torch.Tensor) -> tuple[HostCopies, int]:
-        """Start copying ``out`` to the host; returns where it lands. At most five copies are
-        outstanding: a step's sampling, its prefill's first tokens and its riders' sampling, then
-        the next step's first tokens and its riders' sampling (or decode step) before that step
-        reads them all; so a ring of ``HOST_COPIES`` buffers per shape never overwrites one before
-        it is read."""
+        """Start copying ``out`` to the host; returns where it lands. At most four copies are
+        outstanding: a split step's sampling and its prefill's output (its prompts' first tokens,
+        or its riders' sampling half once no row needs split steps), then the next step's prompts'
+        first tokens and the decode step launched after them, before that step reads them all; so
+        a ring of ``HOST_COPIES`` buffers per shape never overwrites one before it is read."""
         key = (tuple(out.shape), out.dtype)
         if key not in self._hosts:
             self._hosts[key] = HostCopies(tuple(out.shape), self.r.device, out.dtype, count=HOST_COPIES)
@@ -531,19 +527,28 @@ class ContinuousBatcher:
                 raise
             self._prefill_failed(seqs, e, updates)
             return None, None
-        mixed = self._decode_from(logits[len(finishing):], decoding, split, jumps) if decoding else None
-        if mixed is not None and mixed.sample is not None:
-            self._start_masks(updates, mixed)
+        # With riders, the new rows' first tokens come from the riders' sampling half: their rows
+        # of the decode state start at their prompts' last positions, their grammars' start masks
+        # are filled with the riders' masks, and nothing is sampled for them alone.
+        starting = finishing if decoding else []
+        out = None
         try:
-            out, mode, start = self._first_tokens(logits[:len(finishing)], finishing) if finishing else (None, "", None)
+            if starting:
+                self._start_rows(starting)
+            elif finishing:
+                out, mode, start = self._first_tokens(logits, finishing)
+                self.r.state.load_rows(*start)
         except Exception as e:  # the riders' step goes on; the prompts are prefilled again
+            for s in finishing:  # parked again: idle in the decode steps until then
+                self.r.state.input_pos[s.slot] = self.r.max_seq_len - 1
+            mixed = self._decode_from(logits[len(finishing):], decoding, split, jumps) if decoding else None
+            if mixed is not None and mixed.sample is not None:
+                self._start_masks(updates, mixed)
             self._prefill_failed(seqs, e, updates)
             return None, mixed
-        # Loaded after the sampling half: it advances every row of its bucket.
+        mixed = self._decode_from(logits, decoding, split, jumps, starting) if decoding else None
         if mixed is not None and mixed.sample is not None:
-            mixed.load = start
-        elif start is not None:
-            self.r.state.load_rows(*start)
+            self._start_masks(updates, mixed)
         for s, c in zip(seqs, chunks):
             s.prefilled += len(c.tokens)
             if self.prefix is not None:
@@ -555,6 +560,8 @@ class ContinuousBatcher:
         if not finishing:
             return None, mixed
         self._set_spec_rows(finishing)
+        if out is None:  # sampled by the riders' step
+            return None, mixed
         host, slot = self._host(out)
         return _Pending(host, slot, mode, list(enumerate(finishing))), mixed  # output row i: finishing request i
 
@@ -587,39 +594,59 @@ class ContinuousBatcher:
         return [(s.constraint.matcher, s.slot) for _, s in step.seqs
                 if not s.done and s.constraint is not None and s.constraint.matcher is not None]
 
-    def _first_tokens(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, str, tuple]:
-        """Sample the first token of each request from its prompt's last logits. Returns the sampled
-        output, its mode, and the arguments of ``DecodeState.load_rows`` that start the requests'
-        decode rows (token, position, sampling parameters)."""
+    def _sampling(self, seqs: Sequence[_Seq], grammar: bool) -> SamplingTensors:
+        """The sampling parameters of ``seqs``' rows; their bias with their grammars' start masks as
+        ``-inf`` (``grammar``) or without (a decode state's, whose sampling half applies the packed masks)."""
         ps = [s.params for s in seqs]
-        temperature, top_k, top_p = [float(p.temperature) for p in ps], [p.top_k for p in ps], [float(p.top_p) for p in ps]
+        bias = bias_rows([s.constraint for s in seqs], self.r.state.params.bias.shape[1], self.r.device, grammar=grammar)
+        return SamplingTensors.build([float(p.temperature) for p in ps], [p.top_k for p in ps],
+                                     [float(p.top_p) for p in ps], [s.seed for s in seqs], self.r.device,
+                                     [float(p.presence_penalty) for p in ps], [float(p.frequency_penalty) for p in ps],
+                                     bias)
+
+    def _first_tokens(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, str, tuple]:
+        """Sample the first token of each request from its prompt's last logits, on their own (no
+        decoding row rode in their forward). Returns the sampled output, its mode, and the arguments
+        of ``DecodeState.load_rows`` that start the requests' decode rows (token, position, sampling
+        parameters)."""
         dev = self.r.device
-        vocab = self.r.state.params.bias.shape[1]
-        bias = bias_rows([s.constraint for s in seqs], vocab, dev)
-        sampling = SamplingTensors.build(temperature, top_k, top_p, [s.seed for s in seqs], dev,
-                                         [float(p.presence_penalty) for p in ps],
-                                         [float(p.frequency_penalty) for p in ps], bias)
-        mode = sampling_mode(temperature, top_k, top_p, any(p.full for p in ps))
+        sampling = self._sampling(seqs, grammar=True)
+        mode = _mode([s.params for s in seqs])
         last = upload([len(s.prompt) - 1 for s in seqs], torch.int64, dev)  # the position each sample is keyed by
         out = sample_mode(logits, sampling, last, mode)
         if any(s.constraint is not None and s.constraint.matcher is not None for s in seqs):
             # The decode state keeps the bias without the grammar: its split steps apply each
             # step's packed masks themselves.
-            sampling = sampling._replace(bias=bias_rows([s.constraint for s in seqs], vocab, dev, grammar=False))
+            sampling = sampling._replace(bias=bias_rows([s.constraint for s in seqs], sampling.bias.shape[1], dev,
+                                                        grammar=False))
         return out, mode, (upload([s.slot for s in seqs], torch.int64, dev), token_ids(out, mode), last + 1, sampling)
 
-    def _decode_from(self, logits: torch.Tensor, rows: list[_Seq], split: bool = False,
-                     jumps: dict[Hashable, list[int]] | None = None) -> _Pending:
-        """The decode step of ``rows`` whose forward half was the packed forward (``logits``: one
-        row each, in order): their logits into the decode state, then the captured sampling half
-        of their batch bucket, which advances them as a decode step does; ``split``: that half
-        is left to ``_sample()``, as a split step's. ``jumps``: the runs of forced tokens that
-        rows fed instead of one token; the sampling half takes each such row at its run's last
-        position, and the run is reported with the row's next read."""
-        batch, mode = self._shape(rows)
+    def _start_rows(self, seqs: list[_Seq]) -> None:
+        """Start ``seqs``' decode rows one position early, for the riders' sampling half to sample
+        their first tokens from their prompts' last logits (``_decode_from``): at each prompt's last
+        position (which keys the sample; the half advances it), with their sampling parameters and
+        no penalty counts. Their grammars' start masks are filled with the riders' masks. Sampling
+        them on their own instead cost the engine thread a mask fill, a bias built twice and the
+        sampling's launches per admitting step."""
         dev = self.r.device
-        self.r.state.logits.index_copy_(0, upload([s.slot for s in rows], torch.int64, dev), logits)
-        seqs = self._advance(rows)
+        self.r.state.start_rows(upload([s.slot for s in seqs], torch.int64, dev),
+                                upload([len(s.prompt) - 1 for s in seqs], torch.int64, dev),
+                                self._sampling(seqs, grammar=False))
+
+    def _decode_from(self, logits: torch.Tensor, rows: list[_Seq], split: bool = False,
+                     jumps: dict[Hashable, list[int]] | None = None, starting: Sequence[_Seq] = ()) -> _Pending:
+        """The decode step of ``rows`` whose forward half was the packed forward (``logits``: one
+        row each, in order, after one per ``starting`` request): their logits into the decode state,
+        then the captured sampling half of their batch bucket, which advances them as a decode step
+        does; ``split``: that half is left to ``_sample()``, as a split step's. ``jumps``: the runs
+        of forced tokens that rows fed instead of one token; the sampling half takes each such row
+        at its run's last position, and the run is reported with the row's next read. ``starting``:
+        requests whose prompt ended in that forward (``_start_rows``): the same half samples their
+        first tokens."""
+        batch, mode = self._shape([*rows, *starting])
+        dev = self.r.device
+        self.r.state.logits.index_copy_(0, upload([s.slot for s in [*starting, *rows]], torch.int64, dev), logits)
+        seqs = [(s.slot, s) for s in starting] + self._advance(rows)
         if jumps:
             jumped = [s for s in rows if s.key in jumps]
             for s in jumped:
@@ -699,8 +726,6 @@ class ContinuousBatcher:
         """Launch a split step's sampling half (its rows' bias loaded) and the copy of its output."""
         assert pending.sample is not None
         pending.host, pending.slot = self._host(pending.sample.run())
-        if pending.load is not None:
-            self.r.state.load_rows(*pending.load)
         return pending
 
     def _read(self, pending: _Pending, updates: dict[Hashable, SeqUpdate]) -> None:

@@ -217,6 +217,20 @@ class DecodeState:
         counts = torch.zeros(len(rows), self.counts.shape[1], dtype=self.counts.dtype, device=self.counts.device)
         counts.scatter_add_(1, first_tokens[:, None], torch.ones_like(counts[:, :1]))
         self.counts.index_copy_(0, rows, counts)
+        self.packed.index_fill_(0, rows, -1)  # no mask left by the row's last request
+
+    def start_rows(self, rows: Tensor, positions: Tensor, params: SamplingTensors) -> None:
+        """Rows whose first token the next sampling half samples from the logits put into their rows
+        of ``logits`` (continuous batching): at ``positions`` (the prompts' last, which key the
+        sample; the half advances them), their sampling parameters, no penalty counts."""
+        self.input_pos.index_copy_(0, rows, positions[:, None])
+        for dst, src in zip(self.params, params):
+            dst.index_copy_(0, rows, src)
+        self.counts.index_fill_(0, rows, 0.0)
+        # No mask left by the row's last request (a grammar row that moved down leaves its last mask
+        # behind): a free row's sampling half applies its packed row too. A grammar row's own mask
+        # is filled before its sampling half.
+        self.packed.index_fill_(0, rows, -1)
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``src``'s state (token, position, sampling parameters, penalty counts) into row ``dst``."""
