@@ -10,7 +10,13 @@
 4. Tokens/s per batch size, plain vs speculative, same prompts (held-out, chat template, stop at
    EOS, so both variants generate the very same tokens): the speedup per sequence and the batch
    size where speculation stops paying.
-5. On GPU with a bf16/fp16 model, the same exactness check once more in fp32 (eager), where
+5. Beside a constrained row (``--constrained-batches``; needs the model's tokenizer): drafts are not
+   checked against a grammar and the verify step applies no bias, so a batch with a row under a JSON
+   schema takes plain steps until that row ends. Per batch size b, groups of b - 1 free rows with
+   and without one row under a schema of the structured benchmark beside them, on the plain and the
+   speculative engine: the free rows' tokens/s per sequence, and how many of their tokens came from
+   verify steps.
+6. On GPU with a bf16/fp16 model, the same exactness check once more in fp32 (eager), where
    k+1-token and 1-token passes round alike.
 
 Writes ``spec_bench.json`` and ``spec_bench.md`` (GPU, versions, date, command) into ``--out``.
@@ -139,6 +145,47 @@ def bench_batch(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[list
     return out
 
 
+def beside_constrained(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[list[int]], batch: int,
+                       rows: int, params: SamplingParams, constrained: list[SamplingParams]) -> dict:
+    """Groups of ``batch - 1`` free rows (``params``), alone and with one row under a grammar beside
+    them (``constrained``, one per group in turn), on the plain and the speculative engine; one
+    warm-up group each, excluded. Per case: the free rows' tokens/s per sequence (their tokens over
+    the group's time), the share of their tokens that verify steps gave, and the constrained rows'
+    mean answer length."""
+    free_n = batch - 1
+    groups = chunks(len(prompts), free_n, rows)
+    built = engines(base, spec, batch)
+    out: dict = {"batch": batch, "free_rows": len(groups) * free_n}
+    for name in ("plain", "speculative"):
+        for beside in (False, True):
+            times, free_tokens, spec_tokens, answers = [], 0, 0, []
+            for g_i, idx in enumerate([groups[0]] + groups):
+                group = [prompts[i] for i in idx]
+                ps = [params] * free_n
+                if beside:  # the group's next prompt under the group's grammar, first
+                    group = [prompts[(idx[-1] + 1) % len(prompts)]] + group
+                    ps = [constrained[g_i % len(constrained)]] + ps
+                stats = built[name].spec_stats
+                spec_before = stats.tokens if stats is not None else 0
+                sync_device(base.device)
+                t0 = time.perf_counter()
+                res = generate(built[name].r, group, ps, batcher=built[name])
+                sync_device(base.device)
+                if g_i == 0:
+                    continue
+                times.append(time.perf_counter() - t0)
+                free = res[1:] if beside else res
+                free_tokens += sum(len(c.tokens) for c in free)
+                spec_tokens += (stats.tokens - spec_before) if stats is not None else 0
+                if beside:
+                    answers.append(len(res[0].tokens))
+            key = f"{name}, {'beside a constrained row' if beside else 'free rows alone'}"
+            out[key] = {"free_tok_per_s_per_seq": round(free_tokens / sum(times) / free_n, 1),
+                        "verified_share": round(spec_tokens / free_tokens, 3) if free_tokens else 0.0,
+                        "constrained_tokens_mean": round(statistics.mean(answers), 1) if answers else None}
+    return out
+
+
 def acceptance_run(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[list[int]], params: SamplingParams,
                    batch: int) -> dict:
     """Speculative vs plain greedy over every prompt: acceptance and token-by-token agreement."""
@@ -165,6 +212,28 @@ def acceptance_run(base: LlamaRunner, spec: SpeculativeDecoding, prompts: list[l
     d["mean_accepted_length_by_heads"] = {j: round(1 + sum(stats.accepted[:j]) / steps, 4) if steps else 1.0
                                           for j in range(1, spec.n_heads + 1)}
     return d
+
+
+def beside_constrained_runs(args: argparse.Namespace, base: LlamaRunner, spec: SpeculativeDecoding,
+                            prompts: list[list[int]], params: SamplingParams, source: str,
+                            stop: tuple[int, ...]) -> dict:
+    """``beside_constrained`` per ``--constrained-batches`` size, the constrained rows under the
+    structured benchmark's schemas in turn (compiled for the model's tokenizer); skipped without one."""
+    if args.tiny:
+        return {"skipped": "the tiny random-init model has no tokenizer to compile a grammar for"}
+    from servekit.benchmarks.structured_bench import SCHEMAS
+    from servekit.optimizations.llm.chat_template import ChatTokenizer
+    from servekit.optimizations.llm.grammar import JSON, GrammarCompiler, GrammarSpec
+
+    compiler = GrammarCompiler(ChatTokenizer(Path(source)), base.model.config.vocab_size, stop)
+    constrained = [SamplingParams(max_tokens=params.max_tokens, stop_token_ids=stop,
+                                  constraint=compiler.constraint(GrammarSpec.of(JSON, schema)))
+                   for _, _, schema in SCHEMAS]
+    runs = []
+    for b in args.constrained_batches:
+        runs.append(beside_constrained(base, spec, prompts, b, args.rows, params, constrained))
+        print(json.dumps(runs[-1]), flush=True)
+    return {"schemas": len(constrained), "runs": runs}
 
 
 def fp32_exactness(args: argparse.Namespace, heads_dir: Path, prompts: list[list[int]],
@@ -204,8 +273,25 @@ def markdown(res: dict) -> str:
                      f"{r['speculative']['acceptance']['mean_accepted_length']} | {r['identical_rows']} | "
                      f"{r['plain_identical_to_check_batch']} |")
     lines += ["", f"Speculation stops paying at batch {res['crossover_batch'] or '> ' + str(res['batches'][-1]['batch'])}"
-                  f"; suggested `max_spec_batch`: {res['recommended_max_spec_batch']}.", "",
-              "| prompts | acceptance rate by draft position | mean accepted length (by heads used) | "
+                  f"; suggested `max_spec_batch`: {res['recommended_max_spec_batch']}.", ""]
+    beside = res.get("beside_constrained", {})
+    if beside.get("runs"):
+        lines += ["Beside a constrained row: b - 1 free greedy rows, alone and with one row under a JSON schema of the "
+                  f"structured benchmark ({beside['schemas']} in turn); a batch with a constrained row takes plain "
+                  "steps until it ends (drafts are not checked against the grammar). Free rows' tokens/s per "
+                  "sequence (share of their tokens from verify steps):", "",
+                  "| batch | plain, alone | plain, beside | speculative, alone | speculative, beside | "
+                  "constrained answer, tokens |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in beside["runs"]:
+            cells = [f"{r[k]['free_tok_per_s_per_seq']} ({r[k]['verified_share']})" for k in (
+                "plain, free rows alone", "plain, beside a constrained row", "speculative, free rows alone",
+                "speculative, beside a constrained row")]
+            lines.append(f"| {r['batch']} | " + " | ".join(cells) +
+                         f" | {r['speculative, beside a constrained row']['constrained_tokens_mean']} |")
+        lines.append("")
+    elif beside.get("skipped"):
+        lines += [f"Beside a constrained row: skipped ({beside['skipped']}).", ""]
+    lines += ["| prompts | acceptance rate by draft position | mean accepted length (by heads used) | "
               "identical rows | mean identical prefix |", "| --- | --- | --- | --- | --- |"]
     for name, a in res["acceptance"].items():
         lines.append(f"| {name} ({a['prompts']} prompts, {a['tokens']} tokens) | {a['acceptance_rate']} | "
@@ -251,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-graphs", action="store_true", help="eager decode even on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile prefill, decode and verify steps")
     p.add_argument("--check-batch", type=int, default=16 if cuda else 4, help="batch for the acceptance runs")
+    p.add_argument("--constrained-batches", nargs="*", type=int, default=[2, 4, 8] if cuda else [],
+                   help="batch sizes (free rows + one under a JSON schema) for the runs beside a constrained row "
+                        "(none: skipped; needs the model's tokenizer)")
     p.add_argument("--fp32-check", choices=["auto", "on", "off"], default="auto",
                    help="repeat the exactness check with an fp32 model (auto: on CUDA when --dtype is not fp32)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -259,7 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if any(b < 2 for b in args.constrained_batches):
+        parser.error(f"--constrained-batches {args.constrained_batches}: each batch needs a free row beside the "
+                     "constrained one (2 or more)")
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
@@ -300,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     say("== warm-up")
     cuda_graphs = device.type == "cuda" and not args.no_graphs
     t = time.perf_counter()
-    base = LlamaRunner(model, max_seq_len=args.max_seq_len, batch_buckets=tuple(sorted(set(args.batches + [args.check_batch]))),
+    buckets = tuple(sorted(set(args.batches + args.constrained_batches + [args.check_batch])))
+    base = LlamaRunner(model, max_seq_len=args.max_seq_len, batch_buckets=buckets,
                        cuda_graphs=cuda_graphs, compile_prefill=args.compile, compile_decode=args.compile)
     spec = SpeculativeDecoding(base, heads, max_spec_batch=base.max_batch, n_heads=args.serve_heads,
                                compile_verify=args.compile)
@@ -333,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         res["batches"].append(row)
         say(json.dumps(row))
         (out / "spec_bench.json").write_text(json.dumps(res, indent=1))
+    if args.constrained_batches:
+        say("== beside a constrained row")
+        res["beside_constrained"] = beside_constrained_runs(args, base, spec, held, params, source, stop)
     slower = [r["batch"] for r in res["batches"] if r["speedup"] < 1.0]
     res["crossover_batch"] = min(slower) if slower else None
     paying = [r["batch"] for r in res["batches"] if r["speedup"] >= 1.05 and (not slower or r["batch"] < min(slower))]

@@ -439,6 +439,45 @@ def test_masks_fill_on_a_helper_thread_beside_the_engines_work_and_no_matcher_ta
         assert _run(runner, {key: request})[key][0] == together[key], key
 
 
+@pytest.mark.parametrize("constraint", ["grammar", "logit_bias"])
+def test_a_speculating_batch_takes_plain_steps_while_a_constrained_row_runs(runner, compiler, tokenizer, stops,
+                                                                           constraint: str) -> None:
+    """Drafts are not checked against a grammar, and the verify step applies no bias: while a row under
+    a grammar (its steps split) or with a logit_bias (its steps whole) runs beside speculating rows,
+    every step is a plain one (no drafts proposed), and the batch speculates again once that row has
+    ended. Every row gets what it gets alone (the bias applied)."""
+    from servekit.optimizations.llm.speculative import SpeculativeDecoding, Speculator, SpeculatorConfig
+
+    model = init_random(LlamaConfig.tiny(vocab_size=VOCAB), seed=0)  # the module runner's weights
+    spec_runner = LlamaRunner(model, max_seq_len=256, batch_buckets=(1, 2, 4), prefill_buckets=(16, 32, 64),
+                              kv_buckets=(128, 256))
+    heads = Speculator(SpeculatorConfig.for_model(model, n_heads=2)).reset_parameters(seed=1, random_out=True)
+    spec_runner.speculation = SpeculativeDecoding(spec_runner, heads, max_spec_batch=4)
+    spec_runner.speculation.warmup()
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Speculate."}])
+    c = (compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[0])) if constraint == "grammar" else
+         compiler.constraint(logit_bias=((tokenizer.token_id("{"), 5.0), (tokenizer.token_id("a"), 5.0))))
+    rows = {"free": (prompt, SamplingParams(max_tokens=40, stop_token_ids=())),
+            "constrained": (prompt[1:], SamplingParams(max_tokens=30, stop_token_ids=stops, constraint=c))}
+    b = ContinuousBatcher(spec_runner, 4)
+    for key, request in rows.items():
+        b.add(key, *request)
+    out: dict[str, list[int]] = {k: [] for k in rows}
+    proposed = {"constrained running": 0, "after": 0}
+    while b.has_work:
+        running = "constrained" in b.by_key
+        before = b.spec_stats.proposed[0]
+        for key, u in b.step().items():
+            out[key] += u.tokens
+        proposed["constrained running" if running else "after"] += b.spec_stats.proposed[0] - before
+    assert proposed["constrained running"] == 0 and proposed["after"] > 0, proposed
+    assert len(out["free"]) == 40
+    if constraint == "grammar":
+        jsonschema.validate(json.loads(tokenizer.decode(out["constrained"][:-1])), SCHEMAS[0])
+    for key, request in rows.items():
+        assert _run(runner, {key: request})[key][0] == out[key], key
+
+
 def test_tokens_a_grammar_forces_go_in_one_forward_and_change_no_output(runner, compiler, tokenizer, stops) -> None:
     """Where a grammar allows one token after another (``{"user": {"name": "`` once ``{`` is out),
     the row feeds that run in one forward instead of a step a token: greedy and sampled rows,
