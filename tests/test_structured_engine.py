@@ -433,7 +433,7 @@ def test_masks_fill_on_a_helper_thread_beside_the_engines_work_and_no_matcher_ta
     # start them after) on the helper thread; the new rows' first masks are filled where they are sampled.
     assert ways["helper"] >= 10 and ways["sync"] <= 1, ways
     assert sum(name.startswith("servekit-masks") for name in fills) == ways["helper"], fills
-    assert sum(beside) >= 10, beside
+    assert sum(beside) >= 3, beside  # (12-14 of 13-18 fills on the development VM, idle)
     monkeypatch.undo()
     for key, request in rows.items():
         assert _run(runner, {key: request})[key][0] == together[key], key
