@@ -7,6 +7,14 @@ mask on the model's own tokenizer; at every step the token picked from the unmas
 compared with the one picked under the mask, with the same Gumbel noise (so "allowed" means "the
 same token"). Greedy and sampled (temperature 0.8, the served benchmark's).
 
+Also where the masked pick ranks among the unmasked (noised) scores: 0 when the unmasked pick is
+allowed, r when r better-scored tokens are refused before it. Picking a row's token as the first
+allowed one among its k best candidates, checked one by one on the host, gives exactly the masked
+pick whenever its rank is below k, with no mask filled; a row needs its mask only past rank k. Per
+k: the share of steps past it, and what that makes the chance that at least one of 32 rows needs
+its mask in a step. Steps whose mask allows one token only (the grammar forces it) are counted
+apart: the engine knows those tokens without a mask (forced runs).
+
     python -m servekit.benchmarks.grammar_refusals ~/.cache/servekit/smollm2-135m-instruct-bfloat16
 """
 from __future__ import annotations
@@ -33,14 +41,20 @@ def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> torch.Tensor:
     return bits.flatten()[:vocab].bool()
 
 
+# Candidates per row a host check would look at: the ranks the report cuts at.
+CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 256)
+ROWS = 32  # rows in a step, for the chance that one of them needs its mask
+
+
 def decode(model: Any, hf: Any, tokenizer: llguidance.LLTokenizer, schema: dict, prompt: str,
-           temperature: float, max_tokens: int, gen: torch.Generator) -> tuple[int, int]:
-    """One constrained answer; returns (steps, steps whose unmasked pick the grammar refused)."""
+           temperature: float, max_tokens: int, gen: torch.Generator) -> list[tuple[int, bool]]:
+    """One constrained answer; per step, the masked pick's rank among the unmasked scores and whether
+    the mask allowed that one token only."""
     matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT))
     ids = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                  return_tensors="pt", return_dict=True)["input_ids"]
     vocab = model.config.vocab_size
-    past, steps, refused = None, 0, 0
+    past, ranks = None, []
     for _ in range(max_tokens):
         with torch.no_grad():
             out = model(input_ids=ids, cache=past, use_cache=True)
@@ -48,14 +62,29 @@ def decode(model: Any, hf: Any, tokenizer: llguidance.LLTokenizer, schema: dict,
         if temperature > 0:
             u = torch.rand(logits.shape, generator=gen).clamp_(1e-10, 1.0)
             logits = logits / temperature - torch.log(-torch.log(u))
-        masked = logits.masked_fill(~allowed_tokens(matcher, vocab), float("-inf"))
-        token = int(masked.argmax())
-        steps += 1
-        refused += int(logits.argmax()) != token
+        allowed = allowed_tokens(matcher, vocab)
+        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        # Ties broken as argmax breaks them (the lowest id first).
+        ahead = (logits > logits[token]).sum() + (logits[:token] == logits[token]).sum()
+        ranks.append((int(ahead), int(allowed.sum()) == 1))
         if not matcher.consume_token(token) or matcher.is_stopped():
             break
         ids = torch.tensor([[token]])
-    return steps, refused
+    return ranks
+
+
+def rank_report(ranks: list[tuple[int, bool]], rows: int = ROWS) -> dict[str, Any]:
+    """The steps, the refusals (rank above 0), the forced steps and, per candidate count k, the share
+    of the steps with a choice whose masked pick ranks k or lower, and the chance that one of ``rows``
+    such rows does."""
+    chosen = [r for r, forced in ranks if not forced]
+    out: dict[str, Any] = {"steps": len(ranks), "refused": sum(r > 0 for r, _ in ranks),
+                           "forced": len(ranks) - len(chosen)}
+    out["share"] = round(out["refused"] / len(ranks), 4) if ranks else 0.0
+    past = {k: sum(r >= k for r in chosen) / len(chosen) if chosen else 0.0 for k in CANDIDATES}
+    out["past_k"] = {str(k): round(v, 4) for k, v in past.items()}
+    out[f"any_of_{rows}_rows_past_k"] = {str(k): round(1 - (1 - v) ** rows, 4) for k, v in past.items()}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,15 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"model_dir": str(args.model_dir), "schemas": len(SCHEMAS)}
     for name, temperature in (("greedy", 0.0), ("sampled", 0.8)):
         gen = torch.Generator().manual_seed(args.seed)
-        steps = refused = 0
+        ranks: list[tuple[int, bool]] = []
         for i, (schema_name, topic, schema) in enumerate(SCHEMAS):
-            s, r = decode(model, hf, tokenizer, schema, PROMPTS[i % len(PROMPTS)].format(topic=topic), temperature,
-                          args.max_tokens, gen)
-            steps, refused = steps + s, refused + r
-            print(f"  {name} {schema_name}: {r} of {s} steps refused", flush=True)
-        res[name] = {"steps": steps, "refused": refused, "share": round(refused / steps, 4)}
-        print(f"{name}: the grammar refused the unmasked pick at {refused} of {steps} steps "
-              f"({100 * refused / steps:.1f}%)", flush=True)
+            got = decode(model, hf, tokenizer, schema, PROMPTS[i % len(PROMPTS)].format(topic=topic), temperature,
+                         args.max_tokens, gen)
+            ranks += got
+            print(f"  {name} {schema_name}: {sum(r > 0 for r, _ in got)} of {len(got)} steps refused",
+                  flush=True)
+        r = res[name] = rank_report(ranks)
+        print(f"{name}: the grammar refused the unmasked pick at {r['refused']} of {r['steps']} steps "
+              f"({100 * r['share']:.1f}%); {r['forced']} steps forced one token", flush=True)
+        print(f"  {name}, steps with a choice whose masked pick ranks k or lower: "
+              + ", ".join(f"k={k}: {v:.1%}" for k, v in r["past_k"].items()), flush=True)
+        print(f"  {name}, chance that one of {ROWS} such rows does: "
+              + ", ".join(f"k={k}: {v:.1%}" for k, v in r[f"any_of_{ROWS}_rows_past_k"].items()), flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -48,3 +48,14 @@ def test_a_folder_without_a_model_is_named(tmp_path: Path, capsys: pytest.Captur
     with pytest.raises(SystemExit):
         grammar_refusals.main([str(tmp_path)])
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_the_rank_report_counts_the_rows_a_candidate_check_would_leave_to_a_mask() -> None:
+    """Ranks of masked picks among the unmasked scores: refusals are ranks above 0, forced steps
+    stay out of the per-k shares, and a row past k in a step of 32 is 1 - (1 - share) ** 32 likely."""
+    r = grammar_refusals.rank_report([(0, False), (3, False), (5, True), (70, False)])
+    assert (r["steps"], r["refused"], r["forced"], r["share"]) == (4, 3, 1, 0.75)
+    assert r["past_k"]["1"] == pytest.approx(2 / 3, abs=1e-4) and r["past_k"]["4"] == pytest.approx(1 / 3, abs=1e-4)
+    assert r["past_k"]["64"] == pytest.approx(1 / 3, abs=1e-4) and r["past_k"]["256"] == 0
+    assert r["any_of_32_rows_past_k"]["4"] == pytest.approx(1 - (2 / 3) ** 32, abs=1e-4)
+    assert r["any_of_32_rows_past_k"]["256"] == 0
