@@ -546,11 +546,15 @@ ENGINE_PHASES = {"step": "step", "_admit": "admit", "_prefill": "prefill", "_fir
 class PhaseTimer:
     """Host seconds spent in an object's methods (or a module's functions), summed per label, and
     the calls per label: `instrument` replaces the attribute with a timed wrapper. A phase that
-    waits for the device counts that wait."""
+    waits for the device counts that wait. ``exclusive``: a phase's time leaves out the timed
+    phases it calls on the same thread (they count once, as themselves), so the phases add up to
+    the thread's time in them; otherwise a phase includes them."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclusive: bool = False) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
+        self.exclusive = exclusive
+        self._nested = threading.local()  # per thread: the timed time of the calls inside each open phase
 
     def instrument(self, owner: Any, attr: str, label: str) -> None:
         fn = getattr(owner, attr)
@@ -558,11 +562,17 @@ class PhaseTimer:
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            stack = self._nested.__dict__.setdefault("stack", [])
+            stack.append(0.0)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[label] += time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                inner = stack.pop()
+                if stack:
+                    stack[-1] += spent
+                self.seconds[label] += spent - inner if self.exclusive else spent
                 self.calls[label] += 1
 
         setattr(owner, attr, timed)

@@ -2,7 +2,9 @@
 the same requests free, each under a JSON schema of the structured benchmark, and free again at
 the constrained answers' lengths; host time per engine step in each of the engine's phases
 (reading tokens, filling and loading the grammar masks, launching the halves of a split step),
-tokens/s, tokens per step and TTFT.
+tokens/s, tokens per step and TTFT. Each phase's time leaves out the phases it calls (the prefill
+reads the tokens sampled before it: that counts as "read tokens" only), so the engine thread's
+phases add up; the masks' fill runs on a helper thread and is timed there ("of which: fill masks").
 
 The schemas' answers are shorter than free ones (about 50 tokens against 100+ at 128 at most), so
 rows sit empty after a short answer ends and the plain comparison weighs per-request costs twice.
@@ -171,7 +173,7 @@ def main() -> None:
     compiler = grammar.GrammarCompiler(tokenizer, runner.model.config.vocab_size, stops)
     engine = ContinuousBatcher(runner, min(32, runner.max_batch))
     engine.warmup()
-    timer = PhaseTimer()
+    timer = PhaseTimer(exclusive=True)
     for name, label in PHASES.items():
         timer.instrument(engine, name, label)
     timer.instrument(grammar, "fill_masks", "  of which: fill masks")
