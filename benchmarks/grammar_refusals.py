@@ -13,7 +13,10 @@ allowed one among its k best candidates, checked one by one on the host, gives e
 pick whenever its rank is below k, with no mask filled; a row needs its mask only past rank k. Per
 k: the share of steps past it, and what that makes the chance that at least one of 32 rows needs
 its mask in a step. Steps whose mask allows one token only (the grammar forces it) are counted
-apart: the engine knows those tokens without a mask (forced runs).
+apart: the engine knows those tokens without a mask (forced runs). And what that check costs the
+host: at each step with a choice, ``try_consume_tokens`` on a copy of the row's matcher with each
+candidate in score order until one is taken (up to the largest k), timed, beside the time to fill
+that row's mask.
 
     python -m servekit.benchmarks.grammar_refusals ~/.cache/servekit/smollm2-135m-instruct-bfloat16
 """
@@ -21,24 +24,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from servekit.benchmarks.structured_bench import PROMPTS, SCHEMAS
-from servekit.optimizations.llm.grammar import JSON_FORMAT
+from servekit.optimizations.llm.chat_template import ChatTokenizer
+from servekit.optimizations.llm.grammar import JSON_FORMAT, llg_tokenizer
+from servekit.optimizations.llm.plan import stop_token_ids
 
 
-def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> torch.Tensor:
-    """The matcher's next-token mask as booleans ``(vocab,)``."""
+def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> tuple[torch.Tensor, float]:
+    """The matcher's next-token mask as booleans ``(vocab,)``, and the µs llguidance took to fill it."""
     words = torch.empty(1, (vocab + 31) // 32, dtype=torch.int32)
+    t0 = time.perf_counter()
     matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.shape[1] * 4)
+    us = (time.perf_counter() - t0) * 1e6
     bits = (words[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.flatten()[:vocab].bool()
+    return bits.flatten()[:vocab].bool(), us
 
 
 # Candidates per row a host check would look at: the ranks the report cuts at.
@@ -47,10 +54,16 @@ ROWS = 32  # rows in a step, for the chance that one of them needs its mask
 
 
 def decode(model: Any, hf: Any, tokenizer: llguidance.LLTokenizer, schema: dict, prompt: str,
-           temperature: float, max_tokens: int, gen: torch.Generator) -> list[tuple[int, bool]]:
+           temperature: float, max_tokens: int, gen: torch.Generator,
+           costs: dict[str, list[float]] | None = None) -> list[tuple[int, bool]]:
     """One constrained answer; per step, the masked pick's rank among the unmasked scores and whether
-    the mask allowed that one token only."""
-    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT))
+    the mask allowed that one token only. ``costs``: at each step with a choice, the host µs of
+    checking candidates in score order until one is taken ("check", while within the largest of
+    CANDIDATES), of filling the row's mask ("mask") and of taking the picked token after it
+    ("consume after the mask", as the engine does now) are appended. The checks run on a second
+    matcher in step with the first that never fills a mask, as a row checked that way would not."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
+    matcher, checker = llguidance.LLMatcher(tokenizer, grammar), llguidance.LLMatcher(tokenizer, grammar)
     ids = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                  return_tensors="pt", return_dict=True)["input_ids"]
     vocab = model.config.vocab_size
@@ -62,15 +75,41 @@ def decode(model: Any, hf: Any, tokenizer: llguidance.LLTokenizer, schema: dict,
         if temperature > 0:
             u = torch.rand(logits.shape, generator=gen).clamp_(1e-10, 1.0)
             logits = logits / temperature - torch.log(-torch.log(u))
-        allowed = allowed_tokens(matcher, vocab)
+        allowed, mask_us = allowed_tokens(matcher, vocab)
         token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         # Ties broken as argmax breaks them (the lowest id first).
-        ahead = (logits > logits[token]).sum() + (logits[:token] == logits[token]).sum()
-        ranks.append((int(ahead), int(allowed.sum()) == 1))
-        if not matcher.consume_token(token) or matcher.is_stopped():
+        ahead = int((logits > logits[token]).sum() + (logits[:token] == logits[token]).sum())
+        forced = int(allowed.sum()) == 1
+        ranks.append((ahead, forced))
+        timed = costs is not None and not forced and ahead < CANDIDATES[-1]
+        if timed:
+            order = torch.sort(logits, descending=True, stable=True).indices[:ahead + 1].tolist()
+            t0 = time.perf_counter()
+            taken = next((c for c in order if checker.try_consume_tokens([c])), None)
+            costs["check"].append((time.perf_counter() - t0) * 1e6)
+            costs["mask"].append(mask_us)
+            if taken != token:  # the first candidate taken must be the masked pick
+                costs.setdefault("other pick", []).append(float(ahead))
+                break
+        else:
+            checker.consume_token(token)
+        t0 = time.perf_counter()
+        ok = matcher.consume_token(token)
+        if timed:
+            costs["consume after the mask"].append((time.perf_counter() - t0) * 1e6)
+        if not ok or matcher.is_stopped():
             break
         ids = torch.tensor([[token]])
     return ranks
+
+
+def cost_summary(us: list[float]) -> dict[str, float]:
+    """Mean and percentiles of host microseconds (empty: zeros)."""
+    if not us:
+        return {"n": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    q = sorted(us)
+    pick = lambda f: round(q[min(len(q) - 1, int(f * len(q)))], 1)  # noqa: E731
+    return {"n": len(q), "mean": round(sum(q) / len(q), 1), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
 def rank_report(ranks: list[tuple[int, bool]], rows: int = ROWS) -> dict[str, Any]:
@@ -98,24 +137,34 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.model_dir} is not a model folder (no config.json)")
     hf = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
-    tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=model.config.vocab_size)
+    # The engine's own llguidance tokenizer (servekit's mask slices), so that masks cost what they
+    # cost the engine; the masks are llguidance's whatever the slices.
+    chat = ChatTokenizer(args.model_dir)
+    tokenizer, _ = llg_tokenizer(chat, model.config.vocab_size, stop_token_ids(args.model_dir, chat))
     res: dict[str, Any] = {"model_dir": str(args.model_dir), "schemas": len(SCHEMAS)}
     for name, temperature in (("greedy", 0.0), ("sampled", 0.8)):
         gen = torch.Generator().manual_seed(args.seed)
         ranks: list[tuple[int, bool]] = []
+        costs: dict[str, list[float]] = {"check": [], "mask": [], "consume after the mask": []}
         for i, (schema_name, topic, schema) in enumerate(SCHEMAS):
             got = decode(model, hf, tokenizer, schema, PROMPTS[i % len(PROMPTS)].format(topic=topic), temperature,
-                         args.max_tokens, gen)
+                         args.max_tokens, gen, costs)
             ranks += got
             print(f"  {name} {schema_name}: {sum(r > 0 for r, _ in got)} of {len(got)} steps refused",
                   flush=True)
         r = res[name] = rank_report(ranks)
+        r["check_took_another_token"] = len(costs.pop("other pick", []))
+        r["host_us"] = {k: cost_summary(v) for k, v in costs.items()}
         print(f"{name}: the grammar refused the unmasked pick at {r['refused']} of {r['steps']} steps "
               f"({100 * r['share']:.1f}%); {r['forced']} steps forced one token", flush=True)
         print(f"  {name}, steps with a choice whose masked pick ranks k or lower: "
               + ", ".join(f"k={k}: {v:.1%}" for k, v in r["past_k"].items()), flush=True)
         print(f"  {name}, chance that one of {ROWS} such rows does: "
               + ", ".join(f"k={k}: {v:.1%}" for k, v in r[f"any_of_{ROWS}_rows_past_k"].items()), flush=True)
+        for k, v in r["host_us"].items():
+            print(f"  {name}, host µs a row at steps with a choice, {k}: {v}", flush=True)
+        print(f"  {name}, steps whose check took another token than the mask's pick: "
+              f"{r['check_took_another_token']}", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
     return 0

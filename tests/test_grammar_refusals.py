@@ -26,7 +26,8 @@ def test_allowed_tokens_are_llguidances_mask(tiny_smollm2: list[Path]) -> None:
     for text in ("", '{"n": 12, "s": "ab'):
         for t in hf.encode(text, add_special_tokens=False) if text else []:
             assert matcher.consume_token(t)
-        allowed = grammar_refusals.allowed_tokens(matcher, len(hf))
+        allowed, us = grammar_refusals.allowed_tokens(matcher, len(hf))
+        assert us > 0
         own = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[:len(hf)] > 0
         assert torch.equal(allowed, own) and 0 < int(allowed.sum()) < len(hf), text
         matcher.reset()
@@ -42,6 +43,11 @@ def test_a_random_model_is_refused_and_every_answer_ends(tiny_smollm2: list[Path
         r = res[mode]
         assert res["schemas"] <= r["refused"] <= r["steps"] <= 4 * res["schemas"], r
         assert r["steps"] > res["schemas"] and r["share"] == pytest.approx(r["refused"] / r["steps"], abs=1e-4)
+        # Every step with a choice whose pick ranks below the largest k was checked and its mask timed.
+        checked = r["host_us"]["check"]["n"]
+        assert checked == r["host_us"]["mask"]["n"] <= r["steps"] - r["forced"]
+        assert checked == 0 or r["host_us"]["check"]["mean"] > 0
+        assert r["check_took_another_token"] == 0  # the first candidate taken is the masked pick
 
 
 def test_a_folder_without_a_model_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
