@@ -14,9 +14,9 @@ pick whenever its rank is below k, with no mask filled; a row needs its mask onl
 k: the share of steps past it, and what that makes the chance that at least one of 32 rows needs
 its mask in a step. Steps whose mask allows one token only (the grammar forces it) are counted
 apart: the engine knows those tokens without a mask (forced runs). And what that check costs the
-host: at each step with a choice, ``try_consume_tokens`` on a copy of the row's matcher with each
-candidate in score order until one is taken (up to the largest k), timed, beside the time to fill
-that row's mask.
+host: at each step with a choice, ``try_consume_tokens`` with each candidate in score order until
+one is taken (up to the largest k), on a second matcher kept in step with the row's that fills no
+masks, timed beside the time to fill the row's mask.
 
     python -m servekit.benchmarks.grammar_refusals ~/.cache/servekit/smollm2-135m-instruct-bfloat16
 """
