@@ -38,7 +38,7 @@ from servekit.optimizations.llm.grammar import JSON_FORMAT, llg_tokenizer
 from servekit.optimizations.llm.plan import stop_token_ids
 
 
-def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> tuple[torch.Tensor, float]:
+def timed_mask(matcher: llguidance.LLMatcher, vocab: int) -> tuple[torch.Tensor, float]:
     """The matcher's next-token mask as booleans ``(vocab,)``, and the µs llguidance took to fill it."""
     words = torch.empty(1, (vocab + 31) // 32, dtype=torch.int32)
     t0 = time.perf_counter()
@@ -46,6 +46,11 @@ def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> tuple[torch.Ten
     us = (time.perf_counter() - t0) * 1e6
     bits = (words[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.flatten()[:vocab].bool(), us
+
+
+def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> torch.Tensor:
+    """The matcher's next-token mask as booleans ``(vocab,)``."""
+    return timed_mask(matcher, vocab)[0]
 
 
 # Candidates per row a host check would look at: the ranks the report cuts at.
@@ -75,7 +80,7 @@ def decode(model: Any, hf: Any, tokenizer: llguidance.LLTokenizer, schema: dict,
         if temperature > 0:
             u = torch.rand(logits.shape, generator=gen).clamp_(1e-10, 1.0)
             logits = logits / temperature - torch.log(-torch.log(u))
-        allowed, mask_us = allowed_tokens(matcher, vocab)
+        allowed, mask_us = timed_mask(matcher, vocab)
         token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         # Ties broken as argmax breaks them (the lowest id first).
         ahead = int((logits > logits[token]).sum() + (logits[:token] == logits[token]).sum())

@@ -26,8 +26,8 @@ def test_allowed_tokens_are_llguidances_mask(tiny_smollm2: list[Path]) -> None:
     for text in ("", '{"n": 12, "s": "ab'):
         for t in hf.encode(text, add_special_tokens=False) if text else []:
             assert matcher.consume_token(t)
-        allowed, us = grammar_refusals.allowed_tokens(matcher, len(hf))
-        assert us > 0
+        allowed, us = grammar_refusals.timed_mask(matcher, len(hf))
+        assert us > 0 and torch.equal(allowed, grammar_refusals.allowed_tokens(matcher, len(hf)))
         own = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[:len(hf)] > 0
         assert torch.equal(allowed, own) and 0 < int(allowed.sum()) < len(hf), text
         matcher.reset()
