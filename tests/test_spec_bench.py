@@ -40,7 +40,7 @@ def test_free_rows_beside_a_constrained_row_take_plain_steps_until_it_ends() -> 
     alone, beside = r["speculative, free rows alone"], r["speculative, beside a constrained row"]
     assert alone["verified_share"] > beside["verified_share"] >= 0.0, r
     assert r["plain, free rows alone"]["verified_share"] == r["plain, beside a constrained row"]["verified_share"] == 0
-    assert 0 < beside["constrained_tokens_mean"] < 40 and alone["constrained_tokens_mean"] is None
+    assert 0 < beside["constrained_tokens_mean"] <= 40 and alone["constrained_tokens_mean"] is None
     assert all(v["free_tok_per_s_per_seq"] > 0 for k, v in r.items() if isinstance(v, dict))
 
 
