@@ -16,7 +16,10 @@ its mask in a step. Steps whose mask allows one token only (the grammar forces i
 apart: the engine knows those tokens without a mask (forced runs). And what that check costs the
 host: at each step with a choice, ``try_consume_tokens`` with each candidate in score order until
 one is taken (up to the largest k), on a second matcher kept in step with the row's that fills no
-masks, timed beside the time to fill the row's mask.
+masks, timed beside the time to fill the row's mask. Last, how many tokens a row would take per
+step if every run of two or more tokens the grammar forces went in one step (``compute_ff_tokens``
+at each position, as the engine's forced runs; the engine takes them only where they ride in a
+packed forward, see ``ContinuousBatcher._prefill``).
 
     python -m servekit.benchmarks.grammar_refusals ~/.cache/servekit/smollm2-135m-instruct-bfloat16
 """
@@ -60,9 +63,10 @@ ROWS = 32  # rows in a step, for the chance that one of them needs its mask
 
 def decode(model: Any, hf: Any, tokenizer: llguidance.LLTokenizer, schema: dict, prompt: str,
            temperature: float, max_tokens: int, gen: torch.Generator,
-           costs: dict[str, list[float]] | None = None) -> list[tuple[int, bool]]:
-    """One constrained answer; per step, the masked pick's rank among the unmasked scores and whether
-    the mask allowed that one token only. ``costs``: at each step with a choice, the host µs of
+           costs: dict[str, list[float]] | None = None) -> list[tuple[int, bool, int]]:
+    """One constrained answer; per step, the masked pick's rank among the unmasked scores, whether
+    the mask allowed that one token only, and the length of the run of tokens the grammar forces
+    from there (0: none). ``costs``: at each step with a choice, the host µs of
     checking candidates in score order until one is taken ("check", while within the largest of
     CANDIDATES), of filling the row's mask ("mask") and of taking the picked token after it
     ("consume after the mask", as the engine does now) are appended. The checks run on a second
@@ -81,11 +85,12 @@ def decode(model: Any, hf: Any, tokenizer: llguidance.LLTokenizer, schema: dict,
             u = torch.rand(logits.shape, generator=gen).clamp_(1e-10, 1.0)
             logits = logits / temperature - torch.log(-torch.log(u))
         allowed, mask_us = timed_mask(matcher, vocab)
+        run = len(matcher.compute_ff_tokens())  # after the mask, as the engine asks for it
         token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         # Ties broken as argmax breaks them (the lowest id first).
         ahead = int((logits > logits[token]).sum() + (logits[:token] == logits[token]).sum())
         forced = int(allowed.sum()) == 1
-        ranks.append((ahead, forced))
+        ranks.append((ahead, forced, run))
         timed = costs is not None and not forced and ahead < CANDIDATES[-1]
         if timed:
             order = torch.sort(logits, descending=True, stable=True).indices[:ahead + 1].tolist()
@@ -117,12 +122,22 @@ def cost_summary(us: list[float]) -> dict[str, float]:
     return {"n": len(q), "mean": round(sum(q) / len(q), 1), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
-def rank_report(ranks: list[tuple[int, bool]], rows: int = ROWS) -> dict[str, Any]:
+def steps_with_runs(runs: list[int]) -> int:
+    """Steps one answer takes when each run of two or more forced tokens (``runs[i]``: the run from
+    position i) goes in one step, the position after it sampled in the next."""
+    steps = i = 0
+    while i < len(runs):
+        steps += 1
+        i += runs[i] if runs[i] >= 2 else 1
+    return steps
+
+
+def rank_report(ranks: list[tuple[int, bool, int]], rows: int = ROWS) -> dict[str, Any]:
     """The steps, the refusals (rank above 0), the forced steps and, per candidate count k, the share
     of the steps with a choice whose masked pick ranks k or lower, and the chance that one of ``rows``
     such rows does."""
-    chosen = [r for r, forced in ranks if not forced]
-    out: dict[str, Any] = {"steps": len(ranks), "refused": sum(r > 0 for r, _ in ranks),
+    chosen = [r for r, forced, _ in ranks if not forced]
+    out: dict[str, Any] = {"steps": len(ranks), "refused": sum(r > 0 for r, _, _ in ranks),
                            "forced": len(ranks) - len(chosen)}
     out["share"] = round(out["refused"] / len(ranks), 4) if ranks else 0.0
     past = {k: sum(r >= k for r in chosen) / len(chosen) if chosen else 0.0 for k in CANDIDATES}
@@ -149,16 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"model_dir": str(args.model_dir), "schemas": len(SCHEMAS)}
     for name, temperature in (("greedy", 0.0), ("sampled", 0.8)):
         gen = torch.Generator().manual_seed(args.seed)
-        ranks: list[tuple[int, bool]] = []
+        ranks: list[tuple[int, bool, int]] = []
+        steps = 0
         costs: dict[str, list[float]] = {"check": [], "mask": [], "consume after the mask": []}
         for i, (schema_name, topic, schema) in enumerate(SCHEMAS):
             got = decode(model, hf, tokenizer, schema, PROMPTS[i % len(PROMPTS)].format(topic=topic), temperature,
                          args.max_tokens, gen, costs)
             ranks += got
-            print(f"  {name} {schema_name}: {sum(r > 0 for r, _ in got)} of {len(got)} steps refused",
+            steps += steps_with_runs([run for _, _, run in got])
+            print(f"  {name} {schema_name}: {sum(r > 0 for r, _, _ in got)} of {len(got)} steps refused",
                   flush=True)
         r = res[name] = rank_report(ranks)
         r["check_took_another_token"] = len(costs.pop("other pick", []))
+        r["tokens_per_step_with_runs"] = round(len(ranks) / steps, 3) if steps else 0.0
         r["host_us"] = {k: cost_summary(v) for k, v in costs.items()}
         print(f"{name}: the grammar refused the unmasked pick at {r['refused']} of {r['steps']} steps "
               f"({100 * r['share']:.1f}%); {r['forced']} steps forced one token", flush=True)
@@ -170,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}, host µs a row at steps with a choice, {k}: {v}", flush=True)
         print(f"  {name}, steps whose check took another token than the mask's pick: "
               f"{r['check_took_another_token']}", flush=True)
+        print(f"  {name}, tokens a row takes per step with every forced run of 2+ in one step: "
+              f"{r['tokens_per_step_with_runs']}", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
     return 0

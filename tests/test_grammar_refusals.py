@@ -48,6 +48,7 @@ def test_a_random_model_is_refused_and_every_answer_ends(tiny_smollm2: list[Path
         assert checked == r["host_us"]["mask"]["n"] <= r["steps"] - r["forced"]
         assert checked == 0 or r["host_us"]["check"]["mean"] > 0
         assert r["check_took_another_token"] == 0  # the first candidate taken is the masked pick
+        assert r["tokens_per_step_with_runs"] >= 1.0
 
 
 def test_a_folder_without_a_model_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -59,9 +60,15 @@ def test_a_folder_without_a_model_is_named(tmp_path: Path, capsys: pytest.Captur
 def test_the_rank_report_counts_the_rows_a_candidate_check_would_leave_to_a_mask() -> None:
     """Ranks of masked picks among the unmasked scores: refusals are ranks above 0, forced steps
     stay out of the per-k shares, and a row past k in a step of 32 is 1 - (1 - share) ** 32 likely."""
-    r = grammar_refusals.rank_report([(0, False), (3, False), (5, True), (70, False)])
+    r = grammar_refusals.rank_report([(0, False, 0), (3, False, 0), (5, True, 2), (70, False, 0)])
     assert (r["steps"], r["refused"], r["forced"], r["share"]) == (4, 3, 1, 0.75)
     assert r["past_k"]["1"] == pytest.approx(2 / 3, abs=1e-4) and r["past_k"]["4"] == pytest.approx(1 / 3, abs=1e-4)
     assert r["past_k"]["64"] == pytest.approx(1 / 3, abs=1e-4) and r["past_k"]["256"] == 0
     assert r["any_of_32_rows_past_k"]["4"] == pytest.approx(1 - (2 / 3) ** 32, abs=1e-4)
     assert r["any_of_32_rows_past_k"]["256"] == 0
+
+
+def test_a_forced_run_of_two_or_more_goes_in_one_step() -> None:
+    """Runs from positions 1 (3 tokens) and 4 (2): six tokens in three steps; a run of one saves nothing."""
+    assert grammar_refusals.steps_with_runs([0, 3, 0, 0, 2, 0]) == 3
+    assert grammar_refusals.steps_with_runs([1, 1, 0]) == 3 and grammar_refusals.steps_with_runs([]) == 0
