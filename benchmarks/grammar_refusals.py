@@ -35,6 +35,7 @@ import llguidance
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from servekit.benchmarks.bench.stats import percentile
 from servekit.benchmarks.structured_bench import PROMPTS, SCHEMAS
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.grammar import JSON_FORMAT, llg_tokenizer
@@ -114,12 +115,11 @@ def decode(model: Any, hf: Any, tokenizer: llguidance.LLTokenizer, schema: dict,
 
 
 def cost_summary(us: list[float]) -> dict[str, float]:
-    """Mean and percentiles of host microseconds (empty: zeros)."""
+    """Mean and percentiles (nearest rank) of host microseconds (empty: zeros)."""
     if not us:
         return {"n": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    q = sorted(us)
-    pick = lambda f: round(q[min(len(q) - 1, int(f * len(q)))], 1)  # noqa: E731
-    return {"n": len(q), "mean": round(sum(q) / len(q), 1), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    return {"n": len(us), "mean": round(sum(us) / len(us), 1),
+            **{f"p{q}": round(percentile(us, q), 1) for q in (50, 90, 99)}}
 
 
 def steps_with_runs(runs: list[int]) -> int:

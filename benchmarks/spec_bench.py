@@ -87,12 +87,13 @@ def engines(base: LlamaRunner, spec: SpeculativeDecoding, batch: int) -> dict[st
     return out
 
 
-def run(engine: ContinuousBatcher, group: list[list[int]], params: SamplingParams
+def run(engine: ContinuousBatcher, group: list[list[int]], params: SamplingParams | list[SamplingParams]
         ) -> tuple[list[Completion], SpecStats | None]:
-    """The group through the engine; the draft counters of this run alone (None: plain)."""
+    """The group through the engine (``params``: for every request, or one per request); the draft
+    counters of this run alone (None: plain)."""
     before = engine.spec_stats
     snap = (list(before.proposed), list(before.accepted), before.tokens) if before is not None else None
-    out = generate(engine.r, group, [params] * len(group), batcher=engine)
+    out = generate(engine.r, group, params if isinstance(params, list) else [params] * len(group), batcher=engine)
     if snap is None:
         return out, None
     return out, SpecStats([a - b for a, b in zip(before.proposed, snap[0])],
@@ -165,18 +166,13 @@ def beside_constrained(base: LlamaRunner, spec: SpeculativeDecoding, prompts: li
                 if beside:  # the group's next prompt under the group's grammar, first
                     group = [prompts[(idx[-1] + 1) % len(prompts)]] + group
                     ps = [constrained[g_i % len(constrained)]] + ps
-                stats = built[name].spec_stats
-                spec_before = stats.tokens if stats is not None else 0
-                sync_device(base.device)
-                t0 = time.perf_counter()
-                res = generate(built[name].r, group, ps, batcher=built[name])
-                sync_device(base.device)
+                dt, (res, st) = timed(base.device, lambda: run(built[name], group, ps))
                 if g_i == 0:
                     continue
-                times.append(time.perf_counter() - t0)
+                times.append(dt)
                 free = res[1:] if beside else res
                 free_tokens += sum(len(c.tokens) for c in free)
-                spec_tokens += (stats.tokens - spec_before) if stats is not None else 0
+                spec_tokens += st.tokens if st is not None else 0
                 if beside:
                     answers.append(len(res[0].tokens))
             key = f"{name}, {'beside a constrained row' if beside else 'free rows alone'}"

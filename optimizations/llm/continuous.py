@@ -437,8 +437,7 @@ class ContinuousBatcher:
             else:
                 copy_rows(self.r.model, src, dst, n)
             self.r.state.move_row(src, dst)
-            # The row left behind is free: parked, its garbage steps write at the cache's last position.
-            self.r.state.input_pos[src] = self.r.max_seq_len - 1
+            self._park(src)  # the row left behind is free
             self.slots[src], self.slots[dst], s.slot = None, s, dst
         self.moves += len(movers)
 
@@ -459,10 +458,14 @@ class ContinuousBatcher:
                 s.cached = place.cached
             free.remove(s.slot)
             self.slots[s.slot] = s
-            # Until its prompt is in, the row is idle inside the decode batch: park its position at
-            # the cache's last slot, whose garbage the request overwrites before it could read it.
-            self.r.state.input_pos[s.slot] = self.r.max_seq_len - 1
+            self._park(s.slot)  # idle inside the decode batch until its prompt is in
             self.prefilling.append(s)
+
+    def _park(self, slot: int) -> None:
+        """Park a row that is not decoding (free, or its prompt going in) at the cache's last
+        position: its garbage steps write there, which a request overwrites before it could read
+        it, and past the kv bucket it attends nothing."""
+        self.r.state.input_pos[slot] = self.r.max_seq_len - 1
 
     def _mixable(self) -> list[_Seq]:
         """The decoding rows whose next token this step's packed forward can compute beside the
@@ -539,8 +542,8 @@ class ContinuousBatcher:
                 out, mode, start = self._first_tokens(logits, finishing)
                 self.r.state.load_rows(*start)
         except Exception as e:  # the riders' step goes on; the prompts are prefilled again
-            for s in finishing:  # parked again: idle in the decode steps until then
-                self.r.state.input_pos[s.slot] = self.r.max_seq_len - 1
+            for s in finishing:  # idle in the decode steps again until then
+                self._park(s.slot)
             mixed = self._decode_from(logits[len(finishing):], decoding, split, jumps) if decoding else None
             if mixed is not None and mixed.sample is not None:
                 self._start_masks(updates, mixed)

@@ -210,14 +210,9 @@ class DecodeState:
     def load_rows(self, rows: Tensor, first_tokens: Tensor, positions: Tensor, params: SamplingTensors) -> None:
         """Start requests in the given rows (continuous batching): their first token, position and
         sampling parameters; their penalty counts restart from the first token."""
+        self.start_rows(rows, positions, params)
         self.tokens.index_copy_(0, rows, first_tokens[:, None])
-        self.input_pos.index_copy_(0, rows, positions[:, None])
-        for dst, src in zip(self.params, params):
-            dst.index_copy_(0, rows, src)
-        counts = torch.zeros(len(rows), self.counts.shape[1], dtype=self.counts.dtype, device=self.counts.device)
-        counts.scatter_add_(1, first_tokens[:, None], torch.ones_like(counts[:, :1]))
-        self.counts.index_copy_(0, rows, counts)
-        self.packed.index_fill_(0, rows, -1)  # no mask left by the row's last request
+        self.counts.index_put_((rows, first_tokens), torch.ones_like(first_tokens, dtype=self.counts.dtype))
 
     def start_rows(self, rows: Tensor, positions: Tensor, params: SamplingTensors) -> None:
         """Rows whose first token the next sampling half samples from the logits put into their rows
