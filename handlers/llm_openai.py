@@ -87,6 +87,7 @@ class PreparedRequest:
     body: dict[str, Any]
     extras: Extras
     texts: list[str]
+    ids: list[list[int]] | None = None  # a completion's prompts sent as token ids: used as they are
 
 
 K = TypeVar("K")
@@ -94,6 +95,24 @@ K = TypeVar("K")
 
 def _bad(message: str, code: str = "invalid_request") -> RequestError:
     return RequestError(400, "invalid_request_error", message, code)
+
+
+def _token_prompts(prompt: Any, vocab_size: int) -> list[list[int]] | None:
+    """A completion's ``prompt`` given as token ids, as OpenAI's API allows: one list of ids, or a
+    list of such lists (each one prompt); None when it is not given as ids. Ids outside the
+    vocabulary are a 400; an empty list is left for the empty-prompt check."""
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], str):
+        return None
+    lists = prompt if isinstance(prompt[0], list) else [prompt]
+    for k, ids in enumerate(lists):
+        where = "prompt" if lists is not prompt else f"prompt[{k}]"
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise _bad(f"'{where}' must be a list of token ids (integers)", "invalid_type")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise _bad(f"'{where}' has token id {shown(bad)}, outside the vocabulary (0..{vocab_size - 1})",
+                       "invalid_value")
+    return lists
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -268,10 +287,14 @@ class OpenAIApi:
             except TemplateError as e:
                 raise _bad(str(e), "invalid_messages") from None
         else:
+            ids = _token_prompts(body.get("prompt"), self.shape.vocab_size)
+            if ids is not None:
+                return PreparedRequest(chat, body, extras, [], ids)
             texts = body.get("prompt")
             texts = [texts] if isinstance(texts, str) else texts
             if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-                raise _bad("'prompt' must be a string or a non-empty list of strings", "invalid_type")
+                raise _bad("'prompt' must be a string, a non-empty list of strings, a list of token ids or a "
+                           "list of such lists", "invalid_type")
             for k, t in enumerate(texts):
                 self._check_chars("prompt" if len(texts) == 1 else f"prompt[{k}]", len(t))
         return PreparedRequest(chat, body, extras, texts)
@@ -292,8 +315,8 @@ class OpenAIApi:
     def _encode(self, prepared: dict[K, PreparedRequest]) -> dict[K, list[list[int]]]:
         """Each prepared request's prompt ids: the chats' in one batch call, the completions' in another."""
         chats = [key for key, p in prepared.items() if p.chat]
-        plain = [key for key, p in prepared.items() if not p.chat]
-        prompts: dict[K, list[list[int]]] = {}
+        plain = [key for key, p in prepared.items() if not p.chat and p.ids is None]
+        prompts: dict[K, list[list[int]]] = {key: p.ids for key, p in prepared.items() if p.ids is not None}
         if chats:
             ids = iter(self.tokenizer.encode_batch([prepared[key].texts[0] for key in chats]))
             prompts |= {key: [next(ids)] for key in chats}
@@ -317,8 +340,12 @@ class OpenAIApi:
             raise _bad(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} choices; at most "
                        f"{self.shape.max_batch} per request", "too_many_choices")
         choices = []
+        least = p.extras.constraint.min_tokens if p.extras.constraint is not None else 0
         for prompt in prompts:
             params = self._params(body, p.chat, len(prompt))
+            if least > params.max_tokens:  # vLLM refuses it too: the answer would end short of it
+                raise _bad(f"'min_tokens' ({least}) is more than the {params.max_tokens} tokens the answer may "
+                           "have (max_tokens, or what the context leaves)", "invalid_value")
             for k in range(n):  # a seeded request's choices differ: choice k samples with seed + k
                 seed = None if params.seed is None else (params.seed + k) % 2**32
                 choices.append((prompt, dataclasses.replace(params, seed=seed, constraint=p.extras.constraint)))

@@ -180,6 +180,9 @@ def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchSe
     ("v1/chat/completions", {"messages": MESSAGES, "n": 0}, 400, "invalid_value"),
     ("v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, 400, "too_many_choices"),
     ("v1/completions", {"prompt": ""}, 400, "empty_prompt"),
+    ("v1/completions", {"prompt": [[5, 6], []]}, 400, "empty_prompt"),
+    ("v1/completions", {"prompt": [5, -1]}, 400, "invalid_value"),
+    ("v1/completions", {"prompt": [5, True]}, 400, "invalid_type"),
     ("v1/completions", {"prompt": "x", "speculate": "yes"}, 400, "invalid_type"),
     ("v1/completions", {"prompt": "x", "ignore_eos": 1}, 400, "invalid_type"),
     ("v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True, "response_format": {"type": "json_object"}},
@@ -351,6 +354,18 @@ def test_n_choices_and_lists_of_prompts(client, reference) -> None:
         for c in ch.choices:
             texts[c.index] += c.delta.content or ""
     assert [texts[0], texts[1]] == alone
+
+
+def test_completions_take_prompts_as_token_ids(client, reference) -> None:
+    """``prompt`` as token ids (one list, or a list of lists), as OpenAI's API allows: used as they
+    are, not tokenized again. The ids need not be any text's encoding."""
+    tok, complete = reference
+    ids = [tok.encode("The capital of France is"), [1, 2, 3, 500, 1000, 77]]
+    one = client.completions.create(model="smollm2", prompt=ids[1], max_tokens=6, temperature=0)
+    assert one.choices[0].text == complete(ids[1], 6)[0] and one.usage.prompt_tokens == len(ids[1])
+    both = client.completions.create(model="smollm2", prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in both.choices] == [complete(q, 6)[0] for q in ids]
+    assert both.usage.prompt_tokens == sum(map(len, ids))
 
 
 def test_openai_logprobs_chat_streamed_and_text_completions(client, reference_runner) -> None:

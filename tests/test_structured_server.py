@@ -158,6 +158,7 @@ def test_non_streamed_required_tool_call(client) -> None:
     ({"logit_bias": {"999999": 5}}, "outside the vocabulary"),
     ({"logit_bias": {"5": 500}}, "logit_bias[5]"),
     ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 5}, "'min_tokens' (5) is more than the 4 tokens"),
 ])
 def test_bad_requests_get_a_400_while_batch_mates_finish(server, body, message) -> None:  # noqa: F811
     good: dict = {}
