@@ -43,6 +43,7 @@ COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "
                "speculate", "metadata", "store", "service_tier", "suffix", "echo", "best_of"}
 COMMON_KEYS |= {"min_tokens", "structured_outputs", "response_format"}  # handlers/llm_openai_tools.py
 COMMON_KEYS |= {"ignore_eos"}  # vLLM's extension: only max_tokens (or the context) ends the answer
+COMMON_KEYS |= {"stop_token_ids"}  # vLLM's extension: more tokens that end the answer, not printed
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
                            "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction",
                            "reasoning_effort", "web_search_options"}
@@ -53,6 +54,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 MESSAGE_KEYS = {"role", "content", "name", "refusal", "annotations", "audio", "function_call", "tool_calls",
                 "tool_call_id"}
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
 # Characters read per token of the prompt limit before tokenizing: generous (byte-level BPE tokens run to a
 # few characters; whitespace runs and repeated symbols to a few dozen), and small enough that tokenizing
 # the largest prompt admitted takes a fraction of a second.
@@ -171,6 +173,21 @@ def _stop(value: Any) -> list[str]:
     if len(stops) > MAX_STOP_STRINGS:
         raise _bad(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "invalid_value")
     return stops
+
+
+def _stop_token_ids(value: Any, vocab_size: int) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``: token ids that end the answer as the model's end-of-turn does."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise _bad("'stop_token_ids' must be a list of token ids (integers)", "invalid_type")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise _bad(f"'stop_token_ids' has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS}", "invalid_value")
+    bad = next((t for t in value if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _bad(f"'stop_token_ids' has token id {shown(bad)}, outside the vocabulary (0..{vocab_size - 1})",
+                   "invalid_value")
+    return tuple(dict.fromkeys(value))
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -340,15 +357,20 @@ class OpenAIApi:
             raise _bad(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} choices; at most "
                        f"{self.shape.max_batch} per request", "too_many_choices")
         choices = []
-        least = p.extras.constraint.min_tokens if p.extras.constraint is not None else 0
+        stops = _stop_token_ids(body.get("stop_token_ids"), self.shape.vocab_size)
+        constraint = p.extras.constraint
+        least = constraint.min_tokens if constraint is not None else 0
+        if least and stops:  # held back until min_tokens, as the model's own stop tokens are
+            constraint = dataclasses.replace(constraint, stop_token_ids=tuple(dict.fromkeys(
+                constraint.stop_token_ids + stops)))
         for prompt in prompts:
-            params = self._params(body, p.chat, len(prompt))
+            params = self._params(body, p.chat, len(prompt), stops)
             if least > params.max_tokens:  # vLLM refuses it too: the answer would end short of it
                 raise _bad(f"'min_tokens' ({least}) is more than the {params.max_tokens} tokens the answer may "
                            "have (max_tokens, or what the context leaves)", "invalid_value")
             for k in range(n):  # a seeded request's choices differ: choice k samples with seed + k
                 seed = None if params.seed is None else (params.seed + k) % 2**32
-                choices.append((prompt, dataclasses.replace(params, seed=seed, constraint=p.extras.constraint)))
+                choices.append((prompt, dataclasses.replace(params, seed=seed, constraint=constraint)))
         speculate = body.get("speculate", True)
         if not isinstance(speculate, bool):
             raise _bad("'speculate' must be true or false", "invalid_type")
@@ -378,7 +400,9 @@ class OpenAIApi:
             raise _bad("'stream_options' must be {\"include_usage\": true|false}", "invalid_type")
         return True, bool(opts.get("include_usage", False))
 
-    def _params(self, body: dict, chat: bool, prompt_len: int) -> SamplingParams:
+    def _params(self, body: dict, chat: bool, prompt_len: int, stops: tuple[int, ...]) -> SamplingParams:
+        """The sampling parameters of one prompt's choices; ``stops``: the request's own stop token
+        ids, beside the model's (which ``ignore_eos`` leaves out)."""
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = int_field(body, key, 1, self.limits.max_tokens)
         if max_tokens is None:  # what the context leaves, up to the default (the context check below sees it fits)
@@ -396,7 +420,7 @@ class OpenAIApi:
             top_p=number_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
             top_k=max(top_k or 0, 0),
             seed=None if seed is None else seed % 2**32,
-            stop_token_ids=() if ignore_eos else self.stop_ids,
+            stop_token_ids=tuple(dict.fromkeys((() if ignore_eos else self.stop_ids) + stops)),
             presence_penalty=number_field(body, "presence_penalty", 0.0, *PENALTY_RANGE),
             frequency_penalty=number_field(body, "frequency_penalty", 0.0, *PENALTY_RANGE),
             logprobs=_logprobs(body, chat))

@@ -185,6 +185,9 @@ def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchSe
     ("v1/completions", {"prompt": [5, True]}, 400, "invalid_type"),
     ("v1/completions", {"prompt": "x", "speculate": "yes"}, 400, "invalid_type"),
     ("v1/completions", {"prompt": "x", "ignore_eos": 1}, 400, "invalid_type"),
+    ("v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "invalid_value"),
+    ("v1/completions", {"prompt": "x", "stop_token_ids": 5}, 400, "invalid_type"),
+    ("v1/chat/completions", {"messages": MESSAGES, "stop_token_ids": list(range(65))}, 400, "invalid_value"),
     ("v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True, "response_format": {"type": "json_object"}},
      400, "invalid_value"),
     ("v1/embeddings", {"input": "x"}, 404, "unknown_route"),
@@ -241,6 +244,31 @@ def test_requests_can_opt_out_of_speculation(server: TorchServe, reference) -> N
     assert status == 200 and body["choices"][0]["message"]["content"] == want
     wait_for_change(server, "servekit_llm_completion_tokens_total", tokens_before)
     assert metric_sum(server, "servekit_spec_proposed_total") == before
+
+
+def test_stop_token_ids_end_the_answer_unprinted_and_wait_for_min_tokens(server: TorchServe, reference) -> None:
+    """vLLM's ``stop_token_ids``: the answer ends at the first of them, which is not printed, beside
+    the model's own stop tokens (also with ignore_eos); with ``min_tokens`` they are held back as the
+    model's are."""
+    tok, complete = reference
+    prompt = "The capital of France is"
+    text, tokens = complete(tok.encode(prompt), 8)
+    stop = tokens[3]
+    cut = tokens[:tokens.index(stop)]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop_token_ids": [stop]}
+    # The same tokens cut by max_tokens: the answer's text as the server detokenizes them
+    status, shorter = post(server, "v1/completions", {"prompt": prompt, "max_tokens": len(cut), "temperature": 0})
+    assert status == 200 and shorter["usage"]["completion_tokens"] == len(cut), shorter
+    for extra in ({}, {"ignore_eos": True}):
+        status, got = post(server, "v1/completions", {**body, **extra})
+        assert status == 200 and got["choices"][0]["finish_reason"] == "stop", got
+        assert got["choices"][0]["text"] == shorter["choices"][0]["text"]
+        assert got["usage"]["completion_tokens"] == len(cut) + 1
+    first = {**body, "stop_token_ids": [tokens[0]]}
+    status, got = post(server, "v1/completions", first)
+    assert status == 200 and got["choices"][0]["text"] == "" and got["usage"]["completion_tokens"] == 1
+    status, got = post(server, "v1/completions", {**first, "min_tokens": 4})
+    assert status == 200 and got["usage"]["completion_tokens"] >= 4, got
 
 
 def test_ignore_eos_generates_max_tokens_past_the_stop_token(server: TorchServe, reference) -> None:
