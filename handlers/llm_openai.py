@@ -44,6 +44,7 @@ COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "
 COMMON_KEYS |= {"min_tokens", "structured_outputs", "response_format"}  # handlers/llm_openai_tools.py
 COMMON_KEYS |= {"ignore_eos"}  # vLLM's extension: only max_tokens (or the context) ends the answer
 COMMON_KEYS |= {"stop_token_ids"}  # vLLM's extension: more tokens that end the answer, not printed
+COMMON_KEYS |= {"include_stop_str_in_output"}  # vLLM's extension: the stop string ends the text
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
                            "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction",
                            "reasoning_effort", "web_search_options"}
@@ -79,6 +80,7 @@ class LlmRequest:
     speculate: bool = True  # servekit extension: false keeps this request from speculative decoding
     tools: ToolPlan | None = None  # tool calls are parsed out of the answer (handlers/llm_openai_tools.py)
     n: int = 1  # choices per prompt
+    include_stop: bool = False  # vLLM's include_stop_str_in_output
 
 
 @dataclass
@@ -371,11 +373,12 @@ class OpenAIApi:
             for k in range(n):  # a seeded request's choices differ: choice k samples with seed + k
                 seed = None if params.seed is None else (params.seed + k) % 2**32
                 choices.append((prompt, dataclasses.replace(params, seed=seed, constraint=constraint)))
-        speculate = body.get("speculate", True)
-        if not isinstance(speculate, bool):
-            raise _bad("'speculate' must be true or false", "invalid_type")
+        speculate, include_stop = body.get("speculate", True), body.get("include_stop_str_in_output", False)
+        for key, value in (("speculate", speculate), ("include_stop_str_in_output", include_stop)):
+            if not isinstance(value, bool):
+                raise _bad(f"'{key}' must be true or false", "invalid_type")
         return LlmRequest(p.chat, choices, sum(len(q) for q in prompts), *self._stream_flags(body),
-                          _stop(body.get("stop")), body.get("model"), speculate, p.extras.plan, n)
+                          _stop(body.get("stop")), body.get("model"), speculate, p.extras.plan, n, include_stop)
 
     def _check_chars(self, field: str, n_chars: int) -> None:
         """Before tokenizing: a prompt longer than MAX_CHARS_PER_TOKEN characters per token the model
@@ -449,7 +452,8 @@ class Answer:
         self.api, self.req = api, req
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
-        self.choices = [_Choice(k, IncrementalDetokenizer(api.tokenizer, req.stop)) for k in range(len(req.choices))]
+        self.choices = [_Choice(k, IncrementalDetokenizer(api.tokenizer, req.stop, req.include_stop))
+                        for k in range(len(req.choices))]
 
     @property
     def started(self) -> bool:

@@ -158,6 +158,11 @@ def test_incremental_detokenizer_streams_whole_characters_and_honours_stop_strin
             break
     out += det.finish()
     assert out == "Ünïcödé ✓ 你好 🚀 and the end. " and det.stopped
+    # vLLM's include_stop_str_in_output: the text ends with the stop string; of two that start at
+    # the same place, the longer
+    det = IncrementalDetokenizer(tok, stop=["zzz", "STO", "STOP"], include_stop=True)
+    out = "".join(det.push(i) for i in ids) + det.finish()
+    assert out == "Ünïcödé ✓ 你好 🚀 and the end. STOP" and det.stopped
     # Special tokens (the chat markers) never reach the text.
     det = IncrementalDetokenizer(tok)
     assert "".join(det.push(i) for i in tok.encode("<|im_start|>assistant\nHi<|im_end|>")) + det.finish() == "assistant\nHi"

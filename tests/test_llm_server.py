@@ -150,6 +150,9 @@ def test_stop_strings_and_seeded_sampling(client, reference) -> None:
     stop = words[len(words) // 2]
     r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40, temperature=0, stop=[stop])
     assert r.choices[0].message.content == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40, temperature=0, stop=[stop],
+                                       extra_body={"include_stop_str_in_output": True})  # vLLM's field
+    assert r.choices[0].message.content == full[:full.index(stop) + len(stop)]
     sampled = [client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=20, temperature=1.0,
                                               seed=seed).choices[0].message.content for seed in (5, 5, 6)]
     assert sampled[0] == sampled[1] != sampled[2]
@@ -187,6 +190,7 @@ def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchSe
     ("v1/completions", {"prompt": "x", "ignore_eos": 1}, 400, "invalid_type"),
     ("v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "invalid_value"),
     ("v1/completions", {"prompt": "x", "stop_token_ids": 5}, 400, "invalid_type"),
+    ("v1/completions", {"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "invalid_type"),
     ("v1/chat/completions", {"messages": MESSAGES, "stop_token_ids": list(range(65))}, 400, "invalid_value"),
     ("v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True, "response_format": {"type": "json_object"}},
      400, "invalid_value"),

@@ -229,8 +229,10 @@ class IncrementalDetokenizer:
     across tokens come out whole; this class never emits text that a stop string could still claim.
     """
 
-    def __init__(self, tokenizer: ChatTokenizer, stop: list[str] | None = None) -> None:
-        self.tok, self.stop = tokenizer, [s for s in (stop or []) if s]
+    def __init__(self, tokenizer: ChatTokenizer, stop: list[str] | None = None, include_stop: bool = False) -> None:
+        """``include_stop``: the text ends with the stop string it stopped at (vLLM's
+        ``include_stop_str_in_output``) instead of just before it."""
+        self.tok, self.stop, self.include_stop = tokenizer, [s for s in (stop or []) if s], include_stop
         self.stream = DecodeStream(skip_special_tokens=True)
         self.text = ""
         self.sent = 0
@@ -253,9 +255,10 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         if self.stop and not self.stopped:
             # Text already sent never holds a complete stop string: search from there on.
-            hits = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, self.sent), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text, self.stopped, final = self.text[:min(hits)], True, True
+                at, hit = min(hits, key=lambda h: (h[0], -len(h[1])))  # the first; of two there, the longer
+                self.text, self.stopped, final = self.text[:at + len(hit) * self.include_stop], True, True
         end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
         out, self.sent = self.text[self.sent:end], end
         return out
