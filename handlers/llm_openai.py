@@ -48,6 +48,7 @@ COMMON_KEYS |= {"include_stop_str_in_output"}  # vLLM's extension: the stop stri
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
                            "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction",
                            "reasoning_effort", "web_search_options"}
+CHAT_KEYS |= {"chat_template_kwargs"}  # vLLM's extension: more of the chat template's variables
 COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Message fields the SDK's own response objects carry (`message.model_dump()`): accepted when null
@@ -301,10 +302,13 @@ class OpenAIApi:
                 raise _bad("missing required field 'messages'", "missing_field")
             messages = _messages(body["messages"])
             self._check_chars("messages", sum(len(m["content"]) for m in messages))
+            variables = self._template_variables(body.get("chat_template_kwargs"))
             try:
-                texts = [self.tokenizer.render(messages, tools=extras.tools)]
+                texts = [self.tokenizer.render(messages, tools=extras.tools, variables=variables)]
             except TemplateError as e:
                 raise _bad(str(e), "invalid_messages") from None
+            if variables:  # what they put into the prompt is read before tokenizing too
+                self._check_chars("chat_template_kwargs", len(texts[0]))
         else:
             ids = _token_prompts(body.get("prompt"), self.shape.vocab_size)
             if ids is not None:
@@ -379,6 +383,19 @@ class OpenAIApi:
                 raise _bad(f"'{key}' must be true or false", "invalid_type")
         return LlmRequest(p.chat, choices, sum(len(q) for q in prompts), *self._stream_flags(body),
                           _stop(body.get("stop")), body.get("model"), speculate, p.extras.plan, n, include_stop)
+
+    def _template_variables(self, value: Any) -> dict[str, Any] | None:
+        """vLLM's ``chat_template_kwargs``: more variables for the chat template (Qwen3's
+        ``enable_thinking``), none of those servekit sets itself or the template's helpers."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise _bad("'chat_template_kwargs' must be an object of template variables", "invalid_type")
+        taken = sorted(set(value) & self.tokenizer.reserved())
+        if taken:
+            raise _bad(f"'chat_template_kwargs' cannot set {', '.join(map(repr, taken))}: the server sets "
+                       f"{'it' if len(taken) == 1 else 'them'} from the request", "invalid_value")
+        return value
 
     def _check_chars(self, field: str, n_chars: int) -> None:
         """Before tokenizing: a prompt longer than MAX_CHARS_PER_TOKEN characters per token the model

@@ -89,6 +89,40 @@ def llm(one_thread, tiny_smollm2):
     return service, ctx
 
 
+def test_chat_template_kwargs_reach_the_template(llm, tiny_smollm2, tmp_path) -> None:
+    """vLLM's ``chat_template_kwargs``: more variables for the chat template, as Qwen3's
+    ``enable_thinking`` (its switch written here into a copy of SmolLM2's template); the variables
+    the server sets itself and the template's helpers cannot be set; not an object is a 400."""
+    import copy
+    import shutil
+
+    from servekit.handlers.common import RequestError
+    from servekit.optimizations.llm.chat_template import ChatTokenizer
+
+    folder = tmp_path / "thinking"
+    shutil.copytree(tiny_smollm2[0].parent, folder)
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text() + "{% if add_generation_prompt and enable_thinking is defined and "
+                        "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+    service, _ = llm
+    api = copy.copy(service.api)
+    api.tokenizer = ChatTokenizer(folder)
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2}
+
+    def prompt(**extra) -> str:
+        req = api.parse({"body": {**body, **extra}}, "v1/chat/completions")
+        return api.tokenizer.tokenizer.decode(req.choices[0][0], skip_special_tokens=False)
+
+    plain, thinking = prompt(), prompt(chat_template_kwargs={"enable_thinking": True})
+    off = prompt(chat_template_kwargs={"enable_thinking": False})
+    assert plain == thinking and off == plain + "<think>\n\n</think>\n\n"
+    for value, message in (({"messages": []}, "cannot set 'messages'"),
+                           ({"raise_exception": 1, "eos_token": "x"}, "cannot set 'eos_token', 'raise_exception'"),
+                           ([1], "must be an object")):
+        with pytest.raises(RequestError, match=message):
+            prompt(chat_template_kwargs=value)
+
+
 def test_llm_handler_answers_a_mixed_batch_and_reads_the_registered_batch_size(llm, capsys) -> None:
     service, ctx = llm
     assert service.batch_size == 4  # the registered one: the engine runs as many requests at once

@@ -158,6 +158,20 @@ def test_stop_strings_and_seeded_sampling(client, reference) -> None:
     assert sampled[0] == sampled[1] != sampled[2]
 
 
+def test_chat_template_kwargs_pass_through_the_server(client, server: TorchServe) -> None:
+    """vLLM's ``chat_template_kwargs`` through TorchServe and the SDK's ``extra_body``: SmolLM2's
+    template has no ``enable_thinking``, so the answer is the one without it; a variable the server
+    sets itself is the request's 400."""
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    plain = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=6, temperature=0)
+    with_kwargs = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=6, temperature=0,
+                                                 extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert with_kwargs.choices[0].message.content == plain.choices[0].message.content
+    assert with_kwargs.usage.prompt_tokens == plain.usage.prompt_tokens
+    status, answer = post(server, "v1/chat/completions", {"messages": msgs, "chat_template_kwargs": {"tools": []}})
+    assert status == 400 and "cannot set 'tools'" in answer["error"]["message"]
+
+
 def test_bad_requests_get_their_own_errors_within_a_shared_batch(server: TorchServe, reference) -> None:
     tok, complete = reference
     want, _ = complete(tok.encode_chat(MESSAGES), 8)

@@ -63,16 +63,23 @@ class ChatTokenizer:
         return None if text is None else self.tokenizer.token_to_id(text)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, variables: dict[str, Any] | None = None) -> str:
         """``tools``: OpenAI tool definitions, passed to the template as transformers passes them
-        (templates that know tools, e.g. Qwen2.5's and Llama 3.1's, render them; others ignore them)."""
+        (templates that know tools, e.g. Qwen2.5's and Llama 3.1's, render them; others ignore them).
+        ``variables``: more of the template's variables (``enable_thinking`` for Qwen3's), none of
+        ``reserved()``."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            return self.template.render(**(variables or {}), messages=messages,
+                                        add_generation_prompt=add_generation_prompt, tools=tools,
                                         **{k: v for k, v in self.special.items() if v is not None})
         except TemplateError:
             raise
         except Exception as e:  # a template bug or unexpected message shape: the request's fault here
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+    def reserved(self) -> set[str]:
+        """The template's variables that ``render`` sets itself, and its helpers."""
+        return {"messages", "add_generation_prompt", "tools", *self.special, *self.template.environment.globals}
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
