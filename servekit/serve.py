@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 from pathlib import Path
 
 from servekit.resources import resolve
-from servekit.torchserve import Ports, ServerError, TorchServe, read_properties
+from servekit.torchserve import Ports, PortTaken, ServerError, TorchServe, read_properties
 
 
 def model_names(models: str) -> list[str]:
@@ -68,11 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     # The models load at start (--models); the config decides the model API (shipped: off).
     ts = TorchServe(args.run_dir, args.model_store, ports, args.config, models=args.models, model_api=False,
                     log_config=args.log_config)
-    with ts:
+    try:
+        ts.start()  # a start that fails leaves nothing running
+    except PortTaken:
+        print(f"servekit serve: error: a port of {args.config} is in use (inference {ports.inference}, management "
+              f"{ports.management}, metrics {ports.metrics}, gRPC {ports.grpc_inference}/{ports.grpc_management}): "
+              f"another server is running; stop it or give --config with other ports (log: {ts.log_dir}/server.out)",
+              file=sys.stderr)
+        return 1
+    except (ServerError, OSError) as e:  # no model store, no Java, a frontend that exited
+        print(f"servekit serve: error: {e}", file=sys.stderr)
+        return 1
+    try:
         print(f"TorchServe: inference {ts.inference_url}, management {ts.management_url}, metrics {ts.metrics_url}",
               flush=True)
         print(f"logs in {ts.log_dir}, worker sockets and pid file in {ts.temp_dir}; Ctrl-C to stop", flush=True)
         threading.Thread(target=announce_ready, args=(ts, model_names(args.models)), daemon=True).start()
         while not stopping:
             signal.pause()
+    finally:
+        ts.stop()
     return 0

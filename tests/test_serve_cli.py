@@ -54,6 +54,14 @@ def test_serve_announces_each_model_ready_after_warming_its_inference_path(model
         assert f"inference http://127.0.0.1:{ports['8080']}" in "".join(lines)
         access = (run / "logs" / "access_log.log").read_text()
         assert '"POST /predictions/minilm/1.0/v1/models HTTP/1.1" 200' in access
+        # A second server on the same ports: a clear error naming them, nothing left running
+        second = tmp_path / "second"
+        taken = subprocess.run([sys.executable, "-m", "servekit", "serve", "--models", "minilm=minilm.mar",
+                                "--model-store", str(model_store), "--config", str(tmp_path / "config.properties"),
+                                "--run-dir", str(second)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert taken.returncode == 1 and "Traceback" not in taken.stderr, taken.stderr
+        assert f"is in use (inference {ports['8080']}, management {ports['8081']}" in taken.stderr
+        assert not [p for p in psutil.process_iter(["cmdline"]) if str(second) in " ".join(p.info["cmdline"] or [])]
     finally:
         proc.send_signal(signal.SIGTERM)  # as a service manager stops it; Ctrl-C takes the same path
         try:
@@ -63,3 +71,10 @@ def test_serve_announces_each_model_ready_after_warming_its_inference_path(model
             raise
     assert proc.returncode == 0
     assert [p.pid for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])] == []
+
+
+def test_serve_without_a_model_store_says_so_without_a_traceback(tmp_path: Path) -> None:
+    got = subprocess.run([sys.executable, "-m", "servekit", "serve", "--model-store", str(tmp_path / "nowhere"),
+                          "--run-dir", str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 1 and "Traceback" not in got.stderr, got.stderr
+    assert f"model store {tmp_path / 'nowhere'} does not exist; run `servekit archive` first" in got.stderr
