@@ -209,6 +209,22 @@ def shown_number(v: int | float) -> str:
     return str(v) if isinstance(v, float) or abs(v) < 10**12 else f"{str(v)[:8]}... ({len(str(abs(v)))} digits)"
 
 
+def is_int(v: Any) -> bool:
+    """An integer in a JSON body (not a boolean, which Python counts as one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_token_ids(ids: list[Any], where: str, vocab_size: int) -> None:
+    """A 400 naming the first item of ``ids`` (field ``where``) that is no token id of the vocabulary."""
+    for k, t in enumerate(ids):
+        if not is_int(t):
+            raise RequestError(400, "invalid_request_error",
+                               f"'{where}[{k}]' must be a token id (integer), got {type(t).__name__}", "invalid_type")
+        if not 0 <= t < vocab_size:
+            raise RequestError(400, "invalid_request_error", f"'{where}[{k}]' is token id {shown_number(t)}, outside "
+                               f"this model's vocabulary (0 to {vocab_size - 1})", "invalid_value")
+
+
 def number_field(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
                  lo_open: bool = False) -> float:
     """A number field in [lo, hi] (or (lo, hi]); absent or null: `default`."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection
 
-from servekit.handlers.common import RequestError, decode_body, int_field, shown, shown_number, without_nulls
+from servekit.handlers.common import RequestError, check_token_ids, decode_body, int_field, is_int, shown, without_nulls
 
 OPENAI_ROUTE = "v1/embeddings"
 OPENAI_KEYS = {"input", "model", "encoding_format", "dimensions", "user", "prompt_name"}
@@ -56,13 +56,9 @@ def _texts(value: Any, field: str, max_texts: int, max_chars: int) -> list[str]:
     return texts
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _token_arrays(value: list, max_texts: int, vocab_size: int) -> list[list[int]]:
     """OpenAI's token inputs: one array of token ids, or a list of them; every id in the vocabulary."""
-    arrays = [value] if _is_int(value[0]) else value
+    arrays = [value] if is_int(value[0]) else value
     _count("input", len(arrays), max_texts)
     for i, ids in enumerate(arrays):
         where = "input" if arrays is not value else f"input[{i}]"
@@ -71,12 +67,7 @@ def _token_arrays(value: list, max_texts: int, vocab_size: int) -> list[list[int
                        "arrays cannot be mixed)", "invalid_type")
         if not ids:
             raise _bad(f"'{where}' is an empty token array", "empty_input")
-        for k, t in enumerate(ids):
-            if not _is_int(t):
-                raise _bad(f"'{where}[{k}]' must be a token id (integer), got {type(t).__name__}", "invalid_type")
-            if not 0 <= t < vocab_size:
-                raise _bad(f"'{where}[{k}]' is token id {shown_number(t)}, outside this model's vocabulary "
-                           f"(0 to {vocab_size - 1})", "invalid_value")
+        check_token_ids(ids, where, vocab_size)
     return arrays
 
 
@@ -121,7 +112,7 @@ def parse_embedding_request(request: dict[str, Any], route: str, dim: int, max_t
             raise _bad("'model' must be a string", "invalid_type")
         prompt = _prompt_name(body, prompts)
         value = body["input"]
-        if isinstance(value, list) and value and (_is_int(value[0]) or isinstance(value[0], list)):
+        if isinstance(value, list) and value and (is_int(value[0]) or isinstance(value[0], list)):
             if not vocab_size:
                 raise _bad("token-id inputs are not accepted here", "invalid_type")
             if prompt is not None:

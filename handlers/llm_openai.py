@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from servekit.handlers.common import RequestError, clip, decode_body, int_field, number_field, shown, without_nulls
+from servekit.handlers.common import (RequestError, check_token_ids, clip, decode_body, int_field, number_field, shown,
+                                      without_nulls)
 from servekit.handlers.llm_openai_tools import (Extras, ToolPlan, parse_extras, template_messages, tool_message,
                                                 tool_stream_events)
 from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
@@ -111,12 +112,9 @@ def _token_prompts(prompt: Any, vocab_size: int) -> list[list[int]] | None:
     lists = prompt if isinstance(prompt[0], list) else [prompt]
     for k, ids in enumerate(lists):
         where = "prompt" if lists is not prompt else f"prompt[{k}]"
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise _bad(f"'{where}' must be a list of token ids (integers)", "invalid_type")
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise _bad(f"'{where}' has token id {shown(bad)}, outside the vocabulary (0..{vocab_size - 1})",
-                       "invalid_value")
+        if not isinstance(ids, list):
+            raise _bad(f"'{where}' must be a list of token ids, got {type(ids).__name__}", "invalid_type")
+        check_token_ids(ids, where, vocab_size)
     return lists
 
 
@@ -182,14 +180,11 @@ def _stop_token_ids(value: Any, vocab_size: int) -> tuple[int, ...]:
     """vLLM's ``stop_token_ids``: token ids that end the answer as the model's end-of-turn does."""
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise _bad("'stop_token_ids' must be a list of token ids (integers)", "invalid_type")
+    if not isinstance(value, list):
+        raise _bad(f"'stop_token_ids' must be a list of token ids, got {type(value).__name__}", "invalid_type")
     if len(value) > MAX_STOP_TOKEN_IDS:
         raise _bad(f"'stop_token_ids' has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS}", "invalid_value")
-    bad = next((t for t in value if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise _bad(f"'stop_token_ids' has token id {shown(bad)}, outside the vocabulary (0..{vocab_size - 1})",
-                   "invalid_value")
+    check_token_ids(value, "stop_token_ids", vocab_size)
     return tuple(dict.fromkeys(value))
 
 
