@@ -530,6 +530,13 @@ class ContinuousBatcher:
                 raise
             self._prefill_failed(seqs, e, updates)
             return None, None
+        def ride(logits: torch.Tensor, starting: Sequence[_Seq] = ()) -> _Pending | None:
+            """The riders' decode step from their logits (after ``starting``'s), its masks started."""
+            mixed = self._decode_from(logits, decoding, split, jumps, starting) if decoding else None
+            if mixed is not None and mixed.sample is not None:
+                self._start_masks(updates, mixed)
+            return mixed
+
         # With riders, the new rows' first tokens come from the riders' sampling half: their rows
         # of the decode state start at their prompts' last positions, their grammars' start masks
         # are filled with the riders' masks, and nothing is sampled for them alone.
@@ -544,14 +551,10 @@ class ContinuousBatcher:
         except Exception as e:  # the riders' step goes on; the prompts are prefilled again
             for s in finishing:  # idle in the decode steps again until then
                 self._park(s.slot)
-            mixed = self._decode_from(logits[len(finishing):], decoding, split, jumps) if decoding else None
-            if mixed is not None and mixed.sample is not None:
-                self._start_masks(updates, mixed)
+            mixed = ride(logits[len(finishing):])
             self._prefill_failed(seqs, e, updates)
             return None, mixed
-        mixed = self._decode_from(logits, decoding, split, jumps, starting) if decoding else None
-        if mixed is not None and mixed.sample is not None:
-            self._start_masks(updates, mixed)
+        mixed = ride(logits, starting)
         for s, c in zip(seqs, chunks):
             s.prefilled += len(c.tokens)
             if self.prefix is not None:
