@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 from servekit.handlers.common import (RequestError, check_token_ids, clip, decode_body, int_field, number_field, shown,
                                       without_nulls)
-from servekit.handlers.llm_openai_tools import (Extras, ToolPlan, parse_extras, template_messages, tool_message,
-                                                tool_stream_events)
+from servekit.handlers.llm_openai_tools import (GUIDED_BACKEND, GUIDED_KINDS, Extras, ToolPlan, parse_extras,
+                                                template_messages, tool_message, tool_stream_events)
 from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
 from servekit.optimizations.llm.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, RunnerShape,
                                                  SamplingParams, TokenLogprob)
@@ -43,6 +43,7 @@ COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "
                "n", "user", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias",
                "speculate", "metadata", "store", "service_tier", "suffix", "echo", "best_of"}
 COMMON_KEYS |= {"min_tokens", "structured_outputs", "response_format"}  # handlers/llm_openai_tools.py
+COMMON_KEYS |= {*GUIDED_KINDS, GUIDED_BACKEND}  # vLLM's former names of structured_outputs
 COMMON_KEYS |= {"ignore_eos"}  # vLLM's extension: only max_tokens (or the context) ends the answer
 COMMON_KEYS |= {"stop_token_ids"}  # vLLM's extension: more tokens that end the answer, not printed
 COMMON_KEYS |= {"include_stop_str_in_output"}  # vLLM's extension: the stop string ends the text

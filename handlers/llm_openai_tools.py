@@ -3,7 +3,8 @@
 
 Request fields (docs/structured-output.md): ``response_format`` (OpenAI's ``json_object`` and
 ``json_schema``), ``structured_outputs`` (vLLM's extension: exactly one of ``json``, ``regex``,
-``choice``, ``grammar``, ``json_object``), ``tools`` / ``tool_choice`` / ``parallel_tool_calls``,
+``choice``, ``grammar``, ``json_object``; or the top-level ``guided_*`` fields vLLM used before it),
+``tools`` / ``tool_choice`` / ``parallel_tool_calls``,
 ``logit_bias`` and ``min_tokens``. Bad schemas, regexes, grammars and tool definitions are a 400
 naming the field.
 
@@ -31,6 +32,13 @@ from servekit.optimizations.llm.grammar import (CHOICE, GRAMMAR, JSON, JSON_OBJE
 
 # vLLM's structured_outputs keys that select a grammar (exactly one), in its own names.
 STRUCTURED_KINDS = {"json": JSON, "regex": REGEX, "choice": CHOICE, "grammar": GRAMMAR, "json_object": JSON_OBJECT}
+# The top-level fields vLLM took for them before structured_outputs (removed in its 0.12). Clients
+# such as outlines sent them long after; vLLM now ignores them and answers unconstrained, servekit
+# decodes under them.
+GUIDED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# Picks which of vLLM's grammar engines runs; servekit has one (llguidance), and any valid answer is
+# the same answer.
+GUIDED_BACKEND = "guided_decoding_backend"
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TOOL_CALL_FINISH = "tool_calls"
 
@@ -206,12 +214,28 @@ def _structured_outputs(value: Any) -> GrammarSpec:
     if len(given) != 1:
         raise _bad(f"'structured_outputs' needs exactly one of {', '.join(STRUCTURED_KINDS)}", "invalid_value")
     (key, spec), = given.items()
+    return _structured(key, spec, f"structured_outputs.{key}")
+
+
+def _guided(body: dict[str, Any]) -> GrammarSpec | None:
+    """vLLM's former ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
+    (at most one), or None; ``guided_decoding_backend`` must be a string and changes nothing."""
+    if GUIDED_BACKEND in body and not isinstance(body[GUIDED_BACKEND], str):
+        raise _bad(f"'{GUIDED_BACKEND}' must be a string", "invalid_type")
+    given = [k for k in GUIDED_KINDS if k in body]
+    if len(given) > 1:
+        raise _bad(f"give one of {', '.join(map(repr, given))}, not {len(given)}", "invalid_value")
+    return _structured(GUIDED_KINDS[given[0]], body[given[0]], given[0]) if given else None
+
+
+def _structured(key: str, spec: Any, where: str) -> GrammarSpec:
+    """``spec`` for the structured_outputs kind ``key``; errors name the request field ``where``."""
     if key == "json" and isinstance(spec, dict):
-        _schema(spec, "structured_outputs.json")
+        _schema(spec, where)
     try:
         return GrammarSpec.of(STRUCTURED_KINDS[key], None if key == "json_object" else spec)
     except GrammarError as e:
-        raise _bad(f"'structured_outputs.{key}': {e}", "invalid_grammar") from None
+        raise _bad(f"'{where}': {e}", "invalid_grammar") from None
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
@@ -271,6 +295,12 @@ def parse_extras(body: dict[str, Any], chat: bool, compiler: DeferredGrammars, v
         if spec is not None:
             raise _bad("give 'response_format' or 'structured_outputs', not both", "invalid_value")
         spec = _structured_outputs(body["structured_outputs"])
+    guided = _guided(body)
+    if guided is not None:
+        if spec is not None:
+            raise _bad(f"give 'response_format', 'structured_outputs' or "
+                       f"'{next(k for k in GUIDED_KINDS if k in body)}', not two of them", "invalid_value")
+        spec = guided
     extras = Extras()
     tools = _tools(body["tools"]) if "tools" in body else []
     choice = _tool_choice(body.get("tool_choice", "auto" if tools else "none"), tools)
@@ -286,7 +316,7 @@ def parse_extras(body: dict[str, Any], chat: bool, compiler: DeferredGrammars, v
         else:
             if spec is not None:
                 raise _bad(f"'tool_choice' {choice!r} decodes the call's arguments under their schema: it cannot be "
-                           "combined with 'response_format' or 'structured_outputs'", "invalid_value")
+                           "combined with 'response_format', 'structured_outputs' or a 'guided_' field", "invalid_value")
             if choice == "required":
                 spec = GrammarSpec.of(JSON, _required_schema(tools, parallel))
                 extras.plan = ToolPlan("required", [t["function"]["name"] for t in tools])

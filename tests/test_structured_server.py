@@ -97,6 +97,22 @@ def test_structured_outputs_regex_choice_and_logit_bias(client) -> None:
     assert r.choices[0].message.content == "," * 5
 
 
+def test_vllms_former_guided_fields(client) -> None:
+    """Clients written for vLLM before structured_outputs send guided_json / guided_choice (and a
+    guided_decoding_backend): the answer follows them."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Name a city and rank it."}]
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=60, temperature=0.7, seed=5,
+                                       extra_body={"guided_json": schema, "guided_decoding_backend": "outlines"})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(model="smollm2", prompt="The best colour is", max_tokens=5, temperature=0,
+                                  extra_body={"guided_choice": ["teal", "amber"]})
+    assert r.choices[0].text in ("teal", "amber")
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -153,6 +169,7 @@ def test_non_streamed_required_tool_call(client) -> None:
      "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "[a-"}}, "regex cannot be used"),
     ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "exactly one"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, "unknown field 'guided_whitespace_pattern'"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
     ({"logit_bias": {"999999": 5}}, "outside the vocabulary"),

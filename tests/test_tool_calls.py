@@ -173,6 +173,13 @@ def compiler(weights: Path) -> GrammarCompiler:
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "with a 'name'"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "not supported"),
+    ({"guided_regex": "[a-"}, "the regex cannot be used"),
+    ({"guided_json": {"type": "objekt"}}, "'guided_json' is not a valid JSON schema"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "give one of 'guided_json', 'guided_regex', not 2"),
+    ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "not two of them"),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "not two of them"),
+    ({"guided_decoding_backend": 3, "guided_regex": "a"}, "'guided_decoding_backend' must be a string"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "or a 'guided_' field"),
     ({"messages_ok": True, "logit_bias": {"a": 1}}, "not a token id"),
 ])
 def test_bad_tool_and_format_fields_are_named(compiler, body, message) -> None:
@@ -180,6 +187,23 @@ def test_bad_tool_and_format_fields_are_named(compiler, body, message) -> None:
     with pytest.raises(RequestError) as e:
         parse_extras(body, True, compiler, 49152, HERMES_TEMPLATE)
     assert e.value.status == 400 and message in e.value.message
+
+
+@pytest.mark.parametrize("field,kind,value", [
+    ("guided_json", "json", {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}),
+    ("guided_json", "json", '{"type": "array", "items": {"type": "string"}, "maxItems": 2}'),
+    ("guided_regex", "regex", "[0-9]{3}-[a-z]+"),
+    ("guided_choice", "choice", ["red", "green"]),
+    ("guided_grammar", "grammar", 'root ::= "yes" | "no"'),
+])
+def test_vllms_former_guided_fields_ask_what_structured_outputs_asks(compiler, field, kind, value) -> None:
+    """guided_json / guided_regex / guided_choice / guided_grammar (vLLM before structured_outputs)
+    give the grammar that structured_outputs' key of the same kind gives, with or without
+    guided_decoding_backend."""
+    new = parse_extras({"structured_outputs": {kind: value}}, True, compiler, 49152, HERMES_TEMPLATE)
+    for backend in ({}, {"guided_decoding_backend": "xgrammar"}):
+        old = parse_extras({field: value, **backend}, True, compiler, 49152, HERMES_TEMPLATE)
+        assert old.spec == new.spec and old.constraint is not None and old.constraint.grammar is not None
 
 
 def test_a_schema_is_checked_against_its_metaschema_once(compiler) -> None:
