@@ -47,10 +47,17 @@ COMMON_KEYS |= {*GUIDED_KINDS, GUIDED_BACKEND}  # vLLM's former names of structu
 COMMON_KEYS |= {"ignore_eos"}  # vLLM's extension: only max_tokens (or the context) ends the answer
 COMMON_KEYS |= {"stop_token_ids"}  # vLLM's extension: more tokens that end the answer, not printed
 COMMON_KEYS |= {"include_stop_str_in_output"}  # vLLM's extension: the stop string ends the text
+# vLLM's sampling fields that servekit does not implement: clients that send every field send them
+# at their defaults, which are accepted (_unsupported).
+VLLM_NOOP = {"min_p": 0, "repetition_penalty": 1, "length_penalty": 1, "use_beam_search": False,
+             "skip_special_tokens": True, "spaces_between_special_tokens": True}
+VLLM_CHAT_NOOP = {"add_generation_prompt": True, "continue_final_message": False}
+COMMON_KEYS |= set(VLLM_NOOP)
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
                            "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction",
                            "reasoning_effort", "web_search_options"}
 CHAT_KEYS |= {"chat_template_kwargs"}  # vLLM's extension: more of the chat template's variables
+CHAT_KEYS |= set(VLLM_CHAT_NOOP)
 COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Message fields the SDK's own response objects carry (`message.model_dump()`): accepted when null
@@ -210,9 +217,10 @@ def _unsupported(body: dict) -> None:
     """Fields whose semantics are not implemented: accepted only at their no-op value (nulls are
     gone already), each other value a 400 naming the field rather than silently ignored."""
     noop = {"functions": [], "function_call": "none", "modalities": ["text"], "suffix": "", "echo": False,
-            "best_of": 1}
+            "best_of": 1, **VLLM_NOOP, **VLLM_CHAT_NOOP}
     for key, value in noop.items():
-        if key in body and body[key] != value:
+        # true is not 1 here, nor 0 false
+        if key in body and (body[key] != value or isinstance(body[key], bool) != isinstance(value, bool)):
             raise _bad(f"'{key}' is not supported (only {json.dumps(value)})", "unsupported_value")
     for key in ("audio", "prediction", "reasoning_effort", "web_search_options"):
         if key in body:

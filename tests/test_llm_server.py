@@ -142,6 +142,23 @@ def test_non_streaming_chat_and_text_completions(client, reference) -> None:
     assert streamed == want
 
 
+def test_vllm_sampling_fields_at_their_defaults_change_nothing(client, reference) -> None:
+    """Clients that send all of vLLM's sampling fields send the ones servekit does not implement at
+    their defaults: the answer is the plain one. Another value is a 400 naming the field."""
+    tok, complete = reference
+    want, _ = complete(tok.encode_chat(MESSAGES), 12)
+    defaults = {"min_p": 0.0, "repetition_penalty": 1.0, "length_penalty": 1, "use_beam_search": False,
+                "skip_special_tokens": True, "spaces_between_special_tokens": True, "add_generation_prompt": True,
+                "continue_final_message": False}
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=12, temperature=0,
+                                       extra_body=defaults)
+    assert r.choices[0].message.content == want
+    for field, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("use_beam_search", 0)):
+        with pytest.raises(openai.BadRequestError, match=f"'{field}' is not supported"):
+            client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4,
+                                           extra_body={field: value})
+
+
 def test_stop_strings_and_seeded_sampling(client, reference) -> None:
     tok, complete = reference
     msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
