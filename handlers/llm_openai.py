@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from servekit.handlers.common import (RequestError, check_token_ids, clip, decode_body, int_field, number_field, shown,
                                       without_nulls)
+from servekit.handlers.llm_openai_reasoning import ThinkingSplit, prompt_opens_thinking, template_thinks
 from servekit.handlers.llm_openai_tools import (GUIDED_BACKEND, GUIDED_KINDS, Extras, ToolPlan, parse_extras,
                                                 template_messages, tool_message, tool_stream_events)
 from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
@@ -91,6 +92,9 @@ class LlmRequest:
     tools: ToolPlan | None = None  # tool calls are parsed out of the answer (handlers/llm_openai_tools.py)
     n: int = 1  # choices per prompt
     include_stop: bool = False  # vLLM's include_stop_str_in_output
+    # A thinking model's chat, free to think: whether its prompt opened the thinking block (None:
+    # no thinking split off, handlers/llm_openai_reasoning.py)
+    thinking: bool | None = None
 
 
 @dataclass
@@ -244,6 +248,7 @@ class OpenAIApi:
         self.shape, self.limits, self.tokenizer, self.stop_ids, self.grammar = shape, limits, tokenizer, stop_ids, grammar
         self.model_name, self.fingerprint = model_name, fingerprint
         self.created = int(time.time())  # the models API's `created`
+        self.thinks = template_thinks(tokenizer.template_source)
 
     def warm_up(self) -> float:
         """A chat, streamed and not, and a text completion through every step a request takes on the
@@ -385,8 +390,11 @@ class OpenAIApi:
         for key, value in (("speculate", speculate), ("include_stop_str_in_output", include_stop)):
             if not isinstance(value, bool):
                 raise _bad(f"'{key}' must be true or false", "invalid_type")
+        # Under a grammar the answer is what the grammar says, with no thinking before it.
+        thinking = prompt_opens_thinking(p.texts[0]) if p.chat and self.thinks and p.extras.spec is None else None
         return LlmRequest(p.chat, choices, sum(len(q) for q in prompts), *self._stream_flags(body),
-                          _stop(body.get("stop")), body.get("model"), speculate, p.extras.plan, n, include_stop)
+                          _stop(body.get("stop")), body.get("model"), speculate, p.extras.plan, n, include_stop,
+                          thinking)
 
     def _template_variables(self, value: Any) -> dict[str, Any] | None:
         """vLLM's ``chat_template_kwargs``: more variables for the chat template (Qwen3's
@@ -463,6 +471,9 @@ class _Choice:
     offset: int = 0  # characters of the tokens' texts so far: the legacy text_offset
     started: bool = False  # a chunk of it went out
     text_event: tuple[str, str] | None = None  # a text-only chunk's event around its JSON-encoded text
+    thinking: ThinkingSplit | None = None  # a thinking model's thinking split off (LlmRequest.thinking)
+    reasoning: list[str] = field(default_factory=list)  # the thinking so far
+    reasoning_pending: str = ""  # not sent yet (a stream)
 
 
 class Answer:
@@ -473,7 +484,8 @@ class Answer:
         self.api, self.req = api, req
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
-        self.choices = [_Choice(k, IncrementalDetokenizer(api.tokenizer, req.stop, req.include_stop))
+        self.choices = [_Choice(k, IncrementalDetokenizer(api.tokenizer, req.stop, req.include_stop),
+                                thinking=None if req.thinking is None else ThinkingSplit(req.thinking))
                         for k in range(len(req.choices))]
 
     @property
@@ -512,7 +524,8 @@ class Answer:
         if not self.req.stream:
             c.pieces.append(delta)
             return "", reason is not None
-        return (self._sse(c, delta, reason) if delta or reason is not None else ""), reason is not None
+        return (self._sse(c, delta, reason) if delta or reason is not None or c.reasoning_pending else ""), \
+            reason is not None
 
     def fail(self, k: int) -> None:
         """Choice k ended in an error: the request's error answer follows (``error_event`` or a 4xx/5xx)."""
@@ -557,6 +570,10 @@ class Answer:
                 break
         if reason is not None:
             delta += c.text.finish()
+        if c.thinking is not None:
+            thought, delta = c.thinking.feed(delta, final=reason is not None)
+            c.reasoning.append(thought)
+            c.reasoning_pending += thought
         return delta, reason
 
     def _logprob_entry(self, c: _Choice, token: int, lp: TokenLogprob) -> dict[str, Any]:
@@ -597,7 +614,8 @@ class Answer:
                 "system_fingerprint": self.api.fingerprint}
 
     def _sse(self, c: _Choice, delta: str, reason: str | None) -> str:
-        plain = c.started and reason is None and self.req.choices[c.index][1].logprobs is None and self.req.tools is None
+        plain = (c.started and reason is None and self.req.choices[c.index][1].logprobs is None
+                 and self.req.tools is None and not c.reasoning_pending)
         if plain and delta and c.text_event is not None:
             # Most chunks carry only text: the same event as below, its constant part encoded once.
             return f"data: {c.text_event[0]}{json.dumps(delta, ensure_ascii=False)}{c.text_event[1]}\n\n"
@@ -619,6 +637,11 @@ class Answer:
             if not c.started:
                 events.append({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
+            if c.reasoning_pending:  # its tokens' logprobs go with it unless answer text follows
+                thought = {"reasoning_content": c.reasoning_pending}
+                events.append({**head, "choices": [{"index": c.index, "delta": thought,
+                                                    "logprobs": None if delta else logprobs, "finish_reason": None}]})
+                c.reasoning_pending, logprobs = "", logprobs if delta else None
             if self.req.tools is not None:  # sent once complete: only then is a tool call told from text
                 c.pieces.append(delta)
                 events += tool_stream_events(head, c.index, self.req.tools, "".join(c.pieces), reason)
@@ -643,6 +666,8 @@ class Answer:
                 text = "".join(c.pieces)
                 message, finish = ({"role": "assistant", "content": text}, c.finish) if req.tools is None else \
                     tool_message(req.tools, text, c.finish)
+                if c.thinking is not None:
+                    message["reasoning_content"] = "".join(c.reasoning) or None
                 choices.append({"index": c.index, "message": message, "logprobs": self._logprobs_field(c, c.logprobs),
                                 "finish_reason": finish})
         else:

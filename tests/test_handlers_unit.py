@@ -503,3 +503,108 @@ def test_llm_warm_up_chats_are_answered_and_not_counted(llm, capsys) -> None:
     lines = capsys.readouterr().out
     assert "[METRICS]servekit_requests_total.Count:1|" in lines
     assert lines.count("[METRICS]servekit_llm_ttft_seconds") == 1
+
+
+# -- a thinking model's thinking as reasoning_content (handlers/llm_openai_reasoning.py) -----------
+THOUGHT_ANSWER = "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"
+
+
+@pytest.fixture(scope="module")
+def thinking_api(llm, tiny_smollm2, tmp_path_factory):
+    """The handler's OpenAI side with a Qwen3-like template: it closes an empty block when
+    ``enable_thinking`` is false, and opens one in the prompt with ``open_thinking`` (as the
+    Thinking-2507 models' template does always)."""
+    import copy
+    import shutil
+
+    from servekit.handlers.llm_openai_reasoning import template_thinks
+    from servekit.optimizations.llm.chat_template import ChatTokenizer
+
+    folder = tmp_path_factory.mktemp("thinking")
+    shutil.copytree(tiny_smollm2[0].parent, folder, dirs_exist_ok=True)
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text()
+                        + "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+                          "<think>\n\n</think>\n\n{% endif %}"
+                          "{% if add_generation_prompt and open_thinking is defined %}<think>\n{% endif %}")
+    service, _ = llm
+    api = copy.copy(service.api)
+    api.tokenizer = ChatTokenizer(folder)
+    api.thinks = template_thinks(api.tokenizer.template_source)
+    assert api.thinks and not service.api.thinks  # SmolLM2's own template does not think
+    return api
+
+
+def _thinking_answer(api, body: dict, text: str, stream: bool) -> dict:
+    """The answer the handler shapes for ``text`` as the model's output, fed two tokens at a time:
+    the JSON answer's message, or the stream's deltas assembled."""
+    req = api.parse({"body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64,
+                              "stream": stream, **body}}, "v1/chat/completions")
+    answer = api.answer(req, "r1")
+    ids = api.tokenizer.encode(text)
+    out = "".join(answer.add(0, ids[i:i + 2], "length" if i + 2 >= len(ids) else None, None)[0]
+                  for i in range(0, len(ids), 2)) + answer.end()
+    if not stream:
+        return json.loads(out)["choices"][0]["message"]
+    events = [json.loads(line.removeprefix("data: ")) for line in out.split("\n\n")[:-2]]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    got = {"content": "".join(d.get("content") or "" for d in deltas),
+           "reasoning_content": "".join(d.get("reasoning_content") or "" for d in deltas) or None}
+    assert all(set(d) <= {"role", "content", "reasoning_content"} for d in deltas)
+    assert not any("content" in d and "reasoning_content" in d for d in deltas)  # one kind of text a chunk
+    return got
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_handler_answers_thinking_as_reasoning_content(thinking_api, llm, stream) -> None:
+    api = thinking_api
+    got = _thinking_answer(api, {}, THOUGHT_ANSWER, stream)
+    assert (got["reasoning_content"], got["content"]) == ("\nThe user greets me.\n", "Hello! How can I help?")
+    # The prompt opened the block: the answer starts inside it.
+    got = _thinking_answer(api, {"chat_template_kwargs": {"open_thinking": True}}, "Short.</think>\n\nHi", stream)
+    assert (got["reasoning_content"], got["content"]) == ("Short.", "Hi")
+    # Thinking off: the template closed an empty block, the model answers at once.
+    got = _thinking_answer(api, {"chat_template_kwargs": {"enable_thinking": False}}, "Hi there", stream)
+    assert (got["reasoning_content"], got["content"]) == (None, "Hi there")
+    # Under a grammar the answer is the grammar's, tags and all (none of it is thinking).
+    got = _thinking_answer(api, {"response_format": {"type": "json_object"}}, THOUGHT_ANSWER, stream)
+    assert got["content"] == THOUGHT_ANSWER and not got.get("reasoning_content")
+    # A model whose template does not think: its text as it is, and no reasoning_content field.
+    service, _ = llm
+    got = _thinking_answer(service.api, {}, THOUGHT_ANSWER, stream)
+    assert got["content"] == THOUGHT_ANSWER and not got.get("reasoning_content")
+    if not stream:
+        assert "reasoning_content" not in got
+
+
+def test_a_thinking_models_answer_through_the_engine(llm, thinking_api) -> None:
+    """Through the handler's calls and the engine: a prompt whose template opened the thinking block
+    gets the model's whole greedy answer (which never closes it) as ``reasoning_content``, streamed
+    and not; the same request with the split off gets that text as ``content``."""
+    import copy
+
+    service, ctx = llm
+    plain_api = copy.copy(thinking_api)
+    plain_api.thinks = False
+    chat = {"messages": [{"role": "user", "content": "Think first."}], "max_tokens": 12, "temperature": 0,
+            "chat_template_kwargs": {"open_thinking": True}}
+    kept = service.frontend.api
+    try:
+        out = {}
+        for name, api in (("plain", plain_api), ("thinking", thinking_api)):
+            service.frontend.api = api
+            got = serve(service.handle, ctx, [("v1/chat/completions", chat),
+                                              ("v1/chat/completions", {**chat, "stream": True})])
+            assert [g[0] for g in got] == [200, 200]
+            deltas = [json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
+                      for line in got[1][1].split("\n\n")[:-2] if '"delta"' in line]
+            out[name] = (json.loads(got[0][1])["choices"][0]["message"],
+                         "".join(d.get("reasoning_content") or "" for d in deltas),
+                         "".join(d.get("content") or "" for d in deltas))
+    finally:
+        service.frontend.api = kept
+    text = out["plain"][0]["content"]
+    assert text and "</think>" not in text and out["plain"][2] == text and "reasoning_content" not in out["plain"][0]
+    message, streamed_thought, streamed_text = out["thinking"]
+    assert (message["reasoning_content"], message["content"]) == (text, "")
+    assert (streamed_thought, streamed_text) == (text, "")
