@@ -65,6 +65,11 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 # or empty, since a multi-turn conversation sends the assistant's message back as it came.
 MESSAGE_KEYS = {"role", "content", "name", "refusal", "annotations", "audio", "function_call", "tool_calls",
                 "tool_call_id"}
+# An earlier answer's thinking sent back (handlers/llm_openai_reasoning.py; vLLM's newer name is
+# `reasoning`): the template gets it as `reasoning_content`, which Qwen3's renders for the turns
+# after the last user message and drops before.
+THOUGHT_KEYS = ("reasoning_content", "reasoning")
+MESSAGE_KEYS |= set(THOUGHT_KEYS)
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
 # Characters read per token of the prompt limit before tokenizing: generous (byte-level BPE tokens run to a
@@ -171,9 +176,16 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise _bad(f"'messages[{i}].role' must be one of {', '.join(sorted(ROLES))}, got {shown(role)}", "invalid_value")
         if "content" not in m:
             raise _bad(f"'messages[{i}].content' is missing", "missing_field")
+        thought = {}
+        for key in THOUGHT_KEYS:
+            if key in m:
+                if role != "assistant" or not isinstance(m[key], str):
+                    raise _bad(f"'messages[{i}].{key}' must be a string, on an assistant message", "invalid_value")
+                thought = {"reasoning_content": m[key]}
         # The chat template knows system/user/assistant; "developer" is OpenAI's newer name for system.
         out.append({"role": "system" if role == "developer" else role,
-                    "content": _text_content(m["content"], f"messages[{i}].content"), **template_messages(m, i)})
+                    "content": _text_content(m["content"], f"messages[{i}].content"), **thought,
+                    **template_messages(m, i)})
     return out
 
 
@@ -310,7 +322,8 @@ class OpenAIApi:
             if "messages" not in body:
                 raise _bad("missing required field 'messages'", "missing_field")
             messages = _messages(body["messages"])
-            self._check_chars("messages", sum(len(m["content"]) for m in messages))
+            self._check_chars("messages", sum(len(m["content"]) + len(m.get("reasoning_content", ""))
+                                              for m in messages))
             variables = self._template_variables(body.get("chat_template_kwargs"))
             try:
                 texts = [self.tokenizer.render(messages, tools=extras.tools, variables=variables)]

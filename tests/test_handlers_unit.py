@@ -524,7 +524,9 @@ def thinking_api(llm, tiny_smollm2, tmp_path_factory):
     shutil.copytree(tiny_smollm2[0].parent, folder, dirs_exist_ok=True)
     template = folder / "chat_template.jinja"
     template.write_text(template.read_text()
-                        + "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+                        + "{% for m in messages %}{% if m.reasoning_content is defined %}"
+                          "[{{ m.reasoning_content }}]{% endif %}{% endfor %}"
+                          "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
                           "<think>\n\n</think>\n\n{% endif %}"
                           "{% if add_generation_prompt and open_thinking is defined %}<think>\n{% endif %}")
     service, _ = llm
@@ -608,3 +610,27 @@ def test_a_thinking_models_answer_through_the_engine(llm, thinking_api) -> None:
     message, streamed_thought, streamed_text = out["thinking"]
     assert (message["reasoning_content"], message["content"]) == (text, "")
     assert (streamed_thought, streamed_text) == (text, "")
+
+
+def test_an_earlier_answers_thinking_sent_back_reaches_the_template(thinking_api) -> None:
+    """A conversation that sends an answer back as the SDK holds it (``reasoning_content``, or
+    vLLM's newer ``reasoning``) gives the template that thinking as ``reasoning_content``; on any
+    other role, or not a string, it is a 400."""
+    from servekit.handlers.common import RequestError
+
+    api = thinking_api
+    earlier = _thinking_answer(api, {}, THOUGHT_ANSWER, False)
+    assert set(earlier) >= {"role", "content", "reasoning_content"}
+
+    def prompt(*messages) -> str:
+        req = api.parse({"body": {"messages": list(messages), "max_tokens": 2}}, "v1/chat/completions")
+        return api.tokenizer.tokenizer.decode(req.choices[0][0], skip_special_tokens=False)
+
+    user, again = {"role": "user", "content": "Hi"}, {"role": "user", "content": "And?"}
+    assert "[\nThe user greets me.\n]" in prompt(user, earlier, again)
+    assert "[R]" in prompt(user, {"role": "assistant", "content": "Hi", "reasoning": "R"}, again)
+    assert "[" not in prompt(user, {"role": "assistant", "content": "Hi"}, again).split("Hi")[-1]
+    for bad in ({"role": "user", "content": "x", "reasoning_content": "R"},
+                {"role": "assistant", "content": "x", "reasoning_content": 5}):
+        with pytest.raises(RequestError, match="must be a string, on an assistant message"):
+            prompt(user, bad, again)
