@@ -23,13 +23,14 @@ from typing import Any, TypeVar
 
 from servekit.handlers.common import (RequestError, check_token_ids, clip, decode_body, int_field, number_field, shown,
                                       without_nulls)
-from servekit.handlers.llm_openai_reasoning import ThinkingSplit, prompt_opens_thinking, template_thinks
+from servekit.handlers.llm_openai_reasoning import (ThinkingSplit, grammar_thinking, prompt_opens_thinking,
+                                                    template_thinks)
 from servekit.handlers.llm_openai_tools import (GUIDED_BACKEND, GUIDED_KINDS, Extras, ToolPlan, parse_extras,
                                                 template_messages, tool_message, tool_stream_events)
 from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
 from servekit.optimizations.llm.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, RunnerShape,
                                                  SamplingParams, TokenLogprob)
-from servekit.optimizations.llm.grammar import DeferredGrammars
+from servekit.optimizations.llm.grammar import MAY_THINK, THINKING, DeferredGrammars
 from servekit.optimizations.llm.plan import LlmLimits
 from servekit.optimizations.llm.sampling import TOP_LOGPROBS
 
@@ -331,6 +332,11 @@ class OpenAIApi:
                 raise _bad(str(e), "invalid_messages") from None
             if variables:  # what they put into the prompt is read before tokenizing too
                 self._check_chars("chat_template_kwargs", len(texts[0]))
+            if self.thinks and extras.spec is not None and (think := grammar_thinking(texts[0])):
+                # The grammar lets a thinking model think first and holds from </think> on.
+                spec, c = dataclasses.replace(extras.spec, think=think), extras.constraint
+                extras = dataclasses.replace(extras, spec=spec,
+                                             constraint=self.grammar.constraint(spec, c.logit_bias, c.min_tokens))
         else:
             ids = _token_prompts(body.get("prompt"), self.shape.vocab_size)
             if ids is not None:
@@ -403,8 +409,13 @@ class OpenAIApi:
         for key, value in (("speculate", speculate), ("include_stop_str_in_output", include_stop)):
             if not isinstance(value, bool):
                 raise _bad(f"'{key}' must be true or false", "invalid_type")
-        # Under a grammar the answer is what the grammar says, with no thinking before it.
-        thinking = prompt_opens_thinking(p.texts[0]) if p.chat and self.thinks and p.extras.spec is None else None
+        # A thinking model's chat: its thinking split off, from a block the prompt opened or one the
+        # answer opens; under a grammar, where the grammar lets it think.
+        thinking = None
+        if p.chat and self.thinks:
+            spec = p.extras.spec
+            thinking = prompt_opens_thinking(p.texts[0]) if spec is None else \
+                {MAY_THINK: False, THINKING: True}.get(spec.think)
         return LlmRequest(p.chat, choices, sum(len(q) for q in prompts), *self._stream_flags(body),
                           _stop(body.get("stop")), body.get("model"), speculate, p.extras.plan, n, include_stop,
                           thinking)
@@ -679,7 +690,7 @@ class Answer:
                 text = "".join(c.pieces)
                 message, finish = ({"role": "assistant", "content": text}, c.finish) if req.tools is None else \
                     tool_message(req.tools, text, c.finish)
-                if c.thinking is not None:
+                if self.api.thinks:  # the field a thinking model's answers have, whether it thought or not
                     message["reasoning_content"] = "".join(c.reasoning) or None
                 choices.append({"index": c.index, "message": message, "logprobs": self._logprobs_field(c, c.logprobs),
                                 "finish_reason": finish})

@@ -7,9 +7,13 @@ Open WebUI) read them so. Some templates open the block in the prompt themselves
 Thinking-2507 models), so the answer then starts inside it, without a ``<think>``.
 
 The split works on the answer's text as it streams: a chunk that may be the start of a tag is held
-until the next one tells.
+until the next one tells. Under a structured output the grammar itself lets the model think first
+(``GrammarSpec.think``) and holds from ``</think>`` on, as vLLM applies a grammar after the
+reasoning parser's end.
 """
 from __future__ import annotations
+
+from servekit.optimizations.llm.grammar import MAY_THINK, THINKING
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -22,6 +26,15 @@ def template_thinks(template_source: str) -> bool:
 def prompt_opens_thinking(prompt: str) -> bool:
     """Whether a rendered prompt ends inside a thinking block its template opened."""
     return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+def grammar_thinking(prompt: str) -> str:
+    """A grammar's thinking block for a thinking model's rendered prompt (``GrammarSpec.think``):
+    the block the prompt opened, one the model may open, or none where the prompt closed one
+    (Qwen3's ``enable_thinking: false``)."""
+    if prompt.rstrip().endswith(CLOSE):
+        return ""
+    return THINKING if prompt_opens_thinking(prompt) else MAY_THINK
 
 
 def _held(text: str, tag: str) -> int:

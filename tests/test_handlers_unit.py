@@ -3,6 +3,7 @@ a batch mixing good and bad requests gets each its own answer, the bad ones thei
 each handler reads the batch size TorchServe registered, not the archive's `batchSize`."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -568,9 +569,23 @@ def test_the_handler_answers_thinking_as_reasoning_content(thinking_api, llm, st
     # Thinking off: the template closed an empty block, the model answers at once.
     got = _thinking_answer(api, {"chat_template_kwargs": {"enable_thinking": False}}, "Hi there", stream)
     assert (got["reasoning_content"], got["content"]) == (None, "Hi there")
-    # Under a grammar the answer is the grammar's, tags and all (none of it is thinking).
-    got = _thinking_answer(api, {"response_format": {"type": "json_object"}}, THOUGHT_ANSWER, stream)
-    assert got["content"] == THOUGHT_ANSWER and not got.get("reasoning_content")
+    # Under a grammar the model may think first too (the grammar lets it, holding from </think> on);
+    # where the prompt closed the block, the answer is the grammar's from its first token.
+    fmt = {"response_format": {"type": "json_object"}}
+    got = _thinking_answer(api, fmt, '<think>\nJSON, then.\n</think>\n\n{"a": 1}', stream)
+    assert (got["reasoning_content"], got["content"]) == ("\nJSON, then.\n", '{"a": 1}')
+    got = _thinking_answer(api, {**fmt, "chat_template_kwargs": {"open_thinking": True}}, 'So.</think>{"a": 1}',
+                           stream)
+    assert (got["reasoning_content"], got["content"]) == ("So.", '{"a": 1}')
+    got = _thinking_answer(api, {**fmt, "chat_template_kwargs": {"enable_thinking": False}}, '{"a": 1}', stream)
+    assert (got["reasoning_content"], got["content"]) == (None, '{"a": 1}')
+    if not stream:  # a required tool call after thinking: the call parsed from the answer after the block
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        got = _thinking_answer(api, {"tools": [tool], "tool_choice": "required"},
+                               '<think>Call f.</think>\n\n[{"name": "f", "parameters": {"x": 1}}]', stream)
+        assert got["reasoning_content"] == "Call f." and not got["content"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["tool_calls"]] == \
+            [("f", {"x": 1})]
     # A model whose template does not think: its text as it is, and no reasoning_content field.
     service, _ = llm
     got = _thinking_answer(service.api, {}, THOUGHT_ANSWER, stream)
@@ -610,6 +625,17 @@ def test_a_thinking_models_answer_through_the_engine(llm, thinking_api) -> None:
     message, streamed_thought, streamed_text = out["thinking"]
     assert (message["reasoning_content"], message["content"]) == (text, "")
     assert (streamed_thought, streamed_text) == (text, "")
+    # Under a structured output the engine process compiles the grammar with the thinking block
+    # first: the model thinks on (the same greedy tokens: free text is all allowed there).
+    service.frontend.api = thinking_api
+    try:
+        got = serve(service.handle, ctx, [("v1/chat/completions", {**chat, "response_format": {"type": "json_object"}})])
+    finally:
+        service.frontend.api = kept
+    assert got[0][0] == 200, got
+    choice = json.loads(got[0][1])["choices"][0]
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (text, "")
+    assert choice["finish_reason"] == "length"
 
 
 def test_an_earlier_answers_thinking_sent_back_reaches_the_template(thinking_api) -> None:
@@ -634,3 +660,24 @@ def test_an_earlier_answers_thinking_sent_back_reaches_the_template(thinking_api
                 {"role": "assistant", "content": "x", "reasoning_content": 5}):
         with pytest.raises(RequestError, match="must be a string, on an assistant message"):
             prompt(user, bad, again)
+
+
+def test_a_thinking_models_grammar_lets_it_think_first(thinking_api) -> None:
+    """Under a structured output or a required tool call, a thinking model's grammar starts with the
+    thinking block: one the model may open, the one its prompt opened, or none where the prompt
+    closed it; the same request to a model that does not think keeps the plain grammar."""
+    from servekit.optimizations.llm.grammar import MAY_THINK, THINKING
+
+    def think(api, **extra) -> str:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **extra}
+        return api.parse({"body": body}, "v1/chat/completions").choices[0][1].constraint.spec.think
+
+    fmt = {"response_format": {"type": "json_object"}}
+    assert think(thinking_api, **fmt) == MAY_THINK
+    assert think(thinking_api, **fmt, chat_template_kwargs={"open_thinking": True}) == THINKING
+    assert think(thinking_api, **fmt, chat_template_kwargs={"enable_thinking": False}) == ""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert think(thinking_api, tools=[tool], tool_choice="required") == MAY_THINK
+    plain = copy.copy(thinking_api)
+    plain.thinks = False
+    assert think(plain, **fmt) == ""

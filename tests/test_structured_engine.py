@@ -892,3 +892,81 @@ def test_the_engine_profiles_closed_loop_keeps_its_rows_busy_with_one_forward_a_
     assert max(running) == 3 and not b.has_work
     assert timer.calls[FORWARDS] >= 4  # the first 3 prompts in one, the next 4 as rows freed (some together)
     assert 0 < r["forwards_per_step"] <= 1.0, (r["forwards_per_step"], timer.calls[DECODE_FORWARDS], r["steps"])
+
+
+def _consumed(compiler: GrammarCompiler, tokenizer: ChatTokenizer, spec: GrammarSpec, text: str) -> str:
+    """Whether ``spec``'s grammar takes ``text``'s tokens: "accepting" (a whole answer),
+    "incomplete" or "rejected"."""
+    row = compiler.constraint(spec).start()
+    if not all(row.accept(t) for t in tokenizer.encode(text)):
+        return "rejected"
+    return "accepting" if row.matcher.is_accepting() else "incomplete"
+
+
+def test_a_thinking_block_before_each_kind_of_grammar(compiler, tokenizer) -> None:
+    """GrammarSpec.think: with MAY_THINK the answer may open a <think> block (any text up to
+    </think>, then newlines) before what the spec asks for, or answer at once; with THINKING the
+    prompt opened it, so the answer starts inside it. After </think> the spec holds."""
+    import dataclasses
+
+    from servekit.optimizations.llm.grammar import MAY_THINK, THINKING
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    want = {  # text: (no block, MAY_THINK, THINKING)
+        '<think>\nA {"brace\n</think>\n\n{"n": 1}': ("rejected", "accepting", "accepting"),
+        '{"n": 1}': ("accepting", "accepting", "incomplete"),
+        'So.</think>\n\n{"n": 2}': ("rejected", "rejected", "accepting"),
+        '<think>a</think>{"n": 3}': ("rejected", "accepting", "accepting"),
+        '<think>a</think>\n\nno JSON': ("rejected", "rejected", "rejected"),
+    }
+    for text, states in want.items():
+        for think, state in zip(("", MAY_THINK, THINKING), states):
+            spec = dataclasses.replace(GrammarSpec.of(JSON, schema), think=think)
+            assert _consumed(compiler, tokenizer, spec, text) == state, (text, think)
+    for kind, value, answer in ((REGEX, "[0-9]{3}", "123"), (CHOICE, ["yes", "no"], "no"),
+                                (GRAMMAR, 'root ::= "a" "b"', "ab"), (JSON_OBJECT, None, '{"a": 1}')):
+        spec = dataclasses.replace(GrammarSpec.of(kind, value), think=MAY_THINK)
+        assert _consumed(compiler, tokenizer, spec, "<think>\nq\n</think>\n\n" + answer) == "accepting", kind
+        assert _consumed(compiler, tokenizer, spec, answer) == "accepting", kind
+        assert _consumed(compiler, tokenizer, spec, "<think>q</think>zz") == "rejected", kind
+    assert compiler.constraint(dataclasses.replace(GrammarSpec.of(JSON, schema), think=THINKING)).spec.think == THINKING
+
+
+def test_the_engine_decodes_a_thinking_block_then_the_schema(tmp_path, stops) -> None:
+    """In the engine, with Qwen3's kind of tokenizer (<think> and </think> added as tokens of their
+    own): a row whose prompt opened the thinking block thinks (here ended at once by a logit_bias
+    on </think>, which the grammar allows until the block closes) and then answers under the
+    schema, the bias no longer mattering: the text after </think> validates."""
+    import dataclasses
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from servekit.handlers.llm_openai_reasoning import ThinkingSplit
+    from servekit.optimizations.llm.grammar import THINKING
+
+    for f in smollm2_archive_files(torch.bfloat16)[0].parent.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = ChatTokenizer(tmp_path)
+    close, vocab = tokenizer.token_id("</think>"), VOCAB + 2
+    assert close == VOCAB + 1 and tokenizer.encode("</think>") == [close]
+    runner = LlamaRunner(init_random(LlamaConfig.tiny(vocab_size=vocab), seed=0), max_seq_len=256,
+                         batch_buckets=(1, 2, 4), prefill_buckets=(32, 64), kv_buckets=(128, 256))
+    compiler = GrammarCompiler(tokenizer, vocab, stops)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    c = compiler.constraint(dataclasses.replace(GrammarSpec.of(JSON, schema), think=THINKING),
+                            logit_bias=((close, 100.0),))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "A number, please."}]) + tokenizer.encode("<think>\n")
+    (tokens, finish), = _run(runner, {"t": (prompt, SamplingParams(max_tokens=40, stop_token_ids=stops,
+                                                                     constraint=c))}).values()
+    text = tokenizer.decode(tokens)
+    assert tokens[0] == close and finish == "stop", text
+    thought, answer = ThinkingSplit(inside=True).feed(text, final=True)
+    assert thought == ""
+    jsonschema.validate(json.loads(answer), schema)

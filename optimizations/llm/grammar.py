@@ -57,6 +57,16 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # ", " and ": " between items and keys.
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SAFE_INTEGER = 2**53 - 1  # JSON numbers every parser reads exactly
+# A thinking model's block before the grammar's answer (GrammarSpec.think): the model may open one
+# (MAY_THINK), or its prompt opened it (THINKING). The thinking is free text up to ``</think>``
+# (llguidance's suffix: no backtracking), then the newlines before the answer.
+MAY_THINK, THINKING = "may", "inside"
+_THOUGHT = '''%llguidance {}
+start: {head} @body
+think: "<think>" thought NL?
+thought[suffix="</think>"]: /(.|\\n)*/
+NL: /\\n+/
+'''
 
 
 class GrammarError(ValueError):
@@ -69,6 +79,7 @@ class GrammarSpec:
 
     kind: str
     text: str
+    think: str = ""  # MAY_THINK or THINKING: a thinking block before what kind and text ask for
 
     @classmethod
     def of(cls, kind: str, value: Any) -> "GrammarSpec":
@@ -99,6 +110,17 @@ class GrammarSpec:
     def grammar(self) -> str:
         """llguidance's grammar for this spec; ``GrammarError`` naming what is wrong (an invalid
         JSON schema says where, against its metaschema)."""
+        body = self._body()
+        if not self.think:
+            return body
+        # The thinking block in a Lark grammar of its own, the answer's grammar after it by name.
+        top = json.loads(body) if body.lstrip().startswith("{") else {"grammars": [{"lark_grammar": body}]}
+        head = {MAY_THINK: "think?", THINKING: "thought NL?"}[self.think]
+        grammars = [{"name": "thinking", "lark_grammar": _THOUGHT.replace("{head}", head)},
+                    {**top["grammars"][0], "name": "body"}]
+        return json.dumps({"grammars": grammars})
+
+    def _body(self) -> str:
         if self.kind == JSON:
             schema = json.loads(self.text)
             try:
