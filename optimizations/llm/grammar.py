@@ -121,6 +121,7 @@ class GrammarSpec:
         return json.dumps({"grammars": grammars})
 
     def _body(self) -> str:
+        """The grammar of what ``kind`` and ``text`` ask for, without a thinking block."""
         if self.kind == JSON:
             schema = json.loads(self.text)
             try:
