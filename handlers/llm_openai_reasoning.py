@@ -2,8 +2,8 @@
 
 Models whose chat template writes ``</think>`` (Qwen3, SmolLM3, DeepSeek-R1's distills) think
 first, between ``<think>`` and ``</think>``, then answer. vLLM's reasoning parsers and DeepSeek's API
-return the thinking as ``reasoning_content`` and only the answer as ``content``; clients (LangChain,
-Open WebUI) read them so. Some templates open the block in the prompt themselves (Qwen3's
+return the thinking as ``reasoning_content`` and only the answer as ``content``, and clients built
+for those servers read them so. Some templates open the block in the prompt themselves (Qwen3's
 Thinking-2507 models), so the answer then starts inside it, without a ``<think>``.
 
 The split works on the answer's text as it streams: a chunk that may be the start of a tag is held
