@@ -60,6 +60,9 @@ CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format
                            "reasoning_effort", "web_search_options"}
 CHAT_KEYS |= {"chat_template_kwargs"}  # vLLM's extension: more of the chat template's variables
 CHAT_KEYS |= set(VLLM_CHAT_NOOP)
+# OpenAI's successors of `user`: identifiers, as `user` is (the prefix cache finds shared prefixes
+# by itself, without a key); the cache keeps prefixes in memory, the retention OpenAI calls in_memory.
+CHAT_KEYS |= {"safety_identifier", "prompt_cache_key", "prompt_cache_retention"}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Message fields the SDK's own response objects carry (`message.model_dump()`): accepted when null
@@ -234,7 +237,7 @@ def _unsupported(body: dict) -> None:
     """Fields whose semantics are not implemented: accepted only at their no-op value (nulls are
     gone already), each other value a 400 naming the field rather than silently ignored."""
     noop = {"functions": [], "function_call": "none", "modalities": ["text"], "suffix": "", "echo": False,
-            "best_of": 1, **VLLM_NOOP, **VLLM_CHAT_NOOP}
+            "best_of": 1, "prompt_cache_retention": "in_memory", **VLLM_NOOP, **VLLM_CHAT_NOOP}
     for key, value in noop.items():
         # true is not 1 here, nor 0 false
         if key in body and (body[key] != value or isinstance(body[key], bool) != isinstance(value, bool)):
@@ -242,7 +245,7 @@ def _unsupported(body: dict) -> None:
     for key in ("audio", "prediction", "reasoning_effort", "web_search_options"):
         if key in body:
             raise _bad(f"'{key}' is not supported", "unsupported_value")
-    for key in ("model", "user", "service_tier"):
+    for key in ("model", "user", "service_tier", "safety_identifier", "prompt_cache_key"):
         if key in body and not isinstance(body[key], str):
             raise _bad(f"'{key}' must be a string", "invalid_type")
     if "metadata" in body and not isinstance(body["metadata"], dict):

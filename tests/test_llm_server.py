@@ -144,7 +144,8 @@ def test_non_streaming_chat_and_text_completions(client, reference) -> None:
 
 def test_vllm_sampling_fields_at_their_defaults_change_nothing(client, reference) -> None:
     """Clients that send all of vLLM's sampling fields send the ones servekit does not implement at
-    their defaults: the answer is the plain one. Another value is a 400 naming the field."""
+    their defaults, and OpenAI's SDK sends the successors of `user`: the answer is the plain one.
+    Another value is a 400 naming the field."""
     tok, complete = reference
     want, _ = complete(tok.encode_chat(MESSAGES), 12)
     defaults = {"min_p": 0.0, "repetition_penalty": 1.0, "length_penalty": 1, "use_beam_search": False,
@@ -153,7 +154,15 @@ def test_vllm_sampling_fields_at_their_defaults_change_nothing(client, reference
     r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=12, temperature=0,
                                        extra_body=defaults)
     assert r.choices[0].message.content == want
-    for field, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("use_beam_search", 0)):
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=12, temperature=0,
+                                       safety_identifier="u-1", prompt_cache_key="chats",
+                                       prompt_cache_retention="in_memory")  # OpenAI's successors of `user`
+    assert r.choices[0].message.content == want
+    with pytest.raises(openai.BadRequestError, match="'prompt_cache_key' must be a string"):
+        client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4,
+                                       extra_body={"prompt_cache_key": 5})
+    for field, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("use_beam_search", 0),
+                         ("prompt_cache_retention", "24h")):
         with pytest.raises(openai.BadRequestError, match=f"'{field}' is not supported"):
             client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4,
                                            extra_body={field: value})
