@@ -25,7 +25,7 @@ from servekit.handlers.common import (RequestError, check_token_ids, clip, decod
                                       without_nulls)
 from servekit.handlers.llm_openai_reasoning import (ThinkingSplit, grammar_thinking, prompt_opens_thinking,
                                                     template_thinks)
-from servekit.handlers.llm_openai_tools import (GUIDED_BACKEND, GUIDED_KINDS, Extras, ToolPlan, parse_extras,
+from servekit.handlers.llm_openai_tools import (GUIDED_BACKEND, GUIDED_KINDS, Extras, ToolPlan, constrain, parse_extras,
                                                 template_messages, tool_message, tool_stream_events)
 from servekit.optimizations.llm.chat_template import ChatTokenizer, IncrementalDetokenizer, TemplateError
 from servekit.optimizations.llm.generate import (FINISH_STOP, PENALTY_RANGE, TEMPERATURE_RANGE, RunnerShape,
@@ -320,8 +320,8 @@ class OpenAIApi:
         if unknown:
             raise _bad(f"unknown field {shown(unknown[0])}", "unknown_field")
         _unsupported(body)
-        extras = parse_extras(body, chat, self.grammar, self.shape.vocab_size,
-                              self.tokenizer.template_source)
+        extras = parse_extras(body, chat, self.grammar, self.shape.vocab_size, self.tokenizer.template_source,
+                              build=False)
         if chat:
             if "messages" not in body:
                 raise _bad("missing required field 'messages'", "missing_field")
@@ -335,12 +335,11 @@ class OpenAIApi:
                 raise _bad(str(e), "invalid_messages") from None
             if variables:  # what they put into the prompt is read before tokenizing too
                 self._check_chars("chat_template_kwargs", len(texts[0]))
-            if self.thinks and extras.spec is not None and (think := grammar_thinking(texts[0])):
-                # The grammar lets a thinking model think first and holds from </think> on.
-                spec, c = dataclasses.replace(extras.spec, think=think), extras.constraint
-                extras = dataclasses.replace(extras, spec=spec,
-                                             constraint=self.grammar.constraint(spec, c.logit_bias, c.min_tokens))
+            # A thinking model's grammar lets it think first and holds from </think> on.
+            think = grammar_thinking(texts[0]) if self.thinks and extras.spec is not None else None
+            extras = constrain(extras, self.grammar, think or None)
         else:
+            extras = constrain(extras, self.grammar)
             ids = _token_prompts(body.get("prompt"), self.shape.vocab_size)
             if ids is not None:
                 return PreparedRequest(chat, body, extras, [], ids)

@@ -21,7 +21,7 @@ import functools
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import jsonschema
@@ -146,10 +146,12 @@ def _loads(text: str) -> Any:
 class Extras:
     """What the structured-output and tool fields of one request asked for."""
 
-    constraint: DecodeConstraint | None = None
+    constraint: DecodeConstraint | None = None  # None also until ``constrain`` built it
     tools: list[dict[str, Any]] | None = None  # for the chat template (None: render none)
     plan: ToolPlan | None = None
     spec: GrammarSpec | None = field(default=None, repr=False)
+    logit_bias: tuple[tuple[int, float], ...] = field(default=(), repr=False)
+    min_tokens: int = field(default=0, repr=False)
 
 
 def _schema(value: Any, where: str) -> dict[str, Any]:
@@ -285,9 +287,10 @@ def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, A
 
 
 def parse_extras(body: dict[str, Any], chat: bool, compiler: DeferredGrammars, vocab_size: int,
-                 template_source: str) -> Extras:
+                 template_source: str, build: bool = True) -> Extras:
     """The constraint and tool plan of a request (``body`` without nulls). Raises a 400
-    ``RequestError`` naming the bad field."""
+    ``RequestError`` naming the bad field. ``build=False``: the constraint is left to
+    ``constrain`` (a thinking model's grammar depends on the rendered prompt, which needs the tools)."""
     spec = None
     if "response_format" in body:
         spec = _response_format(body["response_format"])
@@ -333,12 +336,20 @@ def parse_extras(body: dict[str, Any], chat: bool, compiler: DeferredGrammars, v
     min_tokens = body.get("min_tokens", 0)
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
         raise _bad("'min_tokens' must be a non-negative integer", "invalid_value")
+    extras.spec, extras.logit_bias, extras.min_tokens = spec, bias, min_tokens
+    return constrain(extras, compiler) if build else extras
+
+
+def constrain(extras: Extras, compiler: DeferredGrammars, think: str | None = None) -> Extras:
+    """``extras`` with its ``DecodeConstraint`` built from its grammar, ``logit_bias`` and
+    ``min_tokens``; ``think``: the thinking block a thinking model's grammar starts with
+    (``GrammarSpec.think``). A grammar the compiler refuses is a 400."""
+    spec = extras.spec if think is None or extras.spec is None else replace(extras.spec, think=think)
     try:
-        extras.constraint = compiler.constraint(spec, bias, min_tokens)
+        constraint = compiler.constraint(spec, extras.logit_bias, extras.min_tokens)
     except GrammarError as e:
         raise _bad(str(e), "invalid_grammar") from None
-    extras.spec = spec
-    return extras
+    return replace(extras, spec=spec, constraint=constraint)
 
 
 def template_messages(message: dict[str, Any], i: int) -> dict[str, Any]:

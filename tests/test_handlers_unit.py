@@ -681,3 +681,22 @@ def test_a_thinking_models_grammar_lets_it_think_first(thinking_api) -> None:
     plain = copy.copy(thinking_api)
     plain.thinks = False
     assert think(plain, **fmt) == ""
+
+
+def test_a_requests_constraint_is_built_once(thinking_api, monkeypatch) -> None:
+    """The constraint is built once, after the prompt is rendered: a thinking model's grammar
+    (which depends on that prompt) is the only one asked of the compiler, and a plain request's too."""
+    from servekit.optimizations.llm.grammar import MAY_THINK
+
+    api, built = thinking_api, []
+    constraint = type(api.grammar).constraint
+    monkeypatch.setattr(type(api.grammar), "constraint",
+                        lambda self, spec=None, *a: (built.append(spec), constraint(self, spec, *a))[1])
+    fmt = {"response_format": {"type": "json_object"}, "logit_bias": {"5": 1}, "min_tokens": 1}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **fmt}
+    c = api.parse({"body": body}, "v1/chat/completions").choices[0][1].constraint
+    assert [s.think for s in built] == [MAY_THINK] and c.spec.think == MAY_THINK
+    assert c.logit_bias == ((5, 1.0),) and c.min_tokens == 1
+    built.clear()
+    api.parse({"body": {"prompt": "Hi", "max_tokens": 8, **fmt}}, "v1/completions")
+    assert [s.think for s in built] == [""]
