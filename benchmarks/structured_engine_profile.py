@@ -23,7 +23,9 @@ packed forwards and the decode forwards launched).
         --requests 2 --max-tokens 16 --repeats 1                               # CPU smoke run
     python3 -m servekit.benchmarks.structured_engine_profile --requests 32 --closed-loop 256
 
-``--mask-threads`` repeats the constrained runs with llguidance's mask fill on that many threads
+``--fine-phases`` also times the parts of those phases (the packed forward's host tables, the
+mixed decode, new rows, uploads, the matchers taking their tokens); each wrapped call costs a few
+microseconds of its own. ``--mask-threads`` repeats the constrained runs with llguidance's mask fill on that many threads
 (0 or 1: one row after another on the engine's thread) instead of the engine's choice;
 ``--no-forced-runs`` repeats them with each token a grammar forces decoded in a step of its own
 (``ContinuousBatcher(jump_forced=False)``). ``--model-dir`` profiles another converted checkpoint
@@ -58,6 +60,9 @@ from servekit.resources import model_config
 PHASES = {"_read_all": "read tokens", "_load_bias": "load masks", "_sample": "launch sampling",
           "_launch": "launch step/forward", "_prefill": "prefill", "_admit": "admit",
           "_forced_runs": "forced runs", "_compact": "compact"}
+# --fine-phases: parts of the phases above, each left out of the phase that calls it.
+FINE_PHASES = {"_decode_from": "  mixed decode", "_start_rows": "  new rows", "_sampling": "  new rows' sampling",
+               "_start_masks": "  start masks", "_read": "  read rows", "_host": "  output copies"}
 FREE, JSON, MATCHED = "free", "JSON schema", "free, matched lengths"
 FORWARDS, DECODE_FORWARDS = "packed forwards", "decode forwards"  # counted in PhaseTimer.calls, not timed
 
@@ -120,6 +125,17 @@ def count_forwards(engine: ContinuousBatcher, timer: PhaseTimer) -> None:
     engine.packed.run, engine._launch = packed, launched
 
 
+def fine_phases(engine: ContinuousBatcher, timer: PhaseTimer) -> None:
+    """Time the parts of the engine thread's phases too (``--fine-phases``)."""
+    from servekit.optimizations.llm import continuous
+
+    for name, label in FINE_PHASES.items():
+        timer.instrument(engine, name, label)
+    timer.instrument(engine.packed, "_load", "  packed tables")
+    timer.instrument(continuous, "upload", "  uploads")
+    timer.instrument(grammar.RowConstraint, "accept", "  accept tokens")
+
+
 def matched(params: list[SamplingParams], lengths: list[int]) -> list[SamplingParams]:
     """Free requests of exactly the constrained answers' lengths: each request's ``max_tokens`` set
     to its constrained answer's length and its stop tokens off, without its constraint."""
@@ -162,6 +178,7 @@ def main() -> None:
     ap.add_argument("--no-forced-runs", action="store_true",
                     help="also run the constrained requests with each forced token decoded in a step of its own")
     ap.add_argument("--model-dir", type=Path, help="a converted checkpoint to serve instead of SmolLM2")
+    ap.add_argument("--fine-phases", action="store_true", help="also time the parts of the engine thread's phases")
     args = ap.parse_args()
     if args.closed_loop and args.closed_loop < max(args.requests):
         ap.error(f"--closed-loop {args.closed_loop} is fewer requests than --requests {max(args.requests)} at a time")
@@ -177,6 +194,8 @@ def main() -> None:
     for name, label in PHASES.items():
         timer.instrument(engine, name, label)
     timer.instrument(grammar, "fill_masks", "  of which: fill masks")
+    if args.fine_phases:
+        fine_phases(engine, timer)
     count_forwards(engine, timer)
     engine_executor = grammar._executor
     for n in args.requests:

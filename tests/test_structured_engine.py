@@ -865,16 +865,23 @@ def test_servekit_slices_extend_llguidances_and_leave_the_masks_as_they_were(com
 
 
 def test_the_engine_profiles_closed_loop_keeps_its_rows_busy_with_one_forward_a_step(runner, compiler, tokenizer,
-                                                                                    stops) -> None:
+                                                                                    stops, monkeypatch) -> None:
     """benchmarks/structured_engine_profile.py's closed loop: 7 constrained requests, 3 at a time,
     each finished one replaced by the next; every request is answered, never more than 3 run, and
-    no step runs more than one forward (the arrivals ride with the decoding rows)."""
+    no step runs more than one forward (the arrivals ride with the decoding rows). Its fine phases
+    time the parts of the engine thread's work."""
     from servekit.benchmarks.llm_workload_bench import PhaseTimer
-    from servekit.benchmarks.structured_engine_profile import DECODE_FORWARDS, FORWARDS, count_forwards, run_once
+    from servekit.benchmarks.structured_engine_profile import (DECODE_FORWARDS, FORWARDS, count_forwards, fine_phases,
+                                                               run_once)
+    from servekit.optimizations.llm import continuous, grammar
 
     b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
-    timer = PhaseTimer()
+    timer = PhaseTimer(exclusive=True)
     count_forwards(b, timer)
+    # fine_phases wraps a class's and a module's functions: undone after the test
+    monkeypatch.setattr(grammar.RowConstraint, "accept", grammar.RowConstraint.accept)
+    monkeypatch.setattr(continuous, "upload", continuous.upload)
+    fine_phases(b, timer)
     running: list[int] = []
     step = b.step
 
@@ -892,6 +899,9 @@ def test_the_engine_profiles_closed_loop_keeps_its_rows_busy_with_one_forward_a_
     assert max(running) == 3 and not b.has_work
     assert timer.calls[FORWARDS] >= 4  # the first 3 prompts in one, the next 4 as rows freed (some together)
     assert 0 < r["forwards_per_step"] <= 1.0, (r["forwards_per_step"], timer.calls[DECODE_FORWARDS], r["steps"])
+    # every token a matcher took, and each packed forward's tables, timed
+    assert timer.calls["  accept tokens"] >= r["tokens"] and timer.calls["  packed tables"] == timer.calls[FORWARDS]
+    assert timer.calls["  start masks"] > 0 and r["host_ms_per_step"]["  read rows"] > 0
 
 
 def _consumed(compiler: GrammarCompiler, tokenizer: ChatTokenizer, spec: GrammarSpec, text: str) -> str:
