@@ -122,12 +122,16 @@ def test_grammars_sent_uncompiled_compile_in_the_engine_and_a_bad_one_fails_alon
     deferred = DeferredGrammars(engine.shape.vocab_size, params.stop_token_ids)
     bad = deferred.constraint(GrammarSpec.of(REGEX, "[a-"))
     assert bad.grammar is None and bad.spec is not None
+    # a schema the worker's checks pass and llguidance refuses with its own error (a 64-bit overflow)
+    huge = deferred.constraint(GrammarSpec.of(JSON, {"x-note": {"type": 10 ** 30}}))
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
     out = _run(engine, {"bad": (prompt, replace(params, constraint=bad)), "free": (prompt, params),
+                        "huge": (prompt, replace(params, constraint=huge)),
                         "json": (prompt, replace(params, max_tokens=40,
                                                  constraint=deferred.constraint(GrammarSpec.of(JSON, schema))))})
     assert out["bad"]["finish"] == FINISH_ERROR and isinstance(out["bad"]["error"], GrammarError)
     assert "regex cannot be used" in str(out["bad"]["error"])
+    assert out["huge"]["finish"] == FINISH_ERROR and "json cannot be used" in str(out["huge"]["error"])
     assert out["free"]["finish"] in ("stop", "length") and out["json"]["finish"] == "stop"
     text = ChatTokenizer(model_dir).decode([t for t in out["json"]["tokens"] if t not in params.stop_token_ids])
     jsonschema.validate(json.loads(text), schema)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mock_context import batch, mock_context, serve, status
@@ -369,6 +369,9 @@ def test_llm_parser_takes_any_value_in_any_field(llm, case) -> None:
 
 
 @given(case=_llm_field_bodies())
+# A schema llguidance refuses with an error of its own (an integer beyond 64 bits) once left its
+# request unanswered in the engine process, and the worker waiting for it.
+@example(case=("v1/completions", "guided_json", {"x-note": {"content": True, "type": 10 ** 30}}))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 def test_llm_batch_mates_keep_their_answers_whatever_one_request_holds(llm, case) -> None:

@@ -753,6 +753,9 @@ def test_bias_rows_are_the_matchers_own_masks(compiler, tokenizer, stops) -> Non
     (JSON, "{not json", "not valid JSON"),
     (JSON, {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]},
                                                        "uniqueItems": True}}}, "uniqueItems at properties/tags"),
+    # valid JSON and a valid schema, but llguidance takes no integer beyond 64 bits, even in a keyword it ignores
+    (JSON, {"x-note": {"type": 10 ** 30}}, "json cannot be used: .*not JSON serializable"),
+    (JSON, {"type": "integer", "maximum": -10 ** 25}, "json cannot be used"),
     (REGEX, "[a-", "regex cannot be used"),
     (GRAMMAR, 'root ::= "(" num', "grammar cannot be used: .*Rule 'num' not found"),
     (CHOICE, [], "non-empty list"),

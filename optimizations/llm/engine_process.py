@@ -361,6 +361,9 @@ def main() -> None:
             params = replace(params, constraint=compiler.restore(params.constraint))
         except GrammarError as e:
             error = e
+        except Exception as e:  # anything else still ends this request, never leaves it unanswered
+            log.exception("compiling a request's grammar failed")
+            error = e
         with lock:
             if compiling.pop(key, False):
                 return

@@ -346,7 +346,12 @@ class GrammarCompiler(DeferredGrammars):
         return compiled
 
     def _build(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
+        except GrammarError:
+            raise
+        except Exception as e:  # e.g. llguidance refusing a schema with an integer beyond 64 bits
+            raise GrammarError(f"the {spec.kind} cannot be used: {_first_line(e)}") from None
         if matcher.is_error():  # llguidance reports a bad grammar as a matcher in its error state
             raise GrammarError(f"the {spec.kind} cannot be used: {_first_line(matcher.get_error())}")
         return matcher
