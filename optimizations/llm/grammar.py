@@ -136,14 +136,16 @@ class GrammarSpec:
                 raise GrammarError(f"uniqueItems at {where} is not supported: the grammar cannot keep array items "
                                    "distinct, so answers could break the schema; remove it (or check uniqueness "
                                    "after parsing)")
-            return llguidance.LLMatcher.grammar_from_json_schema(_for_grammar(schema), defaults=JSON_FORMAT)
-        if self.kind == JSON_OBJECT:  # OpenAI's json_object: an object, any keys and values
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_FORMAT)
+            schema = _for_grammar(schema)
+        elif self.kind == JSON_OBJECT:  # OpenAI's json_object: an object, any keys and values
+            schema = {"type": "object"}
         try:
+            if self.kind in (JSON, JSON_OBJECT):
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
             if self.kind == REGEX:
                 return llguidance.LLMatcher.grammar_from_regex(self.text)
             return llguidance.grammar_from("choice" if self.kind == CHOICE else "grammar", self.text)
-        except Exception as e:  # the GBNF -> Lark conversion's errors
+        except Exception as e:  # llguidance's own: the GBNF -> Lark conversion's, an integer beyond 64 bits in a schema
             raise GrammarError(f"the {self.kind} cannot be used: {_first_line(e)}") from None
 
 
@@ -346,12 +348,7 @@ class GrammarCompiler(DeferredGrammars):
         return compiled
 
     def _build(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        try:
-            matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
-        except GrammarError:
-            raise
-        except Exception as e:  # e.g. llguidance refusing a schema with an integer beyond 64 bits
-            raise GrammarError(f"the {spec.kind} cannot be used: {_first_line(e)}") from None
+        matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
         if matcher.is_error():  # llguidance reports a bad grammar as a matcher in its error state
             raise GrammarError(f"the {spec.kind} cannot be used: {_first_line(matcher.get_error())}")
         return matcher
