@@ -25,8 +25,9 @@ packed forwards and the decode forwards launched).
 
 ``--fine-phases`` also times the parts of those phases (the packed forward's host tables, the
 mixed decode, new rows, uploads, the matchers taking their tokens); each wrapped call costs a few
-microseconds of its own. ``--mask-threads`` repeats the constrained runs with llguidance's mask fill on that many threads
-(0 or 1: one row after another on the engine's thread) instead of the engine's choice;
+microseconds of its own. ``--mask-threads`` repeats the constrained runs with llguidance's mask
+fill on that many threads (0 or 1: one row after another on the engine's thread) instead of the
+engine's choice;
 ``--no-forced-runs`` repeats them with each token a grammar forces decoded in a step of its own
 (``ContinuousBatcher(jump_forced=False)``). ``--model-dir`` profiles another converted checkpoint
 under the same plan, e.g. a Llama-3.1-8B-shaped one from ``shaped_models`` (random weights: a
