@@ -5,10 +5,13 @@ The answers: each schema of the structured benchmark (benchmarks/structured_benc
 prompts, decoded under the mask by the model itself (greedy and sampled), as the server builds the
 grammar. Each answer is then replayed under each slice set, timing every mask on one thread (what
 a row's mask costs), and ``--rows`` answers at a time in lockstep on llguidance's pool (what a
-decode step of that many grammar rows waits for: its slowest row). Also each schema's compile time.
+decode step of that many grammar rows waits for: its slowest row), once per ``--threads`` count.
+Also each schema's compile time. ``--answers FILE`` keeps the recorded answers in FILE and replays
+them from there on later runs (recording decodes on the CPU: minutes), so that hosts compare on the
+same tokens.
 
     python -m servekit.benchmarks.grammar_mask_costs ~/.cache/servekit/smollm2-135m-instruct-float32 \\
-        --out /tmp/mask-costs.json
+        --threads 1 2 4 8 --answers /tmp/mask-answers.json --out /tmp/mask-costs.json
 """
 from __future__ import annotations
 
@@ -78,6 +81,21 @@ def record(model_dir: Path, tokenizer: llguidance.LLTokenizer, prompts: int, tem
     return out
 
 
+def load_answers(path: Path) -> list[dict[str, Any]]:
+    """Answers an earlier run recorded (``--answers``), checked against the benchmark's schemas."""
+    try:
+        answers = json.loads(path.read_text())
+        ok = isinstance(answers, list) and answers and all(
+            isinstance(a, dict) and isinstance(a.get("schema"), int) and 0 <= a["schema"] < len(SCHEMAS)
+            and isinstance(a.get("tokens"), list) and a["tokens"] and all(isinstance(t, int) for t in a["tokens"])
+            for a in answers)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--answers {path}: cannot be read: {e}") from None
+    if not ok:
+        raise SystemExit(f"--answers {path}: not a list of recorded answers ({{'schema': int, 'tokens': [int, ...]}})")
+    return answers
+
+
 def _stats_us(values: list[float]) -> dict[str, float]:
     v = sorted(values)
     return {"mean": round(1e6 * statistics.mean(v), 1), "p50": round(1e6 * v[len(v) // 2], 1),
@@ -85,8 +103,10 @@ def _stats_us(values: list[float]) -> dict[str, float]:
             "max": round(1e6 * v[-1], 1)}
 
 
-def replay(tokenizer: llguidance.LLTokenizer, answers: list[dict[str, Any]], rows: int, threads: int) -> dict[str, Any]:
-    """Per-mask times on one thread, per-step times of ``rows`` rows in lockstep on ``threads``, compile times."""
+def replay(tokenizer: llguidance.LLTokenizer, answers: list[dict[str, Any]], rows: int,
+           threads: list[int]) -> dict[str, Any]:
+    """Per-mask times on one thread, per-step times of ``rows`` rows in lockstep on each count of
+    ``threads``, compile times."""
     words = (tokenizer.vocab_size + 31) // 32
     compiles, compiled = [], {}
     for i, (_, _, schema) in enumerate(SCHEMAS):
@@ -103,8 +123,19 @@ def replay(tokenizer: llguidance.LLTokenizer, answers: list[dict[str, Any]], row
             m.unsafe_compute_mask_ptr(one.data_ptr(), words * 4)
             per_mask.append(time.perf_counter() - t0)
             assert m.consume_token(t), "an answer the grammar does not take"
-    # Lockstep: each of `rows` rows walks answers one after another; a step fills every row's mask.
-    executor = llguidance.LLExecutor(threads)
+    res = {"masks": len(per_mask), "mask_us": _stats_us(per_mask),
+           "compile_ms": {"median": round(1e3 * statistics.median(compiles), 2), "max": round(1e3 * max(compiles), 2)}}
+    for n in threads:
+        steps = lockstep(compiled, answers, rows, llguidance.LLExecutor(n), words)
+        res[f"step_of_{rows}_rows_on_{n}_threads_us"] = _stats_us(steps)
+    res["steps"] = len(steps)
+    return res
+
+
+def lockstep(compiled: dict[int, llguidance.LLMatcher], answers: list[dict[str, Any]], rows: int,
+             executor: llguidance.LLExecutor, words: int) -> list[float]:
+    """Each of ``rows`` rows walks the answers one after another; a step fills every row's mask on
+    ``executor``'s threads. The steps' times."""
     block = torch.empty(rows, words, dtype=torch.int32)
     nxt, lanes = 0, []
     for _ in range(rows):
@@ -121,9 +152,7 @@ def replay(tokenizer: llguidance.LLTokenizer, answers: list[dict[str, Any]], row
             if lane[2] == len(lane[1]):
                 a = answers[nxt % len(answers)]
                 lanes[k], nxt = [compiled[a["schema"]].deep_copy(), a["tokens"], 0], nxt + 1
-    return {"masks": len(per_mask), "mask_us": _stats_us(per_mask), "steps": len(per_step),
-            f"step_of_{rows}_rows_us": _stats_us(per_step),
-            "compile_ms": {"median": round(1e3 * statistics.median(compiles), 2), "max": round(1e3 * max(compiles), 2)}}
+    return per_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     p.add_argument("--max-tokens", type=int, default=150)
     p.add_argument("--rows", type=int, default=32, help="grammar rows per decode step in the lockstep replay")
-    p.add_argument("--threads", type=int, default=max(2, min(8, (os.cpu_count() or 2) // 2)),
-                   help="llguidance's pool for the lockstep replay (the engine's: half the cores, at most 8)")
+    p.add_argument("--threads", type=int, nargs="+", default=[max(2, min(8, (os.cpu_count() or 2) // 2))],
+                   help="llguidance's pool for the lockstep replay, one replay per count (default: the "
+                        "engine's, half the cores, at most 8)")
+    p.add_argument("--answers", type=Path,
+                   help="the recorded answers: read from here if the file exists, else recorded and written here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--every-length", action="store_true",
                    help="also time a slice set with one slice per string length up to 30")
@@ -156,18 +188,27 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         tokenizers[name] = served.with_slices(slices)
         print(f"{name} slices: set up in {time.perf_counter() - t0:.2f} s", flush=True)
-    print("recording the model's answers", flush=True)
-    answers = record(args.model_dir, tokenizers["servekit's"], args.prompts, args.temperatures, args.max_tokens,
-                     args.seed)
+    if any(n < 1 for n in args.threads):
+        p.error("--threads must be at least 1")
+    if args.answers is not None and args.answers.is_file():
+        answers = load_answers(args.answers)
+        print(f"{len(answers)} answers read from {args.answers}", flush=True)
+    else:
+        print("recording the model's answers", flush=True)
+        answers = record(args.model_dir, tokenizers["servekit's"], args.prompts, args.temperatures, args.max_tokens,
+                         args.seed)
+        if args.answers is not None:
+            args.answers.write_text(json.dumps(answers) + "\n")
     res: dict[str, Any] = {"model_dir": str(args.model_dir), "answers": len(answers), "rows": args.rows,
                            "threads": args.threads, "cpu_count": os.cpu_count(), "llguidance": llguidance.__version__,
                            "slice_sets": {}}
     for name, tokenizer in tokenizers.items():
         r = replay(tokenizer, answers, args.rows, args.threads)
         res["slice_sets"][name] = r
-        print(f"{name} slices: {r['masks']} masks, us per mask {r['mask_us']}; {r['steps']} steps of {args.rows} rows "
-              f"on {args.threads} threads, us per step {r[f'step_of_{args.rows}_rows_us']}; compile ms {r['compile_ms']}",
-              flush=True)
+        print(f"{name} slices: {r['masks']} masks, us per mask {r['mask_us']}; compile ms {r['compile_ms']}", flush=True)
+        for n in args.threads:
+            print(f"  {r['steps']} steps of {args.rows} rows on {n} threads, us per step "
+                  f"{r[f'step_of_{args.rows}_rows_on_{n}_threads_us']}", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
     return 0
