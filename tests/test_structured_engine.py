@@ -18,7 +18,7 @@ import torch
 
 from engine_steps import Counted
 from servekit.optimizations.llm.chat_template import ChatTokenizer
-from servekit.optimizations.llm.continuous import ContinuousBatcher
+from servekit.optimizations.llm.continuous import FINISH_ERROR, ContinuousBatcher
 from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
 from servekit.optimizations.llm.grammar import (CHOICE, GRAMMAR, JSON, JSON_OBJECT, REGEX, GrammarCompiler,
                                                 GrammarError, GrammarSpec)
@@ -759,10 +759,63 @@ def test_bias_rows_are_the_matchers_own_masks(compiler, tokenizer, stops) -> Non
     (REGEX, "[a-", "regex cannot be used"),
     (GRAMMAR, 'root ::= "(" num', "grammar cannot be used: .*Rule 'num' not found"),
     (CHOICE, [], "non-empty list"),
+    # compiles, but nothing satisfies it: llguidance's first mask allows only the end
+    (JSON, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "json admits no output"),
+    (REGEX, "[^\\x00-\\U0010FFFF]", "regex admits no output"),
+    # compiles in milliseconds, but its first mask takes ~0.3 s of CPU (development VM)
+    (REGEX, "a{300000}", "regex makes decoding too slow: one token's mask took [0-9]+ ms \\(the limit is 50 ms\\)"),
 ])
 def test_bad_specs_are_named(compiler, kind, value, message) -> None:
+    cached = len(compiler)
     with pytest.raises(GrammarError, match=message):
         compiler.compile(GrammarSpec.of(kind, value))
+    assert len(compiler) == cached  # nothing cached
+
+
+def test_the_probe_holds_a_grammars_first_mask_to_the_limit(tokenizer, stops) -> None:
+    spec = GrammarSpec.of(REGEX, "[a-z]+")
+    assert GrammarCompiler(tokenizer, VOCAB, stops).compile(spec) is not None
+    with pytest.raises(GrammarError, match="makes decoding too slow"):
+        GrammarCompiler(tokenizer, VOCAB, stops, mask_limit_s=0.0).compile(spec)
+
+
+def test_a_grammar_that_turns_slow_or_breaks_mid_answer_ends_its_request_alone(runner, compiler, tokenizer,
+                                                                               stops) -> None:
+    """A grammar whose start is cheap can reach states whose masks cost far more (``a{30000}`` after
+    three letters: ~8 ms a mask on the development VM) or where llguidance gives up (``a{100000}``:
+    too many expressions). Every row of a step waits for the slowest mask, so the engine ends such
+    a request with a GrammarError naming why (the worker's 400, or an error event once streaming),
+    and its batch mates get what they get alone."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Spell something."}])
+
+    def params(spec: GrammarSpec | None, max_tokens: int = 12) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, stop_token_ids=stops,
+                              constraint=None if spec is None else compiler.constraint(spec))
+
+    requests = {"slow": (prompt, params(GrammarSpec.of(REGEX, "[a-z]{3}a{30000}"), 40)),
+                "broken": (prompt, params(GrammarSpec.of(REGEX, "[a-z]{3}a{100000}"), 40)),
+                "choice": (prompt, params(GrammarSpec.of(CHOICE, ["yes", "no"]))),
+                "free": (prompt, params(None))}
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+    b._masks.limit_s = 0.002  # the slow grammar's masks take ~4x that; the choice's microseconds
+    out, finish, errors = {k: [] for k in requests}, {}, {}
+    for key, request in requests.items():
+        b.add(key, *request)
+    for _ in range(500):
+        if not b.has_work:
+            break
+        for key, u in b.step().items():
+            out[key] += u.tokens
+            if u.finish_reason is not None:
+                finish[key], errors[key] = u.finish_reason, u.error
+    assert not b.has_work
+    assert finish["slow"] == FINISH_ERROR and isinstance(errors["slow"], GrammarError)
+    assert "made decoding too slow: one token's mask took" in str(errors["slow"]) and "limit is 2 ms" in str(errors["slow"])
+    assert finish["broken"] == FINISH_ERROR and isinstance(errors["broken"], GrammarError)
+    assert "could not be followed further: lexer error: too many expressions" in str(errors["broken"])
+    assert len(out["slow"]) < 40 and len(out["broken"]) < 40
+    for key in ("choice", "free"):
+        assert (out[key], finish[key]) == _run(runner, {key: requests[key]})[key], key
 
 
 def test_compiled_grammars_are_cached_by_canonical_text_and_bounded(tokenizer, stops) -> None:

@@ -168,6 +168,8 @@ def test_non_streamed_required_tool_call(client) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "[a-"}}, "regex cannot be used"),
+    ({"structured_outputs": {"regex": "a{300000}"}}, "regex makes decoding too slow"),
+    ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}, "json admits no output"),
     ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "exactly one"),
     ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, "unknown field 'guided_whitespace_pattern'"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),

@@ -57,7 +57,7 @@ import torch
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SampleStep,
                                                  SamplingParams, TokenLogprob, read_row, sample_mode, token_ids)
-from servekit.optimizations.llm.grammar import MaskUpload, RowConstraint, bias_rows
+from servekit.optimizations.llm.grammar import GrammarError, MaskUpload, RowConstraint, bias_rows
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
 from servekit.optimizations.llm.prefix_cache import PrefixCache, PrefixStats, copy_rows
 from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sampling_mode, upload
@@ -389,6 +389,12 @@ class ContinuousBatcher:
             st.packed.fill_(-1)
         elif not self._masks.finish(st.packed, self._forward):  # none started for this step: fill now
             self._masks(matchers, st.packed)
+        if self._masks.too_slow:  # an audit's verdict: those rows end when this step is read
+            for _, s in self._forward.seqs:
+                took = None if s.constraint is None else self._masks.too_slow.get(id(s.constraint.matcher))
+                if took is not None:
+                    s.constraint.refuse_slow(took, self._masks.limit_s)
+            self._masks.too_slow.clear()
         dev = self.r.device
         changing = [s for _, s in self._forward.seqs if not s.done and s.constraint is not None
                     and s.constraint.bias_changes]
@@ -759,8 +765,11 @@ class ContinuousBatcher:
                         u.finish_reason, u.error = FINISH_ERROR, RuntimeError(
                             f"the step sampled {tok} where the grammar forces {run[0]}")
             for tok in new:
-                if s.constraint is not None and not s.constraint.accept(tok):
-                    u.finish_reason, u.error = FINISH_ERROR, RuntimeError(f"the grammar rejected token {tok}")
+                c = s.constraint
+                if c is not None and (c.refused is not None or not c.accept(tok)):
+                    why = c.error()
+                    u.finish_reason, u.error = FINISH_ERROR, (
+                        GrammarError(why) if why is not None else RuntimeError(f"the grammar rejected token {tok}"))
                     break
                 u.tokens.append(tok)
                 s.out.append(tok)

@@ -33,11 +33,13 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import jsonschema
 import llguidance
+import numpy
 import torch
 from torch import Tensor
 
@@ -52,6 +54,11 @@ JSON, JSON_OBJECT, REGEX, CHOICE, GRAMMAR = "json", "json_object", "regex", "cho
 KINDS = (JSON, JSON_OBJECT, REGEX, CHOICE, GRAMMAR)
 DEFAULT_CACHE_SIZE = 128
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
+# A grammar whose first token mask takes longer than this is refused (GrammarCompiler._probe): a
+# step waits for its slowest row's mask, so every request decoding beside it would wait that long
+# per token. On the development VM the structured benchmark's schemas take under 2 ms a mask, a
+# regex such as a{300000} 0.4-0.5 s (benchmarks/results/grammar-limits-cpu/).
+DEFAULT_MASK_LIMIT_S = 0.05
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # JSON answers as OpenAI writes them: no free whitespace (a model would spend tokens on it),
 # ", " and ": " between items and keys.
@@ -316,13 +323,14 @@ class GrammarCompiler(DeferredGrammars):
     ``python_tokenize``: why llguidance's own tokenizer is not used (None when it is)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 cache_size: int = DEFAULT_CACHE_SIZE, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 mask_limit_s: float = DEFAULT_MASK_LIMIT_S) -> None:
         super().__init__(vocab_size, stop_token_ids)
         self.tokenizer, self.python_tokenize = llg_tokenizer(tokenizer, vocab_size, stop_token_ids)
         if self.python_tokenize:
             log.warning("grammar masks tokenize forced text through Python, slower under load: %s",
                         self.python_tokenize)
-        self.cache_size, self.timeout_s = cache_size, timeout_s
+        self.cache_size, self.timeout_s, self.mask_limit_s = cache_size, timeout_s, mask_limit_s
         self._cache: collections.OrderedDict[GrammarSpec, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
         # Two helpers: one stuck on a pathological schema leaves the other for everyone else.
@@ -351,7 +359,33 @@ class GrammarCompiler(DeferredGrammars):
         matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
         if matcher.is_error():  # llguidance reports a bad grammar as a matcher in its error state
             raise GrammarError(f"the {spec.kind} cannot be used: {_first_line(matcher.get_error())}")
+        self._probe(spec, matcher)
         return matcher
+
+    def _probe(self, spec: GrammarSpec, matcher: llguidance.LLMatcher) -> None:
+        """The start state's mask, once, on a copy (a row's first step would compute it anyway).
+        Refused here with the request's 400, rather than found by the steps of every batch it joins:
+        a grammar that nothing satisfies (a schema that only refers to itself, a regex of an empty
+        class: llguidance allows no token but the end and calls it an error), one llguidance gives
+        up on at its limits, and one whose mask takes over ``mask_limit_s``."""
+        probe = matcher.deep_copy()
+        mask = numpy.zeros((self.vocab_size + 31) // 32, dtype=numpy.int32)
+        # This thread's CPU time, not the wall clock: a loaded host stretches the wall clock of a
+        # cheap mask, while llguidance computes a lone matcher's mask on the calling thread.
+        t0 = time.thread_time()
+        probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        took = time.thread_time() - t0
+        if probe.is_error():
+            why = _first_line(probe.get_error())
+            if why == "NoExtensionBias":
+                raise GrammarError(f"the {spec.kind} admits no output: no text matches it (a schema that only "
+                                   "refers to itself, or a character class that is empty, for example)")
+            raise GrammarError(f"the {spec.kind} cannot be used: {why}")
+        if took > self.mask_limit_s:
+            raise GrammarError(f"the {spec.kind} makes decoding too slow: one token's mask took {took * 1e3:.0f} ms "
+                               f"(the limit is {self.mask_limit_s * 1e3:g} ms), and every request decoding beside "
+                               "it would wait as long for each token; large counted repetitions such as a{20000} "
+                               "are the usual cause")
 
     def _store(self, spec: GrammarSpec, compiled: llguidance.LLMatcher) -> None:
         with self._lock:
@@ -437,6 +471,7 @@ class RowConstraint:
         self.c = c
         self.matcher = c.grammar.deep_copy() if c.grammar is not None else None  # microseconds
         self.generated = 0
+        self.refused: str | None = None  # why the engine ends the row though its grammar goes on (MaskUpload's audit)
         self._stops_masked = False
         self.static: Tensor | None = None  # the logit_bias row (vocab_size,), when there is one
         if c.logit_bias:
@@ -466,8 +501,24 @@ class RowConstraint:
             row[stops] = float("-inf")
             row[stops] = torch.where(torch.isfinite(row).any(), torch.full_like(kept, float("-inf")), kept)
 
+    def error(self) -> str | None:
+        """Why this row's grammar cannot go on, for its request's error: ``refused``, or llguidance's
+        error state (a limit of its lexer reached mid-answer, e.g. ``too many expressions
+        constructed``); None otherwise."""
+        if self.refused is not None:
+            return self.refused
+        if self.matcher is not None and self.matcher.is_error():
+            return f"the grammar could not be followed further: {_first_line(self.matcher.get_error())}"
+        return None
+
+    def refuse_slow(self, took_s: float, limit_s: float) -> None:
+        self.refused = (f"the grammar made decoding too slow: one token's mask took {took_s * 1e3:.0f} ms (the limit "
+                        f"is {limit_s * 1e3:g} ms), and every request decoding beside it waited as long for each "
+                        "token; large counted repetitions such as a{20000} are the usual cause")
+
     def accept(self, token: int) -> bool:
-        """Advance past a sampled token; False if the grammar rejects it (it was masked: a bug)."""
+        """Advance past a sampled token; False if the grammar rejects it (``error()`` says why when
+        llguidance gave up on the grammar; otherwise the token was masked: a bug)."""
         self.generated += 1
         return self.matcher is None or self.matcher.is_stopped() or self.matcher.consume_token(token)
 
@@ -527,20 +578,47 @@ class MaskUpload:
     ``start()`` fills on a helper thread instead (llguidance lets go of the GIL while it fills), so
     that the engine thread's other work before the sampling half runs beside the fill; ``finish()``
     copies what it filled for the step it was started for. Until then the matchers it fills are the
-    helper's: the engine reads no token into them (``wait()``)."""
+    helper's: the engine reads no token into them (``wait()``).
 
-    def __init__(self) -> None:
+    A grammar can pass ``GrammarCompiler``'s probe of its start and reach a state whose mask costs
+    far more later (the regex ``[a-z]{3}a{30000}``: 0.5 ms, then up to 30-40 ms on the development VM).
+    Every row of a step waits for the slowest mask, so a fill that takes over ``limit_s`` makes the
+    next one an audit: the rows filled one by one on this thread, each timed in CPU time, and the
+    matchers over the limit collected in ``too_slow`` (their masks are still filled: the engine ends
+    their requests once it reads the step, the others go on at their pace)."""
+
+    def __init__(self, limit_s: float = DEFAULT_MASK_LIMIT_S) -> None:
         self._blocks: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event | None]] = {}
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         self._filling: tuple[tuple[int, ...], object, concurrent.futures.Future] | None = None
+        self.limit_s = limit_s
+        self._audit = False
+        self.too_slow: dict[int, float] = {}  # id() of a matcher whose mask took over limit_s -> its seconds
 
     def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
         """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks; on
         CUDA without waiting for the device."""
         self.discard()
         host = self._block(dest)
-        fill_packed(matchers, host)
+        self._fill(matchers, host)
         self._copy(host, dest)
+
+    def _fill(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], host: Tensor) -> None:
+        """``fill_packed``, timed; an audit of each row after a fill over the limit."""
+        if not self._audit:
+            t0 = time.perf_counter()
+            fill_packed(matchers, host)
+            self._audit = time.perf_counter() - t0 > self.limit_s
+            return
+        self._audit = False
+        host.numpy().fill(-1)  # every row allowed; the grammar rows' own masks next
+        row_bytes = host.shape[1] * host.element_size()
+        for m, i in matchers:
+            t0 = time.thread_time()
+            m.unsafe_compute_mask_ptr(host[i].data_ptr(), row_bytes)
+            took = time.thread_time() - t0
+            if took > self.limit_s:
+                self.too_slow[id(m)] = took
 
     def start(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor, step: object) -> None:
         """Begin filling the masks that ``finish(dest, step)`` will copy into ``dest``, on the helper
@@ -549,7 +627,7 @@ class MaskUpload:
         if self._helper is None:
             self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="servekit-masks")
         self._filling = (tuple(dest.shape), step,
-                         self._helper.submit(fill_packed, list(matchers), self._block(dest)))
+                         self._helper.submit(self._fill, list(matchers), self._block(dest)))
 
     def finish(self, dest: Tensor, step: object) -> bool:
         """Copy the masks ``start()`` filled for ``step`` into ``dest``, once filled; False (nothing
