@@ -28,6 +28,9 @@ mixed decode, new rows, uploads, the matchers taking their tokens); each wrapped
 microseconds of its own. ``--mask-threads`` repeats the constrained runs with llguidance's mask
 fill on that many threads (0 or 1: one row after another on the engine's thread) instead of the
 engine's choice;
+``--without-max-length`` serves every schema with its ``maxLength`` keywords removed: a mask a few
+characters short of a ``maxLength`` is llguidance's slowest (``grammar_mask_costs``), so this says
+what those masks cost the step;
 ``--no-forced-runs`` repeats them with each token a grammar forces decoded in a step of its own
 (``ContinuousBatcher(jump_forced=False)``). ``--model-dir`` profiles another converted checkpoint
 under the same plan, e.g. a Llama-3.1-8B-shaped one from ``shaped_models`` (random weights: a
@@ -180,6 +183,8 @@ def main() -> None:
                     help="also run the constrained requests with each forced token decoded in a step of its own")
     ap.add_argument("--model-dir", type=Path, help="a converted checkpoint to serve instead of SmolLM2")
     ap.add_argument("--fine-phases", action="store_true", help="also time the parts of the engine thread's phases")
+    ap.add_argument("--without-max-length", action="store_true",
+                    help="the schemas with every maxLength removed (what the masks near a maxLength cost)")
     args = ap.parse_args()
     if args.closed_loop and args.closed_loop < max(args.requests):
         ap.error(f"--closed-loop {args.closed_loop} is fewer requests than --requests {max(args.requests)} at a time")
@@ -209,6 +214,7 @@ def main() -> None:
         prompts, free, constrained = [], [], []
         for i in range(total):
             _, topic, schema = SCHEMAS[i % len(SCHEMAS)]
+            schema = without_max_length(schema) if args.without_max_length else schema
             prompts.append(tokenizer.encode_chat([{"role": "user", "content": f"Describe {topic} as JSON."}]))
             free.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, stop_token_ids=stops))
             constrained.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, stop_token_ids=stops,
@@ -241,6 +247,15 @@ def main() -> None:
                 r = run_once(engine, timer, prompts, constrained, ("threads", threads, rep), n)
                 print(line(f"{JSON}, masks on {threads} threads", rep, r), flush=True)
             grammar._executor = engine_executor
+
+
+def without_max_length(schema: Any) -> Any:
+    """``schema`` with every ``maxLength`` keyword removed, at any depth."""
+    if isinstance(schema, dict):
+        return {k: without_max_length(v) for k, v in schema.items() if k != "maxLength"}
+    if isinstance(schema, list):
+        return [without_max_length(v) for v in schema]
+    return schema
 
 
 if __name__ == "__main__":

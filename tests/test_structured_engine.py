@@ -960,6 +960,18 @@ def test_the_engine_profiles_closed_loop_keeps_its_rows_busy_with_one_forward_a_
     assert timer.calls["  start masks"] > 0 and r["host_ms_per_step"]["  read rows"] > 0
 
 
+def test_the_profiles_schemas_without_max_length_keep_everything_else() -> None:
+    from servekit.benchmarks.structured_bench import SCHEMAS as BENCH
+    from servekit.benchmarks.structured_engine_profile import without_max_length
+
+    for _, _, schema in BENCH:
+        stripped = without_max_length(schema)
+        assert '"maxLength"' not in json.dumps(stripped)
+        assert json.dumps(stripped).count('"minLength"') == json.dumps(schema).count('"minLength"')
+    book = next(s for n, _, s in BENCH if n == "book")
+    assert without_max_length(book)["properties"]["title"] == {"type": "string", "minLength": 1}
+
+
 def _consumed(compiler: GrammarCompiler, tokenizer: ChatTokenizer, spec: GrammarSpec, text: str) -> str:
     """Whether ``spec``'s grammar takes ``text``'s tokens: "accepting" (a whole answer),
     "incomplete" or "rejected"."""
