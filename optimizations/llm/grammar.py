@@ -512,6 +512,7 @@ class RowConstraint:
         return None
 
     def refuse_slow(self, took_s: float, limit_s: float) -> None:
+        """End this row at its next token: its mask took ``took_s`` of CPU, over ``limit_s``."""
         self.refused = (f"the grammar made decoding too slow: one token's mask took {took_s * 1e3:.0f} ms (the limit "
                         f"is {limit_s * 1e3:g} ms), and every request decoding beside it waited as long for each "
                         "token; large counted repetitions such as a{20000} are the usual cause")
@@ -648,10 +649,12 @@ class MaskUpload:
             self._filling[2].result()
 
     def discard(self) -> None:
-        """Drop a started fill, once done (its matchers are then free again); what it raised too."""
+        """Drop a started fill, once done (its matchers are then free again); what it raised too,
+        and an audit's verdict nobody took (its matchers' ids could be reused)."""
         filling, self._filling = self._filling, None
         if filling is not None:
             concurrent.futures.wait([filling[2]])
+        self.too_slow.clear()
 
     def _block(self, dest: Tensor) -> Tensor:
         """The pinned block for ``dest``'s shape, free to fill: its last copy has run."""
