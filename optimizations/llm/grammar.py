@@ -582,7 +582,7 @@ class MaskUpload:
     helper's: the engine reads no token into them (``wait()``).
 
     A grammar can pass ``GrammarCompiler``'s probe of its start and reach a state whose mask costs
-    far more later (the regex ``[a-z]{3}a{30000}``: 0.5 ms, then up to 30-40 ms on the development VM).
+    far more later (the regex ``[a-z]{3}a{30000}``: 0.5 ms, then up to 30-46 ms on the development VM).
     Every row of a step waits for the slowest mask, so a fill that takes over ``limit_s`` makes the
     next one an audit: the rows filled one by one on this thread, each timed in CPU time, and the
     matchers over the limit collected in ``too_slow`` (their masks are still filled: the engine ends
