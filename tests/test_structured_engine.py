@@ -757,6 +757,8 @@ def test_bias_rows_are_the_matchers_own_masks(compiler, tokenizer, stops) -> Non
     (JSON, {"x-note": {"type": 10 ** 30}}, "json cannot be used: .*not JSON serializable"),
     (JSON, {"type": "integer", "maximum": -10 ** 25}, "json cannot be used"),
     (REGEX, "[a-", "regex cannot be used"),
+    # the error quotes the request's regex, not its ASCII rewrite
+    (REGEX, r"\d{2}(", r'regex cannot be used: .*invalid regex "\\\\d\{2\}\(".*unclosed group'),
     (GRAMMAR, 'root ::= "(" num', "grammar cannot be used: .*Rule 'num' not found"),
     (CHOICE, [], "non-empty list"),
     # compiles, but nothing satisfies it: llguidance's first mask allows only the end
@@ -846,6 +848,27 @@ def test_objects_take_only_the_listed_properties_and_strings_no_control_characte
     assert not consumed('{"a": "xy", "b"')
     assert not consumed('{"a": "x\x01')
 
+
+
+@pytest.mark.parametrize("regex,text,matches", [
+    (r"\d{4}", "2024", True), (r"\d{4}", "٢٠٢٤", False), (r"\d", "\U0001FBF8", False),
+    (r"\w+", "a_Z9", True), (r"\w+", "été", False),
+    (r"[\d-]+", "12-3", True), (r"[\d-]+", "١٢", False), (r"[]\d]+", "]1", True),
+    (r"\D+", "١٢", True), (r"\D", "1", False), (r"[^\D]+", "12", True), (r"[^\D]+", "١٢", False),
+    (r"[x\W]+", "x é", True), (r"[x\W]+", "xa", False),
+    (r"\p{Nd}{4}", "٢٠٢٤", True), (r"\\d", "\\d", True), (r"[[:digit:]]+", "12", True),
+])
+def test_regex_shorthands_are_ascii_as_in_json_schema_patterns(compiler, tokenizer, regex, text, matches) -> None:
+    """\\d and \\w in a regex request mean what they mean in a JSON schema's pattern (ECMA-262) and in
+    vLLM's default backend: ASCII digits and word characters, inside classes and negated too
+    (llguidance's Rust syntax alone would let a model write any Unicode digit into a date)."""
+    row = compiler.constraint(GrammarSpec.of(REGEX, regex)).start()
+    assert (all(row.accept(t) for t in tokenizer.encode(text)) and row.matcher.is_accepting()) == matches
+    schema = GrammarSpec.of(JSON, {"type": "string", "pattern": f"^{regex}$"})
+    if "[]" not in regex and "[[:" not in regex and "\\p" not in regex:  # ECMA syntax reads those otherwise
+        row = compiler.constraint(schema).start()
+        assert (all(row.accept(t) for t in tokenizer.encode(json.dumps(text, ensure_ascii=False)))
+                and row.matcher.is_accepting()) == matches
 
 def test_numbers_end(compiler, tokenizer) -> None:
     """A number the schema leaves open still ends: at most 9 decimals, within +-(2^53 - 1)."""

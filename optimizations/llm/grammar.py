@@ -75,6 +75,46 @@ thought[suffix="</think>"]: /(.|\\n)*/
 NL: /\\n+/
 '''
 
+# What \d and \w stand for in a regex request. llguidance reads regexes as Rust's regex crate does, where
+# they are Unicode classes: \d also matches Arabic-Indic digits or U+1FBF8 (a "segmented digit
+# eight", which SmolLM2 sampled at temperature 1 into a date). JSON Schema's patterns follow
+# ECMA-262, where both are ASCII, and llguidance builds those so; so does vLLM's default xgrammar
+# backend for its regexes. A regex request gets the same ASCII classes (\p{Nd}, \p{L} for Unicode).
+_ASCII_SHORTHANDS = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_shorthands(regex: str) -> str:
+    r"""``regex`` with ``\d``, ``\w`` and their negations ``\D``, ``\W`` as ASCII classes, inside
+    character classes too (a negation there as a nested class, which Rust's syntax unites)."""
+    out: list[str] = []
+    depth, i = 0, 0  # depth: how many character classes the scan is in
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\" and i + 1 < len(regex):
+            escaped = regex[i + 1]
+            chars = _ASCII_SHORTHANDS.get(escaped.lower())
+            if chars is None:  # another escape (\\, \[, \p{..}, \x41): as it is
+                out.append(regex[i:i + 2])
+            elif escaped.islower():
+                out.append(chars if depth else f"[{chars}]")
+            else:
+                out.append(f"[^{chars}]")
+            i += 2
+        elif ch == "[":
+            depth += 1
+            i += 1
+            # A ']' right after '[' or '[^' is a literal, not the class's end.
+            head = "^" if regex[i:i + 1] == "^" else ""
+            head += "]" if regex[i + len(head):i + len(head) + 1] == "]" else ""
+            out.append(ch + head)
+            i += len(head)
+        else:
+            if ch == "]" and depth:
+                depth -= 1
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
 
 class GrammarError(ValueError):
     """A schema, regex, choice list or grammar that is invalid, unsupported or too slow to compile."""
@@ -150,7 +190,7 @@ class GrammarSpec:
             if self.kind in (JSON, JSON_OBJECT):
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
             if self.kind == REGEX:
-                return llguidance.LLMatcher.grammar_from_regex(self.text)
+                return llguidance.LLMatcher.grammar_from_regex(ascii_shorthands(self.text))
             return llguidance.grammar_from("choice" if self.kind == CHOICE else "grammar", self.text)
         except Exception as e:  # llguidance's own: the GBNF -> Lark conversion's, an integer beyond 64 bits in a schema
             raise GrammarError(f"the {self.kind} cannot be used: {_first_line(e)}") from None
@@ -358,7 +398,11 @@ class GrammarCompiler(DeferredGrammars):
     def _build(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
         if matcher.is_error():  # llguidance reports a bad grammar as a matcher in its error state
-            raise GrammarError(f"the {spec.kind} cannot be used: {_first_line(matcher.get_error())}")
+            why = _first_line(matcher.get_error())
+            if spec.kind == REGEX:  # it quotes the regex it parsed: the request's, not ascii_shorthands'
+                why = why.replace(json.dumps(ascii_shorthands(spec.text), ensure_ascii=False),
+                                  json.dumps(spec.text, ensure_ascii=False))
+            raise GrammarError(f"the {spec.kind} cannot be used: {why}")
         self._probe(spec, matcher)
         return matcher
 
@@ -382,10 +426,7 @@ class GrammarCompiler(DeferredGrammars):
                                    "refers to itself, or a character class that is empty, for example)")
             raise GrammarError(f"the {spec.kind} cannot be used: {why}")
         if took > self.mask_limit_s:
-            raise GrammarError(f"the {spec.kind} makes decoding too slow: one token's mask took {took * 1e3:.0f} ms "
-                               f"(the limit is {self.mask_limit_s * 1e3:g} ms), and every request decoding beside "
-                               "it would wait as long for each token; large counted repetitions such as a{20000} "
-                               "are the usual cause")
+            raise GrammarError(too_slow(spec.kind, took, self.mask_limit_s, found_by="probe"))
 
     def _store(self, spec: GrammarSpec, compiled: llguidance.LLMatcher) -> None:
         with self._lock:
@@ -442,6 +483,16 @@ def _first_line(e: Exception | str) -> str:
     detail = next((line for line in lines[1:] if line.startswith("error:")), None)
     return f"{lines[0]} {detail}" if detail else lines[0]
 
+
+
+def too_slow(what: str, took_s: float, limit_s: float, found_by: str) -> str:
+    """The error of a grammar whose token mask took ``took_s`` of CPU, over ``limit_s``: found by the
+    compiler's probe of its first mask (the request is refused: its batch mates *would* wait) or by
+    the engine's audit of a step (the row ends: they *waited*)."""
+    makes, wait = {"probe": ("makes", "would wait"), "audit": ("made", "waited")}[found_by]
+    return (f"the {what} {makes} decoding too slow: one token's mask took {took_s * 1e3:.0f} ms (the limit is "
+            f"{limit_s * 1e3:g} ms), and every request decoding beside it {wait} as long for each token; large "
+            "counted repetitions such as a{20000} are the usual cause")
 
 @dataclass(frozen=True)
 class DecodeConstraint:
@@ -513,9 +564,7 @@ class RowConstraint:
 
     def refuse_slow(self, took_s: float, limit_s: float) -> None:
         """End this row at its next token: its mask took ``took_s`` of CPU, over ``limit_s``."""
-        self.refused = (f"the grammar made decoding too slow: one token's mask took {took_s * 1e3:.0f} ms (the limit "
-                        f"is {limit_s * 1e3:g} ms), and every request decoding beside it waited as long for each "
-                        "token; large counted repetitions such as a{20000} are the usual cause")
+        self.refused = too_slow("grammar", took_s, limit_s, found_by="audit")
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False if the grammar rejects it (``error()`` says why when
