@@ -29,6 +29,10 @@ EMBEDDING, LLM = "embedding", "llm"
 # Causal LMs the Llama-family runtime loads (model_type in config.json).
 LLM_MODEL_TYPES = tuple(DECODER_FAMILIES)  # optimizations/models/families.py
 LLM_TEMPLATES = {"cuda": "smollm2", "cpu": "smollm2-cpu"}  # the shipped model-config an LLM's generated one starts from
+# The KV cache a generated LLM config asks for at most (batchSize rows of max_seq_len tokens): the
+# shipped SmolLM2 config's 8,192 tokens are 6 GB for 32 rows, a Llama-3.1-8B's would be 34 GB beside
+# its 16 GB of weights; at 2,048 tokens it is 8 GiB.
+GENERATED_KV_BYTES = 8 * 2**30
 LLM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
              "special_tokens_map.json", "chat_template.jinja")
 ENCODER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -48,6 +52,7 @@ class ModelSource:
     files: list[Weight]
     max_tokens: int   # the longest sequence the model takes (positions, or sentence-transformers' limit)
     model_type: str | None = None  # an LLM's decoder family (config.json model_type)
+    kv_values_per_token: int | None = None  # an LLM's KV-cache values per token (LlamaConfig.kv_values_per_token)
 
 
 def sanitize_name(name: str) -> str:
@@ -141,7 +146,10 @@ def classifier_source(model_dir: Path, kind: str | None = None) -> ModelSource:
 
 
 def llm_source(model_dir: Path) -> ModelSource:
-    """The files of a Llama-family causal LM folder (weights, tokenizer, generation and chat settings)."""
+    """The files of a Llama-family causal LM folder (weights, tokenizer, generation and chat settings),
+    with the longest context its attention computes and what a token puts into its KV cache."""
+    from servekit.optimizations.models.llama import LlamaConfig  # imports torch: only for an LLM
+
     model_dir = Path(model_dir)
     raw = _config(model_dir)
     if raw.get("model_type") not in LLM_MODEL_TYPES:
@@ -151,7 +159,21 @@ def llm_source(model_dir: Path) -> ModelSource:
         raise FileNotFoundError(f"{model_dir / 'tokenizer.json'}: missing (a fast tokenizer's tokenizer.json is required)")
     files: list[Weight] = [model_dir / n for n in LLM_FILES if (model_dir / n).is_file()]
     files += safetensors_files(model_dir)
-    return ModelSource(LLM, files, int(raw.get("max_position_embeddings") or 2048), raw["model_type"])
+    try:
+        config = LlamaConfig.from_hf(raw)
+    except (ValueError, KeyError, TypeError):  # the plan's check names what cannot be served, at load
+        return ModelSource(LLM, files, int(raw.get("max_position_embeddings") or 2048), raw["model_type"])
+    return ModelSource(LLM, files, config.max_context, raw["model_type"], config.kv_values_per_token)
+
+
+def fitted_context(wanted: int, kv_bytes_per_token: int | None, rows: int) -> int:
+    """A generated LLM config's ``max_seq_len``: ``wanted`` (the template's, within the model's own
+    context), halved until ``rows`` rows of it fit ``GENERATED_KV_BYTES``, but not below 2,048 tokens
+    (or ``wanted`` if shorter)."""
+    n, floor = wanted, min(2048, wanted)
+    while kv_bytes_per_token and n > floor and rows * n * kv_bytes_per_token > GENERATED_KV_BYTES:
+        n = max(n // 2, floor)
+    return n
 
 
 def model_source(model_dir: Path, kind: str | None = None) -> ModelSource:
@@ -185,8 +207,13 @@ def generated_config(source: ModelSource, device: str, origin: str, speculation:
         template = LLM_TEMPLATES[device]
         cfg = yaml.safe_load(model_config(template).read_text())
         plan = cfg["servekit"]
-        n = min(int(plan.get("max_seq_len", 2048)), source.max_tokens)
+        value_bytes = 4 if plan.get("precision") == "fp32" else 2
+        rows, wanted = int(cfg.get("batchSize", 1)), min(int(plan.get("max_seq_len", 2048)), source.max_tokens)
+        n = fitted_context(wanted, source.kv_values_per_token and source.kv_values_per_token * value_bytes, rows)
         plan["max_seq_len"] = n
+        if n < wanted:
+            note += (f"# max_seq_len {n}, not {wanted}: the KV cache of {rows} rows stays within "
+                     f"{GENERATED_KV_BYTES // 2**30} GiB; raise it where the GPU has room.\n")
         buckets = plan.setdefault("buckets", {})
         for key in ("prompt_lens", "kv_lens"):
             if key in buckets:
@@ -202,7 +229,7 @@ def generated_config(source: ModelSource, device: str, origin: str, speculation:
         family = DECODER_FAMILIES.get(source.model_type or "")
         if family is not None and not family.triton_decode and plan.get("kernels") == "triton":
             plan["kernels"] = "torch"
-            note = (f"# kernels: torch, since the fused Triton decode kernels do not cover {source.model_type} blocks\n"
+            note += (f"# kernels: torch, since the fused Triton decode kernels do not cover {source.model_type} blocks\n"
                     "# (optimizations/models/families.py).\n")
     header = (f"# Generated by `servekit archive` for {origin} ({source.kind}, {device}), from the shipped\n"
               f"# config/models/{template}.yaml with buckets fitted to the model's {source.max_tokens} tokens.\n"

@@ -132,6 +132,19 @@ class LlamaConfig:
         ids = self.eos_token_id
         return () if ids is None else (ids,) if isinstance(ids, int) else tuple(ids)
 
+    @property
+    def max_context(self) -> int:
+        """The longest KV cache that computes this model: its positions, and a window every layer
+        would use when layer_types does not say which layers slide (``check_context``)."""
+        if self.sliding_window is not None and not self.layer_types:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """What one token puts into the KV cache: layers x k and v x kv heads x head dim."""
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim
+
     def check_context(self, max_seq_len: int) -> None:
         """Raise ValueError if a KV cache of ``max_seq_len`` tokens would not compute this model."""
         if max_seq_len > self.max_position_embeddings:
