@@ -191,7 +191,6 @@ def test_llm_folder_and_gguf_file_archive_as_llm(llm_dir, tmp_path, capsys):
     assert r.returncode == 2 and "a GGUF file is a causal LM" in r.stderr and not (tmp_path / "enc").exists()
 
 
-
 @pytest.mark.parametrize("shape,device,context,cut", [
     # layers, kv heads, head dim, the model's context: SmolLM2-135M, Llama-3.1-8B, Llama-3.2-3B
     ((30, 3, 64, 8192), "cuda", 8192, False),    # 32 rows x 8,192 tokens x 23,040 bytes: 6 GB
@@ -238,6 +237,7 @@ def test_a_generated_llm_config_stays_within_a_window_every_layer_uses(tmp_path)
     load_config(model).check_context(4096)
     with pytest.raises(ValueError, match="sliding window of 4096 tokens"):
         load_config(model).check_context(8192)
+
 
 def test_weights_are_staged_as_links_and_copied_where_links_fail(tmp_path, monkeypatch):
     """The staging folder torch-model-archiver reads holds hard links to the weight files (one

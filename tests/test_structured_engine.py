@@ -849,7 +849,6 @@ def test_objects_take_only_the_listed_properties_and_strings_no_control_characte
     assert not consumed('{"a": "x\x01')
 
 
-
 @pytest.mark.parametrize("regex,text,matches", [
     (r"\d{4}", "2024", True), (r"\d{4}", "٢٠٢٤", False), (r"\d", "\U0001FBF8", False),
     (r"\w+", "a_Z9", True), (r"\w+", "été", False),
@@ -869,6 +868,7 @@ def test_regex_shorthands_are_ascii_as_in_json_schema_patterns(compiler, tokeniz
         row = compiler.constraint(schema).start()
         assert (all(row.accept(t) for t in tokenizer.encode(json.dumps(text, ensure_ascii=False)))
                 and row.matcher.is_accepting()) == matches
+
 
 def test_numbers_end(compiler, tokenizer) -> None:
     """A number the schema leaves open still ends: at most 9 decimals, within +-(2^53 - 1)."""

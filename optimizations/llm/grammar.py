@@ -484,7 +484,6 @@ def _first_line(e: Exception | str) -> str:
     return f"{lines[0]} {detail}" if detail else lines[0]
 
 
-
 def too_slow(what: str, took_s: float, limit_s: float, found_by: str) -> str:
     """The error of a grammar whose token mask took ``took_s`` of CPU, over ``limit_s``: found by the
     compiler's probe of its first mask (the request is refused: its batch mates *would* wait) or by
@@ -493,6 +492,7 @@ def too_slow(what: str, took_s: float, limit_s: float, found_by: str) -> str:
     return (f"the {what} {makes} decoding too slow: one token's mask took {took_s * 1e3:.0f} ms (the limit is "
             f"{limit_s * 1e3:g} ms), and every request decoding beside it {wait} as long for each token; large "
             "counted repetitions such as a{20000} are the usual cause")
+
 
 @dataclass(frozen=True)
 class DecodeConstraint:
