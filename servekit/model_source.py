@@ -29,10 +29,10 @@ EMBEDDING, LLM = "embedding", "llm"
 # Causal LMs the Llama-family runtime loads (model_type in config.json).
 LLM_MODEL_TYPES = tuple(DECODER_FAMILIES)  # optimizations/models/families.py
 LLM_TEMPLATES = {"cuda": "smollm2", "cpu": "smollm2-cpu"}  # the shipped model-config an LLM's generated one starts from
-# The KV cache a generated LLM config asks for at most (batchSize rows of max_seq_len tokens): the
-# shipped SmolLM2 config's 8,192 tokens are 6 GB for 32 rows, a Llama-3.1-8B's would be 34 GB beside
-# its 16 GB of weights; at 2,048 tokens it is 8 GiB.
-GENERATED_KV_BYTES = 8 * 2**30
+# The longest context a generated LLM config serves. The shipped SmolLM2 config serves its model's
+# 8,192 tokens, measured on GPUs; generated configs of other models stay at the 2,048 their GPU runs
+# were measured at (a Llama-3.1-8B's 32 rows of 8,192 tokens would also take 34 GB of KV cache).
+GENERATED_MAX_SEQ_LEN = 2048
 LLM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
              "special_tokens_map.json", "chat_template.jinja")
 ENCODER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -52,7 +52,6 @@ class ModelSource:
     files: list[Weight]
     max_tokens: int   # the longest sequence the model takes (positions, or sentence-transformers' limit)
     model_type: str | None = None  # an LLM's decoder family (config.json model_type)
-    kv_values_per_token: int | None = None  # an LLM's KV-cache values per token (LlamaConfig.kv_values_per_token)
 
 
 def sanitize_name(name: str) -> str:
@@ -147,7 +146,7 @@ def classifier_source(model_dir: Path, kind: str | None = None) -> ModelSource:
 
 def llm_source(model_dir: Path) -> ModelSource:
     """The files of a Llama-family causal LM folder (weights, tokenizer, generation and chat settings),
-    with the longest context its attention computes and what a token puts into its KV cache."""
+    with the longest context its attention computes (``LlamaConfig.max_context``)."""
     from servekit.optimizations.models.llama import LlamaConfig  # imports torch: only for an LLM
 
     model_dir = Path(model_dir)
@@ -163,17 +162,7 @@ def llm_source(model_dir: Path) -> ModelSource:
         config = LlamaConfig.from_hf(raw)
     except (ValueError, KeyError, TypeError):  # the plan's check names what cannot be served, at load
         return ModelSource(LLM, files, int(raw.get("max_position_embeddings") or 2048), raw["model_type"])
-    return ModelSource(LLM, files, config.max_context, raw["model_type"], config.kv_values_per_token)
-
-
-def fitted_context(wanted: int, kv_bytes_per_token: int | None, rows: int) -> int:
-    """A generated LLM config's ``max_seq_len``: ``wanted`` (the template's, within the model's own
-    context), halved until ``rows`` rows of it fit ``GENERATED_KV_BYTES``, but not below 2,048 tokens
-    (or ``wanted`` if shorter)."""
-    n, floor = wanted, min(2048, wanted)
-    while kv_bytes_per_token and n > floor and rows * n * kv_bytes_per_token > GENERATED_KV_BYTES:
-        n = max(n // 2, floor)
-    return n
+    return ModelSource(LLM, files, config.max_context, raw["model_type"])
 
 
 def model_source(model_dir: Path, kind: str | None = None) -> ModelSource:
@@ -207,13 +196,11 @@ def generated_config(source: ModelSource, device: str, origin: str, speculation:
         template = LLM_TEMPLATES[device]
         cfg = yaml.safe_load(model_config(template).read_text())
         plan = cfg["servekit"]
-        value_bytes = 4 if plan.get("precision") == "fp32" else 2
-        rows, wanted = int(cfg.get("batchSize", 1)), min(int(plan.get("max_seq_len", 2048)), source.max_tokens)
-        n = fitted_context(wanted, source.kv_values_per_token and source.kv_values_per_token * value_bytes, rows)
+        n = min(int(plan.get("max_seq_len", 2048)), source.max_tokens, GENERATED_MAX_SEQ_LEN)
         plan["max_seq_len"] = n
-        if n < wanted:
-            note += (f"# max_seq_len {n}, not {wanted}: the KV cache of {rows} rows stays within "
-                     f"{GENERATED_KV_BYTES // 2**30} GiB; raise it where the GPU has room.\n")
+        if n < source.max_tokens:
+            note += (f"# max_seq_len {n} of the model's {source.max_tokens} tokens: raise it here to serve longer prompts\n"
+                     "# (the KV cache grows with it: batchSize rows of max_seq_len tokens).\n")
         buckets = plan.setdefault("buckets", {})
         for key in ("prompt_lens", "kv_lens"):
             if key in buckets:

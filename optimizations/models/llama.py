@@ -140,11 +140,6 @@ class LlamaConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
-    @property
-    def kv_values_per_token(self) -> int:
-        """What one token puts into the KV cache: layers x k and v x kv heads x head dim."""
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim
-
     def check_context(self, max_seq_len: int) -> None:
         """Raise ValueError if a KV cache of ``max_seq_len`` tokens would not compute this model."""
         if max_seq_len > self.max_position_embeddings:
