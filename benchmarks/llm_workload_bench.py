@@ -48,7 +48,9 @@ max_tokens is --max-tokens (the mixed set's per prompt, 32 to --max-tokens), cap
 and answer fit max_seq_len. Answers stop where the model stops (a real model's early stop counts
 fewer tokens: mean completion tokens are reported). A model folder's batch-1 tokens/s is also given
 as a share of the memory-bandwidth bound: tokens/s x bytes of weights read per token / the GPU's
-memory bandwidth (a table of known GPUs). Writes llm_workload_bench.json and .md into --out.
+memory bandwidth (a table of known GPUs). Writes llm_workload_bench.json and .md into --out, and
+the server's model_log.log and ts_log.log, also when the worker never got ready or the run was
+stopped with SIGTERM (`timeout`), which stops the server too.
 
     python3 -m servekit.benchmarks.llm_workload_bench --out benchmarks/results/llm-workload-h100
     python3 -m servekit.benchmarks.llm_workload_bench --out DIR --model-dir shaped/llama-3.1-8b \\
@@ -742,19 +744,23 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         build_archive(name, work / "store", config=work / "model-config.yaml", compress=False,
                       spec=model_spec(str(args.model_dir) if args.model_dir else MODEL))
         res["archive_s"] = round(time.perf_counter() - t0, 1)
+        print(f"== {name}: archive {res['archive_s']} s; waiting for its worker (at most {args.ready_timeout:g} s)",
+              flush=True)
         with TorchServe(work / "run", work / "store") as ts:
-            t0 = time.perf_counter()
-            ts.register(f"{name}.mar", name, timeout=args.ready_timeout)
-            res["ready_s"] = round(time.perf_counter() - t0, 1)
-            res["warm_up"] = warm_up_counts(ts, name)
-            print(f"== {name}: archive {res['archive_s']} s, worker READY after {res['ready_s']} s; inference "
-                  f"warm-up {json.dumps(res['warm_up'])}", flush=True)
-            save()
             try:
+                t0 = time.perf_counter()
+                ts.register(f"{name}.mar", name, timeout=args.ready_timeout)
+                res["ready_s"] = round(time.perf_counter() - t0, 1)
+                res["warm_up"] = warm_up_counts(ts, name)
+                print(f"== {name}: archive {res['archive_s']} s, worker READY after {res['ready_s']} s; inference "
+                      f"warm-up {json.dumps(res['warm_up'])}", flush=True)
+                save()
                 measure(HttpChat(f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions", args.temperature),
                         args, gen, res, save, HandlerSplit(ts.metrics_url))
             finally:
-                for log in ("model_log.log", "ts_log.log"):  # the worker's own account, beside the figures
+                # The worker's own account beside the figures; also when its start failed or took too
+                # long, or the run was stopped (SIGTERM ends it through here: TorchServe.start).
+                for log in ("model_log.log", "ts_log.log"):
                     src = work / "run" / "logs" / log
                     if src.is_file():
                         (args.out / log).write_bytes(src.read_bytes()[-2_000_000:])

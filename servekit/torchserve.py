@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -442,6 +443,16 @@ def check_socket_dir(folder: Path) -> None:
                           f"is {longest} bytes, Unix sockets allow {UNIX_SOCKET_PATH_MAX}; use a shorter --run-dir")
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM a ``SystemExit`` in this process, where nothing else handles it. The server runs in
+    a session of its own, so a process that SIGTERM kills outright (``timeout``, a CI job's limit)
+    leaves it running, its GPU memory and cores taken, and runs no ``finally``: as an exception,
+    ``with TorchServe(...)`` stops its server and what a script saves on the way out is saved.
+    Only from the main thread (where Python runs signal handlers), and never over a handler set."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 class TorchServe:
     """A local TorchServe process with its own run folder and ports. Use as a context manager."""
 
@@ -530,6 +541,7 @@ class TorchServe:
             if not self.log_config.is_file():
                 raise ServerError(f"log config {self.log_config} does not exist")
             cmd += ["--log-config", str(self.log_config)]
+        stop_on_sigterm()
         for attempt in range(PORT_ATTEMPTS):
             out = open(self.log_dir / "server.out", "ab")
             self._log_from = out.tell()  # this start's output begins here

@@ -3,6 +3,9 @@ what a taken model name does, the model-config precedence, scaling to exactly N 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -14,7 +17,8 @@ import yaml
 from servekit.archive import build_archive
 from servekit.benchmarks.bench.archives import BENCH_SPECS
 from servekit.handlers.common import WARM_UP_HEADER
-from servekit.torchserve import ManagementClient, Ports, PortTaken, Registration, ServerError, TorchServe, free_ports
+from servekit.torchserve import (ManagementClient, Ports, PortTaken, Registration, ServerError, TorchServe, free_ports,
+                                 group_alive)
 
 pytestmark = pytest.mark.server
 
@@ -79,6 +83,37 @@ def test_the_asked_settings_are_the_served_ones(server: TorchServe) -> None:
     assert states(api, "s2") == ["READY"]
     api.unregister("s2")
 
+
+
+def test_a_script_stopped_by_sigterm_stops_its_server_and_runs_its_finally_blocks(sleep_store: Path,
+                                                                                    tmp_path: Path) -> None:
+    """`timeout` and CI limits stop a script with SIGTERM. TorchServe runs in a session of its own, so a
+    script killed outright would leave it running: once a TorchServe has started, SIGTERM is an
+    exit through the script's `with` and `finally` blocks (exit code 143), and the server is gone."""
+    script = (f"import pathlib, time\nfrom servekit.torchserve import TorchServe\n"
+              f"with TorchServe(pathlib.Path({str(tmp_path / 'run')!r}), pathlib.Path({str(sleep_store)!r})) as ts:\n"
+              f"    try:\n        print(ts.proc.pid, flush=True)\n        time.sleep(120)\n"
+              f"    finally:\n        print('finally', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        group = int(proc.stdout.readline())
+        assert group_alive(group)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert out.strip() == "finally" and proc.returncode == 143
+    assert not group_alive(group)
+
+    # A handler the script set itself is kept.
+    own = ("import signal, time\nfrom servekit.torchserve import stop_on_sigterm\n"
+           "signal.signal(signal.SIGTERM, lambda *_: print('own', flush=True))\nstop_on_sigterm()\n"
+           "print('ready', flush=True)\ntime.sleep(1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", own], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert out.strip() == "own" and proc.returncode == 0
 
 def test_wait_ready_names_the_worker_states_on_timeout(server: TorchServe) -> None:
     api = server.api
