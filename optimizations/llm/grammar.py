@@ -414,11 +414,7 @@ class GrammarCompiler(DeferredGrammars):
         up on at its limits, and one whose mask takes over ``mask_limit_s``."""
         probe = matcher.deep_copy()
         mask = numpy.zeros((self.vocab_size + 31) // 32, dtype=numpy.int32)
-        # This thread's CPU time, not the wall clock: a loaded host stretches the wall clock of a
-        # cheap mask, while llguidance computes a lone matcher's mask on the calling thread.
-        t0 = time.thread_time()
-        probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        took = time.thread_time() - t0
+        took = mask_cpu_seconds(probe, mask.ctypes.data, mask.nbytes)
         if probe.is_error():
             why = _first_line(probe.get_error())
             if why == "NoExtensionBias":
@@ -482,6 +478,16 @@ def _first_line(e: Exception | str) -> str:
         return type(e).__name__
     detail = next((line for line in lines[1:] if line.startswith("error:")), None)
     return f"{lines[0]} {detail}" if detail else lines[0]
+
+
+def mask_cpu_seconds(matcher: llguidance.LLMatcher, ptr: int, nbytes: int) -> float:
+    """Fill ``matcher``'s packed next-token mask at ``ptr`` (``nbytes``) on this thread and return the
+    CPU seconds it took: the measure the mask limit holds a grammar to, in the compiler's probe and
+    the engine's audit alike. CPU time, not the wall clock: a loaded host stretches the wall clock of
+    a cheap mask, while llguidance computes a lone matcher's mask on the calling thread."""
+    t0 = time.thread_time()
+    matcher.unsafe_compute_mask_ptr(ptr, nbytes)
+    return time.thread_time() - t0
 
 
 def too_slow(what: str, took_s: float, limit_s: float, found_by: str) -> str:
@@ -664,9 +670,7 @@ class MaskUpload:
         host.numpy().fill(-1)  # every row allowed; the grammar rows' own masks next
         row_bytes = host.shape[1] * host.element_size()
         for m, i in matchers:
-            t0 = time.thread_time()
-            m.unsafe_compute_mask_ptr(host[i].data_ptr(), row_bytes)
-            took = time.thread_time() - t0
+            took = mask_cpu_seconds(m, host[i].data_ptr(), row_bytes)
             if took > self.limit_s:
                 self.too_slow[id(m)] = took
 
