@@ -407,10 +407,10 @@ def test_masks_fill_on_a_helper_thread_beside_the_engines_work_and_no_matcher_ta
         started = b._masks._filling
         return started is not None and not started[2].done()
 
-    def slow_fill(matchers, host):
+    def slow_fill(matchers, host, caps=()):
         fills.append(threading.current_thread().name)
         time.sleep(0.003)
-        fill(matchers, host)
+        fill(matchers, host, caps)
 
     def checked_accept(self, token):
         assert not in_flight(), "a matcher took a token while its mask was being filled"
@@ -716,7 +716,7 @@ def _allowed(words: torch.Tensor) -> torch.Tensor:
 
 def test_bias_rows_are_the_matchers_own_masks(compiler, tokenizer, stops) -> None:
     """Packed bitmasks unpacked on the device allow exactly the tokens llguidance's own CPU masking
-    keeps, row by row, at several states of several grammars, beside rows without a grammar, with
+    keeps (cut to a bounded string's characters left), row by row, at several states of several grammars, beside rows without a grammar, with
     logit_bias, and with stop tokens held back by min_tokens."""
 
     from servekit.optimizations.llm.grammar import bias_rows
@@ -740,10 +740,13 @@ def test_bias_rows_are_the_matchers_own_masks(compiler, tokenizer, stops) -> Non
             want += row.static
         if row is not None and row.matcher is not None:
             words = torch.frombuffer(bytearray(row.matcher.compute_bitmask()), dtype=torch.int32)
+            if row.cap() is not None:  # inside "s": its maxLength cuts the mask (string_bounds)
+                words[:row.cap().size] &= torch.from_numpy(row.cap())
             want = want.masked_fill(~_allowed(words), float("-inf"))
         if row is held:
             want[list(stops)] = float("-inf")
         assert torch.equal(r, want)
+    assert json_rows[2].cap() is not None and json_rows[0].cap() is None
     assert torch.isfinite(got[1]).all() and got[4, 11] == -3.0 and got[4, 12] == 2.5
     assert 0 < int(torch.isfinite(got[3]).sum()) < 10  # "yes" / "no" starts only
 

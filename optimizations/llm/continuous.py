@@ -57,7 +57,7 @@ import torch
 from servekit.optimizations.buckets import pick_bucket
 from servekit.optimizations.llm.generate import (FINISH_LENGTH, FINISH_STOP, HostCopies, LlamaRunner, SampleStep,
                                                  SamplingParams, TokenLogprob, read_row, sample_mode, token_ids)
-from servekit.optimizations.llm.grammar import GrammarError, MaskUpload, RowConstraint, bias_rows
+from servekit.optimizations.llm.grammar import Caps, GrammarError, MaskUpload, RowConstraint, bias_rows, row_caps
 from servekit.optimizations.llm.packed import Chunk, PackedPrefill, triton_fits
 from servekit.optimizations.llm.prefix_cache import PrefixCache, PrefixStats, copy_rows
 from servekit.optimizations.llm.sampling import FULL, GREEDY, MODES, SamplingTensors, sampling_mode, upload
@@ -388,7 +388,7 @@ class ContinuousBatcher:
             self._masks.discard()
             st.packed.fill_(-1)
         elif not self._masks.finish(st.packed, self._forward):  # none started for this step: fill now
-            self._masks(matchers, st.packed)
+            self._masks(matchers, st.packed, self._caps(self._forward))
         if self._masks.too_slow:  # an audit's verdict: those rows end when this step is read
             for _, s in self._forward.seqs:
                 took = None if s.constraint is None else self._masks.too_slow.get(id(s.constraint.matcher))
@@ -598,13 +598,20 @@ class ContinuousBatcher:
         self._read_all(updates)
         matchers = self._matchers(forward)
         if matchers and forward.sample is not None:
-            self._masks.start(matchers, forward.sample.state.packed, forward)
+            self._masks.start(matchers, forward.sample.state.packed, forward, self._caps(forward))
 
     @staticmethod
     def _matchers(step: _Pending) -> list[tuple[LLMatcher, int]]:
         """(matcher, row) of each grammar row of ``step`` still running: the masks its sampling half takes."""
         return [(s.constraint.matcher, s.slot) for _, s in step.seqs
                 if not s.done and s.constraint is not None and s.constraint.matcher is not None]
+
+    @staticmethod
+    def _caps(step: _Pending) -> Caps:
+        """(row, cap) of each grammar row of ``step`` still running whose open string's
+        ``maxLength`` cuts its next mask (grammar.row_caps)."""
+        rows = [s for _, s in step.seqs if not s.done and s.constraint is not None]
+        return row_caps([s.constraint for s in rows], [s.slot for s in rows])
 
     def _sampling(self, seqs: Sequence[_Seq], grammar: bool) -> SamplingTensors:
         """The sampling parameters of ``seqs``' rows; their bias with their grammars' start masks as

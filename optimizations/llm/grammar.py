@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from servekit.optimizations.llm.sampling import unpack_masks, upload
+from servekit.optimizations.llm.string_bounds import Bounds, LengthCaps, StringBudget, relax
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,17 @@ class GrammarSpec:
             return cls(kind, json.dumps(value, ensure_ascii=False))
         raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
 
+    @functools.cached_property
+    def bounds(self) -> Bounds | None:
+        """Where the answer's strings whose ``maxLength`` the grammar leaves to counting lie
+        (``string_bounds.relax``); None when there are none."""
+        if self.kind != JSON or self.think:
+            return None
+        try:
+            return relax(_for_grammar(json.loads(self.text)))[1]
+        except (ValueError, RecursionError):  # grammar() says what is wrong with it
+            return None
+
     def grammar(self) -> str:
         """llguidance's grammar for this spec; ``GrammarError`` naming what is wrong (an invalid
         JSON schema says where, against its metaschema)."""
@@ -184,6 +196,8 @@ class GrammarSpec:
                                    "distinct, so answers could break the schema; remove it (or check uniqueness "
                                    "after parsing)")
             schema = _for_grammar(schema)
+            if not self.think:  # after a thinking block the answer's JSON starts where no budget looks
+                schema = relax(schema)[0]
         elif self.kind == JSON_OBJECT:  # OpenAI's json_object: an object, any keys and values
             schema = {"type": "object"}
         try:
@@ -371,6 +385,7 @@ class GrammarCompiler(DeferredGrammars):
             log.warning("grammar masks tokenize forced text through Python, slower under load: %s",
                         self.python_tokenize)
         self.cache_size, self.timeout_s, self.mask_limit_s = cache_size, timeout_s, mask_limit_s
+        self.lengths = LengthCaps(self.tokenizer, vocab_size)  # ~40 ms for SmolLM2's 49,152 tokens
         self._cache: collections.OrderedDict[GrammarSpec, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
         # Two helpers: one stuck on a pathological schema leaves the other for everyone else.
@@ -444,7 +459,7 @@ class GrammarCompiler(DeferredGrammars):
         """``c`` with its grammar compiled if it came without (``DeferredGrammars``, ``DecodeConstraint.portable``)."""
         if c is None or c.spec is None or c.grammar is not None:
             return c
-        return replace(c, grammar=self.compile(c.spec))
+        return replace(c, grammar=self.compile(c.spec), lengths=self.lengths if c.spec.bounds is not None else None)
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -511,6 +526,7 @@ class DecodeConstraint:
     vocab_size: int = 0
     stop_token_ids: tuple[int, ...] = field(default=())
     spec: GrammarSpec | None = None  # what ``grammar`` was compiled from
+    lengths: LengthCaps | None = None  # the vocabulary's caps, where the spec's strings have ``bounds``
 
     def start(self) -> "RowConstraint":
         return RowConstraint(self)
@@ -518,7 +534,7 @@ class DecodeConstraint:
     def portable(self) -> "DecodeConstraint":
         """This constraint without its compiled grammar, which cannot leave its process: the
         engine process compiles ``spec`` (``GrammarCompiler.restore``), from its own cache."""
-        return replace(self, grammar=None) if self.grammar is not None else self
+        return replace(self, grammar=None, lengths=None) if self.grammar is not None else self
 
 
 class RowConstraint:
@@ -527,6 +543,8 @@ class RowConstraint:
     def __init__(self, c: DecodeConstraint) -> None:
         self.c = c
         self.matcher = c.grammar.deep_copy() if c.grammar is not None else None  # microseconds
+        bounds = c.spec.bounds if c.spec is not None and c.lengths is not None else None
+        self.budget = StringBudget(bounds, c.lengths) if bounds is not None and c.lengths is not None else None
         self.generated = 0
         self.refused: str | None = None  # why the engine ends the row though its grammar goes on (MaskUpload's audit)
         self._stops_masked = False
@@ -576,7 +594,14 @@ class RowConstraint:
         """Advance past a sampled token; False if the grammar rejects it (``error()`` says why when
         llguidance gave up on the grammar; otherwise the token was masked: a bug)."""
         self.generated += 1
+        if self.budget is not None:
+            self.budget.feed(token)
         return self.matcher is None or self.matcher.is_stopped() or self.matcher.consume_token(token)
+
+    def cap(self) -> numpy.ndarray | None:
+        """The packed row that cuts the grammar's next mask to what the open string's
+        ``maxLength`` leaves (``string_bounds``); None where nothing is cut."""
+        return self.budget.cap() if self.budget is not None else None
 
 
 @functools.cache
@@ -603,24 +628,35 @@ def fill_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], masks: Tens
             m.unsafe_compute_mask_ptr(masks[i].data_ptr(), row_bytes)
 
 
-def fill_packed(matchers: Sequence[tuple[llguidance.LLMatcher, int]], host: Tensor) -> None:
+Caps = Sequence[tuple[int, numpy.ndarray]]  # (row, RowConstraint.cap()) of the rows whose masks it cuts
+
+
+def fill_packed(matchers: Sequence[tuple[llguidance.LLMatcher, int]], host: Tensor, caps: Caps = ()) -> None:
     """Each (matcher, row) pair's packed mask of its next token into that row of ``host`` (int32,
-    CPU, ``(rows, words)``); -1 (everything allowed) in the other rows."""
+    CPU, ``(rows, words)``), cut by the row's cap where ``caps`` has one; -1 (everything allowed)
+    in the other rows."""
     if len(matchers) < host.shape[0]:
         # Through numpy, on this thread: torch's fill_ of 32 rows runs on its intra-op threads,
         # whose spinning then slowed llguidance's threads (H100 host, 32 rows: 4.7 ms for the
         # fill_, the masks' fill 1.0 -> 1.8 ms).
         host.numpy()[sorted(set(range(host.shape[0])) - {i for _, i in matchers})] = -1
     fill_masks(matchers, host)
+    _cut(host, caps)
+
+
+def _cut(host: Tensor, caps: Caps) -> None:
+    rows = host.numpy()
+    for i, cap in caps:
+        rows[i] &= cap
 
 
 def packed_masks(matchers: Sequence[tuple[llguidance.LLMatcher, int]], rows: int, words: int,
-                 device: torch.device) -> Tensor:
+                 device: torch.device, caps: Caps = ()) -> Tensor:
     """The packed masks ``(rows, words)`` int32 on ``device`` (``fill_packed``), filled on the host
     into pinned memory (on CUDA) and copied without waiting: PyTorch's pinned-memory cache hands
     the block out again only once its copy has run."""
     host = torch.empty(rows, words, dtype=torch.int32, pin_memory=device.type == "cuda")
-    fill_packed(matchers, host)
+    fill_packed(matchers, host, caps)
     return host.to(device, non_blocking=True)
 
 
@@ -651,19 +687,19 @@ class MaskUpload:
         self._audit = False
         self.too_slow: dict[int, float] = {}  # id() of a matcher whose mask took over limit_s -> its seconds
 
-    def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor) -> None:
+    def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor, caps: Caps = ()) -> None:
         """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks; on
         CUDA without waiting for the device."""
         self.discard()
         host = self._block(dest)
-        self._fill(matchers, host)
+        self._fill(matchers, host, caps)
         self._copy(host, dest)
 
-    def _fill(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], host: Tensor) -> None:
+    def _fill(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], host: Tensor, caps: Caps = ()) -> None:
         """``fill_packed``, timed; an audit of each row after a fill over the limit."""
         if not self._audit:
             t0 = time.perf_counter()
-            fill_packed(matchers, host)
+            fill_packed(matchers, host, caps)
             self._audit = time.perf_counter() - t0 > self.limit_s
             return
         self._audit = False
@@ -673,15 +709,17 @@ class MaskUpload:
             took = mask_cpu_seconds(m, host[i].data_ptr(), row_bytes)
             if took > self.limit_s:
                 self.too_slow[id(m)] = took
+        _cut(host, caps)
 
-    def start(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor, step: object) -> None:
+    def start(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor, step: object,
+              caps: Caps = ()) -> None:
         """Begin filling the masks that ``finish(dest, step)`` will copy into ``dest``, on the helper
         thread (``step``: whose masks these are)."""
         self.discard()
         if self._helper is None:
             self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="servekit-masks")
         self._filling = (tuple(dest.shape), step,
-                         self._helper.submit(self._fill, list(matchers), self._block(dest)))
+                         self._helper.submit(self._fill, list(matchers), self._block(dest), list(caps)))
 
     def finish(self, dest: Tensor, step: object) -> bool:
         """Copy the masks ``start()`` filled for ``step`` into ``dest``, once filled; False (nothing
@@ -741,7 +779,7 @@ def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: tor
         # Every row's packed mask (all ones where there is no grammar), filled before any device
         # work here (the static rows' index tensor would wait for the device), so that one
         # masked_fill applies them all.
-        packed = packed_masks(grammar_rows, n, (vocab_size + 31) // 32, device)
+        packed = packed_masks(grammar_rows, n, (vocab_size + 31) // 32, device, row_caps(rows))
     bias = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
     static = [i for i, r in enumerate(rows) if r is not None and r.static is not None]
     if static:
@@ -753,6 +791,17 @@ def bias_rows(rows: Sequence[RowConstraint | None], vocab_size: int, device: tor
         if r is not None and r.c.min_tokens:
             r.mask_stops(bias[i])
     return bias
+
+
+def row_caps(rows: Sequence[RowConstraint | None], slots: Sequence[int] | None = None) -> list[tuple[int, numpy.ndarray]]:
+    """(row, cap) of each of ``rows`` whose next mask its open string cuts (``RowConstraint.cap``);
+    the rows numbered by ``slots`` where given, else by their place in ``rows``."""
+    out = []
+    for i, r in enumerate(rows):
+        cap = r.cap() if r is not None else None
+        if cap is not None:
+            out.append((i if slots is None else slots[i], cap))
+    return out
 
 
 def logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
