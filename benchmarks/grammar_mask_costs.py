@@ -1,5 +1,7 @@
 """What llguidance's mask costs along a model's own constrained answers, with llguidance's default
-slices and with servekit's (``grammar.MASK_SLICES``).
+slices and with servekit's (``grammar.MASK_SLICES``), and with every ``maxLength`` in the grammar
+against the server's way (bounds of strings counted: ``string_bounds``; a mask's time then includes
+cutting it to the characters left).
 
 The answers: each schema of the structured benchmark (benchmarks/structured_bench.py) with its
 prompts, decoded under the mask by the model itself (greedy and sampled), as the server builds the
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
+import numpy
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -33,7 +36,9 @@ from servekit.benchmarks.structured_bench import PROMPTS, SCHEMAS
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.grammar import JSON, MASK_SLICES, STRING_CHARS, GrammarSpec, llg_tokenizer
 from servekit.optimizations.llm.plan import stop_token_ids
+from servekit.optimizations.llm.string_bounds import Bounds, LengthCaps, StringBudget
 
+BOUNDED_IN_GRAMMAR = "every maxLength in the grammar"  # how the server built grammars before string_bounds
 SLICE_SETS = {"llguidance's default": llguidance.LLTokenizer.general_slices(), "servekit's": MASK_SLICES}
 # --every-length: a slice per string length up to 30 (each slice then holds the tokens of exactly
 # that many characters). llguidance takes a slice whole only where the lexer allows all of it, and
@@ -42,9 +47,9 @@ SLICE_SETS = {"llguidance's default": llguidance.LLTokenizer.general_slices(), "
 EVERY_LENGTH = [MASK_SLICES[0], *(f"{STRING_CHARS}{{1,{n}}}" for n in range(1, 31)), MASK_SLICES[-1]]
 
 
-def grammar_of(schema: dict) -> str:
-    """The grammar the server builds for ``schema``."""
-    return GrammarSpec.of(JSON, schema).grammar()
+def grammar_of(schema: dict, count_bounds: bool = True) -> str:
+    """The grammar the server builds for ``schema`` (``count_bounds=False``: with every ``maxLength``)."""
+    return GrammarSpec.of(JSON, schema).grammar(count_bounds)
 
 
 def record(model_dir: Path, tokenizer: llguidance.LLTokenizer, prompts: int, temperatures: list[float],
@@ -60,7 +65,7 @@ def record(model_dir: Path, tokenizer: llguidance.LLTokenizer, prompts: int, tem
     for temperature in temperatures:
         for p in range(prompts):
             for i, (name, topic, schema) in enumerate(SCHEMAS):
-                matcher = llguidance.LLMatcher(tokenizer, grammar_of(schema))
+                matcher = llguidance.LLMatcher(tokenizer, grammar_of(schema, count_bounds=False))
                 ids = hf.apply_chat_template([{"role": "user", "content": PROMPTS[(i + p) % len(PROMPTS)].format(topic=topic)}],
                                              add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
                 past, tokens = None, []
@@ -103,55 +108,81 @@ def _stats_us(values: list[float]) -> dict[str, float]:
             "max": round(1e6 * v[-1], 1)}
 
 
+class _Row:
+    """A replayed answer's matcher, and its budget where the server counts its strings' bounds."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, bounds: Bounds | None, caps: LengthCaps | None) -> None:
+        self.matcher = matcher.deep_copy()
+        self.budget = StringBudget(bounds, caps) if bounds is not None and caps is not None else None
+
+    def cut(self, mask: numpy.ndarray) -> None:
+        cap = self.budget.cap() if self.budget is not None else None
+        if cap is not None:
+            mask &= cap[:mask.size]
+
+    def take(self, token: int) -> None:
+        assert self.matcher.consume_token(token), "an answer the grammar does not take"
+        if self.budget is not None:
+            self.budget.feed(token)
+
+
 def replay(tokenizer: llguidance.LLTokenizer, answers: list[dict[str, Any]], rows: int,
-           threads: list[int]) -> dict[str, Any]:
+           threads: list[int], count_bounds: bool = True) -> dict[str, Any]:
     """Per-mask times on one thread, per-step times of ``rows`` rows in lockstep on each count of
-    ``threads``, compile times."""
+    ``threads``, compile times; the masks cut by each row's budget where ``count_bounds``."""
     words = (tokenizer.vocab_size + 31) // 32
+    caps = LengthCaps(tokenizer, tokenizer.vocab_size) if count_bounds else None
     compiles, compiled = [], {}
     for i, (_, _, schema) in enumerate(SCHEMAS):
-        grammar = grammar_of(schema)
+        grammar = grammar_of(schema, count_bounds)
+        bounds = GrammarSpec.of(JSON, schema).bounds if count_bounds else None
         t0 = time.perf_counter()
-        compiled[i] = llguidance.LLMatcher(tokenizer, grammar)
+        compiled[i] = (llguidance.LLMatcher(tokenizer, grammar), bounds)
         compiles.append(time.perf_counter() - t0)
     one = torch.empty(1, words, dtype=torch.int32)
     per_mask = []
     for a in answers:
-        m = compiled[a["schema"]].deep_copy()
+        row = _Row(*compiled[a["schema"]], caps)
         for t in a["tokens"]:
             t0 = time.perf_counter()
-            m.unsafe_compute_mask_ptr(one.data_ptr(), words * 4)
+            row.matcher.unsafe_compute_mask_ptr(one.data_ptr(), words * 4)
+            row.cut(one.numpy()[0])
             per_mask.append(time.perf_counter() - t0)
-            assert m.consume_token(t), "an answer the grammar does not take"
+            row.take(t)
     res = {"masks": len(per_mask), "mask_us": _stats_us(per_mask),
            "compile_ms": {"median": round(1e3 * statistics.median(compiles), 2), "max": round(1e3 * max(compiles), 2)}}
     for n in threads:
-        steps = lockstep(compiled, answers, rows, llguidance.LLExecutor(n), words)
+        steps = lockstep(compiled, answers, rows, llguidance.LLExecutor(n), words, caps)
         res[f"step_of_{rows}_rows_on_{n}_threads_us"] = _stats_us(steps)
     res["steps"] = len(steps)
     return res
 
 
-def lockstep(compiled: dict[int, llguidance.LLMatcher], answers: list[dict[str, Any]], rows: int,
-             executor: llguidance.LLExecutor, words: int) -> list[float]:
+def lockstep(compiled: dict[int, tuple[llguidance.LLMatcher, Bounds | None]], answers: list[dict[str, Any]],
+             rows: int, executor: llguidance.LLExecutor, words: int, caps: LengthCaps | None) -> list[float]:
     """Each of ``rows`` rows walks the answers one after another; a step fills every row's mask on
-    ``executor``'s threads. The steps' times."""
+    ``executor``'s threads (and cuts those its budget cuts). The steps' times."""
     block = torch.empty(rows, words, dtype=torch.int32)
+    masks = block.numpy()
     nxt, lanes = 0, []
     for _ in range(rows):
-        lanes.append([compiled[answers[nxt % len(answers)]["schema"]].deep_copy(), answers[nxt % len(answers)]["tokens"], 0])
+        a = answers[nxt % len(answers)]
+        lanes.append([_Row(*compiled[a["schema"]], caps), a["tokens"], 0])
         nxt += 1
     per_step = []
     for _ in range(sum(len(a["tokens"]) for a in answers) // rows):
         t0 = time.perf_counter()
-        executor.unsafe_compute_mask_ptr([(lane[0], k) for k, lane in enumerate(lanes)], block.data_ptr(), words * 4, rows)
+        executor.unsafe_compute_mask_ptr([(lane[0].matcher, k) for k, lane in enumerate(lanes)], block.data_ptr(),
+                                         words * 4, rows)
+        for k, lane in enumerate(lanes):
+            lane[0].cut(masks[k])
         per_step.append(time.perf_counter() - t0)
         for k, lane in enumerate(lanes):
-            assert lane[0].consume_token(lane[1][lane[2]])
+            lane[0].take(lane[1][lane[2]])
             lane[2] += 1
             if lane[2] == len(lane[1]):
                 a = answers[nxt % len(answers)]
-                lanes[k], nxt = [compiled[a["schema"]].deep_copy(), a["tokens"], 0], nxt + 1
+                lanes[k], nxt = [_Row(*compiled[a["schema"]], caps), a["tokens"], 0], nxt + 1
     return per_step
 
 
@@ -202,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"model_dir": str(args.model_dir), "answers": len(answers), "rows": args.rows,
                            "threads": args.threads, "cpu_count": os.cpu_count(), "llguidance": llguidance.__version__,
                            "slice_sets": {}}
-    for name, tokenizer in tokenizers.items():
-        r = replay(tokenizer, answers, args.rows, args.threads)
+    runs = [(name, f"{name} slices", tokenizer, True) for name, tokenizer in tokenizers.items()]
+    runs.append((f"servekit's, {BOUNDED_IN_GRAMMAR}", f"servekit's slices, {BOUNDED_IN_GRAMMAR}",
+                 tokenizers["servekit's"], False))
+    for name, label, tokenizer, count_bounds in runs:
+        r = replay(tokenizer, answers, args.rows, args.threads, count_bounds)
         res["slice_sets"][name] = r
-        print(f"{name} slices: {r['masks']} masks, us per mask {r['mask_us']}; compile ms {r['compile_ms']}", flush=True)
+        print(f"{label}: {r['masks']} masks, us per mask {r['mask_us']}; compile ms {r['compile_ms']}", flush=True)
         for n in args.threads:
             print(f"  {r['steps']} steps of {args.rows} rows on {n} threads, us per step "
                   f"{r[f'step_of_{args.rows}_rows_on_{n}_threads_us']}", flush=True)

@@ -15,7 +15,7 @@ import torch
 
 from servekit.benchmarks.structured_bench import SCHEMAS as BENCH_SCHEMAS
 from servekit.optimizations.llm.chat_template import ChatTokenizer
-from servekit.optimizations.llm.grammar import JSON, JSON_FORMAT, GrammarCompiler, GrammarSpec, _for_grammar
+from servekit.optimizations.llm.grammar import JSON, GrammarCompiler, GrammarSpec
 from servekit.optimizations.llm.string_bounds import MAX_REF_DEPTH, StringBudget, relax
 from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
@@ -91,8 +91,7 @@ def _walk(compiler: GrammarCompiler, schema: dict, rng: random.Random, interesti
     """One answer under the relaxed grammar cut by its budget, checked against the grammar with
     the bounds at every token: the answer, how many masks were cut, how many steps the strict grammar
     forced text on (where its mask keeps only the forced text's own tokens)."""
-    strict_grammar = llguidance.LLMatcher.grammar_from_json_schema(_for_grammar(schema), defaults=JSON_FORMAT)
-    strict = llguidance.LLMatcher(compiler.tokenizer, strict_grammar)
+    strict = llguidance.LLMatcher(compiler.tokenizer, GrammarSpec.of(JSON, schema).grammar(count_bounds=False))
     row = compiler.constraint(GrammarSpec.of(JSON, schema)).start()
     assert row.budget is not None
     words = (VOCAB + 31) // 32

@@ -166,10 +166,11 @@ class GrammarSpec:
         except (ValueError, RecursionError):  # grammar() says what is wrong with it
             return None
 
-    def grammar(self) -> str:
+    def grammar(self, count_bounds: bool = True) -> str:
         """llguidance's grammar for this spec; ``GrammarError`` naming what is wrong (an invalid
-        JSON schema says where, against its metaschema)."""
-        body = self._body()
+        JSON schema says where, against its metaschema). ``count_bounds=False``: every ``maxLength``
+        stays in the grammar, none is left to ``bounds`` (for comparisons)."""
+        body = self._body(count_bounds)
         if not self.think:
             return body
         # The thinking block in a Lark grammar of its own, the answer's grammar after it by name.
@@ -179,7 +180,7 @@ class GrammarSpec:
                     {**top["grammars"][0], "name": "body"}]
         return json.dumps({"grammars": grammars})
 
-    def _body(self) -> str:
+    def _body(self, count_bounds: bool = True) -> str:
         """The grammar of what ``kind`` and ``text`` ask for, without a thinking block."""
         if self.kind == JSON:
             schema = json.loads(self.text)
@@ -196,7 +197,7 @@ class GrammarSpec:
                                    "distinct, so answers could break the schema; remove it (or check uniqueness "
                                    "after parsing)")
             schema = _for_grammar(schema)
-            if not self.think:  # after a thinking block the answer's JSON starts where no budget looks
+            if count_bounds and not self.think:  # after a thinking block the JSON starts where no budget looks
                 schema = relax(schema)[0]
         elif self.kind == JSON_OBJECT:  # OpenAI's json_object: an object, any keys and values
             schema = {"type": "object"}
