@@ -150,6 +150,8 @@ def test_cut_masks_allow_what_the_bounded_grammar_allows(compiler: GrammarCompil
             cuts, forced, answers = cuts + c, forced + f, answers + 1
     assert answers >= 60 and cuts >= 200  # the walks did reach the bounds
     assert forced < cuts
+    # Bounds of 0 and 1 had tokens with a quote tried, their verdicts kept for the later walks.
+    assert compiler.lengths.verdicts and any(compiler.lengths.verdicts.values())
 
 
 def test_budget_follows_keys_escapes_and_nesting(compiler: GrammarCompiler) -> None:

@@ -155,16 +155,11 @@ class GrammarSpec:
             return cls(kind, json.dumps(value, ensure_ascii=False))
         raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
 
-    @functools.cached_property
+    @property
     def bounds(self) -> Bounds | None:
         """Where the answer's strings whose ``maxLength`` the grammar leaves to counting lie
         (``string_bounds.relax``); None when there are none."""
-        if self.kind != JSON or self.think:
-            return None
-        try:
-            return relax(_for_grammar(json.loads(self.text)))[1]
-        except (ValueError, RecursionError):  # grammar() says what is wrong with it
-            return None
+        return _json_bounds(self.text) if self.kind == JSON and not self.think else None
 
     def grammar(self, count_bounds: bool = True) -> str:
         """llguidance's grammar for this spec; ``GrammarError`` naming what is wrong (an invalid
@@ -209,6 +204,16 @@ class GrammarSpec:
             return llguidance.grammar_from("choice" if self.kind == CHOICE else "grammar", self.text)
         except Exception as e:  # llguidance's own: the GBNF -> Lark conversion's, an integer beyond 64 bits in a schema
             raise GrammarError(f"the {self.kind} cannot be used: {_first_line(e)}") from None
+
+
+@functools.lru_cache(maxsize=DEFAULT_CACHE_SIZE)
+def _json_bounds(text: str) -> Bounds | None:
+    """``GrammarSpec.bounds`` of a schema's canonical text: one object per schema, shared by its
+    requests' rows (``StringBudget`` keys what it tried by it)."""
+    try:
+        return relax(_for_grammar(json.loads(text)))[1]
+    except (ValueError, RecursionError):  # grammar() says what is wrong with it
+        return None
 
 
 def _for_grammar(schema: Any) -> Any:

@@ -173,6 +173,8 @@ class LengthCaps:
     puts into the string before its closing quote (all of them where it does not close it). A cap
     is the packed row (32 tokens a word, as llguidance's masks) of the tokens that fit a count."""
 
+    MAX_VERDICTS = 65536  # walk states whose verdicts are kept (a few hundred bytes each)
+
     def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int) -> None:
         n = min(vocab_size, tokenizer.vocab_size)
         self.token_bytes = [b"" if tokenizer.is_special_token(i) else tokenizer.decode_bytes([i]) for i in range(n)]
@@ -207,6 +209,7 @@ class LengthCaps:
         self.quoted = [i for i, b in enumerate(self.token_bytes) if _QUOTE in b]
         self._opened = [[_opened_chars(self.token_bytes[t], mode) for t in self.quoted] for mode in range(7)]
         self._risky: dict[tuple[int, int], list[int]] = {}
+        self.verdicts: dict[tuple, tuple[int, ...]] = {}  # StringBudget._signature -> the tokens it refused
 
     def risky(self, mode: int, least: int) -> list[int]:
         """The tokens that, starting in ``mode`` (a string state or OUTSIDE), put more than ``least``
@@ -248,7 +251,8 @@ class StringBudget:
     ``cap()`` cuts the tokens without a quote by ``LengthCaps`` alone: they stay in the string they
     start in. A token with a quote can also open a string (`` "abc``, ``": "x``); where it would
     put more characters into one than the schema's smallest bound, it is tried on a copy of the
-    walk (with SmolLM2's vocabulary and bounds of 2 or more, no token ever is)."""
+    walk, once per walk state (with SmolLM2's vocabulary: none with bounds of 3 or more, 5 tokens
+    with a bound of 2, 112 with a bound of 0)."""
 
     def __init__(self, bounds: Bounds, caps: LengthCaps) -> None:
         self._caps = caps
@@ -282,7 +286,15 @@ class StringBudget:
         bounded = self._in_string and self._left >= 0
         base = caps.cap(self._state, self._left) if bounded else None
         risky = caps.risky(self._state if self._in_string else OUTSIDE, self._least)
-        refused = [t for t in risky if not self._fits(caps.token_bytes[t])]
+        refused: tuple[int, ...] = ()
+        if risky:  # tried once per place in a schema: the verdicts are kept by the walk's state
+            key = self._signature()
+            refused = caps.verdicts.get(key)  # type: ignore[assignment]
+            if refused is None:
+                refused = tuple(t for t in risky if not self._fits(caps.token_bytes[t]))
+                if len(caps.verdicts) >= caps.MAX_VERDICTS:
+                    caps.verdicts.clear()
+                caps.verdicts[key] = refused
         if not refused:
             return base
         row = base.copy() if base is not None else numpy.full(caps.words, -1, dtype=numpy.int32)
@@ -290,6 +302,15 @@ class StringBudget:
         for t in refused:
             bits[t >> 5] &= numpy.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
         return row
+
+    def _signature(self) -> tuple:
+        """What decides which tokens with a quote fit from here: the string or value the walk is in
+        and the containers around it (an array item's index only among its ``prefix`` items). The
+        bounds in it are the schema's own objects (``GrammarSpec.bounds`` is one per schema text)."""
+        frames = tuple((f[0], f[1], f[2] if f[1] or f[0] is None else min(f[2], len(f[0].prefix)))
+                       for f in self._frames)
+        return (self._in_string, self._in_scalar, self._state, self._left,
+                bytes(self._key) if self._key is not None else None, self._next, frames)
 
     def _fits(self, token: bytes) -> bool:
         """Whether ``token`` keeps every relaxed string within its bound, tried on a copy of this walk."""
