@@ -709,6 +709,21 @@ def test_a_byte_level_bpe_converted_with_byte_fallback_is_read_as_byte_level(tok
     assert reason is None and native.decode_bytes([111]) == b"\xa1"
 
 
+def test_a_tokenizer_with_too_many_added_tokens_keeps_the_byte_table(tokenizer, stops, monkeypatch) -> None:
+    """llguidance's reading of a tokenizer.json takes time growing with the square of its added
+    tokens (minutes for the 102,000 of a Qwen-shaped benchmark model): past the limit the byte table
+    is used without that reading, and says why."""
+    from servekit.optimizations.llm import grammar
+
+    added = len(tokenizer.tokenizer.get_added_tokens_decoder())
+    assert grammar.llg_tokenizer(tokenizer, VOCAB, stops)[1] is None
+    monkeypatch.setattr(grammar, "MAX_NATIVE_ADDED_TOKENS", added - 1)
+    table, reason = grammar.llg_tokenizer(tokenizer, VOCAB, stops)
+    assert reason == (f"the tokenizer has {added} added tokens; llguidance's reading of it takes time that grows "
+                      f"with their square, so more than {added - 1} are not read")
+    assert table.decode_bytes([300]) == tokenizer.token_bytes(300)
+
+
 def _allowed(words: torch.Tensor) -> torch.Tensor:
     """A packed bitmask row (int32 words) as one bool per token, bit by bit in Python."""
     return torch.tensor([bool((int(words[t // 32]) >> (t % 32)) & 1) for t in range(VOCAB)])
@@ -716,8 +731,9 @@ def _allowed(words: torch.Tensor) -> torch.Tensor:
 
 def test_bias_rows_are_the_matchers_own_masks(compiler, tokenizer, stops) -> None:
     """Packed bitmasks unpacked on the device allow exactly the tokens llguidance's own CPU masking
-    keeps (cut to a bounded string's characters left), row by row, at several states of several grammars, beside rows without a grammar, with
-    logit_bias, and with stop tokens held back by min_tokens."""
+    keeps (cut to a bounded string's characters left), row by row, at several states of several
+    grammars, beside rows without a grammar, with logit_bias, and with stop tokens held back by
+    min_tokens."""
 
     from servekit.optimizations.llm.grammar import bias_rows
 

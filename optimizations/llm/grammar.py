@@ -264,6 +264,13 @@ PROBE_TEXTS = ('{"name": "', ': "', '", "', '{"a": [1, 2.5e-3, true, null]}', "h
                "\n\t\"", "naïve café 東京 😀", "ANSWER: 42.", "<|im_end|>")
 
 
+# llguidance's own reading of a tokenizer.json takes time that grows with the square of its added
+# tokens: SmolLM2's tokenizer with 51,000 added took 16 s on the development VM, with 102,000 (the
+# Qwen2.5-0.5B-shaped benchmark model's 151,936 ids) about three minutes of a worker's start on an
+# H200 host, for two readings. Real tokenizers add tens to a few thousand (Llama 3: 256).
+MAX_NATIVE_ADDED_TOKENS = 16384
+
+
 def llg_tokenizer(tokenizer: Any, vocab_size: int,
                   stop_token_ids: Sequence[int]) -> tuple[llguidance.LLTokenizer, str | None]:
     """llguidance's view of a ``ChatTokenizer``'s vocabulary: ``vocab_size`` ids, each as the bytes
@@ -280,6 +287,10 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int,
     stops = list(stop_token_ids) or tokenizer.eos_token_id
     table = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tokenizer, vocab_size)), n_vocab=vocab_size,
                                    eos_token=stops, slices=MASK_SLICES)
+    added = len(tokenizer.tokenizer.get_added_tokens_decoder())
+    if added > MAX_NATIVE_ADDED_TOKENS:
+        return table, (f"the tokenizer has {added} added tokens; llguidance's reading of it takes time that grows "
+                       f"with their square, so more than {MAX_NATIVE_ADDED_TOKENS} are not read")
     raw = tokenizer.tokenizer.to_str()
     reason = "no reading tried"
     for text in dict.fromkeys(filter(None, (raw, byte_level_json(raw)))):
