@@ -42,6 +42,10 @@ EXTRA = [
              "either": {"anyOf": [_s(3), {"type": "integer"}]}})},
     _obj({"text": _s(40), "list": {"type": "array", "items": {"type": "array", "items": _s(3), "maxItems": 2},
                                     "maxItems": 2}}),
+    # A string or something else, as pydantic writes Optional[constr(max_length=n)], and type lists.
+    _obj({"nick": {"anyOf": [_s(3), {"type": "null"}], "default": None, "title": "Nick"},
+          "tag": {"type": ["string", "null"], "maxLength": 2},
+          "mixed": {"oneOf": [_s(4), {"type": "integer"}, _obj({"x": _s(2)})]}}),
 ]
 
 
@@ -56,17 +60,22 @@ def test_relax_leaves_out_the_bounds_whose_place_the_answer_names() -> None:
     relaxed, bounds = relax(schema)
     tag = relaxed["properties"]["tags"]["items"]
     assert "$ref" not in tag and "maxLength" not in tag["properties"]["label"]  # inlined from $defs, relaxed
-    assert relaxed["properties"]["either"] == schema["properties"]["either"]  # under anyOf: kept
-    assert tag["properties"]["parent"] == schema["$defs"]["Tag"]["properties"]["parent"]
+    assert relaxed["properties"]["either"]["anyOf"] == [{"type": "string"}, {"type": "integer"}]  # a string or not
+    assert tag["properties"]["parent"] == schema["$defs"]["Tag"]["properties"]["parent"]  # a $ref's type unknown
     assert bounds is not None and bounds.child("tags").item(5).child("label").max_chars == 7
-    assert bounds.child("either") is None and schema["$defs"]["Tag"]["properties"]["label"]["maxLength"] == 7
+    assert bounds.child("either").max_chars == 3 and schema["$defs"]["Tag"]["properties"]["label"]["maxLength"] == 7
+    union = relax(EXTRA[5])[1]
+    assert [union.child(k).max_chars for k in ("nick", "tag", "mixed")] == [3, 2, 4]
+    assert union.child("mixed").child("x") is None  # inside the union's object branch: left to the grammar
     pair = relax(EXTRA[1])[1].child("pair")
     assert [b.max_chars if b else None for b in pair.prefix] == [4, None, 2] and pair.item(3) is None
     extra = relax(EXTRA[2])[1]
     assert extra.additional.max_chars == 6 and extra.child("any") is extra.additional and not extra.properties
     # Not counted: strings with a pattern or format, minLength over maxLength, nothing bounded.
     for kept in (_s(5, pattern="^a+$"), _s(5, format="date"), _s(2, minLength=3), _obj({"n": {"type": "integer"}}),
-                 {"anyOf": [_s(3)]}, True):
+                 {"anyOf": [_s(3), _s(4)]}, {"anyOf": [_s(3), {"enum": ["x"]}]}, {"anyOf": [_s(3), {"type": "null"}],
+                                                                                     "maxItems": 1},
+                 {"anyOf": [_s(3), {"type": "null"}], "oneOf": [{"type": "string"}]}, True):
         assert relax(kept) == (kept, None)
 
 

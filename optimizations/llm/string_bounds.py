@@ -12,7 +12,8 @@ tokens arrive; inside such a string its mask is cut to the tokens whose characte
 string's closing quote fit what is left (``LengthCaps``: a packed row per count, per vocabulary).
 The cut mask is the mask of the grammar with the bound, token for token (tests/test_string_bounds.py
 compares them along sampled answers). Strings under ``anyOf``, ``oneOf``, ``allOf`` and the like
-keep their ``maxLength`` in the grammar: which branch an answer is in is the grammar's to know.
+keep their ``maxLength`` in the grammar (which branch an answer is in is the grammar's to know),
+except a union of one string and other types (``_string_or_other``), where a quote names the string.
 """
 from __future__ import annotations
 
@@ -78,6 +79,12 @@ def _all_max_chars(b: Bounds | None) -> list[int]:
 
 
 def _relax(node: Any, root: Any, depth: int) -> tuple[Any, Bounds | None]:
+    if isinstance(node, dict) and (union := _string_or_other(node)) is not None:
+        key, branches, i = union
+        relaxed, bounds = _relax(branches[i], root, depth)
+        if bounds is None:
+            return node, None
+        return {**node, key: [relaxed if j == i else b for j, b in enumerate(branches)]}, bounds
     if not isinstance(node, dict) or _BRANCHING & node.keys():
         return node, None
     if "$ref" in node:
@@ -90,8 +97,9 @@ def _relax(node: Any, root: Any, depth: int) -> tuple[Any, Bounds | None]:
         return ({**relaxed, **beside}, bounds) if bounds is not None else (node, None)
     out, bounds = dict(node), Bounds()
     limit, least = node.get("maxLength"), node.get("minLength", 0)
-    if (node.get("type") == "string" and _count(limit) and _count(least) and least <= limit
-            and not _SHAPED & node.keys()):
+    types = node.get("type")
+    if ((types == "string" or isinstance(types, list) and "string" in types) and _count(limit) and _count(least)
+            and least <= limit and not _SHAPED & node.keys()):
         del out["maxLength"]
         bounds.max_chars = limit
     props = node.get("properties")
@@ -116,6 +124,29 @@ def _relax(node: Any, root: Any, depth: int) -> tuple[Any, Bounds | None]:
             and not bounds.prefix):
         return node, None
     return out, bounds
+
+
+def _string_or_other(node: dict) -> tuple[str, list, int] | None:
+    """For ``anyOf``/``oneOf`` (beside annotations only) of one plain string and branches of other
+    types (pydantic's ``Optional[constr(max_length=n)]``: a string or null): the keyword, its
+    branches and the string's index. A value that opens a quote there can only be that string."""
+    keys = [k for k in ("anyOf", "oneOf") if k in node]
+    if len(keys) != 1 or not _ANNOTATIONS.issuperset(set(node) - {keys[0]}) or not isinstance(node[keys[0]], list):
+        return None
+    branches = node[keys[0]]
+    strings = [i for i, b in enumerate(branches) if isinstance(b, dict) and b.get("type") == "string"]
+    others = [b for i, b in enumerate(branches) if i not in strings]
+    if len(strings) != 1 or not all(isinstance(b, dict) and _not_string(b) for b in others):
+        return None
+    return keys[0], branches, strings[0]
+
+
+def _not_string(branch: dict) -> bool:
+    """Whether no value of ``branch`` is a string: its own type says so and nothing else could add one."""
+    types = branch.get("type")
+    types = [types] if isinstance(types, str) else types
+    return (isinstance(types, list) and bool(types) and "string" not in types
+            and not ({"enum", "const", "$ref"} | _BRANCHING) & branch.keys())
 
 
 def _count(value: Any) -> bool:
