@@ -211,8 +211,9 @@ class LengthCaps:
         self.token_bytes = [b"" if tokenizer.is_special_token(i) else tokenizer.decode_bytes([i]) for i in range(n)]
         self.token_bytes += [b""] * (vocab_size - n)
         words = (vocab_size + 31) // 32
-        ends = numpy.cumsum([len(b) for b in self.token_bytes])
-        starts = ends - [len(b) for b in self.token_bytes]
+        lengths = numpy.array([len(b) for b in self.token_bytes], dtype=numpy.int64)
+        ends = numpy.cumsum(lengths)
+        starts = ends - lengths
         flat = numpy.frombuffer(b"".join(self.token_bytes), dtype=numpy.uint8)
         # Per token, vectorized: the characters it starts (UTF-8 lead bytes) and whether it holds a
         # quote or a backslash (those few are walked byte by byte below).
@@ -222,7 +223,6 @@ class LengthCaps:
         self.before_close = numpy.zeros((6, words * 32), dtype=numpy.int32)
         self.before_close[CONTENT, :vocab_size] = chars
         firsts = numpy.array([b[0] if b else 0 for b in self.token_bytes], dtype=numpy.int64)
-        lengths = ends - starts
         # In an escape the first bytes belong to it (counted at its backslash): \u takes 5, others 1.
         for state, skip in ((ESCAPED, numpy.where(firsts == ord("u"), 5, 1)), (HEX4, 4), (HEX3, 3), (HEX2, 2), (HEX1, 1)):
             taken = numpy.minimum(skip, lengths)
