@@ -29,10 +29,12 @@ EMBEDDING, LLM = "embedding", "llm"
 # Causal LMs the Llama-family runtime loads (model_type in config.json).
 LLM_MODEL_TYPES = tuple(DECODER_FAMILIES)  # optimizations/models/families.py
 LLM_TEMPLATES = {"cuda": "smollm2", "cpu": "smollm2-cpu"}  # the shipped model-config an LLM's generated one starts from
-# The longest context a generated LLM config serves. The shipped SmolLM2 config serves its model's
-# 8,192 tokens, measured on GPUs; generated configs of other models stay at the 2,048 their GPU runs
-# were measured at (a Llama-3.1-8B's 32 rows of 8,192 tokens would also take 34 GB of KV cache).
-GENERATED_MAX_SEQ_LEN = 2048
+# The KV cache a generated LLM config may take: it serves its template's context (8,192 tokens on
+# GPUs) or the model's, halved while batchSize rows of it would take more than this (a
+# Llama-3.1-8B's 32 rows of 8,192 tokens are 32 GiB in bf16: it gets 4,096), down to
+# MIN_GENERATED_CONTEXT. 16 GiB beside an 8B model's weights fits a 40 GB GPU.
+GENERATED_KV_CACHE_BYTES = 16 * 2**30
+MIN_GENERATED_CONTEXT = 2048
 LLM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
              "special_tokens_map.json", "chat_template.jinja")
 ENCODER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -52,6 +54,7 @@ class ModelSource:
     files: list[Weight]
     max_tokens: int   # the longest sequence the model takes (positions, or sentence-transformers' limit)
     model_type: str | None = None  # an LLM's decoder family (config.json model_type)
+    kv_values: int = 0  # an LLM's keys and values per token, every layer's (its KV cache is this x rows x context)
 
 
 def sanitize_name(name: str) -> str:
@@ -162,7 +165,8 @@ def llm_source(model_dir: Path) -> ModelSource:
         config = LlamaConfig.from_hf(raw)
     except (ValueError, KeyError, TypeError):  # the plan's check names what cannot be served, at load
         return ModelSource(LLM, files, int(raw.get("max_position_embeddings") or 2048), raw["model_type"])
-    return ModelSource(LLM, files, config.max_context, raw["model_type"])
+    return ModelSource(LLM, files, config.max_context, raw["model_type"],
+                       2 * config.n_layers * config.n_kv_heads * config.head_dim)
 
 
 def model_source(model_dir: Path, kind: str | None = None) -> ModelSource:
@@ -174,6 +178,18 @@ def model_source(model_dir: Path, kind: str | None = None) -> ModelSource:
     if kind in (RERANK, CLASSIFY):
         return classifier_source(model_dir, kind)
     return embedding_source(model_dir) if kind == EMBEDDING else llm_source(model_dir)
+
+
+def fitted_context(n: int, bytes_per_position: int, budget: int = GENERATED_KV_CACHE_BYTES) -> int:
+    """``n`` halved while a KV cache of ``bytes_per_position`` per position (every row's) would take
+    more than ``budget``, but not below ``MIN_GENERATED_CONTEXT`` (nor raised to it)."""
+    while n > MIN_GENERATED_CONTEXT and n * bytes_per_position > budget:
+        n = max(n // 2, MIN_GENERATED_CONTEXT)
+    return n
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def generated_config(source: ModelSource, device: str, origin: str, speculation: bool = False
@@ -196,11 +212,17 @@ def generated_config(source: ModelSource, device: str, origin: str, speculation:
         template = LLM_TEMPLATES[device]
         cfg = yaml.safe_load(model_config(template).read_text())
         plan = cfg["servekit"]
-        n = min(int(plan.get("max_seq_len", 2048)), source.max_tokens, GENERATED_MAX_SEQ_LEN)
+        n = min(int(plan.get("max_seq_len", 2048)), source.max_tokens)
+        rows, value_bytes = int(cfg.get("batchSize", 1)), 4 if plan.get("precision") == "fp32" else 2
+        wanted = n
+        n = fitted_context(n, rows * source.kv_values * value_bytes)
         plan["max_seq_len"] = n
         if n < source.max_tokens:
             note += (f"# max_seq_len {n} of the model's {source.max_tokens} tokens: raise it here to serve longer prompts\n"
                      "# (the KV cache grows with it: batchSize rows of max_seq_len tokens).\n")
+        if n < wanted:
+            note += (f"# {rows} rows of {wanted} tokens would take {_gib(rows * wanted * source.kv_values * value_bytes)} "
+                     f"of KV cache; {n} tokens take {_gib(rows * n * source.kv_values * value_bytes)}.\n")
         buckets = plan.setdefault("buckets", {})
         for key in ("prompt_lens", "kv_lens"):
             if key in buckets:

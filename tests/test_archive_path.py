@@ -191,27 +191,52 @@ def test_llm_folder_and_gguf_file_archive_as_llm(llm_dir, tmp_path, capsys):
     assert r.returncode == 2 and "a GGUF file is a causal LM" in r.stderr and not (tmp_path / "enc").exists()
 
 
-@pytest.mark.parametrize("device,model_max,context", [
-    ("cuda", 8192, 2048),   # the GPU template serves 8,192 (SmolLM2's own), a generated config 2,048
-    ("cuda", 1500, 1500),   # the model's context, shorter
-    ("cpu", 131072, 1024),  # the CPU template's own 1,024 tokens
+SMOLLM2_KV = 2 * 30 * 3 * 64  # keys and values per token: layers x KV heads x head_dim, each
+LLAMA_8B_KV = 2 * 32 * 8 * 128
+LLAMA_70B_KV = 2 * 80 * 8 * 128
+
+
+@pytest.mark.parametrize("device,model_max,kv_values,context", [
+    ("cuda", 8192, SMOLLM2_KV, 8192),     # the GPU template's 8,192: 32 rows take 5.6 GiB in bf16
+    ("cuda", 131072, LLAMA_8B_KV, 4096),  # 32 rows of 8,192 would take 32 GiB: halved to 16 GiB
+    ("cuda", 131072, LLAMA_70B_KV, 2048),  # 20 GiB at 2,048: not cut below it
+    ("cuda", 1500, SMOLLM2_KV, 1500),     # the model's context, shorter
+    ("cpu", 131072, LLAMA_8B_KV, 1024),   # the CPU template's own 1,024 tokens
 ])
-def test_a_generated_llm_config_serves_at_most_2048_tokens(device, model_max, context):
-    """A generated LLM config stays at the context generated configs were measured at on GPUs (or the
-    model's, if shorter), buckets and limits fitted to it, and its header says how to serve more; the
-    plan parses."""
-    from servekit.model_source import ModelSource, generated_config
+def test_a_generated_llm_config_fits_its_kv_cache(device, model_max, kv_values, context):
+    """A generated LLM config serves its template's context or the model's, halved while its rows'
+    KV cache would exceed GENERATED_KV_CACHE_BYTES; buckets and limits fitted to it, its header says
+    how to serve more and what the cache would take; the plan parses."""
+    from servekit.model_source import GENERATED_KV_CACHE_BYTES, ModelSource, generated_config
     from servekit.optimizations.llm.plan import parse_llm_plan
     from servekit.resources import model_config
 
     assert yaml.safe_load(model_config("smollm2").read_text())["servekit"]["max_seq_len"] == 8192
-    text, cfg = generated_config(ModelSource("llm", [], model_max, "llama"), device, "model")
+    text, cfg = generated_config(ModelSource("llm", [], model_max, "llama", kv_values), device, "model")
     plan = cfg["servekit"]
     assert plan["max_seq_len"] == context
     assert plan["buckets"]["kv_lens"][-1] == plan["buckets"]["prompt_lens"][-1] == context
     assert plan["limits"]["max_tokens"] < context
     assert (f"max_seq_len {context} of the model's {model_max} tokens: raise it here" in text) == (context < model_max)
+    kv_bytes = cfg["batchSize"] * context * kv_values * (4 if plan["precision"] == "fp32" else 2)
+    assert kv_bytes <= GENERATED_KV_CACHE_BYTES or context == 2048
+    assert ("of KV cache;" in text) == (device == "cuda" and context < min(8192, model_max))
     parse_llm_plan(plan, "servekit")
+
+
+def test_an_llm_source_counts_its_kv_cache_per_token(tmp_path):
+    """The keys and values a token adds to the cache, from the checkpoint's own config (its layers,
+    KV heads and head size), for every family: what the generated config's context is fitted to."""
+    from decoder_checkpoints import write_checkpoint
+
+    from servekit.model_source import llm_source
+
+    for family in ("llama3", "mistral", "qwen3", "gemma3"):
+        model = write_checkpoint(family, tmp_path / family)
+        raw = json.loads((model / "config.json").read_text())
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        kv_heads = raw.get("num_key_value_heads") or raw["num_attention_heads"]
+        assert llm_source(model).kv_values == 2 * raw["num_hidden_layers"] * kv_heads * head_dim, family
 
 
 def test_a_generated_llm_config_stays_within_a_window_every_layer_uses(tmp_path):
