@@ -4,7 +4,7 @@ the constrained answers' lengths; host time per engine step in each of the engin
 (reading tokens, filling and loading the grammar masks, launching the halves of a split step),
 tokens/s, tokens per step and TTFT. Each phase's time leaves out the phases it calls (the prefill
 reads the tokens sampled before it: that counts as "read tokens" only), so the engine thread's
-phases add up; the masks' fill runs on a helper thread and is timed there ("of which: fill masks").
+phases add up; the masks' fill is timed on its own ("of which: fill masks", outside "load masks").
 
 The schemas' answers are shorter than free ones (about 50 tokens against 100+ at 128 at most), so
 rows sit empty after a short answer ends and the plain comparison weighs per-request costs twice.
@@ -66,7 +66,7 @@ PHASES = {"_read_all": "read tokens", "_load_bias": "load masks", "_sample": "la
           "_forced_runs": "forced runs", "_compact": "compact"}
 # --fine-phases: parts of the phases above, each left out of the phase that calls it.
 FINE_PHASES = {"_decode_from": "  mixed decode", "_start_rows": "  new rows", "_sampling": "  new rows' sampling",
-               "_start_masks": "  start masks", "_read": "  read rows", "_host": "  output copies"}
+               "_read": "  read rows", "_host": "  output copies"}
 FREE, JSON, MATCHED = "free", "JSON schema", "free, matched lengths"
 FORWARDS, DECODE_FORWARDS = "packed forwards", "decode forwards"  # counted in PhaseTimer.calls, not timed
 

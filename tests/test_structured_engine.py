@@ -5,7 +5,6 @@ schemas below; rows with a grammar, logit_bias or min_tokens share the batch wit
 and sampled rows, and each row gets what it gets alone."""
 from __future__ import annotations
 
-import collections
 import json
 import re
 import threading
@@ -390,50 +389,27 @@ def test_captured_steps_with_riders_and_split_sampling_equal_eager_on_cuda(compi
 
 
 @pytest.mark.parametrize("scenario", [_riders, _back_and_forth, _forced])
-def test_masks_fill_on_a_helper_thread_beside_the_engines_work_and_no_matcher_takes_a_token_meanwhile(
+def test_masks_fill_on_the_engine_thread_after_the_matchers_took_their_tokens(
         runner, compiler, tokenizer, stops, scenario, monkeypatch) -> None:
-    """Once a split step's forward is launched, the engine reads the tokens sampled before it and
-    its grammar rows' masks are filled on MaskUpload's helper thread while the engine thread goes on
-    (the step's updates handed out, the next call's start). Each fill is slowed here so that this
-    work overlaps it: no matcher takes a token while a fill runs, the fills go to the helper thread,
-    and every request gets what it gets alone."""
+    """Each split step's grammar masks are filled on the engine's own thread, right before its
+    sampling half, once every step launched before it has been read (while its forward runs) and its
+    grammar rows took those tokens; every request gets what it gets alone."""
     from servekit.optimizations.llm import grammar
 
-    fill, accept = grammar.fill_packed, grammar.RowConstraint.accept
-    fills, beside = [], []
+    fill = grammar.MaskUpload.__call__
+    fills, seen = [], []
     b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
 
-    def in_flight() -> bool:  # a fill started and not done: from its submission on, not only while it runs
-        started = b._masks._filling
-        return started is not None and not started[2].done()
+    def checked_fill(self, matchers, dest, caps=()):
+        fills.append(threading.current_thread())
+        # Every step launched before this one has been read: its tokens are in the matchers.
+        seen.append(not b._inflight and b._forward is not None and dest is b._forward.sample.state.packed)
+        fill(self, matchers, dest, caps)
 
-    def slow_fill(matchers, host, caps=()):
-        fills.append(threading.current_thread().name)
-        time.sleep(0.003)
-        fill(matchers, host, caps)
-
-    def checked_accept(self, token):
-        assert not in_flight(), "a matcher took a token while its mask was being filled"
-        return accept(self, token)
-
-    def step():
-        updates = b.step()
-        beside.append(in_flight())  # the step's updates go out while its masks are being filled
-        return updates
-
-    monkeypatch.setattr(grammar, "fill_packed", slow_fill)
-    ways = collections.Counter()
-    call, start = grammar.MaskUpload.__call__, grammar.MaskUpload.start
-    monkeypatch.setattr(grammar.MaskUpload, "__call__", lambda self, *a: (ways.update(["sync"]), call(self, *a))[1])
-    monkeypatch.setattr(grammar.MaskUpload, "start", lambda self, *a: (ways.update(["helper"]), start(self, *a))[1])
-    monkeypatch.setattr(grammar.RowConstraint, "accept", checked_accept)
+    monkeypatch.setattr(grammar.MaskUpload, "__call__", checked_fill)
     rows, first, arrivals = scenario(compiler, tokenizer, stops)
-    together = _run_arriving(b, rows, first, arrivals, step)
-    # Every decode step's masks but the first split step's (no forward launched before it to
-    # start them after) on the helper thread; the new rows' first masks are filled where they are sampled.
-    assert ways["helper"] >= 10 and ways["sync"] <= 1, ways
-    assert sum(name.startswith("servekit-masks") for name in fills) == ways["helper"], fills
-    assert sum(beside) >= 3, beside  # (12-14 of 13-18 fills on the development VM, idle)
+    together = _run_arriving(b, rows, first, arrivals, b.step)
+    assert len(fills) >= 10 and set(fills) == {threading.current_thread()} and all(seen), (fills, seen)
     monkeypatch.undo()
     for key, request in rows.items():
         assert _run(runner, {key: request})[key][0] == together[key], key
@@ -605,20 +581,6 @@ def test_masks_filled_on_threads_equal_one_by_one(compiler, tokenizer) -> None:
     assert torch.equal(dest[0], one_by_one[0]) and (dest[1:] == -1).all()
     upload(matchers, dest)
     assert torch.equal(dest, packed)
-    # Filled on the helper thread: the same masks, copied only into a buffer of the shape started for.
-    dest.zero_()
-    upload.start(matchers[:1], dest, "a")
-    assert not upload.finish(torch.zeros(4, words, dtype=torch.int32), "a")
-    assert not upload.finish(dest, "a") and (dest == 0).all()  # finish() took the fill above
-    upload.start(matchers[:1], dest, "b")
-    assert not upload.finish(dest, "another step") and (dest == 0).all()  # a fill for another step: dropped
-    assert not upload.finish(dest, "b")
-    upload.start(matchers, dest, "c")
-    upload.wait()
-    assert upload.finish(dest, "c") and torch.equal(dest, packed)
-    upload.start(matchers[:1], dest, "d")
-    upload.discard()
-    assert not upload.finish(dest, "d") and torch.equal(dest, packed)
 
 
 def test_masks_fill_without_calling_into_python_and_equal_the_byte_tables(compiler, tokenizer, stops) -> None:
@@ -999,7 +961,7 @@ def test_the_engine_profiles_closed_loop_keeps_its_rows_busy_with_one_forward_a_
     assert 0 < r["forwards_per_step"] <= 1.0, (r["forwards_per_step"], timer.calls[DECODE_FORWARDS], r["steps"])
     # every token a matcher took, and each packed forward's tables, timed
     assert timer.calls["  accept tokens"] >= r["tokens"] and timer.calls["  packed tables"] == timer.calls[FORWARDS]
-    assert timer.calls["  start masks"] > 0 and r["host_ms_per_step"]["  read rows"] > 0
+    assert timer.calls["  mixed decode"] > 0 and r["host_ms_per_step"]["  read rows"] > 0
 
 
 def test_the_profiles_schemas_without_max_length_keep_everything_else() -> None:

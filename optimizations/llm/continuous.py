@@ -339,14 +339,12 @@ class ContinuousBatcher:
             # The next forward now, before this step's tokens are handed out: it needs only the
             # sampled tokens, which the device has, and runs while the host works.
             self._forward = self._launch(split=True)
-            if self._forward is not None:
-                self._start_masks(updates, self._forward)
+            if self._forward is not None:  # its grammar rows' last tokens, read while it runs
+                self._read_all(updates)
         self._jumps = {}
         return updates
 
     def _read_all(self, updates: dict[Hashable, SeqUpdate]) -> None:
-        if self._inflight:
-            self._masks.wait()  # the matchers a started fill reads take no token meanwhile
         for pending in self._inflight:
             self._read(pending, updates)
         self._inflight = []
@@ -385,9 +383,8 @@ class ContinuousBatcher:
         st = self._forward.sample.state
         matchers = self._matchers(self._forward)
         if not matchers:  # masks left by grammar rows that have finished
-            self._masks.discard()
             st.packed.fill_(-1)
-        elif not self._masks.finish(st.packed, self._forward):  # none started for this step: fill now
+        else:
             self._masks(matchers, st.packed, self._caps(self._forward))
         if self._masks.too_slow:  # an audit's verdict: those rows end when this step is read
             for _, s in self._forward.seqs:
@@ -537,10 +534,11 @@ class ContinuousBatcher:
             self._prefill_failed(seqs, e, updates)
             return None, None
         def ride(logits: torch.Tensor, starting: Sequence[_Seq] = ()) -> _Pending | None:
-            """The riders' decode step from their logits (after ``starting``'s), its masks started."""
+            """The riders' decode step from their logits (after ``starting``'s); for a split one, the
+            tokens sampled before it are read while it runs."""
             mixed = self._decode_from(logits, decoding, split, jumps, starting) if decoding else None
             if mixed is not None and mixed.sample is not None:
-                self._start_masks(updates, mixed)
+                self._read_all(updates)
             return mixed
 
         # With riders, the new rows' first tokens come from the riders' sampling half: their rows
@@ -589,16 +587,6 @@ class ContinuousBatcher:
         self.by_key.pop(s.key, None)
         self._finish(s)
         updates[s.key] = SeqUpdate(finish_reason=FINISH_ERROR, error=error)
-
-    def _start_masks(self, updates: dict[Hashable, SeqUpdate], forward: _Pending) -> None:
-        """Right after a split step's forward is launched: read the tokens sampled before it (the
-        grammar rows' last ones), then fill its grammar rows' masks on a helper thread. The host's
-        work up to the sampling half (the new rows' first tokens, handing out the updates, the next
-        call's start) then runs beside the fill instead of after it; ``_load_bias`` takes them."""
-        self._read_all(updates)
-        matchers = self._matchers(forward)
-        if matchers and forward.sample is not None:
-            self._masks.start(matchers, forward.sample.state.packed, forward, self._caps(forward))
 
     @staticmethod
     def _matchers(step: _Pending) -> list[tuple[LLMatcher, int]]:
@@ -813,7 +801,6 @@ class ContinuousBatcher:
         self.prefilling.clear()
         self._suspects.clear()
         self._inflight, self._forward = [], None
-        self._masks.discard()
         if self.prefix is not None:  # what the failed step left in the cache is unknown
             self.prefix.clear()
         return out

@@ -684,30 +684,28 @@ class MaskUpload:
     the copy itself. A block is refilled only once its last copy has run (an event: by then long
     done, since the step that copy feeds has been read).
 
-    ``start()`` fills on a helper thread instead (llguidance lets go of the GIL while it fills), so
-    that the engine thread's other work before the sampling half runs beside the fill; ``finish()``
-    copies what it filled for the step it was started for. Until then the matchers it fills are the
-    helper's: the engine reads no token into them (``wait()``).
+    The engine thread fills them itself, several rows at once on llguidance's threads, right before
+    the sampling half. A helper thread that filled them beside the engine's other work paid more in
+    thread and GIL handoffs than it overlapped once a 32-row fill took ~0.35 ms (H200 host,
+    ``benchmarks/results/mask-fill-engine-thread-h200/``).
 
     A grammar can pass ``GrammarCompiler``'s probe of its start and reach a state whose mask costs
     far more later (the regex ``[a-z]{3}a{30000}``: 0.5 ms, then up to 30-46 ms on the development VM).
     Every row of a step waits for the slowest mask, so a fill that takes over ``limit_s`` makes the
-    next one an audit: the rows filled one by one on this thread, each timed in CPU time, and the
-    matchers over the limit collected in ``too_slow`` (their masks are still filled: the engine ends
-    their requests once it reads the step, the others go on at their pace)."""
+    next one an audit: the rows filled one by one, each timed in CPU time, and the matchers over the
+    limit collected in ``too_slow`` (their masks are still filled: the engine ends their requests
+    once it reads the step, the others go on at their pace)."""
 
     def __init__(self, limit_s: float = DEFAULT_MASK_LIMIT_S) -> None:
         self._blocks: dict[tuple[int, ...], tuple[Tensor, torch.cuda.Event | None]] = {}
-        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
-        self._filling: tuple[tuple[int, ...], object, concurrent.futures.Future] | None = None
         self.limit_s = limit_s
         self._audit = False
         self.too_slow: dict[int, float] = {}  # id() of a matcher whose mask took over limit_s -> its seconds
 
     def __call__(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor, caps: Caps = ()) -> None:
         """Fill ``dest`` (int32 ``(rows, words)``, on the device) with ``fill_packed``'s masks; on
-        CUDA without waiting for the device."""
-        self.discard()
+        CUDA without waiting for the device. ``too_slow`` then holds this fill's audit, if it was one."""
+        self.too_slow.clear()
         host = self._block(dest)
         self._fill(matchers, host, caps)
         self._copy(host, dest)
@@ -727,42 +725,6 @@ class MaskUpload:
             if took > self.limit_s:
                 self.too_slow[id(m)] = took
         _cut(host, caps)
-
-    def start(self, matchers: Sequence[tuple[llguidance.LLMatcher, int]], dest: Tensor, step: object,
-              caps: Caps = ()) -> None:
-        """Begin filling the masks that ``finish(dest, step)`` will copy into ``dest``, on the helper
-        thread (``step``: whose masks these are)."""
-        self.discard()
-        if self._helper is None:
-            self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="servekit-masks")
-        self._filling = (tuple(dest.shape), step,
-                         self._helper.submit(self._fill, list(matchers), self._block(dest), list(caps)))
-
-    def finish(self, dest: Tensor, step: object) -> bool:
-        """Copy the masks ``start()`` filled for ``step`` into ``dest``, once filled; False (nothing
-        copied, a fill started for anything else dropped) when none of that step and shape was."""
-        filling, self._filling = self._filling, None
-        if filling is None:
-            return False
-        shape, started_for, future = filling
-        future.result()
-        if started_for is not step or shape != tuple(dest.shape):
-            return False
-        self._copy(self._blocks[shape][0], dest)
-        return True
-
-    def wait(self) -> None:
-        """Until a started fill is done (its matchers free again); it stays for ``finish()``."""
-        if self._filling is not None:
-            self._filling[2].result()
-
-    def discard(self) -> None:
-        """Drop a started fill, once done (its matchers are then free again); what it raised too,
-        and an audit's verdict nobody took (its matchers' ids could be reused)."""
-        filling, self._filling = self._filling, None
-        if filling is not None:
-            concurrent.futures.wait([filling[2]])
-        self.too_slow.clear()
 
     def _block(self, dest: Tensor) -> Tensor:
         """The pinned block for ``dest``'s shape, free to fill: its last copy has run."""
