@@ -213,16 +213,16 @@ def generated_config(source: ModelSource, device: str, origin: str, speculation:
         cfg = yaml.safe_load(model_config(template).read_text())
         plan = cfg["servekit"]
         n = min(int(plan.get("max_seq_len", 2048)), source.max_tokens)
-        rows, value_bytes = int(cfg.get("batchSize", 1)), 4 if plan.get("precision") == "fp32" else 2
-        wanted = n
-        n = fitted_context(n, rows * source.kv_values * value_bytes)
+        rows = int(cfg.get("batchSize", 1))
+        per_position = rows * source.kv_values * (4 if plan.get("precision") == "fp32" else 2)  # KV cache bytes
+        wanted, n = n, fitted_context(n, per_position)
         plan["max_seq_len"] = n
         if n < source.max_tokens:
             note += (f"# max_seq_len {n} of the model's {source.max_tokens} tokens: raise it here to serve longer prompts\n"
                      "# (the KV cache grows with it: batchSize rows of max_seq_len tokens).\n")
         if n < wanted:
-            note += (f"# {rows} rows of {wanted} tokens would take {_gib(rows * wanted * source.kv_values * value_bytes)} "
-                     f"of KV cache; {n} tokens take {_gib(rows * n * source.kv_values * value_bytes)}.\n")
+            note += (f"# {rows} rows of {wanted} tokens would take {_gib(wanted * per_position)} of KV cache; "
+                     f"{n} tokens take {_gib(n * per_position)}.\n")
         buckets = plan.setdefault("buckets", {})
         for key in ("prompt_lens", "kv_lens"):
             if key in buckets:
