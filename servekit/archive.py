@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from servekit.model_source import (CLASSIFY, EMBEDDING, LLM, LLM_TEMPLATES, RERANK, Weight, generated_config, model_source,
-                                   sanitize_name)
+from servekit.model_source import (CLASSIFY, EMBEDDING, LLM, LLM_TEMPLATES, RERANK, Weight, generated_config, header_notes,
+                                   model_source, sanitize_name)
 from servekit.resources import model_config, package_dir, resolve
 
 
@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"archive written: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     if written is not None:
         print(f"model-config written: {written} (edit it, then rebuild with --config {written})")
+        for line in header_notes(written.read_text()):
+            print(f"  {line}")
     return 0
 
 

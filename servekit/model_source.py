@@ -11,6 +11,7 @@ FileNotFoundError with one line naming what and why, before anything is written.
 from __future__ import annotations
 
 import json
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ LLM_TEMPLATES = {"cuda": "smollm2", "cpu": "smollm2-cpu"}  # the shipped model-c
 # MIN_GENERATED_CONTEXT. 16 GiB beside an 8B model's weights fits a 40 GB GPU.
 GENERATED_KV_CACHE_BYTES = 16 * 2**30
 MIN_GENERATED_CONTEXT = 2048
+HEADER_LINES = 3  # a generated model-config's header: what it was made from and how to rebuild; then its notes
 LLM_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
              "special_tokens_map.json", "chat_template.jinja")
 ENCODER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -190,6 +192,13 @@ def fitted_context(n: int, bytes_per_position: int, budget: int = GENERATED_KV_C
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+def header_notes(text: str) -> list[str]:
+    """What a generated model-config's header says was changed or cut for its model: the comment
+    lines after the three every such header opens with."""
+    header = [line[2:] for line in itertools.takewhile(lambda line: line.startswith("#"), text.splitlines())]
+    return header[HEADER_LINES:]
 
 
 def generated_config(source: ModelSource, device: str, origin: str, speculation: bool = False

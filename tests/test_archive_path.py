@@ -187,6 +187,7 @@ def test_llm_folder_and_gguf_file_archive_as_llm(llm_dir, tmp_path, capsys):
                     "generation_config.json"} <= set(z.namelist())
         plan = yaml.safe_load((out / f"{name}.yaml").read_text())["servekit"]
         assert plan["device"] == "cpu" and plan["max_seq_len"] == 256  # the checkpoint's context
+        assert "model-config written" in r.stdout and "max_seq_len" not in r.stdout  # nothing cut: no notes
     r = archive_here(capsys, find_smollm2_gguf(), "--out", tmp_path / "enc", "--kind", "embedding")
     assert r.returncode == 2 and "a GGUF file is a causal LM" in r.stderr and not (tmp_path / "enc").exists()
 
@@ -237,6 +238,19 @@ def test_an_llm_source_counts_its_kv_cache_per_token(tmp_path):
         head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         kv_heads = raw.get("num_key_value_heads") or raw["num_attention_heads"]
         assert llm_source(model).kv_values == 2 * raw["num_hidden_layers"] * kv_heads * head_dim, family
+
+
+def test_archive_says_what_the_generated_llm_config_cut(tmp_path, capsys):
+    """`servekit archive` of a checkpoint with a longer context than its generated config serves
+    prints the config's notes after the path it wrote: how much of the context, and how to serve more."""
+    from decoder_checkpoints import write_checkpoint
+
+    model = write_checkpoint("llama3", tmp_path / "long", max_position_embeddings=4096)
+    r = archive_here(capsys, model, "--out", tmp_path / "out", "--device", "cpu", "--no-compress")
+    assert r.returncode == 0, r.stderr
+    notes = r.stdout.split("model-config written: ", 1)[1].splitlines()[1:]
+    assert notes[0] == "  max_seq_len 1024 of the model's 4096 tokens: raise it here to serve longer prompts", notes
+    assert "batchSize rows of max_seq_len tokens" in notes[1]
 
 
 def test_a_generated_llm_config_stays_within_a_window_every_layer_uses(tmp_path):

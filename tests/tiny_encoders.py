@@ -82,7 +82,7 @@ def st_model(path: Path, family: str, pooling: str | tuple[str, ...] = "mean", d
              default_prompt_name: str | None = None, seed: int = 0, max_positions: int = 80) -> Path:
     """A sentence-transformers folder around a tiny `family` encoder, saved with its own `save()`."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers import models as stm
+    from sentence_transformers.sentence_transformer import modules as stm
 
     hf = hf_encoder(path.parent / f"{path.name}-hf", family, seed, max_positions)
     modules = [stm.Transformer(str(hf), max_seq_length=max_seq_length)]
