@@ -34,9 +34,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from servekit.benchmarks.grammar_refusals import allowed_tokens
 from servekit.benchmarks.structured_bench import PROMPTS, SCHEMAS
 from servekit.optimizations.llm.chat_template import ChatTokenizer
-from servekit.optimizations.llm.grammar import JSON, MASK_SLICES, STRING_CHARS, GrammarSpec, llg_tokenizer
+from servekit.optimizations.llm.grammar import (JSON, MASK_SLICES, STRING_CHARS, DecodeConstraint, GrammarSpec,
+                                                 RowConstraint, llg_tokenizer, row_caps)
 from servekit.optimizations.llm.plan import stop_token_ids
-from servekit.optimizations.llm.string_bounds import Bounds, LengthCaps, StringBudget
+from servekit.optimizations.llm.string_bounds import LengthCaps
 
 BOUNDED_IN_GRAMMAR = "every maxLength in the grammar"  # how the server built grammars before string_bounds
 SLICE_SETS = {"llguidance's default": llguidance.LLTokenizer.general_slices(), "servekit's": MASK_SLICES}
@@ -108,22 +109,17 @@ def _stats_us(values: list[float]) -> dict[str, float]:
             "max": round(1e6 * v[-1], 1)}
 
 
-class _Row:
-    """A replayed answer's matcher, and its budget where the server counts its strings' bounds."""
+def _row_of(compiled: tuple[llguidance.LLMatcher, GrammarSpec | None], caps: LengthCaps | None) -> RowConstraint:
+    """A replayed answer's row as the engine keeps it: its matcher, and its budget where the server
+    counts its strings' bounds (a spec given)."""
+    matcher, spec = compiled
+    return DecodeConstraint(grammar=matcher, spec=spec, lengths=caps).start()
 
-    def __init__(self, matcher: llguidance.LLMatcher, bounds: Bounds | None, caps: LengthCaps | None) -> None:
-        self.matcher = matcher.deep_copy()
-        self.budget = StringBudget(bounds, caps) if bounds is not None and caps is not None else None
 
-    def cut(self, mask: numpy.ndarray) -> None:
-        cap = self.budget.cap() if self.budget is not None else None
-        if cap is not None:
-            mask &= cap[:mask.size]
-
-    def take(self, token: int) -> None:
-        assert self.matcher.consume_token(token), "an answer the grammar does not take"
-        if self.budget is not None:
-            self.budget.feed(token)
+def _cut(masks: numpy.ndarray, rows: list[RowConstraint]) -> None:
+    """Each row's mask (``masks[i]`` for ``rows[i]``) cut by its budget, as the engine cuts it."""
+    for i, cap in row_caps(rows):
+        masks[i] &= cap
 
 
 def replay(tokenizer: llguidance.LLTokenizer, answers: list[dict[str, Any]], rows: int,
@@ -135,20 +131,20 @@ def replay(tokenizer: llguidance.LLTokenizer, answers: list[dict[str, Any]], row
     compiles, compiled = [], {}
     for i, (_, _, schema) in enumerate(SCHEMAS):
         grammar = grammar_of(schema, count_bounds)
-        bounds = GrammarSpec.of(JSON, schema).bounds if count_bounds else None
+        spec = GrammarSpec.of(JSON, schema) if count_bounds else None  # its bounds: what the budget counts
         t0 = time.perf_counter()
-        compiled[i] = (llguidance.LLMatcher(tokenizer, grammar), bounds)
+        compiled[i] = (llguidance.LLMatcher(tokenizer, grammar), spec)
         compiles.append(time.perf_counter() - t0)
     one = torch.empty(1, words, dtype=torch.int32)
     per_mask = []
     for a in answers:
-        row = _Row(*compiled[a["schema"]], caps)
+        row = _row_of(compiled[a["schema"]], caps)
         for t in a["tokens"]:
             t0 = time.perf_counter()
             row.matcher.unsafe_compute_mask_ptr(one.data_ptr(), words * 4)
-            row.cut(one.numpy()[0])
+            _cut(one.numpy(), [row])
             per_mask.append(time.perf_counter() - t0)
-            row.take(t)
+            assert row.accept(t), "an answer the grammar does not take"
     res = {"masks": len(per_mask), "mask_us": _stats_us(per_mask),
            "compile_ms": {"median": round(1e3 * statistics.median(compiles), 2), "max": round(1e3 * max(compiles), 2)}}
     for n in threads:
@@ -158,7 +154,7 @@ def replay(tokenizer: llguidance.LLTokenizer, answers: list[dict[str, Any]], row
     return res
 
 
-def lockstep(compiled: dict[int, tuple[llguidance.LLMatcher, Bounds | None]], answers: list[dict[str, Any]],
+def lockstep(compiled: dict[int, tuple[llguidance.LLMatcher, GrammarSpec | None]], answers: list[dict[str, Any]],
              rows: int, executor: llguidance.LLExecutor, words: int, caps: LengthCaps | None) -> list[float]:
     """Each of ``rows`` rows walks the answers one after another; a step fills every row's mask on
     ``executor``'s threads (and cuts those its budget cuts). The steps' times."""
@@ -167,22 +163,21 @@ def lockstep(compiled: dict[int, tuple[llguidance.LLMatcher, Bounds | None]], an
     nxt, lanes = 0, []
     for _ in range(rows):
         a = answers[nxt % len(answers)]
-        lanes.append([_Row(*compiled[a["schema"]], caps), a["tokens"], 0])
+        lanes.append([_row_of(compiled[a["schema"]], caps), a["tokens"], 0])
         nxt += 1
     per_step = []
     for _ in range(sum(len(a["tokens"]) for a in answers) // rows):
         t0 = time.perf_counter()
         executor.unsafe_compute_mask_ptr([(lane[0].matcher, k) for k, lane in enumerate(lanes)], block.data_ptr(),
                                          words * 4, rows)
-        for k, lane in enumerate(lanes):
-            lane[0].cut(masks[k])
+        _cut(masks, [lane[0] for lane in lanes])
         per_step.append(time.perf_counter() - t0)
         for k, lane in enumerate(lanes):
-            lane[0].take(lane[1][lane[2]])
+            assert lane[0].accept(lane[1][lane[2]]), "an answer the grammar does not take"
             lane[2] += 1
             if lane[2] == len(lane[1]):
                 a = answers[nxt % len(answers)]
-                lanes[k], nxt = [_Row(*compiled[a["schema"]], caps), a["tokens"], 0], nxt + 1
+                lanes[k], nxt = [_row_of(compiled[a["schema"]], caps), a["tokens"], 0], nxt + 1
     return per_step
 
 
