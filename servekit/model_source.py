@@ -10,8 +10,8 @@ FileNotFoundError with one line naming what and why, before anything is written.
 """
 from __future__ import annotations
 
-import json
 import itertools
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path

@@ -560,8 +560,9 @@ class RowConstraint:
     def __init__(self, c: DecodeConstraint) -> None:
         self.c = c
         self.matcher = c.grammar.deep_copy() if c.grammar is not None else None  # microseconds
+        # A budget only where the compiler gave the vocabulary's caps and the spec has bounds.
         bounds = c.spec.bounds if c.spec is not None and c.lengths is not None else None
-        self.budget = StringBudget(bounds, c.lengths) if bounds is not None and c.lengths is not None else None
+        self.budget = StringBudget(bounds, c.lengths) if bounds is not None else None
         self.generated = 0
         self.refused: str | None = None  # why the engine ends the row though its grammar goes on (MaskUpload's audit)
         self._stops_masked = False
