@@ -136,9 +136,6 @@ class _Seq:
     pos_hi: int = 0
     done: bool = False
     constraint: RowConstraint | None = None  # grammar, logit_bias, min_tokens: the row's bias per step
-    # Tokens its grammar forces, fed in one forward (``_forced_runs``): reported with the read of
-    # the first of them, which that forward's previous step samples.
-    forced: list[int] = field(default_factory=list)
 
     @property
     def per_step_bias(self) -> bool:
@@ -308,13 +305,12 @@ class ContinuousBatcher:
                 # for the whole forward before it fills the riders' masks.
                 self._forward = launched
                 later += [prefilled] if prefilled is not None else []
-            else:  # the new rows are in this forward: their matchers take their first tokens first
+            else:  # the new rows' first tokens are read, then the next forward launched (below)
                 self._inflight += [prefilled] if prefilled is not None else []
-                self._forward = self._launch(split=True)
         # A row whose bias depends on its last token (a grammar, min_tokens not reached) needs that
         # token on the host before its next token is sampled; the model's forward does not (its
         # input tokens are on the device). So the step runs in halves: while the forward runs, the
-        # host reads the previous tokens and fills the bias rows; then the sampling is launched.
+        # host fills the bias rows; then the sampling is launched.
         self._read_all(updates)
         self._load_bias()
         sampled = None
@@ -323,23 +319,27 @@ class ContinuousBatcher:
             self._inflight = [sampled]
             self._forward = None
         self._inflight += later
-        if not admitted:
+        if not admitted or not self.prefilling:
             # After the sampling, behind it on the device: rows move down (their masks are filled at
-            # their new rows from the next step on), then the next forward: the prompts' chunks with
-            # the decoding rows riding in it where they can, each run of tokens a grammar forces in it.
-            self._jumps = self._forced_runs(sampled.seqs) if sampled is not None else {}
-            self._compact()
-            self._admit()
+            # their new rows from the next step on). Then the sampled tokens are read, and the next
+            # forward is the prompts' chunks with the decoding rows riding in it where they can, each
+            # row's new token followed by the run of tokens its grammar forces after it. (A step
+            # that admitted has run its prompts' forward: it goes on here when none is left.)
+            if not admitted:
+                self._compact()
+                self._admit()
+            self._read_all(updates)
+            self._jumps = self._forced_runs()
             prefilled, self._forward = self._prefill(updates, self._mixable())
             self._inflight += [prefilled] if prefilled is not None else []
             if self._forward is not None and self._forward.sample is None:  # sampled at once: no bias to wait for
                 self._inflight.append(self._forward)
                 self._forward = None
         if self._forward is None and self._per_step_bias():
-            # The next forward now, before this step's tokens are handed out: it needs only the
-            # sampled tokens, which the device has, and runs while the host works.
+            # The next decode forward now: its input tokens are on the device. Tokens still unread
+            # (a step that admitted while prompts are still being prefilled) are read while it runs.
             self._forward = self._launch(split=True)
-            if self._forward is not None:  # its grammar rows' last tokens, read while it runs
+            if self._forward is not None:
                 self._read_all(updates)
         self._jumps = {}
         return updates
@@ -499,7 +499,7 @@ class ContinuousBatcher:
         # first; runs are cut to fit it.
         jumps, budget = {}, self.max_num_batched_tokens - len(decoding)
         for s in decoding:
-            run = self._jumps.get(s.key, [])[:budget + 1]  # a run's head is forced too
+            run = self._jumps.get(s.key, [])[:budget + 1]  # its head is the row's own next token
             if len(run) >= 2:
                 jumps[s.key] = run
                 budget -= len(run) - 1
@@ -522,8 +522,8 @@ class ContinuousBatcher:
         finishing = [s for s, c in zip(seqs, chunks) if c.last]
         split = self._per_step_bias() or any(s.per_step_bias for s in finishing)
         # A decoding row's entry: its next token (on the device) at the position it feeds (at most
-        # the context's last: a request's prompt and max_tokens fit the context), or the run of
-        # tokens its grammar forces from there (the first of them is that next token).
+        # the context's last: a request's prompt and max_tokens fit the context), or that token
+        # (read) followed by the run of tokens its grammar forces after it.
         riders = [Chunk(jumps[s.key], s.pos_hi, s.slot, True) if s.key in jumps else
                   Chunk([self.r.pad_id], s.pos_hi, s.slot, True, from_state=True) for s in decoding]
         try:
@@ -534,9 +534,12 @@ class ContinuousBatcher:
             self._prefill_failed(seqs, e, updates)
             return None, None
         def ride(logits: torch.Tensor, starting: Sequence[_Seq] = ()) -> _Pending | None:
-            """The riders' decode step from their logits (after ``starting``'s); for a split one, the
-            tokens sampled before it are read while it runs."""
+            """The riders' decode step from their logits (after ``starting``'s), the runs they fed
+            given to their requests; for a split one, tokens still unread are read while it runs."""
             mixed = self._decode_from(logits, decoding, split, jumps, starting) if decoding else None
+            for s in decoding:
+                if s.key in jumps:  # fed: the matcher takes the run, the request gets it now
+                    self._take(s, updates.setdefault(s.key, SeqUpdate()), jumps[s.key][1:])
             if mixed is not None and mixed.sample is not None:
                 self._read_all(updates)
             return mixed
@@ -646,8 +649,8 @@ class ContinuousBatcher:
         row each, in order, after one per ``starting`` request): their logits into the decode state,
         then the captured sampling half of their batch bucket, which advances them as a decode step
         does; ``split``: that half is left to ``_sample()``, as a split step's. ``jumps``: the runs
-        of forced tokens that rows fed instead of one token; the sampling half takes each such row
-        at its run's last position, and the run is reported with the row's next read. ``starting``:
+        of tokens that rows fed instead of one (their new token and the tokens forced after it); the
+        sampling half takes each such row at its run's last position. ``starting``:
         requests whose prompt ended in that forward (``_start_rows``): the same half samples their
         first tokens."""
         batch, mode = self._shape([*rows, *starting])
@@ -657,8 +660,7 @@ class ContinuousBatcher:
         if jumps:
             jumped = [s for s in rows if s.key in jumps]
             for s in jumped:
-                s.forced = jumps[s.key]
-                s.pos_hi += len(s.forced) - 1
+                s.pos_hi += len(jumps[s.key]) - 1
             # Where the run's last token sits: the position its sample is keyed by and advances from.
             self.r.state.input_pos.index_copy_(0, upload([s.slot for s in jumped], torch.int64, dev),
                                                upload([[s.pos_hi - 1] for s in jumped], torch.int64, dev))
@@ -668,26 +670,27 @@ class ContinuousBatcher:
         host, slot = self._host(sample.run())
         return _Pending(host, slot, mode, seqs)
 
-    def _forced_runs(self, sampled: list[tuple[int, _Seq]]) -> dict[Hashable, list[int]]:
-        """For the rows of a sampling half just launched (their matchers have taken every token but
-        the one it samples, which the next forward feeds): the tokens their grammars force from
-        there, where that is two or more, up to ``max_tokens``. The next forward feeds such a run
-        whole, so a row writes ``{"name": "`` in one step instead of one step a token. Rows with
-        logprobs or penalties (their counts and logprobs go token by token) take no runs."""
+    def _forced_runs(self) -> dict[Hashable, list[int]]:
+        """For the decoding rows, every step of which has been read (their matchers have taken their
+        last token): that token followed by the tokens their grammars force after it, where there
+        are any, leaving a token to sample before ``max_tokens``. The next forward feeds such a run
+        whole, so a row writes ``"`` and then ``, "name": "`` in one step instead of one step a
+        token; the matcher takes the run once it is fed (``_prefill`` may cut it or leave it out).
+        Rows with logprobs or penalties (their counts and logprobs go token by token) take no runs."""
         if not self.jump_forced:
             return {}
         runs = {}
-        for _, s in sampled:
-            c = s.constraint
-            if s.done or c is None or c.matcher is None or s.params.full or c.matcher.is_stopped():
+        for s in self.slots:
+            c = s.constraint if s is not None and s.launched else None
+            if c is None or s.done or c.matcher is None or s.params.full or c.matcher.is_stopped():
                 continue
-            run = c.matcher.compute_ff_tokens()[:s.params.max_tokens - s.generated]
+            run = c.matcher.compute_ff_tokens()[:s.params.max_tokens - s.generated - 1]
             for i, tok in enumerate(run):
                 if tok in s.stops:
                     run = run[:i]
                     break
-            if len(run) >= 2:
-                runs[s.key] = run
+            if run:
+                runs[s.key] = [s.out[-1], *run]
         return runs
 
     def _set_spec_rows(self, seqs: list[_Seq]) -> None:
@@ -751,35 +754,33 @@ class ContinuousBatcher:
                     self.spec_stats.add_row(accepted)
                 new, logprobs = rows[row][:accepted + 1], None
             else:
-                tok, logprob = read_row(rows[row], pending.mode, s.params.logprobs)
-                new, logprobs = [tok], logprob
-                if s.forced:  # this step sampled the first token of a forced run fed since
-                    run, s.forced = s.forced, []
-                    new = run if tok == run[0] else []
-                    if not new:  # the mask allowed only run[0]: a bug
-                        u.finish_reason, u.error = FINISH_ERROR, RuntimeError(
-                            f"the step sampled {tok} where the grammar forces {run[0]}")
-            for tok in new:
-                c = s.constraint
-                if c is not None and (c.refused is not None or not c.accept(tok)):
-                    why = c.error()
-                    u.finish_reason, u.error = FINISH_ERROR, (
-                        GrammarError(why) if why is not None else RuntimeError(f"the grammar rejected token {tok}"))
-                    break
-                u.tokens.append(tok)
-                s.out.append(tok)
-                s.generated += 1
-                if tok in s.stops:
-                    u.finish_reason = FINISH_STOP
-                elif s.generated >= s.params.max_tokens:
-                    u.finish_reason = FINISH_LENGTH
-                if u.finish_reason is not None:
-                    break
+                tok, logprobs = read_row(rows[row], pending.mode, s.params.logprobs)
+                new = [tok]
             if logprobs is not None:
                 u.logprobs.append(logprobs)
+            self._take(s, u, new)
+
+    def _take(self, s: _Seq, u: SeqUpdate, tokens: list[int]) -> None:
+        """Give request ``s`` its new ``tokens`` (its matcher takes each) until one ends it."""
+        c = s.constraint
+        for tok in tokens:
+            if c is not None and (c.refused is not None or not c.accept(tok)):
+                why = c.error()
+                u.finish_reason, u.error = FINISH_ERROR, (
+                    GrammarError(why) if why is not None else RuntimeError(f"the grammar rejected token {tok}"))
+                break
+            u.tokens.append(tok)
+            s.out.append(tok)
+            s.generated += 1
+            if tok in s.stops:
+                u.finish_reason = FINISH_STOP
+            elif s.generated >= s.params.max_tokens:
+                u.finish_reason = FINISH_LENGTH
             if u.finish_reason is not None:
-                self.by_key.pop(s.key, None)
-                self._finish(s)
+                break
+        if u.finish_reason is not None:
+            self.by_key.pop(s.key, None)
+            self._finish(s)
 
     def _finish(self, seq: _Seq) -> None:
         seq.done = True

@@ -228,8 +228,10 @@ class DecodeState:
         self.packed.index_fill_(0, rows, -1)
 
     def move_row(self, src: int, dst: int) -> None:
-        """Row ``src``'s state (token, position, sampling parameters, penalty counts) into row ``dst``."""
-        rows = [self.tokens, self.input_pos, *self.params, self.counts]
+        """Row ``src``'s state (token, position, sampling parameters, penalty counts, grammar mask)
+        into row ``dst``. The mask too: ``dst``'s is its last request's, and a sampling half that
+        rides a prompt's forward applies it before any split step has refilled the masks."""
+        rows = [self.tokens, self.input_pos, *self.params, self.counts, self.packed]
         torch._foreach_copy_([t[dst] for t in rows], [t[src] for t in rows])
 
     def load(self, first_tokens: Tensor, positions: Tensor, params: SamplingTensors) -> None:
