@@ -18,8 +18,9 @@ host: at each step with a choice, ``try_consume_tokens`` with each candidate in 
 one is taken (up to the largest k), on a second matcher kept in step with the row's that fills no
 masks, timed beside the time to fill the row's mask. Last, how many tokens a row would take per
 step if every run of two or more tokens the grammar forces went in one step (``compute_ff_tokens``
-at each position, as the engine's forced runs; the engine takes them only where they ride in a
-packed forward, see ``ContinuousBatcher._prefill``).
+at each position), and if each run went in the forward of the sampled token before it, as the
+engine feeds them (it takes them only where they ride in a packed forward, see
+``ContinuousBatcher._prefill``).
 
     python -m servekit.benchmarks.grammar_refusals ~/.cache/servekit/smollm2-135m-instruct-bfloat16
 """
@@ -134,6 +135,17 @@ def steps_with_runs(runs: list[int]) -> int:
     return steps
 
 
+def steps_with_runs_after(runs: list[int]) -> int:
+    """Steps one answer takes as the engine decodes it: each sampled token's forward also feeds
+    the run of tokens the grammar forces after it (``runs[i + 1]``, any length), and the position
+    after that run is sampled in the next step."""
+    steps = i = 0
+    while i < len(runs):
+        steps += 1
+        i += 1 + (runs[i + 1] if i + 1 < len(runs) else 0)
+    return steps
+
+
 def rank_report(ranks: list[tuple[int, bool, int]], rows: int = ROWS) -> dict[str, Any]:
     """The steps, the refusals (rank above 0), the forced steps and, per candidate count k, the share
     of the steps with a choice whose masked pick ranks k or lower, and the chance that one of ``rows``
@@ -167,18 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, temperature in (("greedy", 0.0), ("sampled", 0.8)):
         gen = torch.Generator().manual_seed(args.seed)
         ranks: list[tuple[int, bool, int]] = []
-        steps = 0
+        steps = steps_after = 0
         costs: dict[str, list[float]] = {"check": [], "mask": [], "consume after the mask": []}
         for i, (schema_name, topic, schema) in enumerate(SCHEMAS):
             got = decode(model, hf, tokenizer, schema, PROMPTS[i % len(PROMPTS)].format(topic=topic), temperature,
                          args.max_tokens, gen, costs)
             ranks += got
             steps += steps_with_runs([run for _, _, run in got])
+            steps_after += steps_with_runs_after([run for _, _, run in got])
             print(f"  {name} {schema_name}: {sum(r > 0 for r, _, _ in got)} of {len(got)} steps refused",
                   flush=True)
         r = res[name] = rank_report(ranks)
         r["check_took_another_token"] = len(costs.pop("other pick", []))
         r["tokens_per_step_with_runs"] = round(len(ranks) / steps, 3) if steps else 0.0
+        r["tokens_per_step_with_runs_after_sampled"] = round(len(ranks) / steps_after, 3) if steps_after else 0.0
         r["host_us"] = {k: cost_summary(v) for k, v in costs.items()}
         print(f"{name}: the grammar refused the unmasked pick at {r['refused']} of {r['steps']} steps "
               f"({100 * r['share']:.1f}%); {r['forced']} steps forced one token", flush=True)
@@ -191,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}, steps whose check took another token than the mask's pick: "
               f"{r['check_took_another_token']}", flush=True)
         print(f"  {name}, tokens a row takes per step with every forced run of 2+ in one step: "
-              f"{r['tokens_per_step_with_runs']}", flush=True)
+              f"{r['tokens_per_step_with_runs']}; with each run fed beside the sampled token before it "
+              f"(as the engine does): {r['tokens_per_step_with_runs_after_sampled']}", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -48,7 +48,7 @@ def test_a_random_model_is_refused_and_every_answer_ends(tiny_smollm2: list[Path
         assert checked == r["host_us"]["mask"]["n"] <= r["steps"] - r["forced"]
         assert checked == 0 or r["host_us"]["check"]["mean"] > 0
         assert r["check_took_another_token"] == 0  # the first candidate taken is the masked pick
-        assert r["tokens_per_step_with_runs"] >= 1.0
+        assert r["tokens_per_step_with_runs_after_sampled"] >= r["tokens_per_step_with_runs"] >= 1.0
 
 
 def test_a_folder_without_a_model_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -72,3 +72,11 @@ def test_a_forced_run_of_two_or_more_goes_in_one_step() -> None:
     """Runs from positions 1 (3 tokens) and 4 (2): six tokens in three steps; a run of one saves nothing."""
     assert grammar_refusals.steps_with_runs([0, 3, 0, 0, 2, 0]) == 3
     assert grammar_refusals.steps_with_runs([1, 1, 0]) == 3 and grammar_refusals.steps_with_runs([]) == 0
+
+
+def test_a_run_fed_beside_the_sampled_token_before_it_saves_that_step_too() -> None:
+    """As the engine decodes: the token at 0 is sampled and the run after it (positions 1-2) fed in
+    its forward, then 3 is sampled; a run of one after a sampled token goes with it as well."""
+    assert grammar_refusals.steps_with_runs_after([0, 2, 0, 0]) == 2
+    assert grammar_refusals.steps_with_runs_after([1, 1, 0]) == 2
+    assert grammar_refusals.steps_with_runs_after([0, 0, 0]) == 3 and grammar_refusals.steps_with_runs_after([]) == 0
