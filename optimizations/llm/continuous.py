@@ -286,7 +286,7 @@ class ContinuousBatcher:
         launched too), read the previous step. Returns the new tokens of every request that got some."""
         updates: dict[Hashable, SeqUpdate] = {}
         admitted = self._forward is None
-        later: list[_Pending] = []  # read from the next step on
+        later: list[_Pending] = []  # read once this step's sampling half is launched
         if admitted:
             self._compact()
             self._admit()
