@@ -151,7 +151,7 @@ def _run_arriving(b: ContinuousBatcher, requests: Requests, first: list[str],
 def _riders(compiler: GrammarCompiler, tokenizer: ChatTokenizer,
             stops: tuple[int, ...]) -> tuple[Requests, list[str], dict[int, str]]:
     """A grammar row and a sampled min_tokens row decode while free and constrained prompts arrive
-    every third step: (requests, those added first, arrivals by step)."""
+    every other step: (requests, those added first, arrivals by step)."""
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Ride along."}])
     c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[3]))
     held = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[0]), min_tokens=8)
@@ -159,7 +159,7 @@ def _riders(compiler: GrammarCompiler, tokenizer: ChatTokenizer,
             "sampled": (prompt[1:], SamplingParams(max_tokens=60, temperature=0.9, seed=3, stop_token_ids=stops,
                                                    constraint=held))}
     arrivals = {}
-    for i, step in enumerate((3, 6, 9, 12, 15)):
+    for i, step in enumerate((3, 5, 7, 9, 11)):
         key = f"new{i}"
         params = (SamplingParams(max_tokens=6, stop_token_ids=stops, constraint=c) if i % 2 else
                   SamplingParams(max_tokens=5, temperature=0.7, seed=i, stop_token_ids=stops))
@@ -176,9 +176,9 @@ def _back_and_forth(compiler: GrammarCompiler, tokenizer: ChatTokenizer,
     c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[3]))
     rows = {"free": (prompt[:30], SamplingParams(max_tokens=60, stop_token_ids=()))}
     arrivals = {}
-    for i in range(12):  # every other one constrained, 3 tokens
+    for i in range(12):  # every other one constrained, 8 tokens (its start run among them)
         key = f"r{i}"
-        params = (SamplingParams(max_tokens=3, stop_token_ids=stops, constraint=c) if i % 2 == 0 else
+        params = (SamplingParams(max_tokens=8, stop_token_ids=stops, constraint=c) if i % 2 == 0 else
                   SamplingParams(max_tokens=2, temperature=0.8, seed=i, stop_token_ids=()))
         rows[key] = (prompt[:20 + i], params)
         arrivals[1 + 3 * i] = key
@@ -496,6 +496,45 @@ def test_a_sampled_token_and_the_run_its_grammar_forces_after_it_go_in_one_forwa
     assert fed[1] == out[head:-1] and len(fed[1]) >= 4, (fed, out)
     m = c.grammar.deep_copy()
     assert m.consume_tokens(out[:head]) and m.compute_ff_tokens()[:1] != out[head:head + 1]  # sampled, not forced
+
+
+def test_a_grammars_start_run_goes_in_with_the_prompt(runner, compiler, tokenizer, stops) -> None:
+    """``{"user": {"name":`` is forced before a nested schema's first choice: the prompt's
+    prefill feeds it after the prompt, the first update brings it with the first token sampled
+    after it, and the answers (greedy, sampled, one cut by max_tokens inside the run) are the ones
+    a token a step gives. The prefix cache keeps the run's K/V with the prompt's: the same request
+    again reuses it and reports only the prompt's share as cached."""
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[17]))
+    run = c.grammar.deep_copy().compute_ff_tokens()
+    assert tokenizer.decode(run) == '{"user": {"name":', run  # the space and quote may merge with what follows
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "A user."}])
+    requests = {"greedy": (prompt, SamplingParams(max_tokens=40, stop_token_ids=stops, constraint=c)),
+                "sampled": (prompt[1:], SamplingParams(max_tokens=40, temperature=0.9, seed=2, stop_token_ids=stops,
+                                                       constraint=c)),
+                "cut": (prompt[2:], SamplingParams(max_tokens=3, stop_token_ids=stops, constraint=c))}
+    out, steps, _ = _with_and_without_runs(runner, (requests, ["greedy", "sampled"], {1: "cut"}))
+    assert out[True] == out[False]
+    assert steps[True] < steps[False], steps
+    assert out[True]["cut"][:2] == run[:2] and len(out[True]["cut"]) == 3  # two fed with the prompt, one sampled
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+    fed: list[list[int]] = []
+    packed = b.packed.run
+    b.packed.run = lambda chunks: (fed.extend(list(ch.tokens) for ch in chunks if not ch.from_state),
+                                   packed(chunks))[1]
+    firsts, answers = [], []
+    for _ in range(2):  # the second time the prefix cache holds the first's prompt and run
+        fed.clear()
+        b.add("a", *requests["greedy"])
+        updates = []
+        while b.has_work:
+            if (u := b.step().get("a")) is not None:
+                updates.append(u)
+        firsts.append(updates[0])
+        answers.append([t for u in updates for t in u.tokens])
+    assert fed[0] == prompt[firsts[1].cached_tokens:] + run  # the cached prompt and run are not fed again
+    assert firsts[0].tokens[:len(run)] == run and len(firsts[0].tokens) == len(run) + 1, firsts[0]
+    assert firsts[0].cached_tokens == 0 and 0 < firsts[1].cached_tokens <= len(prompt)
+    assert answers[0] == answers[1] == out[True]["greedy"]
 
 
 def test_forced_runs_longer_than_the_token_budget_are_cut_to_fit_it(runner, compiler, tokenizer, stops) -> None:

@@ -120,7 +120,7 @@ class SeqUpdate:
 @dataclass
 class _Seq:
     key: Hashable
-    prompt: list[int]
+    prompt: list[int]  # with the run its grammar forces from its start, where it has one (``fed``)
     params: SamplingParams
     stops: frozenset[int]
     seed: int  # the request's seed, or one drawn for it at add()
@@ -136,6 +136,9 @@ class _Seq:
     pos_hi: int = 0
     done: bool = False
     constraint: RowConstraint | None = None  # grammar, logit_bias, min_tokens: the row's bias per step
+    # The tokens its grammar forces from its start (``{"name": "``), prefilled as the prompt's tail and
+    # reported as the answer's head with its first token (``ContinuousBatcher._start_run``).
+    fed: list[int] = field(default_factory=list)
 
     @property
     def per_step_bias(self) -> bool:
@@ -246,8 +249,32 @@ class ContinuousBatcher:
         seq = _Seq(key, list(prompt), params, frozenset(params.stop_token_ids), seed,
                    speculate=speculate and params.temperature == 0 and not params.full and params.constraint is None,
                    constraint=params.constraint.start() if params.constraint is not None else None)
+        if self.jump_forced and seq.constraint is not None:
+            self._start_run(seq)
         self.by_key[key] = seq
         self.waiting.append(seq)
+
+    @staticmethod
+    def _start_run(s: _Seq) -> None:
+        """The run of tokens ``s``'s grammar forces before its first choice (``{"name": "`` for a
+        schema whose first property is required): its matcher takes the run now, the prompt's
+        prefill feeds it after the prompt, the first token is sampled after it, and the request gets
+        the run with that token. Otherwise the first step would sample the run's first token under a
+        one-token mask and only the next forward would feed the rest: a step of every constrained
+        answer. Cut as the later runs are (``_forced_runs``): a token left to sample before
+        ``max_tokens``, none from a stop token on; none for rows with logprobs or penalties."""
+        c = s.constraint
+        if c is None or c.matcher is None or s.params.full or c.matcher.is_stopped():
+            return
+        run = c.matcher.compute_ff_tokens()[:s.params.max_tokens - 1]
+        for i, tok in enumerate(run):
+            if tok in s.stops:
+                run = run[:i]
+                break
+        if not all(c.accept(tok) for tok in run):  # llguidance refusing its own forced tokens: a bug
+            raise ValueError(f"the grammar refused the tokens it forces from its start: {c.error() or run}")
+        s.prompt += run
+        s.fed = run
 
     def cancel(self, key: Hashable) -> None:
         """End a request now (client gone, stop string matched): its slot is free at once."""
@@ -266,7 +293,7 @@ class ContinuousBatcher:
     def kv_usage(self) -> float:
         """The share of the KV cache's positions (``max_num_seqs`` rows x ``max_seq_len``) that
         running requests fill: prompt and generated tokens so far (a prefilling prompt: what is in)."""
-        used = sum((len(s.prompt) + s.generated) if s.launched else s.prefilled
+        used = sum((len(s.prompt) - len(s.fed) + s.generated) if s.launched else s.prefilled
                    for s in self.slots if s is not None)
         return used / (self.max_num_seqs * self.r.max_seq_len)
 
@@ -746,7 +773,11 @@ class ContinuousBatcher:
                 continue
             u = updates.setdefault(s.key, SeqUpdate())
             if s.generated == 0:
-                u.cached_tokens = s.cached
+                u.cached_tokens = min(s.cached, len(s.prompt) - len(s.fed))  # the request's prompt alone
+                if s.fed:  # the start run, fed with the prompt, already taken by the matcher
+                    u.tokens += s.fed
+                    s.out += s.fed
+                    s.generated += len(s.fed)
             if k:  # a verify step: the row's first accepted+1 base tokens
                 accepted = rows[row][k + 1]
                 s.pos_hi -= k - accepted  # the bound assumed every draft accepted
@@ -787,9 +818,10 @@ class ContinuousBatcher:
         if seq.slot >= 0 and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
             if self.prefix is not None:
-                # In the row: what the prefill put in, and every reported token but the last (the
-                # step that would write its K/V was never run, or runs past the request's end).
-                valid = seq.prompt[:seq.prefilled] + seq.out[:-1]
+                # In the row: what the prefill put in (the start run included), and every later
+                # reported token but the last (the step that would write its K/V was never run, or
+                # runs past the request's end).
+                valid = seq.prompt[:seq.prefilled] + seq.out[len(seq.fed):-1]
                 self.prefix.release(seq.slot, valid, len(valid))
 
     def fail_all(self, error: Exception) -> dict[Hashable, SeqUpdate]:
