@@ -74,6 +74,14 @@ HOST_COPIES = 6  # host buffers per output shape (``ContinuousBatcher._host``)
 # Packed forwards of up to this many tokens run the fused decode kernels (kernels: triton), larger
 # ones the packed layers (packed.py).
 FUSED_PACKED_TOKENS = 64
+# Without prompts to prefill, grammar rows' forced runs get a packed forward of their own only where
+# their tokens past each run's head add up to this share of the decoding rows (1.0: they at least
+# double the step's tokens); otherwise each forced token takes a decode step under a one-token mask.
+# Feeding every run (0.0) took a 32-row round of SmolLM2's JSON answers in 63-71 steps instead of
+# 77-84 on an H200, but each step cost more (the packed forward and its host tables), and tokens/s
+# did not rise: in-process about the same, served 79% of free tokens/s against 85% and 83% on one
+# machine (benchmarks/results/start-run-h200/).
+RUNS_ALONE_SHARE = 1.0
 
 
 def plan_prefill(remaining: list[int], budget: int, chunk: int) -> list[int]:
@@ -530,11 +538,11 @@ class ContinuousBatcher:
             if len(run) >= 2:
                 jumps[s.key] = run
                 budget -= len(run) - 1
-        if not queue and sum(len(run) - 1 for run in jumps.values()) < max(len(decoding), 1):
+        if not queue and sum(len(run) - 1 for run in jumps.values()) < max(len(decoding) * RUNS_ALONE_SHARE, 1):
             # Without prompts, the runs alone pay for a packed forward only where they at least
-            # double the step's tokens: it costs more than the decode step's forward (SmolLM2 on an
-            # H100, benchmarks/sampling_cost.py: 1.19-1.32 against 0.72-0.85 ms at 32 rows, 1.03-1.07
-            # against 0.38-0.41 at one), and its tables are built on the host.
+            # double the step's tokens (RUNS_ALONE_SHARE): it costs more than the decode step's
+            # forward (SmolLM2 on an H100, benchmarks/sampling_cost.py: 1.19-1.32 against 0.72-0.85 ms
+            # at 32 rows, 1.03-1.07 against 0.38-0.41 at one), and its tables are built on the host.
             return None, None
         if queue and budget < min(self.prefill_chunk, len(queue[0].prompt) - queue[0].prefilled):
             # The decode tokens would cut the oldest prompt's chunk: two forwards keep it whole.
