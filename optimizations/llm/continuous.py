@@ -144,7 +144,7 @@ class _Seq:
     pos_hi: int = 0
     done: bool = False
     constraint: RowConstraint | None = None  # grammar, logit_bias, min_tokens: the row's bias per step
-    # The tokens its grammar forces from its start (``{"name": "``), prefilled as the prompt's tail and
+    # The tokens its grammar forces from its start (``{"name":``), prefilled as the prompt's tail and
     # reported as the answer's head with its first token (``ContinuousBatcher._start_run``).
     fed: list[int] = field(default_factory=list)
 
@@ -264,7 +264,7 @@ class ContinuousBatcher:
 
     @staticmethod
     def _start_run(s: _Seq) -> None:
-        """The run of tokens ``s``'s grammar forces before its first choice (``{"name": "`` for a
+        """The run of tokens ``s``'s grammar forces before its first choice (``{"name":`` for a
         schema whose first property is required): its matcher takes the run now, the prompt's
         prefill feeds it after the prompt, the first token is sampled after it, and the request gets
         the run with that token. Otherwise the first step would sample the run's first token under a
