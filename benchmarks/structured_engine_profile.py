@@ -23,6 +23,12 @@ packed forwards and the decode forwards launched).
         --requests 2 --max-tokens 16 --repeats 1                               # CPU smoke run
     python3 -m servekit.benchmarks.structured_engine_profile --requests 32 --closed-loop 256
 
+Each process first times a fixed grammar walk on its own thread (``host_walk``: every schema's
+grammar stepped along one path, a mask filled, a token taken and the forced tokens asked for at each
+step, as a constrained row's host work goes): the same code's host phases moved 10-30% between
+processes on one H200 machine (benchmarks/results/start-run-h200/), and the walk's time says how
+fast the host ran this process, so that runs of two codes in different processes can be weighed.
+
 ``--fine-phases`` also times the parts of those phases (the packed forward's host tables, the
 mixed decode, new rows, uploads, the matchers taking their tokens); each wrapped call costs a few
 microseconds of its own. ``--mask-threads`` repeats the constrained runs with llguidance's mask
@@ -49,6 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy
+import torch
 import yaml
 
 from servekit.benchmarks.llm_inprocess import plan_runner
@@ -194,6 +202,9 @@ def main() -> None:
     tokenizer = ChatTokenizer(model_dir)
     stops = tuple(stop_token_ids(model_dir, tokenizer))
     compiler = grammar.GrammarCompiler(tokenizer, runner.model.config.vocab_size, stops)
+    walks = [host_walk(compiler, [schema for _, _, schema in SCHEMAS]) for _ in range(5)]
+    print(f"host: a fixed walk of {walks[0][0]} grammar steps took "
+          f"{statistics.median(t for _, t in walks) * 1e3:.2f} ms (median of 5)", flush=True)
     engine = ContinuousBatcher(runner, min(32, runner.max_batch))
     engine.warmup()
     timer = PhaseTimer(exclusive=True)
@@ -247,6 +258,31 @@ def main() -> None:
                 r = run_once(engine, timer, prompts, constrained, ("threads", threads, rep), n)
                 print(line(f"{JSON}, masks on {threads} threads", rep, r), flush=True)
             grammar._executor = engine_executor
+
+
+def host_walk(compiler: grammar.GrammarCompiler, schemas: list[dict], steps: int = 60) -> tuple[int, float]:
+    """The host's speed at a constrained row's work: each schema's grammar walked from its start
+    for up to ``steps`` tokens, each step a mask filled (one row, this thread), a token it allows
+    taken (a fixed pick, the same path every time) and the forced tokens asked for. Returns the
+    steps walked and the seconds it took."""
+    words = (compiler.vocab_size + 31) // 32
+    mask = torch.zeros(1, words, dtype=torch.int32)
+    matchers = [compiler.compile(grammar.GrammarSpec.of(grammar.JSON, schema)) for schema in schemas]
+    walked, t0 = 0, time.perf_counter()
+    for start in matchers:
+        m = start.deep_copy()
+        for step in range(steps):
+            grammar.fill_masks([(m, 0)], mask, None)
+            allowed = numpy.flatnonzero(numpy.unpackbits(mask[0].numpy().view(numpy.uint8),
+                                                         bitorder="little")[:compiler.vocab_size])
+            token = int(allowed[(step * 7919) % len(allowed)])
+            if not m.consume_token(token):
+                raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
+            m.compute_ff_tokens()
+            walked += 1
+            if m.is_stopped() or m.is_error():
+                break
+    return walked, time.perf_counter() - t0
 
 
 def without_max_length(schema: Any) -> Any:

@@ -1041,6 +1041,19 @@ def test_the_engine_profiles_closed_loop_keeps_its_rows_busy_with_one_forward_a_
     assert timer.calls["  mixed decode"] > 0 and r["host_ms_per_step"]["  read rows"] > 0
 
 
+def test_the_profiles_host_walk_takes_one_path_through_every_schema(compiler) -> None:
+    """The profile's host calibration walks the benchmark's schemas along the same path every time
+    (so that its time compares between processes), each token one its mask allowed, and finishes
+    grammars on the way."""
+    from servekit.benchmarks.structured_bench import SCHEMAS as BENCH
+    from servekit.benchmarks.structured_engine_profile import host_walk
+
+    schemas = [schema for _, _, schema in BENCH]
+    first, second = host_walk(compiler, schemas), host_walk(compiler, schemas)
+    assert first[0] == second[0] and len(schemas) < first[0] < 60 * len(schemas), (first, second)
+    assert first[1] > 0 and second[1] > 0
+
+
 def test_the_profiles_schemas_without_max_length_keep_everything_else() -> None:
     from servekit.benchmarks.structured_bench import SCHEMAS as BENCH
     from servekit.benchmarks.structured_engine_profile import without_max_length
