@@ -262,23 +262,14 @@ class ContinuousBatcher:
         self.by_key[key] = seq
         self.waiting.append(seq)
 
-    @staticmethod
-    def _start_run(s: _Seq) -> None:
+    def _start_run(self, s: _Seq) -> None:
         """The run of tokens ``s``'s grammar forces before its first choice (``{"name":`` for a
         schema whose first property is required): its matcher takes the run now, the prompt's
         prefill feeds it after the prompt, the first token is sampled after it, and the request gets
         the run with that token. Otherwise the first step would sample the run's first token under a
         one-token mask and only the next forward would feed the rest: a step of every constrained
-        answer. Cut as the later runs are (``_forced_runs``): a token left to sample before
-        ``max_tokens``, none from a stop token on; none for rows with logprobs or penalties."""
-        c = s.constraint
-        if c is None or c.matcher is None or s.params.full or c.matcher.is_stopped():
-            return
-        run = c.matcher.compute_ff_tokens()[:s.params.max_tokens - 1]
-        for i, tok in enumerate(run):
-            if tok in s.stops:
-                run = run[:i]
-                break
+        answer. Cut as the later runs are (``_forced``)."""
+        run, c = self._forced(s), s.constraint
         if not all(c.accept(tok) for tok in run):  # llguidance refusing its own forced tokens: a bug
             raise ValueError(f"the grammar refused the tokens it forces from its start: {c.error() or run}")
         s.prompt += run
@@ -716,17 +707,23 @@ class ContinuousBatcher:
             return {}
         runs = {}
         for s in self.slots:
-            c = s.constraint if s is not None and s.launched else None
-            if c is None or s.done or c.matcher is None or s.params.full or c.matcher.is_stopped():
-                continue
-            run = c.matcher.compute_ff_tokens()[:s.params.max_tokens - s.generated - 1]
-            for i, tok in enumerate(run):
-                if tok in s.stops:
-                    run = run[:i]
-                    break
-            if run:
+            if s is not None and s.launched and not s.done and (run := self._forced(s)):
                 runs[s.key] = [s.out[-1], *run]
         return runs
+
+    @staticmethod
+    def _forced(s: _Seq) -> list[int]:
+        """The tokens ``s``'s grammar forces from its matcher's state, as a run may take them: a
+        token left to sample before ``max_tokens``, none from a stop token on; none for rows with
+        logprobs or penalties (their counts and logprobs go token by token)."""
+        c = s.constraint
+        if c is None or c.matcher is None or s.params.full or c.matcher.is_stopped():
+            return []
+        run = c.matcher.compute_ff_tokens()[:s.params.max_tokens - s.generated - 1]
+        for i, tok in enumerate(run):
+            if tok in s.stops:
+                return run[:i]
+        return run
 
     def _set_spec_rows(self, seqs: list[_Seq]) -> None:
         """Tell the verify steps which of these newly started rows accept drafts."""
