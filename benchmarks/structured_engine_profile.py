@@ -55,10 +55,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy
 import torch
 import yaml
 
+from servekit.benchmarks.grammar_refusals import allowed_tokens
 from servekit.benchmarks.llm_inprocess import plan_runner
 from servekit.benchmarks.llm_workload_bench import PhaseTimer
 from servekit.benchmarks.structured_bench import SCHEMAS
@@ -265,16 +265,12 @@ def host_walk(compiler: grammar.GrammarCompiler, schemas: list[dict], steps: int
     for up to ``steps`` tokens, each step a mask filled (one row, this thread), a token it allows
     taken (a fixed pick, the same path every time) and the forced tokens asked for. Returns the
     steps walked and the seconds it took."""
-    words = (compiler.vocab_size + 31) // 32
-    mask = torch.zeros(1, words, dtype=torch.int32)
     matchers = [compiler.compile(grammar.GrammarSpec.of(grammar.JSON, schema)) for schema in schemas]
     walked, t0 = 0, time.perf_counter()
     for start in matchers:
         m = start.deep_copy()
         for step in range(steps):
-            grammar.fill_masks([(m, 0)], mask, None)
-            allowed = numpy.flatnonzero(numpy.unpackbits(mask[0].numpy().view(numpy.uint8),
-                                                         bitorder="little")[:compiler.vocab_size])
+            allowed = torch.nonzero(allowed_tokens(m, compiler.vocab_size)).flatten()
             token = int(allowed[(step * 7919) % len(allowed)])
             if not m.consume_token(token):
                 raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
