@@ -248,6 +248,18 @@ def is_models_route(route: str) -> bool:
     return route == MODELS_ROUTE or route.startswith(MODELS_ROUTE + "/")
 
 
+# TorchServe 0.12 under continuous batching: a worker with no request in flight waits for the next
+# one while holding the model's queue lock (Model.pollInferJob), and a worker with requests running
+# needs that lock before each next call of its handler. With two workers, an idle one holds up the
+# other's running requests until some new request arrives (on a CPU server a 4-token answer waited
+# 350 s, until the next request came). So a continuous-batching model gets one worker.
+CONTINUOUS_ONE_WORKER = (
+    "TorchServe 0.12's continuous batching serves one worker per model: an idle worker waits for the next "
+    "request while holding the model's queue lock, which a busy worker needs before each call, so with a "
+    "second worker running requests stall until another request arrives. Run more rows with a larger "
+    "batchSize, or more replicas (pods) of the one-worker server")
+
+
 # Sent by servekit.torchserve.warm_up_inference with the streamed chats it sends an LLM when a
 # server starts: the request metrics leave those out, as they do the models API's requests.
 WARM_UP_HEADER = "X-Servekit-Warm-Up"

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from servekit import __version__
-from servekit.handlers.common import registered_batch_size
+from servekit.handlers.common import CONTINUOUS_ONE_WORKER, registered_batch_size
 from servekit.handlers.llm_continuous import ContinuousFrontend
 from servekit.handlers.llm_openai import OpenAIApi
 from servekit.handlers.metrics import HandlerMetrics
@@ -40,10 +40,15 @@ WARM_UP_TEXT = "Summarise this passage of a long document in one short sentence,
 def check_continuous_batching(config: dict[str, Any]) -> None:
     """The LLM is served by continuous batching only: a model-config without
     ``continuousBatching: true`` would have TorchServe hand each batch over once and wait for whole
-    answers, which this handler does not give. Refused with the fix, before any weight is loaded."""
+    answers, which this handler does not give; and by one worker (``CONTINUOUS_ONE_WORKER``).
+    Refused with the fix, before any weight is loaded."""
     if config.get("continuousBatching") is not True:
         raise PlanError(f"continuousBatching: {config.get('continuousBatching')!r}; the LLM handler serves through "
                         "continuous batching only: set `continuousBatching: true` in the model-config")
+    many = [f"{key}: {config[key]!r}" for key in ("minWorkers", "maxWorkers")
+            if config.get(key) is not None and not (isinstance(config[key], int) and config[key] <= 1)]
+    if many:
+        raise PlanError(f"{', '.join(many)}; {CONTINUOUS_ONE_WORKER}: set minWorkers and maxWorkers to 1")
 
 
 class LlmService:

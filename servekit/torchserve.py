@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from servekit.handlers.common import WARM_UP_HEADER
+from servekit.handlers.common import CONTINUOUS_ONE_WORKER, WARM_UP_HEADER
 from servekit.resources import config_dir, resolve
 
 DEFAULT_CONFIG = config_dir() / "config.properties"
@@ -70,6 +70,10 @@ def free_ports(n: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+class OneWorkerOnly(ServerError):
+    """More than one worker asked for a continuous-batching model (``CONTINUOUS_ONE_WORKER``)."""
 
 
 @dataclass(frozen=True)
@@ -337,7 +341,12 @@ class ManagementClient:
             status = 200
         if status >= 300:
             raise ServerError(f"registering {reg.mar} as {reg.model} failed ({status}): {str(body).strip()[:300]}")
-        self.scale(reg.model, reg.workers, wait=wait, timeout=timeout)
+        try:
+            self.scale(reg.model, reg.workers, wait=wait, timeout=timeout)
+        except OneWorkerOnly:
+            if not (taken and if_exists == "keep"):  # registered by this call, its workers started already
+                self.unregister(reg.model)
+            raise
         self.check_settings(reg)
         return time.monotonic() - t0
 
@@ -354,6 +363,8 @@ class ManagementClient:
     def scale(self, model: str, workers: int, wait: bool = True, timeout: float = 600.0) -> float:
         """Set `model`'s worker count; with `wait`, block until `workers` are READY and any extra
         ones are gone (so a measurement sees exactly that many). Returns the seconds waited."""
+        if workers > 1 and any(v.get("continuousBatching") for v in self.describe(model) or []):
+            raise OneWorkerOnly(f"{model}: {workers} workers asked for; {CONTINUOUS_ONE_WORKER}")
         t0 = time.monotonic()
         q = urllib.parse.urlencode({"min_worker": workers, "max_worker": workers, "synchronous": "false"})
         status, body = self._call("PUT", f"/models/{self._model(model)}?{q}")

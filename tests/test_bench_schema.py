@@ -173,11 +173,21 @@ def test_llm_sweep_parses() -> None:
     ("variants.0.plan", {"speculation": {"n_heads": 2}}, "variants[0].speculator: required"),
     ("variants", [LLM["variants"][0], {"name": "spec", "mar": "smollm2.mar", "speculator": "heads"}],
      "variants[1].speculator: only for variants built from `model`"),
+    # TorchServe 0.12 stalls a continuous-batching model's running requests behind an idle second worker
+    ("sweep", {"workers": [1, 2]}, "variants[0]: sweeps workers [1, 2] over a continuous-batching model; "
+                                   "TorchServe 0.12's continuous batching serves one worker per model"),
+    ("variants.1.sweep", {"workers": [2]}, "variants[1]: sweeps workers [2] over a continuous-batching model"),
 ])
 def test_llm_errors_name_the_key(path: str, value, message: str) -> None:
     with pytest.raises(SchemaError) as e:
         parse_config(with_(path, value, LLM))
     assert message in str(e.value)
+
+
+def test_one_worker_is_checked_only_for_continuous_batching() -> None:
+    """Workers sweep freely where TorchServe batches per call (embeddings) and at one for the LLM."""
+    assert parse_config(with_("sweep", {"workers": [1]}, LLM)).variants[0].axes.workers == (1,)
+    assert parse_config(BASE).variants[1].axes.workers == (1, 2)
 
 
 @pytest.mark.parametrize("key", ["ttft_p99_ms", "itl_p99_ms"])

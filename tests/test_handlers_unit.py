@@ -206,7 +206,7 @@ def test_llm_handler_holds_running_non_streamed_answers_back(llm, capsys) -> Non
     assert hits and sum(hits) > 0, hits
 
 
-def test_llm_handler_refuses_a_model_config_without_continuous_batching(tmp_path) -> None:
+def test_llm_handler_refuses_a_model_config_without_continuous_batching_or_with_more_workers(tmp_path) -> None:
     from servekit.handlers.llm_handler import LlmService
     from servekit.optimizations.plan import PlanError
 
@@ -215,6 +215,11 @@ def test_llm_handler_refuses_a_model_config_without_continuous_batching(tmp_path
         cfg["continuousBatching"] = value
         with pytest.raises(PlanError, match="set `continuousBatching: true`"):  # before any weight is read
             LlmService().initialize(mock_context(tmp_path, cfg, batch_size=1))
+    cfg["continuousBatching"] = True
+    for key in ("minWorkers", "maxWorkers"):
+        with pytest.raises(PlanError, match=rf"{key}: 2; TorchServe 0.12's continuous batching serves one worker "
+                                            "per model.*set minWorkers and maxWorkers to 1"):
+            LlmService().initialize(mock_context(tmp_path, {**cfg, key: 2}, batch_size=1))
 
 
 def test_llm_usage_reports_cached_prompt_tokens_once_per_prompt(llm) -> None:

@@ -232,6 +232,59 @@ def full_server(tiny_smollm2: list[Path], tmp_path_factory: pytest.TempPathFacto
         yield ts
 
 
+def _set_workers(server: TorchServe, n: int) -> None:
+    """The management API's own scaling, as a user's curl sends it (servekit's client refuses n > 1)."""
+    req = urllib.request.Request(f"{server.management_url}/models/smollm2?min_worker={n}&max_worker={n}"
+                                 "&synchronous=true", method="PUT")
+    urllib.request.urlopen(req, timeout=240).read()
+    deadline = time.monotonic() + 120
+    while [w["status"] for w in server.api.workers("smollm2")] != ["READY"] * n:
+        assert time.monotonic() < deadline, server.api.workers("smollm2")
+        time.sleep(0.2)
+
+
+def test_a_second_worker_stalls_running_requests_so_servekit_refuses_it(server: TorchServe, client) -> None:
+    """TorchServe 0.12 under continuous batching: an idle worker waits for the next request while
+    holding the model's queue lock, which a busy worker needs before each next call of its handler
+    (``handlers/common.py``, CONTINUOUS_ONE_WORKER). Scaled to two workers by hand, a lone streamed
+    request stops after its first chunks while the other worker idles; servekit's client refuses
+    the second worker before TorchServe sees it."""
+    from servekit.torchserve import OneWorkerOnly
+
+    with pytest.raises(OneWorkerOnly, match="serves one worker per model"):
+        server.scale("smollm2", 2)
+    assert [w["status"] for w in server.api.workers("smollm2")] == ["READY"]
+    with pytest.raises(OneWorkerOnly, match="smollm2_two: 2 workers asked for"):  # registered, refused, removed
+        server.register("smollm2.mar", "smollm2_two", batch_size=BATCH, max_batch_delay_ms=1, workers=2)
+    assert server.api.describe("smollm2_two") is None
+
+    _set_workers(server, 2)
+    chunks, done = [], threading.Event()
+
+    def lone() -> None:
+        try:
+            with client.with_options(timeout=30).chat.completions.create(
+                    model="smollm2", messages=_msgs("Count to fifty."), max_tokens=40, stream=True,
+                    extra_body={"ignore_eos": True}) as s:
+                for c in s:  # each chunk as it comes
+                    chunks.append(c)
+            done.set()
+        except Exception:  # the stalled stream times out, or ends when its worker is scaled away
+            pass
+
+    worker = threading.Thread(target=lone)
+    try:
+        worker.start()
+        # 40 tokens of the tiny model take well under a second; here the answer waits.
+        assert not done.wait(6.0), "the lone request finished: TorchServe no longer stalls it behind an idle worker"
+        assert 0 < len(chunks) < 40  # its first chunks came, then nothing
+    finally:
+        _set_workers(server, 1)
+        worker.join(60)
+    r = client.chat.completions.create(model="smollm2", messages=_msgs("Name a fruit."), max_tokens=4)
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_a_full_server_answers_503_at_once_and_serves_what_it_queued(full_server: TorchServe) -> None:
     """A long stream holds the one running place; two requests then wait in TorchServe's queue and the
     next two find it full. The long one is streamed so that the test knows it runs before sending the

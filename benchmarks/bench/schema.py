@@ -363,13 +363,18 @@ def _variants(raw: Any, axes: Axes, base: Path, remote_without_store: bool) -> t
         config = _path(f"{p}.config", rv["config"], base) if rv.get("config") else None
         # Not checked for existence here: heads are often trained after the sweep file is written.
         speculator = _path(f"{p}.speculator", rv["speculator"], base, must_exist=False) if "speculator" in rv else None
+        variant_axes = _axes(f"{p}.sweep", rv.get("sweep"), axes)
         if model is not None:
-            _check_plan(p, model, config, dict(overrides), dict(plan), speculator)
+            merged = _check_plan(p, model, config, dict(overrides), dict(plan), speculator)
+            if merged.get("continuousBatching") is True and max(variant_axes.workers) > 1:
+                from servekit.handlers.common import CONTINUOUS_ONE_WORKER
+                raise SchemaError(f"{p}: sweeps workers {list(variant_axes.workers)} over a continuous-batching model; "
+                                  f"{CONTINUOUS_ONE_WORKER}: give it `sweep: {{workers: [1]}}`")
         out.append(Variant(
             name=name, model=model, mar=mar, config=config,
             overrides=dict(overrides), plan=dict(plan),
             baseline=_bool(f"{p}.baseline", rv.get("baseline", False)),
-            axes=_axes(f"{p}.sweep", rv.get("sweep"), axes),
+            axes=variant_axes,
             description=str(rv.get("description", "")),
             speculator=speculator,
         ))
@@ -379,9 +384,10 @@ def _variants(raw: Any, axes: Axes, base: Path, remote_without_store: bool) -> t
 
 
 def _check_plan(p: str, model: str, config: Path | None, overrides: dict[str, Any], plan: dict[str, Any],
-                speculator: Path | None) -> None:
+                speculator: Path | None) -> dict[str, Any]:
     """The variant's merged `servekit:` section, validated by the parser its handler uses; and
-    speculator heads given exactly when that section asks for speculation."""
+    speculator heads given exactly when that section asks for speculation. Returns the merged
+    model-config."""
     from servekit.benchmarks.bench.archives import model_plan_parser, variant_config
     from servekit.optimizations.plan import PlanError
     try:
@@ -402,6 +408,7 @@ def _check_plan(p: str, model: str, config: Path | None, overrides: dict[str, An
     if asks and speculator is None:
         raise SchemaError(f"{p}.speculator: required: the variant's plan has a `speculation` section; give the "
                           "folder written by `servekit train-speculator --out DIR`")
+    return merged
 
 
 def _load(raw: Any) -> Load:
