@@ -276,7 +276,7 @@ def test_a_second_worker_stalls_running_requests_so_servekit_refuses_it(server: 
     try:
         worker.start()
         # 40 tokens of the tiny model take well under a second; here the answer waits.
-        assert not done.wait(6.0), "the lone request finished: TorchServe no longer stalls it behind an idle worker"
+        assert not done.wait(3.0), "the lone request finished: TorchServe no longer stalls it behind an idle worker"
         assert 0 < len(chunks) < 40  # its first chunks came, then nothing
     finally:
         _set_workers(server, 1)
