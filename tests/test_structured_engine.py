@@ -6,9 +6,11 @@ and sampled rows, and each row gets what it gets alone."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 import jsonschema
@@ -536,6 +538,68 @@ def test_a_grammars_start_run_goes_in_with_the_prompt(runner, compiler, tokenize
     assert firsts[0].tokens[:len(run)] == run and len(firsts[0].tokens) == len(run) + 1, firsts[0]
     assert firsts[0].cached_tokens == 0 and 0 < firsts[1].cached_tokens <= len(prompt)
     assert answers[0] == answers[1] == out[True]["greedy"]
+
+
+def _walk_forced_runs(compiler: GrammarCompiler, spec: GrammarSpec, seed: int, steps: int = 80) -> int:
+    """A row of ``spec`` walked from its start, at each state taking the run its grammar forces and
+    then a random token its mask allows (``seed``), every run checked against llguidance's own for
+    that state. Returns the runs of two or more tokens seen."""
+    from servekit.benchmarks.grammar_refusals import allowed_tokens
+
+    rng, row, longer = random.Random(seed), compiler.constraint(spec).start(), 0
+    for _ in range(steps):
+        expected = row.matcher.deep_copy().compute_ff_tokens()
+        run = row.forced()
+        assert run == expected, (spec.text[:80], row.last, run, expected)
+        longer += len(run) > 1
+        if not all(row.accept(t) for t in run) or row.matcher.is_stopped():
+            break
+        allowed = torch.nonzero(allowed_tokens(row.matcher, VOCAB)).flatten().tolist()
+        if not row.accept(allowed[rng.randrange(len(allowed))]) or row.matcher.is_stopped():
+            break
+    return longer
+
+
+def test_a_grammars_forced_runs_come_from_its_cache_and_are_llguidances_own(compiler) -> None:
+    """Random walks through every schema here and in the structured benchmark: at each state the run
+    a row gets through its grammar's ``ForcedRuns`` is the run llguidance computes for that state,
+    also where it comes from the cache (runs the same walk filled, or another walk's). Walking a
+    schema again the same way computes no run: each comes from the cache."""
+    from servekit.benchmarks.structured_bench import SCHEMAS as BENCH
+
+    specs = [GrammarSpec.of(JSON, s) for s in SCHEMAS + [schema for _, _, schema in BENCH]]
+    longer = 0
+    for i, spec in enumerate(specs):
+        runs = compiler.constraint(spec).runs
+        assert runs is not None
+        longer += _walk_forced_runs(compiler, spec, seed=i)
+        misses, hits = runs.misses, runs.hits
+        _walk_forced_runs(compiler, spec, seed=i)
+        assert runs.misses == misses and (runs.hits > hits or misses == 0), (spec.text[:80], runs.hits, misses)
+        _walk_forced_runs(compiler, spec, seed=1000 + i)
+    assert longer >= len(specs), longer  # runs of several tokens were checked, not only empty ones
+    assert compiler.constraint(specs[0]).portable().runs is None  # it never leaves its process
+
+
+def test_rows_with_cached_forced_runs_decode_what_rows_computing_them_do(runner, compiler, tokenizer, stops) -> None:
+    """The same greedy and sampled requests under a nested schema three times: twice through the
+    grammar's ``ForcedRuns`` (the second time every run comes from it), once with each run
+    computed by llguidance: the same tokens each time."""
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[17]))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "A user and their city, again."}])
+
+    def requests(constraint) -> Requests:
+        return {"greedy": (prompt, SamplingParams(max_tokens=60, stop_token_ids=stops, constraint=constraint)),
+                "sampled": (prompt[1:], SamplingParams(max_tokens=60, temperature=1.0, seed=7, stop_token_ids=stops,
+                                                       constraint=constraint))}
+
+    first = _run(runner, requests(c))
+    misses, hits = c.runs.misses, c.runs.hits
+    second = _run(runner, requests(c))
+    assert c.runs.misses == misses and c.runs.hits > hits
+    assert first == second == _run(runner, requests(replace(c, runs=None)))
+    for tokens, finish in first.values():
+        jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1])), SCHEMAS[17])
 
 
 def test_forced_runs_longer_than_the_token_budget_are_cut_to_fit_it(runner, compiler, tokenizer, stops) -> None:

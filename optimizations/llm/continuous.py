@@ -719,7 +719,7 @@ class ContinuousBatcher:
         c = s.constraint
         if c is None or c.matcher is None or s.params.full or c.matcher.is_stopped():
             return []
-        run = c.matcher.compute_ff_tokens()[:s.params.max_tokens - s.generated - 1]
+        run = c.forced()[:s.params.max_tokens - s.generated - 1]
         for i, tok in enumerate(run):
             if tok in s.stops:
                 return run[:i]
