@@ -544,8 +544,9 @@ class ForcedRuns:
     grammar. llguidance tokenizes the last token's bytes and the forced ones together, then chops
     trailing tokens that a longer token allowed next could replace: 66 us at the median where bytes
     are forced (the 2-core development machine), against 12.5 us for the bytes alone
-    (``compute_ff_bytes``), on the engine thread with the GIL held while the GPU waits. A schema's rows force the same separators and property names (``", "age": ``)
-    again and again, so after a few answers the runs come from here.
+    (``compute_ff_bytes``), on the engine thread with the GIL held while the GPU waits. A schema's
+    rows force the same separators and property names (``", "age": ``) again and again, so after a
+    few answers the runs come from here.
 
     The key leaves out the rest of the grammar's state, which the chop reads: two places of one
     grammar that force the same bytes after the same token but allow different text after them
