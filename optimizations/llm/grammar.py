@@ -60,7 +60,9 @@ DEFAULT_COMPILE_TIMEOUT_S = 5.0
 # per token. On the development VM the structured benchmark's schemas take under 2 ms a mask, a
 # regex such as a{300000} 0.4-0.5 s (benchmarks/results/grammar-limits-cpu/).
 DEFAULT_MASK_LIMIT_S = 0.05
-FORCED_RUNS_PER_GRAMMAR = 4096  # distinct forced runs a compiled grammar keeps (``ForcedRuns``)
+# Distinct forced runs a compiled grammar keeps (``ForcedRuns``): the structured benchmark's schemas
+# needed ~25 each over 256 answers (benchmarks/results/forced-runs-cache-h200/).
+FORCED_RUNS_PER_GRAMMAR = 1024
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # JSON answers as OpenAI writes them: no free whitespace (a model would spend tokens on it),
 # ", " and ": " between items and keys.
