@@ -371,11 +371,16 @@ class ManagementClient:
         if status >= 300:
             raise ServerError(f"setting {model}'s workers to {workers} failed ({status}): {str(body).strip()[:300]}")
         if wait:
-            self.wait_ready(model, workers, timeout)
-            deadline = time.monotonic() + 60
-            while len(self.workers(model)) > workers and time.monotonic() < deadline:
-                time.sleep(self.poll_s)
+            self.wait_workers(model, workers, timeout)
         return time.monotonic() - t0
+
+    def wait_workers(self, model: str, workers: int, timeout: float = 600.0) -> None:
+        """Block until `workers` of `model`'s workers are READY (``wait_ready``) and any extra ones
+        are gone (at most 60 s more): what a scaling by the management API waits for."""
+        self.wait_ready(model, workers, timeout)
+        deadline = time.monotonic() + 60
+        while len(self.workers(model)) > workers and time.monotonic() < deadline:
+            time.sleep(self.poll_s)
 
     def unregister(self, model: str, timeout: float = 120.0) -> None:
         """Unregister `model` (an unknown one is fine) and wait until its workers are gone."""

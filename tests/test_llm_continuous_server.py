@@ -237,10 +237,8 @@ def _set_workers(server: TorchServe, n: int) -> None:
     req = urllib.request.Request(f"{server.management_url}/models/smollm2?min_worker={n}&max_worker={n}"
                                  "&synchronous=true", method="PUT")
     urllib.request.urlopen(req, timeout=240).read()
-    deadline = time.monotonic() + 120
-    while [w["status"] for w in server.api.workers("smollm2")] != ["READY"] * n:
-        assert time.monotonic() < deadline, server.api.workers("smollm2")
-        time.sleep(0.2)
+    server.api.wait_workers("smollm2", n, timeout=120)
+    assert [w["status"] for w in server.api.workers("smollm2")] == ["READY"] * n
 
 
 def test_a_second_worker_stalls_running_requests_so_servekit_refuses_it(server: TorchServe, client) -> None:
