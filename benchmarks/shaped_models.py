@@ -15,8 +15,8 @@ model": speed does not depend on the weights' values, and nothing is downloaded.
                   there is one),
   gemma3-270m     a Gemma-3-270M-shaped decoder (18 layers, 640 wide, 4 heads / 1 KV head of 256, 2048
                   FFN, vocab 262144, five sliding-window layers (512) per global one, tied, bf16);
-                  the decoders with SmolLM2's tokenizer and chat template, with added tokens up to their
-                  vocabulary (so every id decodes).
+                  the decoders with SmolLM2's tokenizer and chat template, its vocabulary padded with
+                  placeholder tokens up to theirs (so every id decodes).
 
 The sentence-transformers files are written as sentence-transformers writes them (modules.json,
 1_Pooling/config.json, sentence_bert_config.json), so that this runs where sentence-transformers is
@@ -117,8 +117,6 @@ def decoder(out: Path, name: str, seed: int = 0, **shape: int) -> Path:
     """A decoder folder in `name`'s shape (DECODERS; `shape` overrides sizes, for small test copies):
     bf16 safetensors, SmolLM2's tokenizer padded to the vocabulary, its chat template and stop ids."""
     import transformers
-    from tokenizers import AddedToken, Tokenizer
-
     from servekit.optimizations.models.gguf_weights import smollm2_archive_files
 
     config_class, model_class, kwargs = DECODERS[name]
@@ -136,11 +134,15 @@ def decoder(out: Path, name: str, seed: int = 0, **shape: int) -> Path:
     model.save_pretrained(out)
     del model
     smol = smollm2_archive_files(torch.bfloat16)[0].parent
-    tok = Tokenizer.from_file(str(smol / "tokenizer.json"))
+    tok = json.loads((smol / "tokenizer.json").read_text())
     # Random weights emit any id of the vocabulary: give each one a token so that every id decodes.
-    tok.add_tokens([AddedToken(f"<|extra_{i}|>", special=False, normalized=False)
-                    for i in range(cfg.vocab_size - tok.get_vocab_size())])
-    tok.save(str(out / "tokenizer.json"))
+    # Plain entries of the BPE's vocabulary (no merge makes them, so encoding never does), not added
+    # tokens: a real tokenizer adds at most a few thousand, and llguidance's reading of a tokenizer
+    # takes time that grows with their square, so with ~100,000 added the grammar masks ran on
+    # servekit's slower byte table instead (grammar.MAX_NATIVE_ADDED_TOKENS).
+    vocab = tok["model"]["vocab"]
+    vocab.update({f"<|extra_{i}|>": i for i in range(max(vocab.values()) + 1, cfg.vocab_size)})
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     for file in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (smol / file).is_file():
             shutil.copy2(smol / file, out / file)

@@ -269,8 +269,9 @@ PROBE_TEXTS = ('{"name": "', ': "', '", "', '{"a": [1, 2.5e-3, true, null]}', "h
 
 # llguidance's own reading of a tokenizer.json takes time that grows with the square of its added
 # tokens: SmolLM2's tokenizer with 51,000 added took 16 s on the development VM, with 102,000 (the
-# Qwen2.5-0.5B-shaped benchmark model's 151,936 ids) about three minutes of a worker's start on an
-# H200 host, for two readings. Real tokenizers add tens to a few thousand (Llama 3: 256).
+# Qwen2.5-0.5B-shaped benchmark model's 151,936 ids, padded that way until shaped_models used plain
+# vocabulary entries) about three minutes of a worker's start on an H200 host, for two readings.
+# Real tokenizers add tens to a few thousand (Llama 3: 256).
 MAX_NATIVE_ADDED_TOKENS = 16384
 
 
