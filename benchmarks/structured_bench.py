@@ -1,7 +1,8 @@
 """Structured outputs served: every answer parses and validates, and what a schema costs in time.
 
-SmolLM2 served by its own TorchServe (continuous batching, the plan of ``--config``) answers
-OpenAI chat completions with ``response_format: {"type": "json_schema", ...}``:
+SmolLM2 (or the checkpoint of ``--model-dir``) served by its own TorchServe (continuous batching,
+the plan of ``--config``) answers OpenAI chat completions with ``response_format: {"type":
+"json_schema", ...}``:
 
 1. Validity: each of the 24 schemas below (nested objects, arrays with minItems/maxItems, enums,
    integer and number bounds, string patterns and lengths, optional properties, anyOf) with
@@ -25,6 +26,11 @@ OpenAI chat completions with ``response_format: {"type": "json_schema", ...}``:
 
     # GPU (benchmarks/gpu_run_extra.sh structured):
     python3 -m servekit.benchmarks.structured_bench --out DIR
+    # another converted checkpoint under the same plan, e.g. a shaped one (random weights: the
+    # grammar still decides what they write; their strings can run into max_tokens, which counts
+    # as invalid):
+    python3 -m servekit.benchmarks.shaped_models --out /opt/shaped --models qwen2.5-0.5b
+    python3 -m servekit.benchmarks.structured_bench --out DIR --model-dir /opt/shaped/qwen2.5-0.5b
     # CPU smoke run:
     python -m servekit.benchmarks.structured_bench --out /tmp/structured-cpu --config config/models/smollm2-cpu.yaml \\
         --prompts 1 --ttft-requests 2 --first-use 2 --rounds 1
@@ -42,7 +48,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import requests
@@ -51,8 +57,12 @@ from servekit.benchmarks.bench.stats import percentile
 from servekit.benchmarks.llm_inprocess import environment as llm_environment
 from servekit.benchmarks.llm_serve_bench import post_events, read_events, run_together, variant_config
 from servekit.benchmarks.llm_workload_bench import HandlerSplit
+from servekit.model_source import LLM
 from servekit.resources import model_config
 from servekit.torchserve import TorchServe
+
+if TYPE_CHECKING:
+    from servekit.archive import ArchiveSpec
 
 MODEL = "smollm2"
 
@@ -439,6 +449,21 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def served_model(model_dir: Path | None) -> tuple[str, ArchiveSpec | None]:
+    """The name the bench archives and calls the model by, and its archive spec: SmolLM2's (None)
+    without ``model_dir``; else the folder's (ValueError / FileNotFoundError naming what cannot be
+    served, or when it is not an LLM)."""
+    if model_dir is None:
+        return MODEL, None
+    from servekit.benchmarks.bench.archives import model_spec
+    from servekit.benchmarks.llm_continuous_bench import served_name
+
+    spec = model_spec(str(model_dir))
+    if spec.kind != LLM:
+        raise ValueError(f"a {spec.kind} model, not an LLM")
+    return served_name(str(model_dir)), spec
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     import torch
@@ -462,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixes", nargs="+", choices=list(MIXES), default=list(MIXES),
                    help="which mixes of constrained rows to run (default: all four; matched needs constrained)")
     p.add_argument("--ready-timeout", type=float, default=1800.0)
+    p.add_argument("--model-dir", type=Path, help="a converted LLM checkpoint to serve instead of SmolLM2")
     args = p.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS) or args.concurrency < 2 or args.rounds < 1:
         p.error(f"--prompts must be 1..{len(PROMPTS)}, --concurrency >= 2, --rounds >= 1")
@@ -469,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mixes matched needs constrained: its caps are the constrained answers' lengths")
     if not args.config.is_file():
         p.error(f"--config {args.config}: no such file")
+    try:
+        name, spec = served_model(args.model_dir)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(f"--model-dir {args.model_dir}: {e}")
     from servekit.archive import build_archive
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -486,13 +516,13 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = variant_config(args.config, [1, args.concurrency], 5, None)
         config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        build_archive(MODEL, work / "store", config=config, compress=False)
+        build_archive(name, work / "store", config=config, compress=False, spec=spec)
         try:
             with TorchServe(work / "run", work / "store") as ts:
                 t0 = time.perf_counter()
-                ts.register(f"{MODEL}.mar", MODEL, timeout=args.ready_timeout)
+                ts.register(f"{name}.mar", name, timeout=args.ready_timeout)
                 res["ready_s"] = round(time.perf_counter() - t0, 1)
-                url = f"{ts.inference_url}/predictions/{MODEL}/1.0/v1/chat/completions"
+                url = f"{ts.inference_url}/predictions/{name}/1.0/v1/chat/completions"
                 chat(url, FREE_PROMPT, 4, False)  # the first request after start: not measured
                 if args.warm_schemas:
                     res["warm_schemas"] = warm_schemas(url)

@@ -5,6 +5,7 @@ itself runs against SmolLM2 on TorchServe: docs/structured-output.md, "Served be
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -143,3 +144,23 @@ def test_the_comparison_gives_the_share_against_free_and_against_matched_lengths
     assert "| free, matched lengths (4) | 4 | 48.8 | 3900.0 | None |" in md
     assert "All constrained against free answers: 2000.0 / 4000.0 tokens/s = 50% (target 90%: missed" in md
     assert "capped at the constrained answers' lengths: 2000.0 / 3900.0 tokens/s = 51%" in md
+
+
+def test_model_dir_serves_a_converted_checkpoint_under_its_folders_name(tmp_path, capsys):
+    """``--model-dir``: the bench archives and calls a converted LLM folder by its name, with the
+    folder's archive spec; a folder that is not a model is refused before any server starts."""
+    from servekit.benchmarks import shaped_models
+    from servekit.model_source import LLM
+
+    assert sb.served_model(None) == (sb.MODEL, None)
+    folder = shaped_models.decoder(tmp_path / "Qwen-Tiny", "qwen2.5-0.5b", hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    name, spec = sb.served_model(folder)
+    assert name == "Qwen-Tiny" and spec.kind == LLM and spec.config == folder
+    files = {(w if isinstance(w, Path) else w[0]).name for w in spec.weights()}
+    assert {"model.safetensors", "tokenizer.json", "config.json"} <= files
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as e:
+        sb.main(["--out", str(tmp_path / "out"), "--model-dir", str(tmp_path / "empty")])
+    assert e.value.code == 2 and f"--model-dir {tmp_path / 'empty'}:" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
