@@ -27,8 +27,7 @@ the plan of ``--config``) answers OpenAI chat completions with ``response_format
     # GPU (benchmarks/gpu_run_extra.sh structured):
     python3 -m servekit.benchmarks.structured_bench --out DIR
     # another converted checkpoint under the same plan, e.g. a shaped one (random weights: the
-    # grammar still decides what they write; their strings can run into max_tokens, which counts
-    # as invalid):
+    # grammar still decides what they write):
     python3 -m servekit.benchmarks.shaped_models --out /opt/shaped --models qwen2.5-0.5b
     python3 -m servekit.benchmarks.structured_bench --out DIR --model-dir /opt/shaped/qwen2.5-0.5b
     # CPU smoke run:
