@@ -19,8 +19,9 @@ the plan of ``--config``) answers OpenAI chat completions with ``response_format
 3. Tokens/s with constrained and free rows mixed: rounds of ``--concurrency`` streamed requests sent
    at the same instant, all free, half constrained, all constrained; total tokens/s per mix. The
    schemas' answers are about half as long as free ones, so rows sit empty between a short answer's
-   end and the round's last one: a fourth mix sends free requests capped at the length of the
-   constrained answer of the same round and position ("free, matched lengths"), and the comparison
+   end and the round's last one: a fourth mix sends free requests exactly as long as the
+   constrained answer of the same round and position (``max_tokens`` its length, ``ignore_eos``:
+   "free, matched lengths"), and the comparison
    gives the all-constrained tokens/s against both (``compare()``). Per mix also the answers'
    length, TTFT and tokens per engine step (tokens/s x the handler's mean inter-token time).
 
@@ -193,12 +194,15 @@ def response_format(name: str, schema: dict) -> dict:
 
 
 def chat(url: str, prompt: str, max_tokens: int, stream: bool, schema: tuple[str, dict] | None = None,
-         seed: int | None = None, temperature: float = 0.8, timeout: float = 600.0) -> Answer:
-    """One chat completion, JSON or streamed (OpenAI SSE chunks), with `schema` as its response_format."""
+         seed: int | None = None, temperature: float = 0.8, timeout: float = 600.0, ignore_eos: bool = False) -> Answer:
+    """One chat completion, JSON or streamed (OpenAI SSE chunks), with `schema` as its response_format;
+    `ignore_eos`: only `max_tokens` ends the answer (vLLM's extension, which servekit takes)."""
     body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                             "temperature": temperature}
     if seed is not None:
         body["seed"] = seed
+    if ignore_eos:
+        body["ignore_eos"] = True
     if schema is not None:
         body["response_format"] = response_format(*schema)
     if stream:
@@ -320,7 +324,8 @@ MATCHED = "free, matched lengths"
 
 def matched_max_tokens(constrained: list[list["Answer"]]) -> list[list[int]]:
     """Per round and request, the ``max_tokens`` of a free request as long as the constrained
-    answer of the same round and position: its completion tokens (at least 1)."""
+    answer of the same round and position: its completion tokens (at least 1). The request is sent
+    with ``ignore_eos``, so that it is exactly that long rather than at most."""
     return [[max(1, a.tokens) for a in answers] for answers in constrained]
 
 
@@ -344,8 +349,8 @@ def mix_row(name: str, share: float, concurrency: int, answers: list["Answer"], 
 
 def compare(mixes: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]:
     """All constrained tokens/s as a share of free tokens/s at the same load: against free answers
-    of their natural length (the target's wording) and against free answers capped at the
-    constrained answers' lengths (the same rows busy for about the same steps)."""
+    of their natural length (the target's wording) and against free answers of the constrained
+    answers' lengths (the same rows busy for the same steps)."""
     by = {m["mix"]: m for m in mixes}
     json_ = by.get("all constrained")
     out: dict[str, Any] = {"target": target}
@@ -367,8 +372,8 @@ MIXES = {"free": ("all free", 0.0), "half": ("half constrained", 0.5), "constrai
 def mixed(url: str, concurrency: int, rounds: int, max_tokens: int, split: Any = None,
           mixes: tuple[str, ...] = tuple(MIXES)) -> list[dict[str, Any]]:
     """Rounds of `concurrency` streamed requests sent at once: all free, half constrained, all
-    constrained, then free again with each request capped at the length of the constrained answer
-    of its round and position (`mixes`: which of these, by their keys in MIXES; "matched" needs
+    constrained, then free again with each request exactly as long as the constrained answer of
+    its round and position (`mixes`: which of these, by their keys in MIXES; "matched" needs
     "constrained"). `split`: the handler's metrics (start/stop) around each mix."""
     out = []
     constrained: list[list[Answer]] = []
@@ -390,8 +395,8 @@ def mixed(url: str, concurrency: int, rounds: int, max_tokens: int, split: Any =
                              (schema_name, schema) if i < n_constrained else None,
                              caps[r][i] if name == MATCHED else max_tokens))
 
-            def one(i: int, got: list = got, asks: list = asks) -> None:
-                got[i] = chat(url, asks[i][0], asks[i][2], True, asks[i][1], seed=i)
+            def one(i: int, got: list = got, asks: list = asks, exact: bool = name == MATCHED) -> None:
+                got[i] = chat(url, asks[i][0], asks[i][2], True, asks[i][1], seed=i, ignore_eos=exact)
 
             wall += run_together(one, concurrency)
             answers += [a for a in got if a is not None]
@@ -435,7 +440,7 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{m['tok_per_s_total']} | {m['tokens_per_step']} | {m['ttft_ms_p50']} | {m['ttft_ms_p99']} |"
                   for m in res["mixed"]]
         c = res.get("comparison", {})
-        for key, what in (("vs_free", "free answers"), ("vs_free_matched", "free answers capped at the constrained "
+        for key, what in (("vs_free", "free answers"), ("vs_free_matched", "free answers of the constrained "
                                                                             "answers' lengths")):
             if key in c:
                 v = c[key]

@@ -68,22 +68,33 @@ def test_an_answer_is_valid_only_when_it_stopped_parses_and_validates(finish, te
 
 
 class ScriptedChat(JsonHandler):
-    """A chat-completions endpoint that answers the schema's example, as JSON or as OpenAI SSE chunks."""
+    """A chat-completions endpoint that answers the schema's example (12 tokens), as JSON or as
+    OpenAI SSE chunks; a free request gets 5 words, or ``max_tokens`` of them with ``ignore_eos``.
+    Every request's body is kept in ``seen``."""
+
+    seen: list[dict] = []
 
     def do_POST(self):
         body = self.json_body()
+        self.seen.append(body)
         if self.path != "/v1/chat/completions":
             return self.reply(400, {"error": {"message": "unknown route"}})
-        fmt = body.get("response_format", {})
-        assert fmt.get("type") == "json_schema" and fmt["json_schema"]["strict"] is True
-        pieces = ['{"name":"Ana",', '"age":31,', '"email":"ana@mail.com"}']
+        fmt = body.get("response_format")
+        if fmt is not None:
+            assert fmt.get("type") == "json_schema" and fmt["json_schema"]["strict"] is True
+            pieces = ['{"name":"Ana",', '"age":31,', '"email":"ana@mail.com"}']
+            tokens, finish = 12, "stop"
+        else:
+            tokens = body["max_tokens"] if body.get("ignore_eos") else min(5, body["max_tokens"])
+            pieces, finish = ["word "] * tokens, "length" if tokens == body["max_tokens"] else "stop"
         if not body.get("stream"):
-            return self.reply(200, {"choices": [{"finish_reason": "stop", "message": {"content": "".join(pieces)}}],
-                                    "usage": {"completion_tokens": 12}})
+            return self.reply(200, {"choices": [{"finish_reason": finish, "message": {"content": "".join(pieces)}}],
+                                    "usage": {"completion_tokens": tokens}})
         assert body["stream_options"] == {"include_usage": True}
         events = [{"choices": [{"delta": {"role": "assistant"}}]}]
         events += [{"choices": [{"delta": {"content": p}}]} for p in pieces]
-        events += [{"choices": [{"delta": {}, "finish_reason": "stop"}]}, {"choices": [], "usage": {"completion_tokens": 12}}]
+        events += [{"choices": [{"delta": {}, "finish_reason": finish}]},
+                   {"choices": [], "usage": {"completion_tokens": tokens}}]
         self.reply(200, "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n", "text/event-stream")
 
 
@@ -126,6 +137,17 @@ def test_free_requests_are_capped_at_the_constrained_answers_lengths():
     assert sb.matched_max_tokens(rounds) == [[50, 12, 1], [128, 7, 33]]
 
 
+def test_matched_free_answers_are_exactly_as_long_as_the_constrained_ones(endpoint):
+    """The "matched" mix asks each free request for its constrained answer's length with
+    ``ignore_eos``, so a free answer that would stop sooner (5 words here) is that long too."""
+    ScriptedChat.seen.clear()
+    mixes = sb.mixed(endpoint, 3, 2, 64, mixes=("free", "constrained", "matched"))
+    assert [m["mean_answer_tokens"] for m in mixes] == [5.0, 12.0, 12.0]
+    free, matched = ScriptedChat.seen[:6], ScriptedChat.seen[12:]
+    assert len(matched) == 6 and all(b["max_tokens"] == 12 and b["ignore_eos"] is True for b in matched)
+    assert all("ignore_eos" not in b and b["max_tokens"] == 64 for b in free)
+
+
 def test_the_comparison_gives_the_share_against_free_and_against_matched_lengths():
     handler = {"handler_ttft_ms_mean": 20.0, "handler_itl_ms_mean": 2.0}
     mixes = [sb.mix_row("all free", 0.0, 4, _answers([100, 100, 100, 100]), 0.1, handler),
@@ -143,7 +165,7 @@ def test_the_comparison_gives_the_share_against_free_and_against_matched_lengths
     md = sb.markdown({"environment": {}, "mixed": mixes, "comparison": c})
     assert "| free, matched lengths (4) | 4 | 48.8 | 3900.0 | None |" in md
     assert "All constrained against free answers: 2000.0 / 4000.0 tokens/s = 50% (target 90%: missed" in md
-    assert "capped at the constrained answers' lengths: 2000.0 / 3900.0 tokens/s = 51%" in md
+    assert "free answers of the constrained answers' lengths: 2000.0 / 3900.0 tokens/s = 51%" in md
 
 
 def test_model_dir_serves_a_converted_checkpoint_under_its_folders_name(tmp_path, capsys):
