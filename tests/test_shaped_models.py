@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from servekit.benchmarks import shaped_models
+from servekit.benchmarks.llm_workload_bench import weight_bytes_per_token
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.grammar import llg_tokenizer
-from servekit.benchmarks.llm_workload_bench import weight_bytes_per_token
 
 
 @pytest.mark.parametrize("name, model_type, tied", [("llama-3.1-8b", "llama", False), ("gemma3-270m", "gemma3_text", True),
