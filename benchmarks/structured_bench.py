@@ -16,8 +16,13 @@ the plan of ``--config``) answers OpenAI chat completions with ``response_format
    added TTFT is the difference of their medians. Then ``--first-use`` schemas never seen before (a
    schema of the set with a new ``description``, so a new cache key): each one's TTFT minus the
    cached median is the first use's added time (compiling the grammar).
-3. Tokens/s with constrained and free rows mixed: rounds of ``--concurrency`` streamed requests sent
-   at the same instant, all free, half constrained, all constrained; total tokens/s per mix. The
+3. Tokens/s with constrained and free rows mixed: ``--concurrency`` streamed requests at a time,
+   all free, half constrained, all constrained; total tokens/s per mix. ``--load`` says how they
+   are sent: ``rounds`` of ``--concurrency`` requests released at the same instant, each round
+   waiting for its slowest answer (every round pays a burst of first tokens and a tail of a few
+   long answers), or ``streams``: ``--concurrency`` clients that each send their ``--rounds``
+   requests one after the other, a new one as soon as the last ends (the closed-loop streams of
+   the LLM benchmarks). The
    schemas' answers are about half as long as free ones, so rows sit empty between a short answer's
    end and the round's last one: a fourth mix sends free requests exactly as long as the
    constrained answer of the same round and position (``max_tokens`` its length, ``ignore_eos``:
@@ -330,7 +335,7 @@ def matched_max_tokens(constrained: list[list["Answer"]]) -> list[list[int]]:
 
 
 def mix_row(name: str, share: float, concurrency: int, answers: list["Answer"], wall: float,
-            handler: dict[str, Any]) -> dict[str, Any]:
+            handler: dict[str, Any], load: str = "rounds") -> dict[str, Any]:
     """One mix's figures: tokens/s over the rounds' wall time, answer length, TTFT, and tokens per
     engine step estimated as tokens/s x the handler's mean inter-token time (its ITL histogram:
     one step per token of a decoding row)."""
@@ -339,7 +344,7 @@ def mix_row(name: str, share: float, concurrency: int, answers: list["Answer"], 
     tokens = sum(a.tokens for a in ok)
     tok_s = tokens / wall if wall else None
     itl = handler.get("handler_itl_ms_mean")
-    return {"mix": name, "constrained_share": share, "concurrency": concurrency, "requests": len(answers),
+    return {"mix": name, "load": load, "constrained_share": share, "concurrency": concurrency, "requests": len(answers),
             "failed": len(answers) - len(ok), "completion_tokens": tokens,
             "mean_answer_tokens": round(tokens / len(ok), 1) if ok else None,
             "tok_per_s_total": round(tok_s, 1) if tok_s else None,
@@ -369,12 +374,20 @@ MIXES = {"free": ("all free", 0.0), "half": ("half constrained", 0.5), "constrai
          "matched": (MATCHED, 0.0)}
 
 
+LOADS = ("rounds", "streams")
+LOAD_WORDS = {"rounds": "at once", "streams": "streams"}
+
+
 def mixed(url: str, concurrency: int, rounds: int, max_tokens: int, split: Any = None,
-          mixes: tuple[str, ...] = tuple(MIXES)) -> list[dict[str, Any]]:
-    """Rounds of `concurrency` streamed requests sent at once: all free, half constrained, all
-    constrained, then free again with each request exactly as long as the constrained answer of
-    its round and position (`mixes`: which of these, by their keys in MIXES; "matched" needs
-    "constrained"). `split`: the handler's metrics (start/stop) around each mix."""
+          mixes: tuple[str, ...] = tuple(MIXES), load: str = "rounds") -> list[dict[str, Any]]:
+    """`rounds` x `concurrency` streamed requests: all free, half constrained, all constrained, then
+    free again with each request exactly as long as the constrained answer of its round and
+    position (`mixes`: which of these, by their keys in MIXES; "matched" needs "constrained").
+    `load` "rounds": each round's requests sent at once, the next round when all have answered;
+    "streams": `concurrency` clients, client i sending request i of each round in turn, the next as
+    soon as its last one ends. `split`: the handler's metrics (start/stop) around each mix."""
+    if load not in LOADS:
+        raise ValueError(f"load {load!r}: one of {', '.join(LOADS)}")
     out = []
     constrained: list[list[Answer]] = []
     caps: list[list[int]] = []
@@ -386,24 +399,30 @@ def mixed(url: str, concurrency: int, rounds: int, max_tokens: int, split: Any =
         wall = 0.0
         if split is not None:
             split.start()
+        got: list[list[Answer | None]] = [[None] * concurrency for _ in range(rounds)]
+        asks = []
         for r in range(rounds):
-            got: list[Answer | None] = [None] * concurrency
-            asks = []
+            asks.append([])
             for i in range(concurrency):
                 schema_name, topic, schema = SCHEMAS[(r * concurrency + i) % len(SCHEMAS)]
-                asks.append((PROMPTS[i % len(PROMPTS)].format(topic=topic),
-                             (schema_name, schema) if i < n_constrained else None,
-                             caps[r][i] if name == MATCHED else max_tokens))
+                asks[r].append((PROMPTS[i % len(PROMPTS)].format(topic=topic),
+                                (schema_name, schema) if i < n_constrained else None,
+                                caps[r][i] if name == MATCHED else max_tokens))
 
-            def one(i: int, got: list = got, asks: list = asks, exact: bool = name == MATCHED) -> None:
-                got[i] = chat(url, asks[i][0], asks[i][2], True, asks[i][1], seed=i, ignore_eos=exact)
+        def send(r: int, i: int, got: list = got, asks: list = asks, exact: bool = name == MATCHED) -> None:
+            got[r][i] = chat(url, asks[r][i][0], asks[r][i][2], True, asks[r][i][1], seed=i, ignore_eos=exact)
 
-            wall += run_together(one, concurrency)
-            answers += [a for a in got if a is not None]
+        if load == "rounds":
+            for r in range(rounds):
+                wall += run_together(lambda i, r=r: send(r, i), concurrency)
+        else:
+            wall = run_together(lambda i: [send(r, i) for r in range(rounds)], concurrency)
+        for round_got in got:
+            answers += [a for a in round_got if a is not None]
             if share == 1.0:
                 constrained.append([a if a is not None else Answer(None, True, -1, None, "", 0, None, 0.0)
-                                    for a in got])
-        out.append(mix_row(name, share, concurrency, answers, wall, split.stop() if split is not None else {}))
+                                    for a in round_got])
+        out.append(mix_row(name, share, concurrency, answers, wall, split.stop() if split is not None else {}, load))
         print(f"  mixed, {name}: {json.dumps(out[-1])}", flush=True)
     return out
 
@@ -433,21 +452,21 @@ def markdown(res: dict[str, Any]) -> str:
                   "", "First-use TTFT by schema (ms): " + ", ".join(
                       f"{k} {v}" for k, v in t.get("first_use_ttft_ms_by_schema", {}).items())]
     if res.get("mixed"):
-        lines += ["", "| rows (streams at once) | requests | tokens per answer | tokens/s total | tokens per step "
+        lines += ["", "| mix (requests in flight) | requests | tokens per answer | tokens/s total | tokens per step "
                       "(tokens/s x handler ITL) | TTFT p50 ms | TTFT p99 ms |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {m['mix']} ({m['concurrency']}) | {m['requests']} | {m['mean_answer_tokens']} | "
-                  f"{m['tok_per_s_total']} | {m['tokens_per_step']} | {m['ttft_ms_p50']} | {m['ttft_ms_p99']} |"
-                  for m in res["mixed"]]
-        c = res.get("comparison", {})
-        for key, what in (("vs_free", "free answers"), ("vs_free_matched", "free answers of the constrained "
-                                                                            "answers' lengths")):
-            if key in c:
-                v = c[key]
-                lines.append(f"\nAll constrained against {what}: {v['constrained_tok_per_s']} / {v['free_tok_per_s']} "
-                             f"tokens/s = {v['share']:.0%} (target {c['target']:.0%}: "
-                             f"{'met' if v['met'] else 'missed'}; {v['constrained_answer_tokens']} against "
-                             f"{v['free_answer_tokens']} tokens per answer).")
+        lines += [f"| {m['mix']} ({m['concurrency']} {LOAD_WORDS[m.get('load', 'rounds')]}) | {m['requests']} | "
+                  f"{m['mean_answer_tokens']} | {m['tok_per_s_total']} | {m['tokens_per_step']} | {m['ttft_ms_p50']} | "
+                  f"{m['ttft_ms_p99']} |" for m in res["mixed"]]
+        for load, c in res.get("comparison", {}).items():
+            for key, what in (("vs_free", "free answers"), ("vs_free_matched", "free answers of the constrained "
+                                                                                "answers' lengths")):
+                if key in c:
+                    v = c[key]
+                    lines.append(f"\n{LOAD_WORDS[load].capitalize()}, all constrained against {what}: "
+                                 f"{v['constrained_tok_per_s']} / {v['free_tok_per_s']} tokens/s = {v['share']:.0%} "
+                                 f"(target {c['target']:.0%}: {'met' if v['met'] else 'missed'}; "
+                                 f"{v['constrained_answer_tokens']} against {v['free_answer_tokens']} tokens per answer).")
     if res.get("error"):
         lines += ["", f"**error:** {res['error']}"]
     return "\n".join(lines) + "\n"
@@ -483,7 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-requests", type=int, default=20 if cuda else 2)
     p.add_argument("--first-use", type=int, default=len(SCHEMAS) if cuda else 2,
                    help="schemas used for the first time (default on CUDA: each of the set)")
-    p.add_argument("--rounds", type=int, default=3 if cuda else 1, help="rounds per mix of constrained rows")
+    p.add_argument("--rounds", type=int, default=3 if cuda else 1,
+                   help="rounds per mix of constrained rows (with --load streams: requests per stream)")
+    p.add_argument("--load", nargs="+", choices=LOADS, default=["rounds"],
+                   help="how the mixes' requests are sent: rounds released at once, closed-loop streams, or "
+                        "both one after the other (default: rounds)")
     p.add_argument("--mixed-max-tokens", type=int, default=128 if cuda else 24)
     p.add_argument("--warm-schemas", action=argparse.BooleanOptionalAction, default=True,
                    help="use each schema once, alone, before the validity runs (default on; off: their "
@@ -540,9 +563,13 @@ def main(argv: list[str] | None = None) -> int:
                 res["ttft"] = added_ttft(url, args.ttft_requests, args.first_use, f"{time.time_ns()}")
                 print(f"== TTFT: {json.dumps(res['ttft'])}", flush=True)
                 save()
-                res["mixed"] = mixed(url, args.concurrency, args.rounds, args.mixed_max_tokens,
-                                     HandlerSplit(ts.metrics_url), tuple(args.mixes))
-                res["comparison"] = compare(res["mixed"])
+                res["mixed"], res["comparison"] = [], {}
+                for load in args.load:
+                    rows = mixed(url, args.concurrency, args.rounds, args.mixed_max_tokens,
+                                 HandlerSplit(ts.metrics_url), tuple(args.mixes), load)
+                    res["mixed"] += rows
+                    res["comparison"][load] = compare(rows)
+                    save()
         except Exception as e:  # keep what was measured
             res["error"] = f"{type(e).__name__}: {e}"
     save()

@@ -5,6 +5,7 @@ itself runs against SmolLM2 on TorchServe: docs/structured-output.md, "Served be
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import jsonschema
@@ -70,13 +71,20 @@ def test_an_answer_is_valid_only_when_it_stopped_parses_and_validates(finish, te
 class ScriptedChat(JsonHandler):
     """A chat-completions endpoint that answers the schema's example (12 tokens), as JSON or as
     OpenAI SSE chunks; a free request gets 5 words, or ``max_tokens`` of them with ``ignore_eos``.
-    Every request's body is kept in ``seen``."""
+    Every request's body is kept in ``seen``; with ``slow`` set, a request of seed 0 takes that many
+    seconds, and each request's (seed, start, end) goes into ``timeline``."""
 
     seen: list[dict] = []
+    slow: float = 0.0
+    timeline: list[tuple[int, float, float]] = []
 
     def do_POST(self):
         body = self.json_body()
         self.seen.append(body)
+        if self.slow:
+            start = time.perf_counter()
+            time.sleep(self.slow if body.get("seed") == 0 else 0.01)
+            self.timeline.append((body.get("seed"), start, time.perf_counter()))
         if self.path != "/v1/chat/completions":
             return self.reply(400, {"error": {"message": "unknown route"}})
         fmt = body.get("response_format")
@@ -148,6 +156,29 @@ def test_matched_free_answers_are_exactly_as_long_as_the_constrained_ones(endpoi
     assert all("ignore_eos" not in b and b["max_tokens"] == 64 for b in free)
 
 
+@pytest.mark.parametrize("load", sb.LOADS)
+def test_streams_send_each_clients_next_request_as_its_last_ends_and_rounds_wait_for_the_slowest(endpoint, load):
+    """``--load streams``: a client whose answers come fast goes on to its next request while a slow
+    one (seed 0 here) is still answering; ``rounds``: nobody starts round 2 before round 1's
+    slowest answer. Either way every request is sent once and the matched mix copies the lengths."""
+    ScriptedChat.seen.clear()
+    ScriptedChat.timeline.clear()
+    ScriptedChat.slow = 0.3
+    try:
+        mixes = sb.mixed(endpoint, 3, 2, 64, mixes=("constrained", "matched"), load=load)
+    finally:
+        ScriptedChat.slow = 0.0
+    assert [(m["load"], m["requests"], m["mean_answer_tokens"]) for m in mixes] == [(load, 6, 12.0)] * 2
+    assert all(b["max_tokens"] == 12 and b["ignore_eos"] for b in ScriptedChat.seen[6:])
+    first_slow_end = min(end for seed, _, end in ScriptedChat.timeline[:6] if seed == 0)
+    fast_starts = sorted(start for seed, start, _ in ScriptedChat.timeline[:6] if seed != 0)
+    assert len(fast_starts) == 4
+    # the fast clients' second requests: before the slow answer ends only when streaming
+    assert (fast_starts[-1] < first_slow_end) is (load == "streams")
+    with pytest.raises(ValueError, match="load 'waves'"):
+        sb.mixed(endpoint, 3, 1, 64, load="waves")
+
+
 def test_the_comparison_gives_the_share_against_free_and_against_matched_lengths():
     handler = {"handler_ttft_ms_mean": 20.0, "handler_itl_ms_mean": 2.0}
     mixes = [sb.mix_row("all free", 0.0, 4, _answers([100, 100, 100, 100]), 0.1, handler),
@@ -162,9 +193,9 @@ def test_the_comparison_gives_the_share_against_free_and_against_matched_lengths
     assert c["vs_free"]["share"] == 0.5 and not c["vs_free"]["met"]
     assert c["vs_free_matched"]["share"] == round(2000 / 3900, 3) and c["vs_free_matched"]["free_answer_tokens"] == 48.8
     assert sb.compare(mixes, target=0.5)["vs_free"]["met"]
-    md = sb.markdown({"environment": {}, "mixed": mixes, "comparison": c})
-    assert "| free, matched lengths (4) | 4 | 48.8 | 3900.0 | None |" in md
-    assert "All constrained against free answers: 2000.0 / 4000.0 tokens/s = 50% (target 90%: missed" in md
+    md = sb.markdown({"environment": {}, "mixed": mixes, "comparison": {"rounds": c}})
+    assert "| free, matched lengths (4 at once) | 4 | 48.8 | 3900.0 | None |" in md
+    assert "At once, all constrained against free answers: 2000.0 / 4000.0 tokens/s = 50% (target 90%: missed" in md
     assert "free answers of the constrained answers' lengths: 2000.0 / 3900.0 tokens/s = 51%" in md
 
 
