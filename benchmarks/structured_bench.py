@@ -455,7 +455,7 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["", "| mix (requests in flight) | requests | tokens per answer | tokens/s total | tokens per step "
                       "(tokens/s x handler ITL) | TTFT p50 ms | TTFT p99 ms |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {m['mix']} ({m['concurrency']} {LOAD_WORDS[m.get('load', 'rounds')]}) | {m['requests']} | "
+        lines += [f"| {m['mix']} ({m['concurrency']} {LOAD_WORDS[m['load']]}) | {m['requests']} | "
                   f"{m['mean_answer_tokens']} | {m['tok_per_s_total']} | {m['tokens_per_step']} | {m['ttft_ms_p50']} | "
                   f"{m['ttft_ms_p99']} |" for m in res["mixed"]]
         for load, c in res.get("comparison", {}).items():
