@@ -374,8 +374,9 @@ MIXES = {"free": ("all free", 0.0), "half": ("half constrained", 0.5), "constrai
          "matched": (MATCHED, 0.0)}
 
 
-LOADS = ("rounds", "streams")
+# How the mixes' requests are sent (mixed()), and how the report names each.
 LOAD_WORDS = {"rounds": "at once", "streams": "streams"}
+LOADS = tuple(LOAD_WORDS)
 
 
 def mixed(url: str, concurrency: int, rounds: int, max_tokens: int, split: Any = None,
