@@ -119,13 +119,41 @@ def graph_time(fn, reps=50):
     return best[len(best) // 2]
 
 
+# (set, kv bucket, lowest and highest position of the 32 rows)
+SETS = (("short", 512, 188, 444), ("passages", 1024, 450, 956), ("long", 2048, 1024, 2000))
+
+
+def cache_bytes(pos, elt=2):
+    """Bytes of k and v the rows at ``pos`` read a layer, ``elt`` bytes an element."""
+    return sum(int(p) + 1 for p in pos.tolist()) * NKV * HD * 2 * elt
+
+
+def measure(res, label, name, fn, ys, ref, nbytes):
+    """Run ``fn`` once, compare its first layer's output (``ys[0]``) with ``ref``, time it; its row
+    into ``res`` and printed (a failure printed instead)."""
+    try:
+        fn(); torch.cuda.synchronize()
+        err = (ys[0].float() - ref.float()).abs().max().item()
+        us = graph_time(fn)
+    except Exception as e:
+        print(label, name, "FAILED", repr(e)[:300], flush=True)
+        return
+    row = dict(set=label, variant=name, us_per_layer=round(us, 2), tb_s=round(nbytes / us / 1e6, 2), max_err=round(err, 4))
+    res.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def save(res, name):
+    json.dump(res, open(f"{os.environ.get('OUT', '/tmp')}/{name}.json", "w"), indent=1)
+
+
 def main():
     res = []
     qrows, q_p, d_p = GROUP, 16, 64
     meta = dict(N_HEADS=NH, N_KV=NKV, HEAD_DIM=HD, D_P=d_p, GROUP=GROUP, QROWS=qrows, Q_P=q_p)
-    for label, kv_len, lo, hi in (("short", 512, 188, 444), ("passages", 1024, 450, 956), ("long", 2048, 1024, 2000)):
+    for label, kv_len, lo, hi in SETS:
         caches, pos, q = make(kv_len, lo, hi)
-        nbytes = sum(int(p) + 1 for p in pos.tolist()) * NKV * HD * 2 * 2
+        nbytes = cache_bytes(pos)
         ys = [torch.empty_like(q) for _ in range(LAYERS)]
         ref = reference(q, *caches[0], pos)
         def base(bs, w, st, splits=1):
@@ -160,18 +188,8 @@ def main():
         for sp in (2, 3, 4):
             variants.append((f"base bs64 w4 st3 splits{sp}", base(64, 4, 3, sp)))
         for name, fn in variants:
-            try:
-                fn(); torch.cuda.synchronize()
-                err = (ys[0].float() - ref.float()).abs().max().item()
-                us = graph_time(fn)
-            except Exception as e:
-                print(label, name, "FAILED", str(e).splitlines()[0][:200], flush=True)
-                continue
-            row = dict(set=label, variant=name, us_per_layer=round(us, 2), tb_s=round(nbytes / us / 1e6, 2), max_err=round(err, 4))
-            res.append(row)
-            print(json.dumps(row), flush=True)
-    out = os.environ.get("OUT", "/tmp")
-    json.dump(res, open(f"{out}/attn_micro.json", "w"), indent=1)
+            measure(res, label, name, fn, ys, ref, nbytes)
+    save(res, "attn_micro")
     for label in ("short", "passages", "long"):
         rows = sorted([r for r in res if r["set"] == label], key=lambda r: r["us_per_layer"])
         print("BEST", label, rows[:6])

@@ -2,7 +2,7 @@
 import itertools, json, os, sys
 sys.path.insert(0, os.path.dirname(__file__))
 import torch, triton, triton.language as tl
-from attn_micro import make, reference, graph_time, B, NH, NKV, HD, GROUP, LAYERS, dev
+from attn_micro import SETS, cache_bytes, make, measure, reference, save, B, NH, NKV, HD, GROUP, LAYERS, dev
 from servekit.optimizations.kernels import triton_decode as td
 
 
@@ -28,14 +28,14 @@ def attn_nat(q_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, kv_len, sm_scale, stride_cb,
     for s0 in range(0, n_valid, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         s_mask = s < n_valid
-        k = tl.load(k_base + s[:, None] * stride_cs + d[None, :], mask=s_mask[:, None], other=0.0)
+        k = tl.load(k_base + s[:, None] * stride_cs + d[None, :], mask=s_mask[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * sm_scale
         scores = tl.where((s[None, :] <= pos[:, None]) & s_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + s[:, None] * stride_cs + d[None, :], mask=s_mask[:, None], other=0.0)
+        v = tl.load(v_base + s[:, None] * stride_cs + d[None, :], mask=s_mask[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -86,9 +86,9 @@ def main():
     except Exception as e:
         TensorDescriptor = None
         print("no TensorDescriptor", e)
-    for label, kv_len, lo, hi in (("short", 512, 188, 444), ("passages", 1024, 450, 956), ("long", 2048, 1024, 2000)):
+    for label, kv_len, lo, hi in SETS:
         caches, pos, q = make(kv_len, lo, hi)
-        nbytes = sum(int(p) + 1 for p in pos.tolist()) * NKV * HD * 2 * 2
+        nbytes = cache_bytes(pos)
         ys = [torch.empty_like(q) for _ in range(LAYERS)]
         ref = reference(q, *caches[0], pos)
         variants = []
@@ -130,18 +130,8 @@ def main():
             variants.append((f"splits{sp} kernel only (no reduce; output not checked)", only))
             variants.append((f"splits{sp} reduce only", red))
         for name, fn in variants:
-            try:
-                fn(); torch.cuda.synchronize()
-                err = (ys[0].float() - ref.float()).abs().max().item()
-                us = graph_time(fn)
-            except Exception as e:
-                print(label, name, "FAILED", repr(e)[:300], flush=True)
-                continue
-            row = dict(set=label, variant=name, us_per_layer=round(us, 2), tb_s=round(nbytes / us / 1e6, 2), max_err=round(err, 4))
-            res.append(row)
-            print(json.dumps(row), flush=True)
-    out = os.environ.get("OUT", "/tmp")
-    json.dump(res, open(f"{out}/attn_micro2.json", "w"), indent=1)
+            measure(res, label, name, fn, ys, ref, nbytes)
+    save(res, "attn_micro2")
     for label in ("short", "passages", "long"):
         rows = sorted([r for r in res if r["set"] == label], key=lambda r: r["us_per_layer"])
         print("BEST", label, json.dumps(rows[:8]))

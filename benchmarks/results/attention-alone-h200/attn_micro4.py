@@ -2,7 +2,7 @@
 import itertools, json, os, sys
 sys.path.insert(0, os.path.dirname(__file__))
 import torch, triton, triton.language as tl
-from attn_micro import make, reference, graph_time, B, NH, NKV, HD, GROUP, LAYERS
+from attn_micro import SETS, cache_bytes, make, measure, reference, save, B, NH, NKV, HD, GROUP, LAYERS
 from attn_micro2 import attn_nat
 
 
@@ -47,9 +47,9 @@ def main():
     res = []
     meta = dict(N_HEADS=NH, HEAD_DIM=HD, GROUP=GROUP, QROWS=GROUP, Q_P=16)
     cmeta = dict(N_HEADS=NH, HEAD_DIM=HD, GROUP=GROUP, Q_P=triton.next_power_of_2(GROUP))
-    for label, kv_len, lo, hi in (("short", 512, 188, 444), ("passages", 1024, 450, 956), ("long", 2048, 1024, 2000)):
+    for label, kv_len, lo, hi in SETS:
         caches, pos, q = make(kv_len, lo, hi)
-        nbytes = sum(int(p) + 1 for p in pos.tolist()) * NKV * HD * 2 * 2
+        nbytes = cache_bytes(pos)
         ys = [torch.empty_like(q) for _ in range(LAYERS)]
         ref = reference(q, *caches[0], pos)
         variants = []
@@ -65,18 +65,8 @@ def main():
                                       BLOCK_S=bs, num_warps=w, num_stages=st, **cmeta)
             variants.append((f"cuda-cores bs{bs} w{w} st{st}", cc))
         for name, fn in variants:
-            try:
-                fn(); torch.cuda.synchronize()
-                err = (ys[0].float() - ref.float()).abs().max().item()
-                us = graph_time(fn)
-            except Exception as e:
-                print(label, name, "FAILED", repr(e)[:300], flush=True)
-                continue
-            row = dict(set=label, variant=name, us_per_layer=round(us, 2), tb_s=round(nbytes / us / 1e6, 2), max_err=round(err, 4))
-            res.append(row)
-            print(json.dumps(row), flush=True)
-    out = os.environ.get("OUT", "/tmp")
-    json.dump(res, open(f"{out}/attn_micro4.json", "w"), indent=1)
+            measure(res, label, name, fn, ys, ref, nbytes)
+    save(res, "attn_micro4")
     for label in ("short", "passages", "long"):
         rows = sorted([r for r in res if r["set"] == label], key=lambda r: r["us_per_layer"])
         print("BEST", label, json.dumps(rows[:5]))
