@@ -20,6 +20,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (first im
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
 
 from servekit.optimizations.kernels import triton_decode as td  # noqa: E402
 from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams  # noqa: E402
@@ -123,9 +124,21 @@ def _reference_attention(q: torch.Tensor, model: Transformer, input_pos: torch.T
     return y.transpose(1, 2).reshape(b * t, -1)
 
 
+@pytest.fixture(params=["shared blocks", "by warp"])
+def attention_mode(request, monkeypatch) -> str:
+    """The attention kernel's two ways of walking a row's cache: its warps side by side over each
+    block, or each warp over its own slots of a block (the by-warp candidates, which the GPU's
+    autotuner may pick from ATTN_BY_WARP_FROM slots on). Under the interpreter the kernel has one
+    candidate; here it is one of each way, with several blocks in the tests' contexts."""
+    if request.param == "by warp":
+        monkeypatch.setattr(td._attention_kernel, "configs", [triton.Config(dict(BLOCK_S=4, WARPS=2), num_warps=2)])
+    return request.param
+
+
 @pytest.mark.parametrize("name,t,splits", [("tiny", 1, 1), ("tiny", 1, 3), ("mha", 2, 1), ("gqa3-bias", 3, 2),
                                            ("head24", 1, 4), ("tiny", 1, 40)])
-def test_decode_attention_reads_only_slots_up_to_each_position(name: str, t: int, splits: int) -> None:
+def test_decode_attention_reads_only_slots_up_to_each_position(attention_mode: str, name: str, t: int,
+                                                               splits: int) -> None:
     model = _model(CONFIGS[name])
     att = model.layers[0].attention
     starts, rows, kv_len = [40, 3, 22], torch.tensor([1, 3, 0]), 48
@@ -137,8 +150,17 @@ def test_decode_attention_reads_only_slots_up_to_each_position(name: str, t: int
     torch.testing.assert_close(y, _reference_attention(q, model, input_pos, rows, kv_len), **TOL)
 
 
+def test_by_warp_candidates_only_from_their_bucket_on() -> None:
+    """The autotuner's by-warp candidates (compiles at warm-up) join only from ATTN_BY_WARP_FROM
+    slots on, where they were measured faster; below it the shared-block candidates alone."""
+    by_warp = triton.Config(dict(BLOCK_S=16, WARPS=4), num_warps=4, num_stages=4)
+    shared = [triton.Config(dict(BLOCK_S=b, WARPS=0), num_warps=4) for b in (32, 64, 128)]
+    assert td._attn_prune(shared + [by_warp], {"kv_len": td.ATTN_BY_WARP_FROM // 2}) == shared
+    assert td._attn_prune(shared + [by_warp], {"kv_len": td.ATTN_BY_WARP_FROM}) == shared + [by_warp]
+
+
 @pytest.mark.parametrize("splits", [1, 3])
-def test_rows_past_the_bucket_are_idle_and_the_others_unchanged(splits: int) -> None:
+def test_rows_past_the_bucket_are_idle_and_the_others_unchanged(attention_mode: str, splits: int) -> None:
     """A row parked at the cache's last slot (a prompt going in, a free row) sits past the kv
     bucket the live rows chose: it reads nothing and gives zeros, never NaN; the live rows'
     attention is the reference's."""
@@ -460,7 +482,7 @@ def test_kernels_compile_for_an_h100() -> None:
     script = Path(__file__).with_name("triton_compile_check.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 36 kernels for sm_90" in done.stdout
+    assert "compiled 40 kernels for sm_90" in done.stdout
 
 
 def test_programmatic_dependent_launch_stays_off_without_a_hopper_gpu() -> None:

@@ -169,3 +169,39 @@ def test_captured_packed_forward_through_the_fused_blocks_matches_the_packed_lay
                                        k_layers[row, :, span.start:span.stop].float(), atol=0.05, rtol=0.05)
             untouched = [i for i in range(MAX_SEQ) if i not in span]
             assert torch.equal(k_got[row][:, untouched], k0[row][:, untouched]), f"row {row} written outside its span"
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("pdl", [False, True], ids=["launch", "pdl"])
+def test_attention_by_warp_matches_the_reference_over_long_caches(monkeypatch, t: int, pdl: bool) -> None:
+    """The by-warp candidates (each warp its own slots, picked by the autotuner from
+    ATTN_BY_WARP_FROM slots on) and the shared-block ones, each forced, compiled: 32 rows of GQA 3
+    over 1,000-2,500 cached slots in bf16, decode and verify steps, against fp32 attention."""
+    from servekit.optimizations.kernels import triton_decode as td
+
+    if pdl and not pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs a Hopper GPU and Triton 3.4+")
+    b, heads, kv_heads, dim, kv_len = 32, 9, 3, 64, 4096
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k = torch.randn(b, kv_heads, kv_len, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(b, kv_heads, kv_len, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    q = torch.randn(b * t, heads * dim, device="cuda", generator=gen).to(torch.bfloat16)
+    last = torch.linspace(1000, 2500, b, device="cuda").long()
+    pos = (last[:, None] - torch.arange(t - 1, -1, -1, device="cuda")[None, :]).reshape(-1)
+    # fp32 reference: each query token over its row's slots up to its position
+    kk = k.float().repeat_interleave(heads // kv_heads, 1)[:, :, None]  # (b, heads, 1, slots, dim)
+    vv = v.float().repeat_interleave(heads // kv_heads, 1)[:, :, None]
+    qq = q.float().view(b, t, heads, dim).transpose(1, 2)[:, :, :, None]  # (b, heads, t, 1, dim)
+    scores = (qq * kk).sum(-1) * dim ** -0.5  # (b, heads, t, slots)
+    visible = torch.arange(kv_len, device="cuda")[None, None, None] <= pos.view(b, 1, t, 1)
+    want = (scores.masked_fill(~visible, float("-inf")).softmax(-1)[..., None] * vv).sum(-2)
+    want = want.transpose(1, 2).reshape(b * t, heads * dim)
+    scale = want.abs().max().item()  # the outputs' size, which the tolerance is a small share of
+    ways = {"by warp": td._ATTN_BY_WARP, "shared blocks": [c for c in td._ATTN if c.kwargs["BLOCK_S"] == 128]}
+    assert ways["by warp"] and kv_len >= td.ATTN_BY_WARP_FROM
+    for way, configs in ways.items():
+        for config in configs:
+            monkeypatch.setattr(td._attention_kernel, "configs", [config])
+            y = td.decode_attention(q, k, v, pos, kv_len, b, t, heads, kv_heads, dim, pdl=pdl)
+            err = (y.float() - want).abs().max().item()
+            assert err < 0.02 * scale, f"{way} {config}: max error {err} against outputs up to {scale}"

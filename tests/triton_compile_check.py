@@ -32,8 +32,9 @@ ALL = "--all" in sys.argv
 
 def compile_all(kernel, types: dict[str, str], constants: dict[str, object], k: int | None = None,
                 weights: int = 1) -> int:
-    """Compile ``kernel`` (autotuned or plain) with its first (``--all``: each) candidate configuration,
-    of those its autotuner keeps for a reduction dimension ``k`` and a weight of ``weights`` elements."""
+    """Compile ``kernel`` (autotuned or plain) with its first candidate configuration of each code path
+    (``--all``: each candidate), of those its autotuner keeps for a reduction dimension ``k`` and a
+    weight of ``weights`` elements."""
     fn = kernel
     while not isinstance(fn, triton.runtime.JITFunction):  # Autotuner -> Heuristics -> JITFunction
         fn = fn.fn
@@ -42,7 +43,11 @@ def compile_all(kernel, types: dict[str, str], constants: dict[str, object], k: 
     if prune and k is not None:
         w = torch.empty(1, dtype=DTYPES[types["w_ptr"]]).expand(weights)  # its size without its memory
         configs = prune(configs, {"K": k, "w_ptr": w}, **constants)
-    configs = configs[:None if ALL else 1]
+    if not ALL:  # the first candidate of each code path (the attention kernel's WARPS: two ways to walk the cache)
+        firsts: dict[object, triton.Config] = {}
+        for cfg in configs:
+            firsts.setdefault(cfg.kwargs.get("WARPS"), cfg)
+        configs = list(firsts.values())
     for cfg in configs:
         consts = {**constants, **cfg.kwargs}
         if "SINGLE" in fn.arg_names:

@@ -11,7 +11,8 @@ each. Here one layer is five kernels (six when attention splits the cache over p
    one program per (batch row, kv head, split of the cache) serving all the query heads of that
    kv head (GQA) and all T query tokens of the row; with several splits (long caches, small
    batches: the whole GPU works on one row) ``_attention_reduce_kernel`` merges their partial
-   softmaxes (flash-decoding).
+   softmaxes (flash-decoding). From ``ATTN_BY_WARP_FROM`` slots on, the autotuner may also pick
+   ``_attend_by_warp``: each warp of the program walks its own slots.
 3. ``_linear_residual_kernel``: the output projection (+ bias) plus the residual.
 4. ``_norm_gate_up_kernel``: RMSNorm fused into the gate/up projection, then SiLU(gate) * up.
 5. ``_linear_residual_kernel`` again: the down projection plus the residual.
@@ -95,7 +96,17 @@ _GEMM = _configs([dict(BLOCK_N=n, BLOCK_K=k) for n in _COLS for k in _K_BLOCKS],
                  warps=(4, 8))
 _ROPE = _configs([dict(BLOCK_J=j, BLOCK_K=k) for j in _COLS for k in _K_BLOCKS], dict(BLOCK_J=16, BLOCK_K=32),
                  warps=(4, 8))
-_ATTN = _configs([dict(BLOCK_S=32), dict(BLOCK_S=64), dict(BLOCK_S=128)], dict(BLOCK_S=16))
+_ATTN = _configs([dict(BLOCK_S=32, WARPS=0), dict(BLOCK_S=64, WARPS=0), dict(BLOCK_S=128, WARPS=0)],
+                 dict(BLOCK_S=16, WARPS=0))
+# Each warp its own slots (``_attend_by_warp``), 4 stages: alone, at batch 32 on an H200, 17.52
+# against 20.05 µs a layer over 1,000-2,000-token contexts, 11.22 against 11.74 over 450-950 and
+# slower over shorter ones (benchmarks/results/attention-alone-h200/, round 8). In the whole step
+# (under PDL) SmolLM2's batch-32 step over ~2,100 tokens took 1.177 against 1.263 ms, but over ~560
+# 0.888 against 0.870, though the autotuner had picked it there (benchmarks/results/
+# attention-by-warp-h200/): candidates only from the 2,048-slot bucket on (``_attn_prune``).
+_ATTN_BY_WARP = [] if INTERPRET else [triton.Config(dict(BLOCK_S=s, WARPS=4), num_warps=4, num_stages=4)
+                                      for s in (16, 32)]
+ATTN_BY_WARP_FROM = 2048
 # Weight bytes one GEMV program may hold (64 KiB: 64 registers a thread at 8 warps in bf16).
 _TILE_BUDGET = 65536
 _SMEM_BUDGET = 200_000  # of an H100 SM's 227 KiB
@@ -409,16 +420,58 @@ def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr,
 
 # --- 2. decode attention over the cache (GQA, split-K) ---------------------------------------------
 
-@triton.autotune(configs=_ATTN, key=["kv_len", "QROWS", "HEAD_DIM", "SPLITS"])
+def _attn_prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The by-warp candidates only from ``ATTN_BY_WARP_FROM`` slots on (each is a compile at warm-up)."""
+    return [c for c in configs if not c.kwargs["WARPS"] or named_args["kv_len"] >= ATTN_BY_WARP_FROM]
+
+
+@triton.jit
+def _attend_by_warp(q, k_base, v_base, pos, start, end, sm_scale, stride_cs, Q_P: tl.constexpr, D_P: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, WARPS: tl.constexpr):
+    """Online softmax of the query rows ``q`` over slots ``start .. end`` (each row up to its ``pos``):
+    (max, sum, weighted v), each of the program's ``WARPS`` warps taking its own ``BLOCK_S`` slots
+    of every block (a batched tl.dot over a leading dimension of warps) and keeping a softmax of its
+    own, merged once at the end: a block's row maximum and sum then stay inside a warp instead of
+    crossing the program's warps through shared memory at every block, as in the kernel's own loop."""
+    d = tl.arange(0, D_P)
+    d_mask = d < HEAD_DIM
+    w = tl.arange(0, WARPS)
+    q3 = tl.broadcast_to(q[None, :, :], (WARPS, Q_P, D_P))
+    m_w = tl.full((WARPS, Q_P), -1e30, dtype=tl.float32)
+    l_w = tl.zeros((WARPS, Q_P), dtype=tl.float32)
+    acc_w = tl.zeros((WARPS, Q_P, D_P), dtype=tl.float32)
+    for s0 in range(start, end, WARPS * BLOCK_S):
+        s = s0 + w[:, None] * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]  # (WARPS, BLOCK_S): each warp's slots
+        s_mask = s < end
+        kt = tl.load(k_base + s[:, None, :] * stride_cs + d[None, :, None],
+                     mask=s_mask[:, None, :] & d_mask[None, :, None], other=0.0)
+        scores = tl.dot(q3, kt, input_precision="ieee") * sm_scale
+        scores = tl.where((s[:, None, :] <= pos[None, :, None]) & s_mask[:, None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_w, tl.max(scores, axis=2))
+        alpha = tl.exp(m_w - m_new)
+        p = tl.exp(scores - m_new[:, :, None])
+        l_w = l_w * alpha + tl.sum(p, axis=2)
+        v = tl.load(v_base + s[:, :, None] * stride_cs + d[None, None, :],
+                    mask=s_mask[:, :, None] & d_mask[None, None, :], other=0.0)
+        acc_w = acc_w * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_w = m_new
+    m_i = tl.max(m_w, axis=0)
+    scale = tl.exp(m_w - m_i[None, :])
+    return m_i, tl.sum(l_w * scale, axis=0), tl.sum(acc_w * scale[:, :, None], axis=0)
+
+
+@triton.autotune(configs=_ATTN + _ATTN_BY_WARP, key=["kv_len", "QROWS", "HEAD_DIM", "SPLITS"],
+                 prune_configs_by={"early_config_prune": _attn_prune})
 @triton.jit
 def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, pl_ptr, pacc_ptr,
                       kv_len, T, sm_scale, stride_cb, stride_ch, stride_cs,
                       N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
                       GROUP: tl.constexpr, QROWS: tl.constexpr, Q_P: tl.constexpr, SPLITS: tl.constexpr,
-                      HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr):
+                      HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr, WARPS: tl.constexpr):
     # One program: batch row b, kv head g, cache split `split`. Its query rows are the GROUP query
     # heads of g for each of the row's T tokens (QROWS = T * GROUP, padded to Q_P >= 16 for tl.dot):
-    # every k/v slot is read once for all of them.
+    # every k/v slot is read once for all of them. WARPS = 0: the warps share each block of BLOCK_S
+    # slots (the loop below); else each warp takes its own BLOCK_S slots of a block (_attend_by_warp).
     _wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -442,29 +495,36 @@ def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, y_ptr, pm_ptr, p
     # reading the whole bucket, it was the kernel's slowest program beside rows of shorter contexts.
     last = tl.max(pos, axis=0)
     n_valid = tl.where(last < kv_len, last + 1, 0)
-    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_S) * BLOCK_S
+    step: tl.constexpr = BLOCK_S * (WARPS + (WARPS == 0))  # slots a block
+    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), step) * step
     start = split * chunk
     end = tl.minimum(start + chunk, n_valid)
     k_base = kc_ptr + crow * stride_cb + g * stride_ch
     v_base = vc_ptr + crow * stride_cb + g * stride_ch
-    # Online softmax; -1e30 rather than -inf as the start, so that rows without a visible slot yet
-    # give exp(-inf) = 0, never exp(nan).
-    m_i = tl.full((Q_P,), -1e30, dtype=tl.float32)
-    l_i = tl.zeros((Q_P,), dtype=tl.float32)
-    acc = tl.zeros((Q_P, D_P), dtype=tl.float32)
-    for s0 in range(start, end, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        s_mask = s < end
-        kt = tl.load(k_base + s[None, :] * stride_cs + d[:, None], mask=d_mask[:, None] & s_mask[None, :], other=0.0)
-        scores = tl.dot(q, kt, input_precision="ieee") * sm_scale
-        scores = tl.where((s[None, :] <= pos[:, None]) & s_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + s[:, None] * stride_cs + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    if WARPS:
+        m_i, l_i, acc = _attend_by_warp(q, k_base, v_base, pos, start, end, sm_scale, stride_cs, Q_P, D_P, HEAD_DIM,
+                                        BLOCK_S, WARPS)
+    else:
+        # Online softmax; -1e30 rather than -inf as the start, so that rows without a visible slot yet
+        # give exp(-inf) = 0, never exp(nan).
+        m_i = tl.full((Q_P,), -1e30, dtype=tl.float32)
+        l_i = tl.zeros((Q_P,), dtype=tl.float32)
+        acc = tl.zeros((Q_P, D_P), dtype=tl.float32)
+        for s0 in range(start, end, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            s_mask = s < end
+            kt = tl.load(k_base + s[None, :] * stride_cs + d[:, None], mask=d_mask[:, None] & s_mask[None, :],
+                         other=0.0)
+            scores = tl.dot(q, kt, input_precision="ieee") * sm_scale
+            scores = tl.where((s[None, :] <= pos[:, None]) & s_mask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + s[:, None] * stride_cs + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                        other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(y_ptr + (tok * (N_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None] + d[None, :],
