@@ -150,13 +150,16 @@ def test_decode_attention_reads_only_slots_up_to_each_position(attention_mode: s
     torch.testing.assert_close(y, _reference_attention(q, model, input_pos, rows, kv_len), **TOL)
 
 
-def test_by_warp_candidates_only_from_their_bucket_on() -> None:
-    """The autotuner's by-warp candidates (compiles at warm-up) join only from ATTN_BY_WARP_FROM
-    slots on, where they were measured faster; below it the shared-block candidates alone."""
+def test_by_warp_candidates_only_from_their_bucket_on_over_unsplit_caches() -> None:
+    """The autotuner's by-warp candidates (compiles and timings at warm-up) join only where they were
+    measured faster: from ATTN_BY_WARP_FROM slots on, the cache not split (full batches); elsewhere
+    the shared-block candidates alone."""
     by_warp = triton.Config(dict(BLOCK_S=16, WARPS=4), num_warps=4, num_stages=4)
     shared = [triton.Config(dict(BLOCK_S=b, WARPS=0), num_warps=4) for b in (32, 64, 128)]
-    assert td._attn_prune(shared + [by_warp], {"kv_len": td.ATTN_BY_WARP_FROM // 2}) == shared
-    assert td._attn_prune(shared + [by_warp], {"kv_len": td.ATTN_BY_WARP_FROM}) == shared + [by_warp]
+    at, below = {"kv_len": td.ATTN_BY_WARP_FROM}, {"kv_len": td.ATTN_BY_WARP_FROM // 2}
+    assert td._attn_prune(shared + [by_warp], below, SPLITS=1) == shared
+    assert td._attn_prune(shared + [by_warp], at, SPLITS=1) == shared + [by_warp]
+    assert td._attn_prune(shared + [by_warp], at, SPLITS=4) == shared
 
 
 @pytest.mark.parametrize("splits", [1, 3])

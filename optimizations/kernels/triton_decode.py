@@ -103,7 +103,7 @@ _ATTN = _configs([dict(BLOCK_S=32, WARPS=0), dict(BLOCK_S=64, WARPS=0), dict(BLO
 # slower over shorter ones (benchmarks/results/attention-alone-h200/, round 8). In the whole step
 # (under PDL) SmolLM2's batch-32 step over ~2,100 tokens took 1.177 against 1.263 ms, but over ~560
 # 0.888 against 0.870, though the autotuner had picked it there (benchmarks/results/
-# attention-by-warp-h200/): candidates only from the 2,048-slot bucket on (``_attn_prune``).
+# attention-by-warp-h200/): candidates only from the 2,048-slot bucket on, unsplit (``_attn_prune``).
 _ATTN_BY_WARP = [] if INTERPRET else [triton.Config(dict(BLOCK_S=s, WARPS=4), num_warps=4, num_stages=4)
                                       for s in (16, 32)]
 ATTN_BY_WARP_FROM = 2048
@@ -421,8 +421,12 @@ def _norm_qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr,
 # --- 2. decode attention over the cache (GQA, split-K) ---------------------------------------------
 
 def _attn_prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """The by-warp candidates only from ``ATTN_BY_WARP_FROM`` slots on (each is a compile at warm-up)."""
-    return [c for c in configs if not c.kwargs["WARPS"] or named_args["kv_len"] >= ATTN_BY_WARP_FROM]
+    """The by-warp candidates only where they were measured faster in the step: from
+    ``ATTN_BY_WARP_FROM`` slots on, with the cache not split (a full batch: SmolLM2's 32 rows). Each
+    candidate is a compile and a timing at warm-up; small batches (several splits a row) picked the
+    shared-block ones anyway."""
+    by_warp = named_args["kv_len"] >= ATTN_BY_WARP_FROM and kwargs.get("SPLITS", 1) == 1
+    return [c for c in configs if by_warp or not c.kwargs["WARPS"]]
 
 
 @triton.jit
