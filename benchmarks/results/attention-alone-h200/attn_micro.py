@@ -147,33 +147,42 @@ def save(res, name):
     json.dump(res, open(f"{os.environ.get('OUT', '/tmp')}/{name}.json", "w"), indent=1)
 
 
-def main():
-    res = []
-    qrows, q_p, d_p = GROUP, 16, 64
-    meta = dict(N_HEADS=NH, N_KV=NKV, HEAD_DIM=HD, D_P=d_p, GROUP=GROUP, QROWS=qrows, Q_P=q_p)
+# The constants every round's kernels take: SmolLM2's attention shape, one token a row.
+META = dict(N_HEADS=NH, N_KV=NKV, HEAD_DIM=HD, D_P=64, GROUP=GROUP, QROWS=GROUP, Q_P=16)
+
+
+def each_set():
+    """For each of ``SETS``: its label, kv bucket, the layers' caches, the rows' positions, q, the
+    layers' outputs, the fp32 reference of the first layer's output and the bytes a layer reads."""
     for label, kv_len, lo, hi in SETS:
         caches, pos, q = make(kv_len, lo, hi)
-        nbytes = cache_bytes(pos)
-        ys = [torch.empty_like(q) for _ in range(LAYERS)]
-        ref = reference(q, *caches[0], pos)
+        yield (label, kv_len, caches, pos, q, [torch.empty_like(q) for _ in range(LAYERS)],
+               reference(q, *caches[0], pos), cache_bytes(pos))
+
+
+def kept(caches, ys, q, pos, kv_len, bs=128, w=4, st=3, splits=1, reduce_warps=4):
+    """The kept kernel (``td._attention_kernel`` without its autotuner, its warps sharing each block)
+    over ``caches`` into ``ys``, a launch a layer; with ``splits``, the reduce kernel after each."""
+    parts = B * NKV * splits * META["Q_P"]
+    pm, pl, pacc = (torch.empty(parts, device=dev), torch.empty(parts, device=dev),
+                    torch.empty(parts, META["D_P"], device=dev))
+    def fn():
+        for (k, v), y in zip(caches, ys):
+            td._attention_kernel.fn[(B, NKV, splits)](q, k, v, pos, pos, y, pm, pl, pacc, kv_len, 1, HD ** -0.5,
+                k.stride(0), k.stride(1), k.stride(2), HAS_ROWS=False, USE_PDL=False, SPLITS=splits,
+                BLOCK_S=bs, WARPS=0, num_warps=w, num_stages=st, **META)
+            if splits > 1:
+                td._attention_reduce_kernel[(B, NKV, GROUP)](y, pm, pl, pacc, 1, SPLITS=splits,
+                    SPLITS_P=triton.next_power_of_2(splits), USE_PDL=False, num_warps=reduce_warps, **META)
+    return fn
+
+
+def main():
+    res = []
+    meta = META
+    for label, kv_len, caches, pos, q, ys, ref, nbytes in each_set():
         def base(bs, w, st, splits=1):
-            if splits == 1:
-                def fn():
-                    for (k, v), y in zip(caches, ys):
-                        td._attention_kernel.fn[(B, NKV, 1)](q, k, v, pos, pos, y, y, y, y, kv_len, 1, HD ** -0.5,
-                            k.stride(0), k.stride(1), k.stride(2), HAS_ROWS=False, USE_PDL=False, SPLITS=1,
-                            BLOCK_S=bs, num_warps=w, num_stages=st, **meta)
-                return fn
-            parts = B * NKV * splits * q_p
-            pm = torch.empty(parts, device=dev); pl = torch.empty(parts, device=dev); pacc = torch.empty(parts, d_p, device=dev)
-            def fn():
-                for (k, v), y in zip(caches, ys):
-                    td._attention_kernel.fn[(B, NKV, splits)](q, k, v, pos, pos, y, pm, pl, pacc, kv_len, 1, HD ** -0.5,
-                        k.stride(0), k.stride(1), k.stride(2), HAS_ROWS=False, USE_PDL=False, SPLITS=splits,
-                        BLOCK_S=bs, num_warps=w, num_stages=st, **meta)
-                    td._attention_reduce_kernel[(B, NKV, qrows)](y, pm, pl, pacc, 1, SPLITS=splits,
-                        SPLITS_P=triton.next_power_of_2(splits), USE_PDL=False, **meta)
-            return fn
+            return kept(caches, ys, q, pos, kv_len, bs, w, st, splits)
         def two(bs, w, st):
             def fn():
                 for (k, v), y in zip(caches, ys):

@@ -97,7 +97,7 @@ def main():
                 for (k, v), y in zip(caches, ys):
                     td._attention_kernel.fn[(B, NKV, 1)](q, k, v, pos, pos, y, y, y, y, kv_len, 1, HD ** -0.5,
                         k.stride(0), k.stride(1), k.stride(2), HAS_ROWS=False, USE_PDL=False, SPLITS=1,
-                        BLOCK_S=bs, num_warps=w, num_stages=st, **bmeta)
+                        BLOCK_S=bs, WARPS=0, num_warps=w, num_stages=st, **bmeta)
             return fn
         variants.append(("base bs128 w4 st3", base(128, 4, 3)))
         for bs, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3, 4)):
@@ -122,7 +122,7 @@ def main():
                 for (k, v), y in zip(caches, ys):
                     td._attention_kernel.fn[(B, NKV, sp)](q, k, v, pos, pos, y, pm, pl, pacc, kv_len, 1, HD ** -0.5,
                         k.stride(0), k.stride(1), k.stride(2), HAS_ROWS=False, USE_PDL=False, SPLITS=sp,
-                        BLOCK_S=64, num_warps=4, num_stages=3, **bmeta)
+                        BLOCK_S=64, WARPS=0, num_warps=4, num_stages=3, **bmeta)
             def red(sp=sp, pm=pm, pl=pl, pacc=pacc):
                 for y in ys:
                     td._attention_reduce_kernel[(B, NKV, GROUP)](y, pm, pl, pacc, 1, SPLITS=sp,

@@ -97,22 +97,11 @@ def spin(x_ptr, N, USE_PDL: tl.constexpr):
 
 def main():
     res = []
-    q_p, d_p = 16, 64
-    meta = dict(N_HEADS=NH, N_KV=NKV, HEAD_DIM=HD, D_P=d_p, GROUP=GROUP, QROWS=GROUP, Q_P=q_p)
+    meta = am.META
     scratch = torch.zeros(132 * 128, device=dev)
-    for label, kv_len, lo, hi in am.SETS:
-        caches, pos, q = am.make(kv_len, lo, hi)
-        nbytes = am.cache_bytes(pos)
-        ys = [torch.empty_like(q) for _ in range(LAYERS)]
-        ref = am.reference(q, *caches[0], pos)
-
+    for label, kv_len, caches, pos, q, ys, ref, nbytes in am.each_set():
         def kept(bs=128, w=4, st=3):
-            def fn():
-                for (k, v), y in zip(caches, ys):
-                    td._attention_kernel.fn[(B, NKV, 1)](q, k, v, pos, pos, y, y, y, y, kv_len, 1, HD ** -0.5,
-                        k.stride(0), k.stride(1), k.stride(2), HAS_ROWS=False, USE_PDL=False, SPLITS=1,
-                        BLOCK_S=bs, num_warps=w, num_stages=st, **meta)
-            return fn
+            return am.kept(caches, ys, q, pos, kv_len, bs, w, st)
 
         def pf(mode, bs=128, w=4, st=3, pfb=256, skip=0, pdl=False, spin_n=0):
             extra = td._launch(pdl)

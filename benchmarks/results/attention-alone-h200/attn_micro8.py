@@ -5,9 +5,8 @@ that a score's row maximum and sum stay inside a warp instead of crossing the pr
 every block. Run from the checkout's root."""
 import itertools, os, sys
 sys.path.insert(0, os.path.dirname(__file__))
-import torch, triton, triton.language as tl
+import triton, triton.language as tl
 import attn_micro as am
-from servekit.optimizations.kernels import triton_decode as td
 
 B, NH, NKV, HD, GROUP, LAYERS, dev = am.B, am.NH, am.NKV, am.HD, am.GROUP, am.LAYERS, am.dev
 
@@ -62,21 +61,10 @@ def attn_warps(q_ptr, kc_ptr, vc_ptr, pos_ptr, y_ptr, kv_len, T, sm_scale, strid
 
 def main():
     res = []
-    q_p, d_p = 16, 64
-    meta = dict(N_HEADS=NH, N_KV=NKV, HEAD_DIM=HD, D_P=d_p, GROUP=GROUP, QROWS=GROUP, Q_P=q_p)
-    for label, kv_len, lo, hi in am.SETS:
-        caches, pos, q = am.make(kv_len, lo, hi)
-        nbytes = am.cache_bytes(pos)
-        ys = [torch.empty_like(q) for _ in range(LAYERS)]
-        ref = am.reference(q, *caches[0], pos)
-
+    meta = am.META
+    for label, kv_len, caches, pos, q, ys, ref, nbytes in am.each_set():
         def kept():
-            def fn():
-                for (k, v), y in zip(caches, ys):
-                    td._attention_kernel.fn[(B, NKV, 1)](q, k, v, pos, pos, y, y, y, y, kv_len, 1, HD ** -0.5,
-                        k.stride(0), k.stride(1), k.stride(2), HAS_ROWS=False, USE_PDL=False, SPLITS=1,
-                        BLOCK_S=128, num_warps=4, num_stages=3, **meta)
-            return fn
+            return am.kept(caches, ys, q, pos, kv_len)
 
         def warps(w, s, st):
             def fn():
