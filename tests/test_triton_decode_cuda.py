@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from compiled_triton import require_compiled_triton
 
@@ -189,12 +190,11 @@ def test_attention_by_warp_matches_the_reference_over_long_caches(monkeypatch, t
     last = torch.linspace(1000, 2500, b, device="cuda").long()
     pos = (last[:, None] - torch.arange(t - 1, -1, -1, device="cuda")[None, :]).reshape(-1)
     # fp32 reference: each query token over its row's slots up to its position
-    kk = k.float().repeat_interleave(heads // kv_heads, 1)[:, :, None]  # (b, heads, 1, slots, dim)
-    vv = v.float().repeat_interleave(heads // kv_heads, 1)[:, :, None]
-    qq = q.float().view(b, t, heads, dim).transpose(1, 2)[:, :, :, None]  # (b, heads, t, 1, dim)
-    scores = (qq * kk).sum(-1) * dim ** -0.5  # (b, heads, t, slots)
-    visible = torch.arange(kv_len, device="cuda")[None, None, None] <= pos.view(b, 1, t, 1)
-    want = (scores.masked_fill(~visible, float("-inf")).softmax(-1)[..., None] * vv).sum(-2)
+    visible = torch.arange(kv_len, device="cuda")[None, None, None] <= pos.view(b, 1, t, 1)  # (b, 1, t, slots)
+    group = heads // kv_heads
+    want = F.scaled_dot_product_attention(q.float().view(b, t, heads, dim).transpose(1, 2),
+                                          k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1),
+                                          attn_mask=visible)
     want = want.transpose(1, 2).reshape(b * t, heads * dim)
     scale = want.abs().max().item()  # the outputs' size, which the tolerance is a small share of
     ways = {"by warp": td._ATTN_BY_WARP, "shared blocks": [c for c in td._ATTN if c.kwargs["BLOCK_S"] == 128]}
