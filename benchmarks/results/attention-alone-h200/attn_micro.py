@@ -177,18 +177,24 @@ def kept(caches, ys, q, pos, kv_len, bs=128, w=4, st=3, splits=1, reduce_warps=4
     return fn
 
 
+def layers(kernel, caches, ys, q, pos, kv_len, *scalars, **kw):
+    """``kernel``, a round's attention variant whose arguments are (q, k, v, positions, out, kv bucket,
+    ``scalars``, the cache's three strides), launched once a layer over ``caches`` into ``ys``, one
+    program per (row, kv head); ``kw``: its constexprs and launch options."""
+    def fn():
+        for (k, v), y in zip(caches, ys):
+            kernel[(B, NKV)](q, k, v, pos, y, kv_len, *scalars, k.stride(0), k.stride(1), k.stride(2), **kw)
+    return fn
+
+
 def main():
     res = []
-    meta = META
     for label, kv_len, caches, pos, q, ys, ref, nbytes in each_set():
         def base(bs, w, st, splits=1):
             return kept(caches, ys, q, pos, kv_len, bs, w, st, splits)
         def two(bs, w, st):
-            def fn():
-                for (k, v), y in zip(caches, ys):
-                    attn2[(B, NKV)](q, k, v, pos, y, kv_len, 1, HD ** -0.5, k.stride(0), k.stride(1), k.stride(2),
-                                    BLOCK_S=bs, num_warps=w, num_stages=st, **meta)
-            return fn
+            return layers(attn2, caches, ys, q, pos, kv_len, 1, HD ** -0.5, BLOCK_S=bs, num_warps=w,
+                          num_stages=st, **META)
         variants = []
         for bs, w, st in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4)):
             variants.append((f"base bs{bs} w{w} st{st}", base(bs, w, st)))

@@ -58,11 +58,8 @@ def main():
             return am.kept(caches, ys, q, pos, kv_len)
 
         def turned(bs, w, st):
-            def fn():
-                for (k, v), y in zip(caches, ys):
-                    attn_turned[(B, NKV)](q, k, v, pos, y, kv_len, 1, HD ** -0.5, k.stride(0), k.stride(1),
-                                          k.stride(2), BLOCK_S=bs, num_warps=w, num_stages=st, **meta)
-            return fn
+            return am.layers(attn_turned, caches, ys, q, pos, kv_len, 1, HD ** -0.5, BLOCK_S=bs, num_warps=w,
+                             num_stages=st, **meta)
 
         variants = [("kept bs128 w4 st3", kept())]
         for bs, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3, 4)):

@@ -2,7 +2,7 @@
 import itertools, json, os, sys
 sys.path.insert(0, os.path.dirname(__file__))
 import torch, triton, triton.language as tl
-from attn_micro import SETS, cache_bytes, make, measure, reference, save, B, NH, NKV, HD, GROUP, LAYERS, dev
+from attn_micro import SETS, cache_bytes, layers, make, measure, reference, save, B, NH, NKV, HD, GROUP, LAYERS, dev
 from servekit.optimizations.kernels import triton_decode as td
 
 
@@ -101,11 +101,8 @@ def main():
             return fn
         variants.append(("base bs128 w4 st3", base(128, 4, 3)))
         for bs, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3, 4)):
-            def nat(bs=bs, w=w, st=st):
-                for (k, v), y in zip(caches, ys):
-                    attn_nat[(B, NKV)](q, k, v, pos, y, kv_len, HD ** -0.5, k.stride(0), k.stride(1), k.stride(2),
-                                       BLOCK_S=bs, num_warps=w, num_stages=st, **meta)
-            variants.append((f"nat bs{bs} w{w} st{st}", nat))
+            variants.append((f"nat bs{bs} w{w} st{st}", layers(attn_nat, caches, ys, q, pos, kv_len, HD ** -0.5,
+                                                                BLOCK_S=bs, num_warps=w, num_stages=st, **meta)))
         if TensorDescriptor is not None:
             for bs, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3, 4)):
                 descs = [(TensorDescriptor.from_tensor(k, [1, 1, bs, HD]), TensorDescriptor.from_tensor(v, [1, 1, bs, HD]))

@@ -3,7 +3,7 @@ converts what it loads to the query's dtype: nothing to convert for bf16)."""
 import itertools, json, os, sys
 sys.path.insert(0, os.path.dirname(__file__))
 import torch
-from attn_micro import SETS, cache_bytes, make, measure, reference, save, B, NH, NKV, HD, GROUP, LAYERS
+from attn_micro import SETS, cache_bytes, layers, make, measure, reference, save, NH, HD, GROUP, LAYERS
 from attn_micro2 import attn_nat
 
 
@@ -18,16 +18,11 @@ def main():
         ref8 = reference(q, c8[0][0].to(q.dtype), c8[0][1].to(q.dtype), pos)
         variants = []
         for bs, w, st in itertools.product((64, 128, 256), (4, 8), (3, 4)):
-            def nat(bs=bs, w=w, st=st):
-                for (k, v), y in zip(caches, ys):
-                    attn_nat[(B, NKV)](q, k, v, pos, y, kv_len, HD ** -0.5, k.stride(0), k.stride(1), k.stride(2),
-                                       BLOCK_S=bs, num_warps=w, num_stages=st, **meta)
-            def nat8(bs=bs, w=w, st=st):
-                for (k, v), y in zip(c8, ys):
-                    attn_nat[(B, NKV)](q, k, v, pos, y, kv_len, HD ** -0.5, k.stride(0), k.stride(1), k.stride(2),
-                                       BLOCK_S=bs, num_warps=w, num_stages=st, **meta)
-            variants.append((f"bf16 bs{bs} w{w} st{st}", nat, ref, 2))
-            variants.append((f"fp8 bs{bs} w{w} st{st}", nat8, ref8, 1))
+            kw = dict(BLOCK_S=bs, num_warps=w, num_stages=st, **meta)
+            variants.append((f"bf16 bs{bs} w{w} st{st}", layers(attn_nat, caches, ys, q, pos, kv_len, HD ** -0.5, **kw),
+                             ref, 2))
+            variants.append((f"fp8 bs{bs} w{w} st{st}", layers(attn_nat, c8, ys, q, pos, kv_len, HD ** -0.5, **kw),
+                             ref8, 1))
         for name, fn, r, elt in variants:
             measure(res, label, name, fn, ys, r, cache_bytes(pos, elt))
     save(res, "attn_micro3")

@@ -2,7 +2,7 @@
 import itertools, json, os, sys
 sys.path.insert(0, os.path.dirname(__file__))
 import torch, triton, triton.language as tl
-from attn_micro import SETS, cache_bytes, make, measure, reference, save, B, NH, NKV, HD, GROUP, LAYERS
+from attn_micro import SETS, cache_bytes, layers, make, measure, reference, save, NH, HD, GROUP, LAYERS
 from attn_micro2 import attn_nat
 
 
@@ -53,17 +53,11 @@ def main():
         ys = [torch.empty_like(q) for _ in range(LAYERS)]
         ref = reference(q, *caches[0], pos)
         variants = []
-        def nat():
-            for (k, v), y in zip(caches, ys):
-                attn_nat[(B, NKV)](q, k, v, pos, y, kv_len, HD ** -0.5, k.stride(0), k.stride(1), k.stride(2),
-                                   BLOCK_S=128, num_warps=4, num_stages=3, **meta)
-        variants.append(("tl.dot bs128 w4 st3 (kept)", nat))
+        variants.append(("tl.dot bs128 w4 st3 (kept)", layers(attn_nat, caches, ys, q, pos, kv_len, HD ** -0.5,
+                                                               BLOCK_S=128, num_warps=4, num_stages=3, **meta)))
         for bs, w, st in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3)):
-            def cc(bs=bs, w=w, st=st):
-                for (k, v), y in zip(caches, ys):
-                    attn_cc[(B, NKV)](q, k, v, pos, y, kv_len, HD ** -0.5, k.stride(0), k.stride(1), k.stride(2),
-                                      BLOCK_S=bs, num_warps=w, num_stages=st, **cmeta)
-            variants.append((f"cuda-cores bs{bs} w{w} st{st}", cc))
+            variants.append((f"cuda-cores bs{bs} w{w} st{st}", layers(attn_cc, caches, ys, q, pos, kv_len, HD ** -0.5,
+                                                                       BLOCK_S=bs, num_warps=w, num_stages=st, **cmeta)))
         for name, fn in variants:
             measure(res, label, name, fn, ys, ref, nbytes)
     save(res, "attn_micro4")

@@ -88,12 +88,8 @@ def main():
 
         def lean(unmasked, exp2, prescale, bs=128, w=4, st=3):
             scale = HD ** -0.5 * (math.log2(math.e) if exp2 else 1.0)
-            def fn():
-                for (k, v), y in zip(caches, ys):
-                    attn_lean[(B, NKV)](q, k, v, pos, y, kv_len, 1, scale, k.stride(0), k.stride(1), k.stride(2),
-                                        BLOCK_S=bs, UNMASKED=unmasked, EXP2=exp2, PRESCALE=prescale,
-                                        num_warps=w, num_stages=st, **meta)
-            return fn
+            return am.layers(attn_lean, caches, ys, q, pos, kv_len, 1, scale, BLOCK_S=bs, UNMASKED=unmasked,
+                             EXP2=exp2, PRESCALE=prescale, num_warps=w, num_stages=st, **meta)
 
         variants = [("kept bs128 w4 st3", kept())]
         for unmasked, exp2, prescale in itertools.product((False, True), repeat=3):

@@ -67,11 +67,8 @@ def main():
             return am.kept(caches, ys, q, pos, kv_len)
 
         def warps(w, s, st):
-            def fn():
-                for (k, v), y in zip(caches, ys):
-                    attn_warps[(B, NKV)](q, k, v, pos, y, kv_len, 1, HD ** -0.5, k.stride(0), k.stride(1), k.stride(2),
-                                         W=w, S=s, num_warps=w, num_stages=st, **meta)
-            return fn
+            return am.layers(attn_warps, caches, ys, q, pos, kv_len, 1, HD ** -0.5, W=w, S=s, num_warps=w,
+                             num_stages=st, **meta)
 
         variants = [("kept bs128 w4 st3", kept())]
         for w, s, st in itertools.product((2, 4, 8), (16, 32, 64), (2, 3, 4)):
