@@ -143,7 +143,8 @@ def test_decoding_rows_riding_in_a_packed_forward_get_their_decode_step(family_m
 def test_packed_tables_give_every_token_its_position_row_and_block(tiny_llama: Transformer) -> None:
     """The tables the packed forward reads (what the Triton kernel is driven by on CUDA), against a
     token-by-token construction: random mixes of later chunks (start > 0) and whole prompts, with
-    and without a last chunk, block boundaries included."""
+    and without a last chunk, block boundaries included; past the tokens, the padding of the blank
+    tables whatever mix came before."""
     from servekit.optimizations.llm.packed import BLOCK_M
 
     tiny_llama.setup_caches(8, 512)
@@ -169,6 +170,9 @@ def test_packed_tables_give_every_token_its_position_row_and_block(tiny_llama: T
         n_blocks = len(want_blocks)
         assert list(zip(packed.block_seq[:n_blocks].tolist(), packed.block_off[:n_blocks].tolist())) == want_blocks
         assert (packed.block_seq[n_blocks:] == -1).all()  # the kernel's programs past the last block exit
+        # Past the tokens, what the blank holds, whatever longer mix came before.
+        assert (packed.tokens[total:] == packed.pad_id).all() and not packed.positions[total:].any()
+        assert not packed.from_state.any() and (packed.rows[total:] == tiny_llama.spare_row).all()
 
 
 def test_packed_prefill_refuses_what_it_cannot_run(tiny_llama: Transformer) -> None:

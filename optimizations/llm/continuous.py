@@ -494,7 +494,7 @@ class ContinuousBatcher:
         """Park a row that is not decoding (free, or its prompt going in) at the cache's last
         position: its garbage steps write there, which a request overwrites before it could read
         it, and past the kv bucket it attends nothing."""
-        self.r.state.input_pos[slot] = self.r.max_seq_len - 1
+        self.r.state.input_pos[slot].fill_(self.r.max_seq_len - 1)  # setitem costs more host time (indexing)
 
     def _mixable(self) -> list[_Seq]:
         """The decoding rows whose next token this step's packed forward can compute beside the

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -52,14 +51,16 @@ BLOCK_M = 64  # query block of the Triton kernel: the block table's unit
 SMALLEST_BUCKET = 16
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """A prompt's next tokens for one packed forward: ``tokens`` at positions ``start ..`` of cache
     row ``row``; ``last``: the prompt's final chunk, whose last token's logits are wanted.
 
     ``from_state``: a decoding row's next token instead (one token, ``last`` set), taken on the
     device from the decode state's ``tokens[row]``, where the step before it left it: the host has
-    not read it yet (the engine reads a step's tokens after launching the next)."""
+    not read it yet (the engine reads a step's tokens after launching the next).
+
+    A named tuple: the engine builds one per riding row every step, and building frozen dataclasses
+    took ~0.03 ms of a 32-row constrained step on an H200 host (py-spy), named tuples ~0."""
 
     tokens: list[int]
     start: int
