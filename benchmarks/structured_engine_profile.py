@@ -65,8 +65,8 @@ from servekit.benchmarks.structured_bench import SCHEMAS
 from servekit.optimizations.llm import grammar
 from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.continuous import ContinuousBatcher
-from servekit.optimizations.llm.generate import SamplingParams
-from servekit.optimizations.llm.plan import stop_token_ids
+from servekit.optimizations.llm.generate import LlamaRunner, SamplingParams
+from servekit.optimizations.llm.plan import LlmPlan, stop_token_ids
 from servekit.resources import model_config
 
 PHASES = {"_read_all": "read tokens", "_load_bias": "load masks", "_sample": "launch sampling",
@@ -198,10 +198,7 @@ def main() -> None:
         ap.error(f"--closed-loop {args.closed_loop} is fewer requests than --requests {max(args.requests)} at a time")
     if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
         ap.error(f"--model-dir {args.model_dir} is not a model folder (no config.json)")
-    runner, plan, model_dir = plan_runner(yaml.safe_load(args.config.read_text())["servekit"], args.model_dir)
-    tokenizer = ChatTokenizer(model_dir)
-    stops = tuple(stop_token_ids(model_dir, tokenizer))
-    compiler = grammar.GrammarCompiler(tokenizer, runner.model.config.vocab_size, stops)
+    runner, plan, tokenizer, stops, compiler = load_model(args.config, args.model_dir)
     walks = [host_walk(compiler, [schema for _, _, schema in SCHEMAS]) for _ in range(5)]
     print(f"host: a fixed walk of {walks[0][0]} grammar steps took "
           f"{statistics.median(t for _, t in walks) * 1e3:.2f} ms (median of 5)", flush=True)
@@ -222,14 +219,8 @@ def main() -> None:
         total = max(args.closed_loop, n)
         shape = f"{total} requests, {n} at a time" if args.closed_loop else f"{n} requests"
         print(f"{plan.label()}, {shape}, of at most {args.max_tokens} tokens, temperature 0.8", flush=True)
-        prompts, free, constrained = [], [], []
-        for i in range(total):
-            _, topic, schema = SCHEMAS[i % len(SCHEMAS)]
-            schema = without_max_length(schema) if args.without_max_length else schema
-            prompts.append(tokenizer.encode_chat([{"role": "user", "content": f"Describe {topic} as JSON."}]))
-            free.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, stop_token_ids=stops))
-            constrained.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, stop_token_ids=stops,
-                                              constraint=compiler.constraint(grammar.GrammarSpec.of(grammar.JSON, schema))))
+        prompts, free, constrained = schema_requests(tokenizer, compiler, stops, total, args.max_tokens,
+                                                     args.without_max_length)
         runs: dict[str, list[dict[str, Any]]] = {FREE: [], JSON: [], MATCHED: []}
         for name, params in ((FREE, free), (JSON, constrained)):
             for rep in range(args.repeats):
@@ -258,6 +249,33 @@ def main() -> None:
                 r = run_once(engine, timer, prompts, constrained, ("threads", threads, rep), n)
                 print(line(f"{JSON}, masks on {threads} threads", rep, r), flush=True)
             grammar._executor = engine_executor
+
+
+def load_model(config: Path, model_dir: Path | None = None) -> tuple[LlamaRunner, LlmPlan, ChatTokenizer,
+                                                                    tuple[int, ...], grammar.GrammarCompiler]:
+    """SmolLM2 (or the checkpoint in ``model_dir``) under the model-config ``config`` as the worker
+    loads it: its runner, plan, tokenizer, stop tokens and grammar compiler."""
+    runner, plan, model_dir = plan_runner(yaml.safe_load(config.read_text())["servekit"], model_dir)
+    tokenizer = ChatTokenizer(model_dir)
+    stops = tuple(stop_token_ids(model_dir, tokenizer))
+    return runner, plan, tokenizer, stops, grammar.GrammarCompiler(tokenizer, runner.model.config.vocab_size, stops)
+
+
+def schema_requests(tokenizer: ChatTokenizer, compiler: grammar.GrammarCompiler, stops: tuple[int, ...], total: int,
+                    max_tokens: int = 128, strip_max_length: bool = False
+                    ) -> tuple[list[list[int]], list[SamplingParams], list[SamplingParams]]:
+    """The profile's ``total`` requests, the structured benchmark's schemas in turn (``Describe
+    <topic> as JSON.``, temperature 0.8, seed i): their prompts, free sampling parameters and the
+    same under each schema (``strip_max_length``: its ``maxLength`` keywords removed)."""
+    prompts, free, constrained = [], [], []
+    for i in range(total):
+        _, topic, schema = SCHEMAS[i % len(SCHEMAS)]
+        schema = without_max_length(schema) if strip_max_length else schema
+        prompts.append(tokenizer.encode_chat([{"role": "user", "content": f"Describe {topic} as JSON."}]))
+        free.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, stop_token_ids=stops))
+        constrained.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, stop_token_ids=stops,
+                                          constraint=compiler.constraint(grammar.GrammarSpec.of(grammar.JSON, schema))))
+    return prompts, free, constrained
 
 
 def host_walk(compiler: grammar.GrammarCompiler, schemas: list[dict], steps: int = 60) -> tuple[int, float]:

@@ -1105,6 +1105,26 @@ def test_the_engine_profiles_closed_loop_keeps_its_rows_busy_with_one_forward_a_
     assert timer.calls["  mixed decode"] > 0 and r["host_ms_per_step"]["  read rows"] > 0
 
 
+def test_the_profiles_requests_take_the_benchmarks_schemas_in_turn(compiler, tokenizer, stops) -> None:
+    """``schema_requests``: request i asks about schema i's topic (in turn past the last), free and
+    constrained alike seeded i; the constrained one under that schema, without its maxLengths when
+    asked."""
+    from servekit.benchmarks.structured_bench import SCHEMAS as BENCH
+    from servekit.benchmarks.structured_engine_profile import schema_requests, without_max_length
+
+    n = len(BENCH) + 2
+    prompts, free, constrained = schema_requests(tokenizer, compiler, stops, n, max_tokens=9)
+    _, _, stripped = schema_requests(tokenizer, compiler, stops, 2, strip_max_length=True)
+    assert len(prompts) == len(free) == len(constrained) == n
+    for i, (prompt, f, c) in enumerate(zip(prompts, free, constrained)):
+        _, topic, schema = BENCH[i % len(BENCH)]
+        assert f"Describe {topic} as JSON." in tokenizer.decode(prompt)
+        assert (f.seed, c.seed, f.max_tokens, f.constraint) == (i, i, 9, None)
+        assert c.constraint.spec == GrammarSpec.of(JSON, schema)
+    assert [c.constraint.spec for c in stripped] == [GrammarSpec.of(JSON, without_max_length(BENCH[i][2])) for i in range(2)]
+    assert any(a.constraint.spec != b.constraint.spec for a, b in zip(stripped, constrained))
+
+
 def test_the_profiles_host_walk_takes_one_path_through_every_schema(compiler) -> None:
     """The profile's host calibration walks the benchmark's schemas along the same path every time
     (so that its time compares between processes), each token one its mask allowed, and finishes

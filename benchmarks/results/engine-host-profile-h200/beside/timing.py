@@ -10,29 +10,15 @@ import threading
 import time
 from pathlib import Path
 
-import yaml
-
-from servekit.benchmarks.llm_inprocess import plan_runner
 from servekit.benchmarks.llm_workload_bench import PhaseTimer
-from servekit.benchmarks.structured_engine_profile import SCHEMAS, line, run_once
+from servekit.benchmarks.structured_engine_profile import line, load_model, run_once, schema_requests
 from servekit.optimizations.llm import continuous, grammar
-from servekit.optimizations.llm.chat_template import ChatTokenizer
 from servekit.optimizations.llm.continuous import ContinuousBatcher
-from servekit.optimizations.llm.generate import SamplingParams
-from servekit.optimizations.llm.plan import stop_token_ids
 
-runner, plan, model_dir = plan_runner(yaml.safe_load(Path("config/models/smollm2.yaml").read_text())["servekit"])
-tok = ChatTokenizer(model_dir)
-stops = tuple(stop_token_ids(model_dir, tok))
-comp = grammar.GrammarCompiler(tok, runner.model.config.vocab_size, stops)
+runner, plan, tok, stops, comp = load_model(Path("config/models/smollm2.yaml"))
 eng = ContinuousBatcher(runner, 32)
 eng.warmup()
-prompts, cons = [], []
-for i in range(256):
-    _, topic, schema = SCHEMAS[i % len(SCHEMAS)]
-    prompts.append(tok.encode_chat([{"role": "user", "content": f"Describe {topic} as JSON."}]))
-    cons.append(SamplingParams(max_tokens=128, temperature=0.8, seed=i, stop_token_ids=stops,
-                               constraint=comp.constraint(grammar.GrammarSpec.of(grammar.JSON, schema))))
+prompts, _, cons = schema_requests(tok, comp, stops, 256)
 calls, fills = [], []
 beside, fill = grammar.MaskUpload.beside, grammar.MaskUpload._fill
 
