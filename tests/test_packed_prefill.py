@@ -143,8 +143,8 @@ def test_decoding_rows_riding_in_a_packed_forward_get_their_decode_step(family_m
 def test_packed_tables_give_every_token_its_position_row_and_block(tiny_llama: Transformer) -> None:
     """The tables the packed forward reads (what the Triton kernel is driven by on CUDA), against a
     token-by-token construction: random mixes of later chunks (start > 0) and whole prompts, with
-    and without a last chunk, block boundaries included; past the tokens, the padding of the blank
-    tables whatever mix came before."""
+    and without a last chunk, block boundaries included; past the tokens, the blank tables' padding,
+    whatever mix came before."""
     from servekit.optimizations.llm.packed import BLOCK_M
 
     tiny_llama.setup_caches(8, 512)

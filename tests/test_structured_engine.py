@@ -1121,7 +1121,8 @@ def test_the_profiles_requests_take_the_benchmarks_schemas_in_turn(compiler, tok
         assert f"Describe {topic} as JSON." in tokenizer.decode(prompt)
         assert (f.seed, c.seed, f.max_tokens, f.constraint) == (i, i, 9, None)
         assert c.constraint.spec == GrammarSpec.of(JSON, schema)
-    assert [c.constraint.spec for c in stripped] == [GrammarSpec.of(JSON, without_max_length(BENCH[i][2])) for i in range(2)]
+    assert [c.constraint.spec for c in stripped] == [GrammarSpec.of(JSON, without_max_length(BENCH[i][2]))
+                                                     for i in range(2)]
     assert any(a.constraint.spec != b.constraint.spec for a, b in zip(stripped, constrained))
 
 

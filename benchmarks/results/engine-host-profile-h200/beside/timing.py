@@ -58,6 +58,7 @@ for mode in ("beside", "after", "beside", "after"):
     if calls:
         med = lambda xs: statistics.median(xs)  # noqa: E731
         print(f"  beside calls {len(calls)} (rows median {med([d['n'] for d in calls])}): total ms median "
-              f"{med([(d['t1'] - d['t0']) * 1e3 for d in calls]):.3f}, work {med([(d['w1'] - d['w0']) * 1e3 for d in calls]):.3f}, "
+              f"{med([(d['t1'] - d['t0']) * 1e3 for d in calls]):.3f}, "
+              f"work {med([(d['w1'] - d['w0']) * 1e3 for d in calls]):.3f}, "
               f"work starts after {med([(d['w0'] - d['t0']) * 1e3 for d in calls]):.3f}, "
               f"ends before return {med([(d['t1'] - d['w1']) * 1e3 for d in calls]):.3f}")
