@@ -50,6 +50,12 @@ out.mkdir(parents=True, exist_ok=True)
 
 runner, plan, tok, stops, comp = load_model(Path("config/models/smollm2.yaml"), args.model_dir)
 eng = ContinuousBatcher(runner, 32)
+# Each variant's arms set attributes its diff adds: without the diff they would all run the shipped
+# engine, so refuse instead.
+if args.ab and not hasattr(eng, "forward_ms"):
+    ap.error("--ab needs rule-variant.diff applied (git apply)")
+if args.flags and not hasattr(eng, "hold_prompts"):
+    ap.error("--flags needs flag-variant.diff applied (git apply)")
 eng.warmup()
 timed = getattr(eng, "forward_ms", {})  # rule-variant.diff's warm-up timing
 if timed:
