@@ -294,6 +294,77 @@ def test_a_request_taking_a_freed_slot_mid_batch_gets_its_solo_output(runner, co
         assert _run(runner, {key: request})[key] == together[key], key
 
 
+def test_a_split_step_admits_the_requests_that_arrived_since_it_began(runner, compiler, tokenizer, stops) -> None:
+    """While a grammar row runs, each step admits midway, after its sampling half is launched; the
+    requests that arrive meanwhile (``intake``, which the engine thread points at its commands) are
+    admitted in that step, not the next. Every request still gets what it gets alone."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Arrive midway."}])
+    c = compiler.constraint(GrammarSpec.of(JSON, SCHEMAS[3]))
+    rows = {"json": (prompt, SamplingParams(max_tokens=40, stop_token_ids=stops, constraint=c)),
+            "late": (prompt[1:], SamplingParams(max_tokens=8, stop_token_ids=stops)),
+            "late_json": (prompt[2:], SamplingParams(max_tokens=12, stop_token_ids=stops, constraint=c))}
+    arrive = {"late": 3, "late_json": 6}  # the step during which each arrives
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+    step, taken, admitted = 0, {}, {}
+
+    def intake(updates: dict) -> None:
+        for key, at in arrive.items():
+            if at <= step and key not in taken:
+                b.add(key, *rows[key])
+                taken[key] = step
+
+    b.intake = intake
+    out: dict[str, list[int]] = {k: [] for k in rows}
+    b.add("json", *rows["json"])
+    while b.has_work or len(taken) < len(arrive):
+        step += 1
+        for key, u in b.step().items():
+            out[key] += u.tokens
+        seated = {s.key for s in b.slots if s is not None}
+        for key in taken:
+            if key not in admitted and (key in seated or out[key]):
+                admitted[key] = step
+        assert step < 500
+    assert taken == arrive  # each came in through a split step's intake
+    assert admitted == taken  # and was admitted in that same step
+    for key, request in rows.items():
+        assert _run(runner, {key: request})[key][0] == out[key], key
+
+
+def test_the_engine_threads_intake_takes_new_requests_up_to_any_other_command(runner, compiler, tokenizer,
+                                                                           stops) -> None:
+    """``EngineThread._intake`` adds the new requests at the head of the commands and leaves the rest
+    in order: a cancellation still follows the request it cancels, and what comes after it waits
+    for the loop; every request then ends as it would have."""
+    from servekit.optimizations.llm.continuous import EngineThread
+
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "In order."}])
+    b = ContinuousBatcher(runner, 4, prefill_chunk=32, max_num_batched_tokens=64)
+    engine = EngineThread(b)
+    assert b.intake == engine._intake
+    params = SamplingParams(max_tokens=5, stop_token_ids=stops)
+    # Queued without waking the idle engine thread, as if they arrived during a step.
+    engine._commands.extend([("add", "a", prompt, params, True), ("add", "b", prompt[1:], params, True),
+                             ("cancel", "a"), ("add", "c", prompt[2:], params, True)])
+    updates: dict = {}
+    engine._intake(updates)
+    assert set(b.by_key) == {"a", "b"} and not updates
+    assert [cmd[:2] for cmd in engine._commands] == [("cancel", "a"), ("add", "c")]
+    engine._wake.set()
+    got: dict[str, list[int]] = {"b": [], "c": []}
+    finished: dict[str, str] = {}
+    deadline = time.monotonic() + 120
+    while len(finished) < 2 and time.monotonic() < deadline:
+        for key, u in engine.take(["a", "b", "c"], 1.0).items():
+            assert key != "a" or not u.tokens  # cancelled before any step ran it
+            if key != "a":
+                got[key] += u.tokens
+                if u.finish_reason is not None:
+                    finished[key] = u.finish_reason
+    assert set(finished) == {"b", "c"}
+    assert got == {k: _run(runner, {k: (p, params)})[k][0] for k, p in (("b", prompt[1:]), ("c", prompt[2:]))}
+
+
 def test_constrained_rows_ride_in_the_packed_forwards_of_prompts_arriving_beside_them(runner, compiler, tokenizer,
                                                                                      stops) -> None:
     """Grammar and min_tokens rows decode while new prompts (free and constrained) keep arriving:

@@ -203,6 +203,10 @@ class ContinuousBatcher:
         self.jump_forced = jump_forced
         self._jumps: dict[Hashable, list[int]] = {}
         self.moves = 0  # requests moved to a lower row by _compact()
+        # Called (with the step's updates) right before a split step admits, midway through the
+        # step: requests that arrived since the step began are added then (EngineThread) and
+        # admitted in this step rather than the next.
+        self.intake: Callable[[dict[Hashable, SeqUpdate]], None] | None = None
         # Captured per token bucket where decode steps are (CUDA graphs) and the Triton attention serves the model.
         graphs = runner.cuda_graphs and triton_fits(runner.model) is None
         # A compiling plan compiles the packed layers too (the runner's compiled blocks, dynamic in the
@@ -352,6 +356,8 @@ class ContinuousBatcher:
             # row's new token followed by the run of tokens its grammar forces after it. (A step
             # that admitted has run its prompts' forward: it goes on here when none is left.)
             if not admitted:
+                if self.intake is not None:
+                    self.intake(updates)
                 self._compact()
                 self._admit()
             self._read_all(updates)
@@ -909,6 +915,11 @@ class EngineThread:
         # with Python's default 5 ms GIL switch interval a busy serving thread could hold this one
         # back for more than a decode step; 0.5 ms keeps its wait well under one step.
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
+        # A split step (grammar rows running) admits midway, after its sampling half is launched;
+        # requests that arrived since its start join there instead of a step later (served at 32
+        # constrained streams on an H200: from 2.4-2.5 ms between a request reaching the engine
+        # process and its admission to 1.4, benchmarks/results/served-cpu-contention-h200/).
+        batcher.intake = self._intake
         self._thread = threading.Thread(target=self._loop, args=(device,), name="servekit-engine", daemon=True)
         self._thread.start()
 
@@ -945,6 +956,19 @@ class EngineThread:
     def wait(self, keys: Collection[Hashable], timeout: float) -> bool:
         return self.board.wait(keys, timeout)
 
+    def _add(self, cmd: tuple, updates: dict[Hashable, SeqUpdate]) -> None:
+        try:
+            self.batcher.add(*cmd[1:])
+        except ValueError as e:  # the caller validated: a bug or a race, the request's own error
+            updates[cmd[1]] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
+
+    def _intake(self, updates: dict[Hashable, SeqUpdate]) -> None:
+        """The new requests at the head of the commands, added mid-step (``ContinuousBatcher.intake``).
+        Stops at any other command, so that a cancellation or a settle still follows what came
+        before it."""
+        while self._commands and self._commands[0][0] == "add":  # this thread alone takes commands
+            self._add(self._commands.popleft(), updates)
+
     def _loop(self, device: torch.device | None) -> None:
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
@@ -967,10 +991,7 @@ class EngineThread:
                     if cmd[0] == "fail":
                         updates[cmd[1]] = SeqUpdate(finish_reason=FINISH_ERROR, error=cmd[2])
                         continue
-                    try:
-                        b.add(*cmd[1:])
-                    except ValueError as e:  # the caller validated: a bug or a race, the request's own error
-                        updates[cmd[1]] = SeqUpdate(finish_reason=FINISH_ERROR, error=e)
+                    self._add(cmd, updates)
                 if b.has_work:
                     updates.update(b.step())
             except Exception as e:  # a decode step failed (e.g. out of memory): it cannot be pinned on one row;
