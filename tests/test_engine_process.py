@@ -207,3 +207,37 @@ def test_the_engine_process_ends_with_its_worker(model_dir: Path, when: str) -> 
         engines[0].wait(20)  # raises psutil.TimeoutExpired if it outlives its worker
     finally:
         worker.kill()
+
+
+def test_an_engine_whose_worker_died_while_it_started_ends_too(model_dir: Path) -> None:
+    """A worker that dies while its engine process is still importing (before the engine could look
+    at its parent) leaves no engine behind either: the engine is told its worker's pid instead of
+    taking whichever process it then finds as its parent for the worker."""
+    import psutil
+
+    code = textwrap.dedent(f"""
+        import os, sys, threading, time
+        sys.path[:0] = {sys.path!r}
+        import psutil
+        from servekit.optimizations.llm.engine_process import EngineProcess, EngineSpec
+        from test_engine_process import _plan
+        spec = EngineSpec({str(model_dir)!r}, _plan(), 2, hook="test_engine_process:stall", sys_path=tuple(sys.path))
+        threading.Thread(target=EngineProcess, args=(spec,), daemon=True).start()
+        while True:  # gone as soon as the engine process exists, long before it has imported anything
+            kids = [p for p in psutil.Process().children() if "engine_process" in " ".join(p.cmdline())]
+            if kids:
+                print(kids[0].pid, flush=True)
+                os._exit(0)
+            time.sleep(0.005)
+    """)
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).parent)
+    engine = None
+    try:
+        engine = psutil.Process(int(worker.stdout.readline()))
+        worker.wait(30)
+        engine.wait(30)  # raises psutil.TimeoutExpired if it outlives its worker
+    finally:
+        worker.kill()
+        if engine is not None and engine.is_running():
+            engine.kill()

@@ -115,7 +115,10 @@ class EngineProcess:
     def __init__(self, spec: EngineSpec, on_death: Callable[[], None] = _exit_worker) -> None:
         ours, theirs = socket.socketpair()
         boot = "from servekit.optimizations.llm.engine_process import main; main()"
-        self._proc = subprocess.Popen([sys.executable, "-c", boot, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+        # The worker names itself: an engine still importing when its worker dies would otherwise
+        # take its new parent (init, or a subreaper) for the worker and outlive it.
+        self._proc = subprocess.Popen([sys.executable, "-c", boot, str(theirs.fileno()), str(os.getpid())],
+                                      pass_fds=(theirs.fileno(),))
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send(spec)
@@ -315,9 +318,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s [engine %(process)d] %(levelname)s %(name)s - %(message)s")
     conn = Connection(int(sys.argv[1]))
+    threading.Thread(target=_exit_with_worker, args=(int(sys.argv[2]),), name="servekit-engine-watch", daemon=True).start()
     spec: EngineSpec = conn.recv()
     sys.path[:0] = [p for p in spec.sys_path if p not in sys.path]
-    threading.Thread(target=_exit_with_worker, args=(os.getppid(),), name="servekit-engine-watch", daemon=True).start()
     try:
         batcher, compiler, device, ready = _build(spec)
     except BaseException as e:
