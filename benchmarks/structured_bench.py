@@ -352,10 +352,17 @@ def mix_row(name: str, share: float, concurrency: int, answers: list["Answer"], 
             "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99), **handler}
 
 
+def _later(constrained: Any, free: Any) -> float | None:
+    return round(constrained - free, 2) if constrained is not None and free is not None else None
+
+
 def compare(mixes: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]:
     """All constrained tokens/s as a share of free tokens/s at the same load: against free answers
     of their natural length (the target's wording) and against free answers of the constrained
-    answers' lengths (the same rows busy for the same steps)."""
+    answers' lengths (the same rows busy for the same steps). With each, how much later a
+    constrained request's first token came under that load: the clients' TTFT p50 and the
+    handler's mean (a cached schema's added TTFT is measured one request at a time, ``ttft()``;
+    under load the constrained steps are longer, and so is the way to a first token)."""
     by = {m["mix"]: m for m in mixes}
     json_ = by.get("all constrained")
     out: dict[str, Any] = {"target": target}
@@ -366,7 +373,10 @@ def compare(mixes: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]:
             out[key] = {"share": round(share, 3), "met": share >= target,
                         "constrained_tok_per_s": json_["tok_per_s_total"], "free_tok_per_s": free["tok_per_s_total"],
                         "constrained_answer_tokens": json_["mean_answer_tokens"],
-                        "free_answer_tokens": free["mean_answer_tokens"]}
+                        "free_answer_tokens": free["mean_answer_tokens"],
+                        "ttft_later_ms_p50": _later(json_["ttft_ms_p50"], free["ttft_ms_p50"]),
+                        "handler_ttft_later_ms_mean": _later(json_.get("handler_ttft_ms_mean"),
+                                                             free.get("handler_ttft_ms_mean"))}
     return out
 
 
@@ -467,7 +477,9 @@ def markdown(res: dict[str, Any]) -> str:
                     lines.append(f"\n{LOAD_WORDS[load].capitalize()}, all constrained against {what}: "
                                  f"{v['constrained_tok_per_s']} / {v['free_tok_per_s']} tokens/s = {v['share']:.0%} "
                                  f"(target {c['target']:.0%}: {'met' if v['met'] else 'missed'}; "
-                                 f"{v['constrained_answer_tokens']} against {v['free_answer_tokens']} tokens per answer).")
+                                 f"{v['constrained_answer_tokens']} against {v['free_answer_tokens']} tokens per answer). "
+                                 f"A constrained first token came {v['ttft_later_ms_p50']} ms later at the median "
+                                 f"(the handler's mean: {v['handler_ttft_later_ms_mean']} ms).")
     if res.get("error"):
         lines += ["", f"**error:** {res['error']}"]
     return "\n".join(lines) + "\n"

@@ -183,7 +183,8 @@ def test_the_comparison_gives_the_share_against_free_and_against_matched_lengths
     handler = {"handler_ttft_ms_mean": 20.0, "handler_itl_ms_mean": 2.0}
     mixes = [sb.mix_row("all free", 0.0, 4, _answers([100, 100, 100, 100]), 0.1, handler),
              sb.mix_row("half constrained", 0.5, 4, _answers([100, 100, 50, 50]), 0.1, handler),
-             sb.mix_row("all constrained", 1.0, 4, _answers([50, 50, 40, 60]) + _answers([0], status=400), 0.1, handler),
+             sb.mix_row("all constrained", 1.0, 4, _answers([50, 50, 40, 60], ttft=0.08) + _answers([0], status=400), 0.1,
+                        {**handler, "handler_ttft_ms_mean": 23.5}),
              sb.mix_row(sb.MATCHED, 0.0, 4, _answers([50, 50, 40, 55]), 0.05, {})]
     free, constrained, matched = mixes[0], mixes[2], mixes[3]
     assert free["tok_per_s_total"] == 4000 and free["tokens_per_step"] == 8.0 and free["mean_answer_tokens"] == 100
@@ -193,10 +194,15 @@ def test_the_comparison_gives_the_share_against_free_and_against_matched_lengths
     assert c["vs_free"]["share"] == 0.5 and not c["vs_free"]["met"]
     assert c["vs_free_matched"]["share"] == round(2000 / 3900, 3) and c["vs_free_matched"]["free_answer_tokens"] == 48.8
     assert sb.compare(mixes, target=0.5)["vs_free"]["met"]
+    # how much later the constrained first tokens came under the same load: clients and handler
+    assert c["vs_free"]["ttft_later_ms_p50"] == 30.0 and c["vs_free_matched"]["ttft_later_ms_p50"] == 30.0
+    assert c["vs_free"]["handler_ttft_later_ms_mean"] == 3.5
+    assert c["vs_free_matched"]["handler_ttft_later_ms_mean"] is None  # the matched mix ran without the handler's metrics
     md = sb.markdown({"environment": {}, "mixed": mixes, "comparison": {"rounds": c}})
     assert "| free, matched lengths (4 at once) | 4 | 48.8 | 3900.0 | None |" in md
     assert "At once, all constrained against free answers: 2000.0 / 4000.0 tokens/s = 50% (target 90%: missed" in md
     assert "free answers of the constrained answers' lengths: 2000.0 / 3900.0 tokens/s = 51%" in md
+    assert "A constrained first token came 30.0 ms later at the median (the handler's mean: 3.5 ms)" in md
 
 
 def test_model_dir_serves_a_converted_checkpoint_under_its_folders_name(tmp_path, capsys):
