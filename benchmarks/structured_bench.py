@@ -293,6 +293,11 @@ def ms(values: list[float], q: float) -> float | None:
     return round(percentile(values, q) * 1e3, 2) if values else None
 
 
+def added(ms_: float | None, base: float | None) -> float | None:
+    """``ms_ - base`` in ms, rounded as ``ms`` rounds; None where either is missing."""
+    return round(ms_ - base, 2) if ms_ is not None and base is not None else None
+
+
 def added_ttft(url: str, n: int, first_use: int, nonce: str) -> dict[str, Any]:
     """Free vs cached-schema TTFT, alternating one request at a time; then schemas never seen before."""
     name, topic, schema = SCHEMAS[0]
@@ -314,13 +319,11 @@ def added_ttft(url: str, n: int, first_use: int, nonce: str) -> dict[str, Any]:
     free_p50, cached_p50 = ms(free, 50), ms(cached, 50)
     return {"requests_each": n, "free_ttft_ms_p50": free_p50, "free_ttft_ms_p90": ms(free, 90),
             "cached_ttft_ms_p50": cached_p50, "cached_ttft_ms_p90": ms(cached, 90),
-            "added_cached_ms_p50": round(cached_p50 - free_p50, 2) if None not in (free_p50, cached_p50) else None,
+            "added_cached_ms_p50": added(cached_p50, free_p50),
             "first_use_requests": len(fresh), "first_use_ttft_ms_p50": ms(fresh, 50),
             "first_use_ttft_ms_max": ms(fresh, 100),
-            "added_first_use_ms_p50": (round(ms(fresh, 50) - cached_p50, 2)  # type: ignore[operator]
-                                       if fresh and cached_p50 is not None else None),
-            "added_first_use_ms_max": (round(ms(fresh, 100) - cached_p50, 2)  # type: ignore[operator]
-                                       if fresh and cached_p50 is not None else None),
+            "added_first_use_ms_p50": added(ms(fresh, 50), cached_p50),
+            "added_first_use_ms_max": added(ms(fresh, 100), cached_p50),
             "first_use_ttft_ms_by_schema": per_schema}
 
 
@@ -352,16 +355,12 @@ def mix_row(name: str, share: float, concurrency: int, answers: list["Answer"], 
             "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99), **handler}
 
 
-def _later(constrained: Any, free: Any) -> float | None:
-    return round(constrained - free, 2) if constrained is not None and free is not None else None
-
-
 def compare(mixes: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]:
     """All constrained tokens/s as a share of free tokens/s at the same load: against free answers
     of their natural length (the target's wording) and against free answers of the constrained
     answers' lengths (the same rows busy for the same steps). With each, how much later a
     constrained request's first token came under that load: the clients' TTFT p50 and the
-    handler's mean (a cached schema's added TTFT is measured one request at a time, ``ttft()``;
+    handler's mean (a cached schema's added TTFT is measured one request at a time, ``added_ttft()``;
     under load the constrained steps are longer, and so is the way to a first token)."""
     by = {m["mix"]: m for m in mixes}
     json_ = by.get("all constrained")
@@ -374,9 +373,9 @@ def compare(mixes: list[dict[str, Any]], target: float = 0.9) -> dict[str, Any]:
                         "constrained_tok_per_s": json_["tok_per_s_total"], "free_tok_per_s": free["tok_per_s_total"],
                         "constrained_answer_tokens": json_["mean_answer_tokens"],
                         "free_answer_tokens": free["mean_answer_tokens"],
-                        "ttft_later_ms_p50": _later(json_["ttft_ms_p50"], free["ttft_ms_p50"]),
-                        "handler_ttft_later_ms_mean": _later(json_.get("handler_ttft_ms_mean"),
-                                                             free.get("handler_ttft_ms_mean"))}
+                        "ttft_later_ms_p50": added(json_["ttft_ms_p50"], free["ttft_ms_p50"]),
+                        "handler_ttft_later_ms_mean": added(json_.get("handler_ttft_ms_mean"),
+                                                            free.get("handler_ttft_ms_mean"))}
     return out
 
 

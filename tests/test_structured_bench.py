@@ -198,6 +198,8 @@ def test_the_comparison_gives_the_share_against_free_and_against_matched_lengths
     assert c["vs_free"]["ttft_later_ms_p50"] == 30.0 and c["vs_free_matched"]["ttft_later_ms_p50"] == 30.0
     assert c["vs_free"]["handler_ttft_later_ms_mean"] == 3.5
     assert c["vs_free_matched"]["handler_ttft_later_ms_mean"] is None  # the matched mix ran without the handler's metrics
+    # the same difference as added_ttft() takes for a cached schema and a first use
+    assert sb.added(12.5, 10.25) == 2.25 and sb.added(None, 10.25) is None and sb.added(12.5, None) is None
     md = sb.markdown({"environment": {}, "mixed": mixes, "comparison": {"rounds": c}})
     assert "| free, matched lengths (4 at once) | 4 | 48.8 | 3900.0 | None |" in md
     assert "At once, all constrained against free answers: 2000.0 / 4000.0 tokens/s = 50% (target 90%: missed" in md
